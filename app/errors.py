@@ -1,0 +1,96 @@
+"""Every error becomes ``{"error": {"code", "message"}}`` here, and nowhere else."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from app.responses import JSON
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from lib.errors import (
+    BufferUnavailable,
+    Conflict,
+    FlowcastError,
+    InvalidInput,
+    NotFound,
+)
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(FlowcastError):
+    """An error raised by the HTTP layer itself, with its status code."""
+
+    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.headers = headers
+
+
+def error_response(
+    status: int, code: str, message: str, headers: dict[str, str] | None = None, **extra: Any
+) -> JSON:
+    body = {"error": {"code": code, "message": message, **extra}}
+    return JSON(body, status_code=status, headers=headers)
+
+
+def _status_of(exc: FlowcastError) -> int:
+    if isinstance(exc, ApiError):
+        return exc.status
+    if isinstance(exc, NotFound):
+        return 404
+    if isinstance(exc, Conflict):
+        return 409
+    if isinstance(exc, InvalidInput):
+        return 422
+    if isinstance(exc, BufferUnavailable):
+        return 503
+    return 500
+
+
+async def _flowcast_error(request: Request, exc: Exception) -> JSON:
+    assert isinstance(exc, FlowcastError)
+    status = _status_of(exc)
+    extra: dict[str, Any] = {}
+    if isinstance(exc, InvalidInput) and exc.problems:
+        extra["problems"] = [problem.as_dict() for problem in exc.problems]
+    if isinstance(exc, Conflict) and exc.details:
+        extra.update(exc.details)
+    if status >= 500:
+        log.error("request failed", extra={"path": request.url.path, "error": exc.message})
+    headers = exc.headers if isinstance(exc, ApiError) else None
+    return error_response(status, exc.code, exc.message, headers=headers, **extra)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSON:
+    assert isinstance(exc, RequestValidationError)
+    problems = []
+    for error in exc.errors():
+        location = [str(part) for part in error.get("loc", ()) if part != "body"]
+        path = "$" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in location)
+        problems.append({"path": path, "message": str(error.get("msg", "invalid"))})
+    return error_response(422, "invalid_request", "the request is not valid", problems=problems)
+
+
+async def _http_error(request: Request, exc: Exception) -> JSON:
+    assert isinstance(exc, StarletteHTTPException)
+    codes = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+    code = codes.get(exc.status_code, "http_error")
+    return error_response(exc.status_code, code, str(exc.detail), headers=exc.headers)
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSON:
+    log.exception("unhandled error", extra={"path": request.url.path})
+    return error_response(500, "internal_error", "the server failed to handle the request")
+
+
+def install(app: FastAPI) -> None:
+    """Register the exception handlers on the app."""
+    app.add_exception_handler(FlowcastError, _flowcast_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)

@@ -1,0 +1,131 @@
+"""The app factory: ``uvicorn --factory app.main:create_app``.
+
+Nothing is built at import time. ``create_app`` reads the settings; the lifespan opens
+every resource (the embedded engine when no Redis URL is set, the Redis client, the HTTP
+client for ``http`` blocks, the hub and the runner) and closes them in reverse order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+from redis.asyncio import Redis
+
+from app import errors, logs
+from app.embedded import EmbeddedValkey
+from app.routes import executions, health, streams, workflows
+from app.services import Services
+from app.settings import Settings
+from app.tokens import StreamTokens, load_secret
+from lib.execution.buffer import EventBuffer
+from lib.execution.hub import Hub
+from lib.workflows.blocks import BlockTypes
+from lib.workflows.blocks.base import BlockServices
+from lib.workflows.executor import Executor
+from lib.workflows.plugins import load_plugins
+from lib.workflows.runner import Runner
+from lib.workflows.store import WorkflowStore, load_directory
+from lib.workflows.templates import Templates
+from lib.workflows.validation import validate_workflow
+
+log = logging.getLogger("flowcast")
+
+TAIL_BLOCK_MS = 5_000
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the Flowcast app; resources open when the app's lifespan starts."""
+    settings = settings or Settings()
+    logs.configure(settings.log_level)
+    app = FastAPI(
+        title="Flowcast",
+        version="0.1.0",
+        summary="Workflow executions with a durable, resumable event stream.",
+        lifespan=functools.partial(_lifespan, settings=settings),
+    )
+    errors.install(app)
+    for module in (health, workflows, executions, streams):
+        app.include_router(module.router)
+    return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
+    async with AsyncExitStack() as stack:
+        redis_url = settings.redis_url
+        if redis_url is None:
+            engine = EmbeddedValkey(data_dir=settings.data_dir / "valkey")
+            await stack.enter_async_context(engine)
+            redis_url = engine.url
+        redis: Redis = Redis.from_url(
+            redis_url,
+            socket_connect_timeout=5,
+            socket_timeout=TAIL_BLOCK_MS / 1000 + 10,
+            health_check_interval=30,
+        )
+        stack.push_async_callback(redis.aclose)
+
+        values_dir = settings.data_dir / "values"
+        values_dir.mkdir(parents=True, exist_ok=True)
+
+        block_types = BlockTypes.builtin(load_plugins(settings.plugin_modules))
+        templates = Templates()
+        validate: Any = functools.partial(
+            validate_workflow, block_types=block_types, templates=templates
+        )
+        files, problems = load_directory(settings.workflows_dir, validate)
+        for problem in problems:
+            log.error("workflow file skipped", extra={"file": str(problem.path), "error": problem.message})
+        log.info("workflows loaded", extra={"count": len(files), "dir": str(settings.workflows_dir)})
+
+        http = httpx.AsyncClient(follow_redirects=False, limits=httpx.Limits(
+            max_connections=settings.http_max_concurrency))
+        stack.push_async_callback(http.aclose)
+        executor = Executor(
+            block_types,
+            BlockServices(
+                http=http,
+                http_allow_private=settings.http_allow_private,
+                http_limiter=asyncio.Semaphore(settings.http_max_concurrency),
+                templates=templates,
+            ),
+            concurrency=settings.block_concurrency,
+        )
+
+        buffer = EventBuffer(
+            redis=redis,
+            prefix=settings.redis_prefix,
+            event_limit=settings.event_limit,
+            budget_bytes=settings.event_budget_bytes,
+            retention_seconds=settings.retention_seconds,
+        )
+        hub = await stack.enter_async_context(Hub(buffer=buffer, tail_block_ms=TAIL_BLOCK_MS))
+        runner = await stack.enter_async_context(
+            Runner(buffer=buffer, hub=hub, executor=executor)
+        )
+        app.state.services = Services(
+            settings=settings,
+            buffer=buffer,
+            hub=hub,
+            runner=runner,
+            workflows=WorkflowStore(
+                redis=redis, validate=validate, files=files, prefix=settings.redis_prefix
+            ),
+            tokens=StreamTokens(
+                secret=load_secret(settings.secret_key, settings.data_dir),
+                lifetime_seconds=settings.stream_token_seconds,
+            ),
+            values_dir=values_dir,
+        )
+        if not settings.api_keys:
+            log.warning(
+                "no FLOWCAST_API_KEYS set: the API is open, so serve it on loopback only"
+            )
+        yield

@@ -1,0 +1,104 @@
+"""``/api/executions``: list, snapshot and the JSON page of events."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import orjson
+from fastapi import APIRouter, Depends, Request
+
+from app.errors import ApiError
+from app.responses import JSON
+from app.routes.streams import parse_cursor
+from app.services import Services, services, tenant
+from lib.errors import NotFound
+from lib.execution.buffer import ExecutionMeta
+from lib.execution.events import TERMINAL_STATUSES
+
+router = APIRouter(prefix="/api/executions", tags=["executions"])
+
+ServicesDep = Annotated[Services, Depends(services)]
+TenantDep = Annotated[str, Depends(tenant)]
+
+STATUSES = frozenset({"running", "paused", *TERMINAL_STATUSES})
+MAX_PAGE = 1_000
+
+
+def snapshot(meta: ExecutionMeta) -> dict[str, Any]:
+    """The public view of an execution's metadata."""
+    view: dict[str, Any] = {
+        "id": meta.id,
+        "workflowId": meta.workflow_id,
+        "status": meta.status,
+        "createdAt": meta.created_at,
+        "updatedAt": meta.updated_at,
+        "lastEventId": meta.last_id,
+        "firstRetainedEventId": meta.first_id,
+    }
+    for name in ("output", "error", "pause"):
+        value = getattr(meta, name)
+        if value is not None:
+            view[name] = value
+    return view
+
+
+async def owned_meta(svc: Services, tenant_id: str, execution_id: str) -> ExecutionMeta:
+    """The execution's metadata if the caller's tenant owns it; 404 otherwise."""
+    meta = await svc.buffer.meta(execution_id)
+    if meta.tenant != tenant_id:
+        raise NotFound("execution", execution_id)
+    return meta
+
+
+def _bounded_int(value: str | None, name: str, default: int, low: int, high: int) -> int:
+    if value is None:
+        return default
+    number = parse_cursor(value, name)
+    if not low <= number <= high:
+        raise ApiError(400, "invalid_parameter", f"{name} must be between {low} and {high}")
+    return number
+
+
+@router.get("")
+async def list_executions(request: Request, svc: ServicesDep, tenant_id: TenantDep) -> JSON:
+    params = request.query_params
+    limit = _bounded_int(params.get("limit"), "limit", 20, 1, 200)
+    status = params.get("status")
+    if status is not None and status not in STATUSES:
+        raise ApiError(400, "invalid_parameter", f"status must be one of {sorted(STATUSES)}")
+    workflow_id = params.get("workflowId")
+    found = await svc.buffer.recent_metas(
+        tenant_id,
+        limit=limit,
+        keep=lambda m: (status is None or m.status == status)
+        and (workflow_id is None or m.workflow_id == workflow_id),
+    )
+    return JSON({"executions": [snapshot(meta) for meta in found]})
+
+
+@router.get("/{execution_id}")
+async def get_execution(execution_id: str, svc: ServicesDep, tenant_id: TenantDep) -> JSON:
+    return JSON(snapshot(await owned_meta(svc, tenant_id, execution_id)))
+
+
+@router.get("/{execution_id}/events")
+async def list_events(
+    execution_id: str, request: Request, svc: ServicesDep, tenant_id: TenantDep
+) -> JSON:
+    """One page of stored events after ``after``, as JSON."""
+    after = parse_cursor(request.query_params.get("after"), "after")
+    limit = _bounded_int(request.query_params.get("limit"), "limit", 100, 1, MAX_PAGE)
+    page = await svc.buffer.read(execution_id, after=after, limit=limit)
+    if page.meta.tenant != tenant_id:
+        raise NotFound("execution", execution_id)
+    tail = orjson.dumps(
+        {
+            "nextAfter": page.events[-1].id if page.events else after,
+            "firstRetainedEventId": page.meta.first_id,
+            "lastEventId": page.meta.last_id,
+            "status": page.meta.status,
+        }
+    )
+    # The stored envelopes are sent as they are, without decoding them.
+    body = b'{"events":[' + b",".join(event.json for event in page.events) + b"]," + tail[1:]
+    return JSON(body)

@@ -1,0 +1,70 @@
+"""``GET /api/executions/{eid}/stream``: replay after the cursor, then live, over SSE."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request, Response
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from app.errors import ApiError
+from app.services import Services, services, tenant
+from lib.errors import NotFound
+from lib.execution.stream import StreamReader
+
+router = APIRouter(prefix="/api/executions", tags=["executions"])
+
+_CURSOR = re.compile(r"^[0-9]{1,18}$")
+
+
+def parse_cursor(value: str | None, name: str) -> int:
+    """A non-negative integer cursor, or a 400 that says what was wrong."""
+    if value is None or value == "":
+        return 0
+    if not _CURSOR.match(value.strip()):
+        raise ApiError(400, "invalid_cursor", f"{name} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def _ping() -> ServerSentEvent:
+    return ServerSentEvent(comment="ping", sep="\n")
+
+
+def sse_response(svc: Services, execution_id: str, *, cursor: int) -> EventSourceResponse:
+    """The SSE response for one execution from ``cursor`` on."""
+    reader = StreamReader(
+        buffer=svc.buffer,
+        hub=svc.hub,
+        execution_id=execution_id,
+        cursor=cursor,
+        max_seconds=svc.settings.sse_max_seconds,
+    )
+    return EventSourceResponse(
+        reader.frames(),
+        headers={"Cache-Control": "no-cache", "X-Execution-Id": execution_id},
+        ping=svc.settings.sse_ping_seconds,
+        ping_message_factory=_ping,
+        sep="\n",
+    )
+
+
+@router.get("/{execution_id}/stream", response_model=None)
+async def stream(
+    execution_id: str,
+    request: Request,
+    svc: Annotated[Services, Depends(services)],
+    tenant_id: Annotated[str, Depends(tenant)],
+) -> Response:
+    header = request.headers.get("last-event-id")
+    if header is not None:
+        cursor = parse_cursor(header, "Last-Event-ID")
+    else:
+        cursor = parse_cursor(request.query_params.get("lastEventId"), "lastEventId")
+    meta = await svc.buffer.meta(execution_id)
+    if meta.tenant != tenant_id:
+        raise NotFound("execution", execution_id)
+    if meta.finished and cursor >= meta.last_id:
+        # 204 tells EventSource the stream is over and not to reconnect.
+        return Response(status_code=204, headers={"X-Execution-Id": execution_id})
+    return sse_response(svc, execution_id, cursor=cursor)

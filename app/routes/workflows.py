@@ -1,0 +1,94 @@
+"""``/api/workflows``: create, read, list, delete, and execute."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import orjson
+from fastapi import APIRouter, Body, Depends, Request, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.responses import JSON
+from app.routes.streams import sse_response
+from app.services import Services, services, tenant
+from lib.workflows.model import Workflow
+
+router = APIRouter(prefix="/api/workflows", tags=["workflows"])
+
+ServicesDep = Annotated[Services, Depends(services)]
+TenantDep = Annotated[str, Depends(tenant)]
+
+
+class ExecuteRequest(BaseModel):
+    """Body of ``POST /api/workflows/{id}/execute``."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    input: Any = None
+    inline_files: bool = Field(False, alias="inlineFiles")
+
+
+def _summary(workflow: Workflow, source: str) -> dict[str, Any]:
+    return {
+        "id": workflow.id,
+        "name": workflow.name,
+        "description": workflow.description,
+        "blocks": len(workflow.blocks),
+        "source": source,
+    }
+
+
+def _document(workflow: Workflow) -> dict[str, Any]:
+    return workflow.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+@router.get("")
+async def list_workflows(svc: ServicesDep, tenant_id: TenantDep) -> JSON:
+    stored = await svc.workflows.list(tenant_id)
+    return JSON({"workflows": [_summary(item.workflow, item.source) for item in stored]})
+
+
+@router.put("/{workflow_id}")
+async def put_workflow(
+    workflow_id: str,
+    svc: ServicesDep,
+    tenant_id: TenantDep,
+    body: Annotated[Any, Body()],
+) -> JSON:
+    workflow, created = await svc.workflows.put(tenant_id, workflow_id, body)
+    return JSON(_document(workflow), status_code=201 if created else 200)
+
+
+@router.get("/{workflow_id}")
+async def get_workflow(workflow_id: str, svc: ServicesDep, tenant_id: TenantDep) -> JSON:
+    stored = await svc.workflows.get(tenant_id, workflow_id)
+    return JSON({**_document(stored.workflow), "source": stored.source})
+
+
+@router.delete("/{workflow_id}", status_code=204)
+async def delete_workflow(workflow_id: str, svc: ServicesDep, tenant_id: TenantDep) -> Response:
+    await svc.workflows.delete(tenant_id, workflow_id)
+    return Response(status_code=204)
+
+
+@router.post("/{workflow_id}/execute", response_model=None)
+async def execute(
+    workflow_id: str,
+    request: Request,
+    svc: ServicesDep,
+    tenant_id: TenantDep,
+    body: Annotated[ExecuteRequest | None, Body()] = None,
+) -> Response:
+    """Start an execution; stream it when the client accepts SSE, else answer 202."""
+    body = body or ExecuteRequest()
+    stored = await svc.workflows.get(tenant_id, workflow_id)
+    started = await svc.runner.start(stored.workflow, input=body.input, tenant=tenant_id)
+    if "text/event-stream" in request.headers.get("accept", ""):
+        return sse_response(svc, started.execution_id, cursor=0)
+    answer = {
+        "executionId": started.execution_id,
+        "status": started.status,
+        "streamUrl": f"/api/executions/{started.execution_id}/stream",
+        "streamToken": svc.tokens.issue(started.execution_id),
+    }
+    return JSON(orjson.dumps(answer), status_code=202)

@@ -1,0 +1,39 @@
+"""What the routes need, built once in the lifespan and reached through the request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import Request
+
+from app.settings import Settings
+from app.tokens import StreamTokens
+from lib.execution.buffer import EventBuffer
+from lib.execution.hub import Hub
+from lib.workflows.runner import Runner
+from lib.workflows.store import WorkflowStore
+
+DEFAULT_TENANT = "default"
+
+
+@dataclass(frozen=True)
+class Services:
+    settings: Settings
+    buffer: EventBuffer
+    hub: Hub
+    runner: Runner
+    workflows: WorkflowStore
+    tokens: StreamTokens
+    values_dir: Path
+
+
+def services(request: Request) -> Services:
+    """The process's services (a FastAPI dependency)."""
+    found: Services = request.app.state.services
+    return found
+
+
+def tenant(request: Request) -> str:
+    """The caller's tenant (a FastAPI dependency); one tenant until API keys are set."""
+    return DEFAULT_TENANT

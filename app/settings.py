@@ -1,0 +1,53 @@
+"""The one settings object, read from ``FLOWCAST_*`` environment variables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Every knob of a Flowcast process; the embedded default needs none of them."""
+
+    model_config = SettingsConfigDict(env_prefix="FLOWCAST_", frozen=True, extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    redis_url: str | None = None
+    redis_prefix: str = "fc"
+    s3_bucket: str | None = None
+    s3_endpoint_url: str | None = None
+    s3_prefix: str = ""
+    data_dir: Path = Path(".flowcast")
+    workflows_dir: Path = Path("examples")
+    event_limit: int = Field(10_000, ge=1)
+    event_budget_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    large_value_bytes: int = Field(8 * 1024 * 1024, ge=64)
+    inline_file_bytes: int = Field(8 * 1024 * 1024, ge=0)
+    max_pending_events: int = Field(10_000, ge=1)
+    retention_seconds: int = Field(86_400, ge=1)
+    sse_ping_seconds: float = Field(15.0, gt=0)
+    sse_max_seconds: float = Field(3600.0, gt=0)
+    block_concurrency: int = Field(8, ge=1, le=1024)
+    lease_seconds: float = Field(15.0, gt=0)
+    shutdown_grace_seconds: float = Field(30.0, ge=0)
+    api_keys: str | None = None
+    secret_key: str | None = None
+    stream_token_seconds: int = Field(3600, ge=1)
+    idempotency_seconds: int = Field(86_400, ge=1)
+    max_body_bytes: int = Field(10 * 1024 * 1024, ge=1024)
+    http_allow_private: bool = False
+    http_max_concurrency: int = Field(64, ge=1)
+    plugins: str | None = None
+    log_level: str = "info"
+
+    @field_validator("redis_url", "s3_bucket", "s3_endpoint_url", "api_keys", "plugins")
+    @classmethod
+    def _empty_is_unset(cls, value: str | None) -> str | None:
+        return value or None
+
+    @property
+    def plugin_modules(self) -> list[str]:
+        return [name.strip() for name in (self.plugins or "").split(",") if name.strip()]

@@ -1,0 +1,106 @@
+"""Flowcast's exceptions.
+
+    FlowcastError                      root of everything Flowcast raises on purpose
+    ├── NotFound                       an unknown workflow, execution or value
+    ├── Conflict                       the target is not in a state that allows this
+    ├── InvalidInput                   a request the caller can fix (carries problems)
+    │   └── WorkflowInvalid            a workflow definition with every problem found
+    ├── BlockError                     a block attempt failed (code, message, retryable)
+    └── BufferUnavailable              the event buffer could not be reached or refused
+
+HTTP status codes are chosen only in ``app``'s exception handlers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+class FlowcastError(Exception):
+    """Root of every error Flowcast raises on purpose."""
+
+    code = "flowcast_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class NotFound(FlowcastError):
+    """An unknown workflow, execution or value."""
+
+    code = "not_found"
+
+    def __init__(self, kind: str, ident: str) -> None:
+        super().__init__(f"{kind} {ident!r} was not found")
+        self.kind = kind
+        self.ident = ident
+        self.code = f"{kind}_not_found"
+
+
+class Conflict(FlowcastError):
+    """The target exists but is not in a state that allows the request."""
+
+    def __init__(self, code: str, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.code = code
+        self.details = details
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One problem found in the caller's input: where (a JSON path) and what."""
+
+    path: str
+    message: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"path": self.path, "message": self.message}
+
+
+class InvalidInput(FlowcastError):
+    """Input the caller can fix; ``problems`` lists every problem found."""
+
+    code = "invalid_input"
+
+    def __init__(self, message: str, problems: list[Problem] | None = None) -> None:
+        super().__init__(message)
+        self.problems = problems or []
+
+
+class WorkflowInvalid(InvalidInput):
+    """A workflow definition that cannot be accepted, with every problem found."""
+
+    code = "invalid_workflow"
+
+    def __init__(self, problems: list[Problem]) -> None:
+        count = len(problems)
+        super().__init__(f"the workflow has {count} problem{'s' if count != 1 else ''}", problems)
+
+
+class BlockError(FlowcastError):
+    """A block attempt failed.
+
+    ``retryable`` tells the executor whether another attempt may help; ``retry_after``
+    (seconds) is a lower bound on the wait before it, e.g. from an HTTP ``Retry-After``.
+    """
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        retryable: bool = True,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retryable = retryable
+        self.retry_after = retry_after
+
+
+class BufferUnavailable(FlowcastError):
+    """The event buffer could not be reached, or refused the write."""
+
+    code = "buffer_unavailable"

@@ -1,0 +1,1 @@
+"""Events, the Redis replay buffer, the flush path and the stream readers."""

@@ -1,0 +1,107 @@
+--[[
+append.lua: append one ordered batch of events to an execution's replay buffer.
+
+KEYS[1]  the execution's event stream   fc:{<eid>}:events
+KEYS[2]  the execution's metadata hash  fc:{<eid>}:meta
+
+ARGV[1]  fencing token of the writer; must equal the hash's `owner` field
+ARGV[2]  id of the batch's first event; must be the stored `lastId` + 1, or the
+         first id after a recorded dropped range (`lastId` < first id is allowed
+         only when ARGV[3] says so)
+ARGV[3]  "1" when the ids between `lastId` and the batch were dropped by the writer
+         (they are recorded as a dropped range), else "0"
+ARGV[4]  event limit (events retained)
+ARGV[5]  byte budget (bytes retained, counted as the stored envelope sizes)
+ARGV[6]  TTL in seconds applied to both keys
+ARGV[7]  n, the number of events in the batch
+ARGV[8]  m, the number of metadata field/value pairs that follow the events
+ARGV[9 .. 8+2n]        per event: type, envelope JSON
+ARGV[9+2n .. 8+2n+2m]  metadata fields and values to set (status, output, error, …)
+
+Returns {lastId, firstId, retainedBytes, retainedCount} on success, or an error reply:
+  "NOEXEC"  the metadata hash does not exist (expired or never created)
+  "FENCED <owner>"  the writer is not the current owner
+  "ORDER <lastId>"  the batch does not follow the stored last id
+
+Eviction trims the oldest events until both bounds hold again, but never the batch's
+own last event: an execution always keeps its newest event, so a reader can tell where
+the log ends.
+]]
+
+local stream, meta = KEYS[1], KEYS[2]
+local token = ARGV[1]
+local first = tonumber(ARGV[2])
+local after_drop = ARGV[3] == "1"
+local limit = tonumber(ARGV[4])
+local budget = tonumber(ARGV[5])
+local ttl = tonumber(ARGV[6])
+local n = tonumber(ARGV[7])
+local m = tonumber(ARGV[8])
+
+local state = redis.call("HMGET", meta, "owner", "lastId", "firstId", "bytes", "count")
+if not state[1] then
+  return redis.error_reply("NOEXEC")
+end
+if state[1] ~= token then
+  return redis.error_reply("FENCED " .. state[1])
+end
+local last = tonumber(state[2]) or 0
+if first ~= last + 1 and not (after_drop and first > last + 1) then
+  return redis.error_reply("ORDER " .. last)
+end
+
+local first_kept = tonumber(state[3]) or 0
+local bytes = tonumber(state[4]) or 0
+local count = tonumber(state[5]) or 0
+
+local base = 8
+for i = 0, n - 1 do
+  local kind = ARGV[base + 2 * i + 1]
+  local body = ARGV[base + 2 * i + 2]
+  redis.call("XADD", stream, (first + i) .. "-0", "t", kind, "e", body)
+  bytes = bytes + #body
+  count = count + 1
+end
+last = first + n - 1
+if first_kept == 0 or count == n then
+  first_kept = first
+end
+
+-- Evict the oldest events while either bound is passed, keeping the newest one.
+while count > 1 and (count > limit or bytes > budget) do
+  local oldest = redis.call("XRANGE", stream, "-", "+", "COUNT", math.min(count - 1, 256))
+  local evict_to = nil
+  for _, entry in ipairs(oldest) do
+    if not (count > 1 and (count > limit or bytes > budget)) then
+      break
+    end
+    local fields = entry[2]
+    for j = 1, #fields, 2 do
+      if fields[j] == "e" then
+        bytes = bytes - #fields[j + 1]
+      end
+    end
+    count = count - 1
+    evict_to = entry[1]
+  end
+  if evict_to == nil then
+    break
+  end
+  local evicted = tonumber(string.match(evict_to, "^(%d+)"))
+  redis.call("XTRIM", stream, "MINID", (evicted + 1) .. "-0")
+  first_kept = evicted + 1
+end
+-- first_kept may name an id that was dropped; the reader reports what is really there.
+
+redis.call("HSET", meta, "lastId", last, "firstId", first_kept, "bytes", bytes, "count", count)
+local mbase = base + 2 * n
+if m > 0 then
+  local pairs_ = {}
+  for i = 1, 2 * m do
+    pairs_[i] = ARGV[mbase + i]
+  end
+  redis.call("HSET", meta, unpack(pairs_))
+end
+redis.call("EXPIRE", stream, ttl)
+redis.call("EXPIRE", meta, ttl)
+return {last, first_kept, bytes, count}

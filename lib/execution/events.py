@@ -1,0 +1,144 @@
+"""The event model: one envelope per event, encoded once and shared by every reader.
+
+An event's JSON envelope and its SSE frame are computed at most once, so fan-out to
+many clients and replay from Redis both send the same bytes without re-encoding.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any, Final
+
+import orjson
+
+EXECUTION_STARTED: Final = "execution:started"
+BLOCK_STARTED: Final = "block:started"
+BLOCK_CHUNK: Final = "block:chunk"
+BLOCK_COMPLETED: Final = "block:completed"
+BLOCK_FAILED: Final = "block:failed"
+BLOCK_SKIPPED: Final = "block:skipped"
+EXECUTION_PAUSED: Final = "execution:paused"
+EXECUTION_RESUMED: Final = "execution:resumed"
+EXECUTION_COMPLETED: Final = "execution:completed"
+EXECUTION_FAILED: Final = "execution:failed"
+EXECUTION_CANCELLED: Final = "execution:cancelled"
+
+EVENT_TYPES: Final = frozenset(
+    {
+        EXECUTION_STARTED,
+        BLOCK_STARTED,
+        BLOCK_CHUNK,
+        BLOCK_COMPLETED,
+        BLOCK_FAILED,
+        BLOCK_SKIPPED,
+        EXECUTION_PAUSED,
+        EXECUTION_RESUMED,
+        EXECUTION_COMPLETED,
+        EXECUTION_FAILED,
+        EXECUTION_CANCELLED,
+    }
+)
+
+# The status an execution has once the event of this type is stored.
+STATUS_AFTER: Final[dict[str, str]] = {
+    EXECUTION_PAUSED: "paused",
+    EXECUTION_RESUMED: "running",
+    EXECUTION_COMPLETED: "completed",
+    EXECUTION_FAILED: "failed",
+    EXECUTION_CANCELLED: "cancelled",
+}
+TERMINAL_TYPES: Final = frozenset({EXECUTION_COMPLETED, EXECUTION_FAILED, EXECUTION_CANCELLED})
+TERMINAL_STATUSES: Final = frozenset({"completed", "failed", "cancelled"})
+
+
+def utc_timestamp(moment: datetime | None = None) -> str:
+    """An ISO 8601 UTC timestamp with milliseconds, as in the envelope's ``ts``."""
+    moment = moment or datetime.now(UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+
+
+class Event:
+    """One event of one execution, with its envelope encoded lazily and only once."""
+
+    __slots__ = ("_data", "_frame", "_json", "execution_id", "id", "ts", "type", "workflow_id")
+
+    def __init__(
+        self,
+        *,
+        id: int,
+        type: str,
+        execution_id: str,
+        workflow_id: str,
+        data: dict[str, Any],
+        ts: str | None = None,
+    ) -> None:
+        self.id = id
+        self.type = type
+        self.execution_id = execution_id
+        self.workflow_id = workflow_id
+        self._data: dict[str, Any] | None = data
+        self.ts = ts or utc_timestamp()
+        self._json: bytes | None = None
+        self._frame: bytes | None = None
+
+    @classmethod
+    def stored(cls, *, id: int, type: str, raw: bytes) -> Event:
+        """An event read back from the buffer; its envelope is decoded only if asked."""
+        event = cls.__new__(cls)
+        event.id = id
+        event.type = type
+        event._json = raw
+        event._frame = None
+        event._data = None
+        return event
+
+    def _decode(self) -> None:
+        envelope = orjson.loads(self.json)
+        self._data = envelope["data"]
+        self.execution_id = envelope["executionId"]
+        self.workflow_id = envelope["workflowId"]
+        self.ts = envelope["ts"]
+
+    @property
+    def data(self) -> dict[str, Any]:
+        if self._data is None:
+            self._decode()
+        assert self._data is not None
+        return self._data
+
+    @property
+    def terminal(self) -> bool:
+        return self.type in TERMINAL_TYPES
+
+    def envelope(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": self.type,
+            "executionId": self.execution_id,
+            "workflowId": self.workflow_id,
+            "ts": self.ts,
+            "data": self.data,
+        }
+
+    @property
+    def json(self) -> bytes:
+        """The envelope as compact JSON (never contains a newline)."""
+        if self._json is None:
+            self._json = orjson.dumps(self.envelope())
+        return self._json
+
+    @property
+    def frame(self) -> bytes:
+        """The event as one SSE frame: ``id:``, ``event:``, ``data:`` and a blank line."""
+        if self._frame is None:
+            self._frame = sse_frame(self.id, self.type, self.json)
+        return self._frame
+
+
+def sse_frame(event_id: int | None, event_type: str, data: bytes) -> bytes:
+    """Encode one SSE frame; ``event_id`` None leaves out the ``id:`` line."""
+    head = b"" if event_id is None else b"id: %d\n" % event_id
+    return head + b"event: " + event_type.encode() + b"\ndata: " + data + b"\n\n"
+
+
+PING_FRAME: Final = b": ping\n\n"

@@ -1,0 +1,230 @@
+"""In-process fan-out of live events to the stream readers attached to this process.
+
+Each execution with readers here has one ``Channel``. Its events come from one of two
+sources:
+
+- local: this process runs the execution; the emitter publishes each event the moment
+  it is emitted, before it is stored. The channel also keeps the events not yet stored,
+  so a reader that attaches now can get them from memory (they are not in Redis yet).
+- remote: another process runs it (or nobody does, while it is paused); one tail task
+  per channel blocks on the Redis stream (``XREAD BLOCK``) and publishes what arrives.
+  No polling: the task wakes when an event is written.
+
+A reader may see an event twice at a seam (replay, memory, live); it drops every id it
+has already sent. A reader that sees a hole in the ids fills it from Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections import deque
+from collections.abc import Iterable
+
+from lib.errors import FlowcastError
+from lib.execution.buffer import EventBuffer
+from lib.execution.events import Event
+
+log = logging.getLogger(__name__)
+
+# A reader this far behind the live tail is cut loose; it catches up from the buffer.
+MAX_QUEUED_EVENTS = 50_000
+
+
+class Subscription:
+    """One reader's queue of live events."""
+
+    __slots__ = ("_queue", "_wakeup", "channel", "overflowed")
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self._queue: deque[Event] = deque()
+        self._wakeup = asyncio.Event()
+        self.overflowed = False
+
+    def push(self, event: Event) -> None:
+        if self.overflowed:
+            return
+        if len(self._queue) >= MAX_QUEUED_EVENTS:
+            # Dropping the queue is safe: the reader notices and re-reads from the buffer.
+            self.overflowed = True
+            self._queue.clear()
+        else:
+            self._queue.append(event)
+        self._wakeup.set()
+
+    async def wait(self) -> list[Event]:
+        """Wait for live events and take all that are queued."""
+        while not self._queue and not self.overflowed:
+            self._wakeup.clear()
+            await self._wakeup.wait()
+        batch = list(self._queue)
+        self._queue.clear()
+        return batch
+
+
+class Channel:
+    """The readers of one execution in this process and where their events come from."""
+
+    def __init__(self, hub: Hub, execution_id: str) -> None:
+        self.hub = hub
+        self.execution_id = execution_id
+        self.subscribers: set[Subscription] = set()
+        self.local = False
+        self.unstored: deque[Event] = deque()
+        self.last_published = 0
+        self.finished = False
+        self.tail_task: asyncio.Task[None] | None = None
+
+    def publish(self, event: Event) -> None:
+        if event.id <= self.last_published:
+            return
+        self.last_published = event.id
+        if event.terminal:
+            self.finished = True
+        for subscriber in self.subscribers:
+            subscriber.push(event)
+
+    def publish_all(self, events: Iterable[Event]) -> None:
+        for event in events:
+            self.publish(event)
+
+    def stop_tail(self) -> None:
+        if self.tail_task is not None:
+            self.tail_task.cancel()
+            self.tail_task = None
+
+
+class LocalPublisher:
+    """The emitting side of a channel for an execution this process runs."""
+
+    def __init__(self, hub: Hub, channel: Channel) -> None:
+        self._hub = hub
+        self._channel = channel
+
+    def publish(self, event: Event) -> None:
+        """Deliver an emitted event to the readers here and keep it until it is stored."""
+        self._channel.unstored.append(event)
+        self._channel.publish(event)
+
+    def stored(self, up_to: int) -> None:
+        """Events up to this id are stored (or dropped): memory no longer needs them."""
+        unstored = self._channel.unstored
+        while unstored and unstored[0].id <= up_to:
+            unstored.popleft()
+
+    def detach(self) -> None:
+        """This process stops running the execution (finished, paused or handed over)."""
+        channel = self._channel
+        channel.local = False
+        channel.unstored.clear()
+        self._hub._release(channel)
+
+
+class Hub:
+    """Owns the channels of this process and their tail tasks."""
+
+    def __init__(self, *, buffer: EventBuffer, tail_block_ms: int = 5_000) -> None:
+        self.buffer = buffer
+        self.tail_block_ms = tail_block_ms
+        self._channels: dict[str, Channel] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    async def __aenter__(self) -> Hub:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._closed = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _channel(self, execution_id: str) -> Channel:
+        channel = self._channels.get(execution_id)
+        if channel is None:
+            channel = self._channels[execution_id] = Channel(self, execution_id)
+        return channel
+
+    def _release(self, channel: Channel) -> None:
+        if not channel.subscribers and not channel.local:
+            channel.stop_tail()
+            self._channels.pop(channel.execution_id, None)
+        elif channel.subscribers and not channel.local:
+            self.ensure_tail(channel.execution_id, after=channel.last_published)
+
+    def attach_local(self, execution_id: str, *, last_id: int) -> LocalPublisher:
+        """Make this process the source of an execution's live events."""
+        channel = self._channel(execution_id)
+        channel.stop_tail()
+        channel.local = True
+        channel.unstored.clear()
+        channel.last_published = last_id
+        return LocalPublisher(self, channel)
+
+    def subscribe(self, execution_id: str) -> tuple[Subscription, list[Event]]:
+        """Attach a reader; returns its queue and the emitted events not yet stored."""
+        channel = self._channel(execution_id)
+        subscription = Subscription(channel)
+        channel.subscribers.add(subscription)
+        return subscription, list(channel.unstored)
+
+    def unsubscribe(self, subscription: Subscription) -> None:
+        channel = subscription.channel
+        channel.subscribers.discard(subscription)
+        if not channel.subscribers:
+            self._release(channel)
+
+    def subscriber_count(self) -> int:
+        return sum(len(channel.subscribers) for channel in self._channels.values())
+
+    def ensure_tail(self, execution_id: str, *, after: int) -> None:
+        """Follow the stored events after ``after`` unless this process runs the execution.
+
+        Called by a reader once its replay reached ``after``: every event past it will
+        then arrive through the channel, so no event falls between replay and live.
+        """
+        channel = self._channels.get(execution_id)
+        if (
+            channel is None
+            or channel.local
+            or channel.finished
+            or channel.tail_task is not None
+            or self._closed
+        ):
+            return
+        channel.last_published = max(channel.last_published, after)
+        task = asyncio.create_task(self._tail(channel), name=f"tail:{execution_id}")
+        channel.tail_task = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _tail(self, channel: Channel) -> None:
+        delay = 0.05
+        while channel.subscribers and not channel.local:
+            try:
+                events = await self.buffer.tail(
+                    channel.execution_id, after=channel.last_published, block_ms=self.tail_block_ms
+                )
+            except FlowcastError as exc:
+                log.warning(
+                    "tail read failed; retrying",
+                    extra={"executionId": channel.execution_id, "error": str(exc)},
+                )
+                await asyncio.sleep(delay * (1 + random.random()))
+                delay = min(delay * 2, 5.0)
+                continue
+            except Exception:
+                log.exception("tail read failed", extra={"executionId": channel.execution_id})
+                await asyncio.sleep(delay * (1 + random.random()))
+                delay = min(delay * 2, 5.0)
+                continue
+            delay = 0.05
+            channel.publish_all(events)
+            if events and events[-1].terminal:
+                break
+        if channel.tail_task is asyncio.current_task():
+            channel.tail_task = None
+

@@ -1,0 +1,147 @@
+"""Stream readers: replay after a cursor, then the live tail, as SSE frames.
+
+Order of attachment is what makes the seam exact: the reader subscribes to the live
+channel first, then replays from Redis, then takes the emitted-but-unstored events the
+channel held at subscribe time, then the live queue. Every event appears in at least
+one of those; ids already sent are dropped, and a hole in the ids is filled from Redis
+or reported as a ``replay:gap``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterable
+
+import orjson
+
+from lib.execution.buffer import EventBuffer, ExecutionMeta
+from lib.execution.events import Event, sse_frame
+from lib.execution.hub import Hub, Subscription
+
+REPLAY_PAGE = 1_000
+GAP_EVENT = "replay:gap"
+
+
+def gap_frame(after: int, resume_at: int, reason: str) -> bytes:
+    """The frame that tells a client events after ``after`` will not be sent."""
+    body = orjson.dumps({"after": after, "resumeAt": resume_at, "reason": reason})
+    return sse_frame(None, GAP_EVENT, body)
+
+
+class StreamReader:
+    """One client's view of one execution's events, from a cursor to the terminal event."""
+
+    def __init__(
+        self,
+        *,
+        buffer: EventBuffer,
+        hub: Hub,
+        execution_id: str,
+        cursor: int,
+        max_seconds: float | None = None,
+    ) -> None:
+        self._buffer = buffer
+        self._hub = hub
+        self._execution_id = execution_id
+        self.last_sent = cursor
+        self.finished = False
+        self._deadline = None if max_seconds is None else time.monotonic() + max_seconds
+
+    async def frames(self) -> AsyncIterator[bytes]:
+        """SSE frames until the terminal event (or the connection's time cap)."""
+        subscription, unstored = self._hub.subscribe(self._execution_id)
+        try:
+            async for chunk in self._replay(unstored):
+                yield chunk
+            if self.finished:
+                return
+            self._hub.ensure_tail(self._execution_id, after=self.last_sent)
+            async for chunk in self._live(subscription):
+                yield chunk
+        finally:
+            self._hub.unsubscribe(subscription)
+
+    def _expired(self) -> bool:
+        return self._deadline is not None and time.monotonic() >= self._deadline
+
+    async def _replay(self, unstored: list[Event]) -> AsyncIterator[bytes]:
+        while not self.finished:
+            page = await self._buffer.read(
+                self._execution_id, after=self.last_sent, limit=REPLAY_PAGE
+            )
+            chunk = self._accept(page.events, page.meta)
+            if chunk:
+                yield chunk
+            if len(page.events) < REPLAY_PAGE or self._expired():
+                break
+        if not self.finished and unstored:
+            chunk = await self._accept_live(unstored)
+            if chunk:
+                yield chunk
+
+    async def _live(self, subscription: Subscription) -> AsyncIterator[bytes]:
+        while not self.finished and not self._expired():
+            if subscription.overflowed:
+                # Too far behind to queue in memory: catch up from the buffer instead.
+                return
+            batch = await self._wait(subscription)
+            if batch is None:
+                return
+            chunk = await self._accept_live(batch)
+            if chunk:
+                yield chunk
+
+    async def _wait(self, subscription: Subscription) -> list[Event] | None:
+        if self._deadline is None:
+            return await subscription.wait()
+        remaining = self._deadline - time.monotonic()
+        try:
+            async with asyncio.timeout(max(remaining, 0)):
+                return await subscription.wait()
+        except TimeoutError:
+            return None
+
+    async def _accept_live(self, events: Iterable[Event]) -> bytes:
+        """Frames for live events, filling any hole in the ids from the buffer first."""
+        parts: list[bytes] = []
+        for event in events:
+            if self.finished or event.id <= self.last_sent:
+                continue
+            if event.id > self.last_sent + 1:
+                await self._fill(event.id, parts)
+            if event.id <= self.last_sent:
+                continue
+            parts.append(event.frame)
+            self.last_sent = event.id
+            if event.terminal:
+                self.finished = True
+        return b"".join(parts)
+
+    async def _fill(self, before: int, parts: list[bytes]) -> None:
+        """Send the stored events between the last one sent and ``before``."""
+        while self.last_sent + 1 < before:
+            page = await self._buffer.read(
+                self._execution_id, after=self.last_sent, limit=min(REPLAY_PAGE, before)
+            )
+            wanted = [event for event in page.events if event.id < before]
+            parts.append(self._accept(wanted, page.meta))
+            if len(wanted) < len(page.events) or len(page.events) < REPLAY_PAGE:
+                break
+        if self.last_sent + 1 < before:
+            parts.append(gap_frame(self.last_sent, before, "evicted"))
+
+    def _accept(self, events: list[Event], meta: ExecutionMeta) -> bytes:
+        """Frames for stored events in id order, with a gap frame before any hole."""
+        parts: list[bytes] = []
+        for event in events:
+            if event.id <= self.last_sent:
+                continue
+            if event.id > self.last_sent + 1:
+                parts.append(gap_frame(self.last_sent, event.id, "evicted"))
+            parts.append(event.frame)
+            self.last_sent = event.id
+            if event.terminal:
+                self.finished = True
+                break
+        return b"".join(parts)

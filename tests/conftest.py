@@ -1,0 +1,56 @@
+"""Shared fixtures: one real Valkey server and one Flowcast server per test session."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from tests.support.servers import FlowcastServer, ValkeyServer
+
+
+@pytest.fixture(scope="session")
+def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("flowcast")
+
+
+@pytest.fixture(scope="session")
+async def valkey(session_dir: Path) -> AsyncIterator[ValkeyServer]:
+    server = ValkeyServer(data_dir=session_dir / "valkey")
+    await server.start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture(scope="session")
+async def server(valkey: ValkeyServer, session_dir: Path) -> AsyncIterator[FlowcastServer]:
+    flowcast = FlowcastServer(
+        data_dir=session_dir / "server",
+        env={"FLOWCAST_REDIS_URL": valkey.url, "FLOWCAST_SSE_PING_SECONDS": "1"},
+    )
+    await flowcast.start()
+    yield flowcast
+    await flowcast.stop()
+
+
+@pytest.fixture
+async def client(server: FlowcastServer) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=server.url, timeout=20) as http:
+        yield http
+
+
+@pytest.fixture
+async def redis(valkey: ValkeyServer) -> AsyncIterator[Redis]:
+    connection = Redis.from_url(valkey.url)
+    yield connection
+    await connection.aclose()
+
+
+@pytest.fixture
+def unique() -> str:
+    """A short unique suffix, so tests sharing the session's server never collide."""
+    return uuid.uuid4().hex[:8]

@@ -1,0 +1,96 @@
+"""Real processes for tests: a Valkey server and Flowcast under uvicorn, on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from app.embedded import EmbeddedValkey, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class ValkeyServer(EmbeddedValkey):
+    """A Valkey server the tests can stop, kill and start again on the same port."""
+
+    def kill(self) -> None:
+        process = self._process
+        if process is not None:
+            process.kill()
+            process.wait()
+            self._process = None
+
+
+class FlowcastServer:
+    """``uvicorn --factory app.main:create_app`` in a subprocess on a free loopback port."""
+
+    def __init__(self, *, data_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.env = env or {}
+        self.log_path = data_dir / f"server-{self.port}.log"
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "uvicorn", "--factory", "app.main:create_app",
+            "--host", "127.0.0.1", "--port", str(self.port), "--no-access-log",
+        ]  # fmt: skip
+
+    def environment(self) -> dict[str, str]:
+        base = {k: v for k, v in os.environ.items() if not k.startswith("FLOWCAST_")}
+        return {
+            **base,
+            "FLOWCAST_DATA_DIR": str(self.data_dir),
+            "FLOWCAST_WORKFLOWS_DIR": str(ROOT / "examples"),
+            **self.env,
+        }
+
+    async def start(self, timeout: float = 30.0) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        self._process = subprocess.Popen(
+            self.command(), cwd=ROOT, env=self.environment(), stdout=log, stderr=log
+        )
+        log.close()
+        await wait_ready(self.url, self._process, self.log_path, timeout)
+
+    async def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        process, self._process = self._process, None
+        if process is None:
+            return 0
+        if process.poll() is None:
+            process.send_signal(sig)
+        return await asyncio.to_thread(process.wait, timeout)
+
+    def logs(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+
+async def wait_ready(
+    url: str, process: subprocess.Popen[bytes], log_path: Path, timeout: float
+) -> None:
+    """Poll ``/readyz`` until it answers 200; fail early if the process exits."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    async with httpx.AsyncClient(base_url=url, timeout=2) as client:
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()}")
+            try:
+                if (await client.get("/readyz")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                raise RuntimeError(f"server not ready after {timeout}s:\n{log_path.read_text()}")
+            await asyncio.sleep(0.05)
