@@ -21,7 +21,7 @@ serve: install
 	$(BIN)/flowcast serve
 
 lint: install
-	$(BIN)/ruff check lib app tests bench
+	$(BIN)/ruff check lib app tests
 
 typecheck: install
 	$(BIN)/mypy lib app
