@@ -7,9 +7,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from app.responses import JSON
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.responses import JSON
 from lib.errors import (
     BufferUnavailable,
     Conflict,
@@ -80,7 +80,8 @@ async def _http_error(request: Request, exc: Exception) -> JSON:
     assert isinstance(exc, StarletteHTTPException)
     codes = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
     code = codes.get(exc.status_code, "http_error")
-    return error_response(exc.status_code, code, str(exc.detail), headers=exc.headers)
+    headers = dict(exc.headers) if exc.headers else None
+    return error_response(exc.status_code, code, str(exc.detail), headers=headers)
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSON:

@@ -9,7 +9,12 @@ from typing import Any
 import orjson
 
 # Attributes every LogRecord has; anything else on a record came from ``extra=``.
-_STANDARD = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "taskName", "color_message"}
+_STANDARD = set(logging.makeLogRecord({}).__dict__) | {
+    "message",
+    "asctime",
+    "taskName",
+    "color_message",
+}
 
 
 class JsonFormatter(logging.Formatter):

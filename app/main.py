@@ -82,11 +82,17 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
         )
         files, problems = load_directory(settings.workflows_dir, validate)
         for problem in problems:
-            log.error("workflow file skipped", extra={"file": str(problem.path), "error": problem.message})
-        log.info("workflows loaded", extra={"count": len(files), "dir": str(settings.workflows_dir)})
+            log.error(
+                "workflow file skipped", extra={"file": str(problem.path), "error": problem.message}
+            )
+        log.info(
+            "workflows loaded", extra={"count": len(files), "dir": str(settings.workflows_dir)}
+        )
 
-        http = httpx.AsyncClient(follow_redirects=False, limits=httpx.Limits(
-            max_connections=settings.http_max_concurrency))
+        http = httpx.AsyncClient(
+            follow_redirects=False,
+            limits=httpx.Limits(max_connections=settings.http_max_concurrency),
+        )
         stack.push_async_callback(http.aclose)
         executor = Executor(
             block_types,
@@ -107,9 +113,7 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
             retention_seconds=settings.retention_seconds,
         )
         hub = await stack.enter_async_context(Hub(buffer=buffer, tail_block_ms=TAIL_BLOCK_MS))
-        runner = await stack.enter_async_context(
-            Runner(buffer=buffer, hub=hub, executor=executor)
-        )
+        runner = await stack.enter_async_context(Runner(buffer=buffer, hub=hub, executor=executor))
         app.state.services = Services(
             settings=settings,
             buffer=buffer,
@@ -125,7 +129,5 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
             values_dir=values_dir,
         )
         if not settings.api_keys:
-            log.warning(
-                "no FLOWCAST_API_KEYS set: the API is open, so serve it on loopback only"
-            )
+            log.warning("no FLOWCAST_API_KEYS set: the API is open, so serve it on loopback only")
         yield

@@ -54,3 +54,8 @@ async def redis(valkey: ValkeyServer) -> AsyncIterator[Redis]:
 def unique() -> str:
     """A short unique suffix, so tests sharing the session's server never collide."""
     return uuid.uuid4().hex[:8]
+
+
+@pytest.fixture
+def valkey_url(valkey: ValkeyServer) -> str:
+    return valkey.url

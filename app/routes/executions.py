@@ -70,8 +70,10 @@ async def list_executions(request: Request, svc: ServicesDep, tenant_id: TenantD
     found = await svc.buffer.recent_metas(
         tenant_id,
         limit=limit,
-        keep=lambda m: (status is None or m.status == status)
-        and (workflow_id is None or m.workflow_id == workflow_id),
+        keep=lambda m: (
+            (status is None or m.status == status)
+            and (workflow_id is None or m.workflow_id == workflow_id)
+        ),
     )
     return JSON({"executions": [snapshot(meta) for meta in found]})
 

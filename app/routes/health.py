@@ -24,5 +24,7 @@ async def readyz(svc: Annotated[Services, Depends(services)]) -> JSON:
         "values": svc.values_dir.is_dir(),
     }
     ready = all(checks.values())
-    return JSON({"status": "ready" if ready else "unavailable", "checks": checks},
-                status_code=200 if ready else 503)
+    return JSON(
+        {"status": "ready" if ready else "unavailable", "checks": checks},
+        status_code=200 if ready else 503,
+    )

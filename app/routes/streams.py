@@ -23,7 +23,9 @@ def parse_cursor(value: str | None, name: str) -> int:
     if value is None or value == "":
         return 0
     if not _CURSOR.match(value.strip()):
-        raise ApiError(400, "invalid_cursor", f"{name} must be a non-negative integer, got {value!r}")
+        raise ApiError(
+            400, "invalid_cursor", f"{name} must be a non-negative integer, got {value!r}"
+        )
     return int(value)
 
 

@@ -11,7 +11,7 @@ import functools
 import importlib.resources
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 
 import orjson
 from redis.asyncio import Redis
@@ -157,7 +157,7 @@ class EventBuffer:
         extra: Mapping[str, str] | None = None,
     ) -> None:
         """Create the metadata of a new execution and list it in its tenant's index."""
-        fields = {
+        fields: dict[Any, Any] = {
             "workflowId": workflow_id,
             "status": "running",
             "createdAt": created_at,
@@ -210,7 +210,7 @@ class EventBuffer:
     @_translated
     async def meta(self, execution_id: str) -> ExecutionMeta:
         """The execution's metadata; NotFound when it does not exist (or expired)."""
-        fields = await self.redis.hgetall(self.meta_key(execution_id))
+        fields = cast(dict[bytes, bytes], await self.redis.hgetall(self.meta_key(execution_id)))
         if not fields:
             raise NotFound("execution", execution_id)
         return ExecutionMeta.from_hash(execution_id, fields)
@@ -233,7 +233,7 @@ class EventBuffer:
     async def tail(self, execution_id: str, *, after: int, block_ms: int) -> list[Event]:
         """Block until events with ids above ``after`` are stored (or ``block_ms`` passes)."""
         key = self.stream_key(execution_id)
-        reply = await self.redis.xread({key: f"{after}-0"}, count=1000, block=block_ms)
+        reply: Any = await self.redis.xread({key: f"{after}-0"}, count=1000, block=block_ms)
         if not reply:
             return []
         return [_entry_event(entry) for entry in reply[0][1]]
@@ -253,7 +253,7 @@ class EventBuffer:
         index = self.index_key(tenant)
         offset = 0
         while len(found) < limit and offset < scan_limit:
-            ids = await self.redis.zrevrange(index, offset, offset + 199)
+            ids = cast(list[bytes], await self.redis.zrevrange(index, offset, offset + 199))
             if not ids:
                 break
             offset += len(ids)

@@ -227,4 +227,3 @@ class Hub:
                 break
         if channel.tail_task is asyncio.current_task():
             channel.tail_task = None
-

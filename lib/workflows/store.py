@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 from redis.asyncio import Redis
@@ -37,7 +37,9 @@ class FileProblem:
     message: str
 
 
-def load_directory(directory: Path, validate: Validate) -> tuple[dict[str, Workflow], list[FileProblem]]:
+def load_directory(
+    directory: Path, validate: Validate
+) -> tuple[dict[str, Workflow], list[FileProblem]]:
     """Load every ``*.json`` workflow in a directory; bad files are reported, not fatal."""
     loaded: dict[str, Workflow] = {}
     problems: list[FileProblem] = []
@@ -111,7 +113,7 @@ class WorkflowStore:
 
     async def get(self, tenant: str, workflow_id: str) -> StoredWorkflow:
         try:
-            raw = await self._redis.hget(self._key(tenant), workflow_id)
+            raw = cast(bytes | None, await self._redis.hget(self._key(tenant), workflow_id))
         except (RedisError, OSError) as exc:
             raise BufferUnavailable(f"could not read the workflow: {exc}") from exc
         if raw is not None:
@@ -122,7 +124,7 @@ class WorkflowStore:
 
     async def list(self, tenant: str) -> list[StoredWorkflow]:
         try:
-            stored = await self._redis.hgetall(self._key(tenant))
+            stored = cast(dict[bytes, bytes], await self._redis.hgetall(self._key(tenant)))
         except (RedisError, OSError) as exc:
             raise BufferUnavailable(f"could not list workflows: {exc}") from exc
         found: dict[str, StoredWorkflow] = {
@@ -134,7 +136,10 @@ class WorkflowStore:
                 found[raw_id.decode()] = StoredWorkflow(self._parse(raw), "api")
             except FlowcastError as exc:
                 # A stored workflow can turn invalid when plugins change; keep listing.
-                log.warning("stored workflow no longer valid", extra={"workflowId": raw_id, "error": str(exc)})
+                log.warning(
+                    "stored workflow no longer valid",
+                    extra={"workflowId": raw_id, "error": str(exc)},
+                )
         return [found[key] for key in sorted(found)]
 
     async def delete(self, tenant: str, workflow_id: str) -> None:

@@ -85,7 +85,9 @@ async def wait_ready(
     async with httpx.AsyncClient(base_url=url, timeout=2) as client:
         while True:
             if process.poll() is not None:
-                raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()}")
+                raise RuntimeError(
+                    f"server exited with {process.returncode}:\n{log_path.read_text()}"
+                )
             try:
                 if (await client.get("/readyz")).status_code == 200:
                     return

@@ -1,0 +1,117 @@
+"""The Redis replay buffer on a real Valkey server: append, order, fencing, ring bounds."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+
+from lib.errors import BufferUnavailable, NotFound
+from lib.execution.buffer import EventBuffer
+from lib.execution.events import Event
+
+
+def make_events(execution_id: str, first: int, count: int, *, size: int = 10) -> list[Event]:
+    return [
+        Event(
+            id=i,
+            type="execution:started" if i == 1 else "block:chunk",
+            execution_id=execution_id,
+            workflow_id="wf",
+            data={"blockId": "b", "text": "x" * size},
+        )
+        for i in range(first, first + count)
+    ]
+
+
+@pytest.fixture
+async def buffer(redis: Redis) -> AsyncIterator[EventBuffer]:
+    yield EventBuffer(
+        redis=redis, prefix=f"t{uuid.uuid4().hex[:6]}", event_limit=50, budget_bytes=20_000
+    )
+
+
+async def create(buffer: EventBuffer, owner: str = "owner-1") -> str:
+    execution_id = f"ex_{uuid.uuid4().hex}"
+    await buffer.create(
+        execution_id,
+        workflow_id="wf",
+        tenant="t",
+        owner=owner,
+        created_at="2026-01-01T00:00:00.000Z",
+        created_ms=1,
+    )
+    return execution_id
+
+
+async def test_append_stores_contiguous_batches_and_updates_metadata(buffer: EventBuffer) -> None:
+    execution_id = await create(buffer)
+    await buffer.append(execution_id, make_events(execution_id, 1, 3), fence="owner-1")
+    result = await buffer.append(
+        execution_id, make_events(execution_id, 4, 2), fence="owner-1", meta={"status": "completed"}
+    )
+    assert result.last_id == 5 and result.first_id == 1 and result.retained_count == 5
+    page = await buffer.read(execution_id, after=0, limit=100)
+    assert [event.id for event in page.events] == [1, 2, 3, 4, 5]
+    assert page.meta.status == "completed"
+    assert page.meta.last_id == 5
+    assert page.events[0].data["text"] == "x" * 10
+    assert (await buffer.read(execution_id, after=3, limit=1)).events[0].id == 4
+
+
+async def test_append_refuses_a_batch_that_does_not_follow_the_last_id(buffer: EventBuffer) -> None:
+    execution_id = await create(buffer)
+    await buffer.append(execution_id, make_events(execution_id, 1, 2), fence="owner-1")
+    for first in (2, 4):
+        with pytest.raises(BufferUnavailable, match="ORDER 2"):
+            await buffer.append(execution_id, make_events(execution_id, first, 1), fence="owner-1")
+    assert (await buffer.meta(execution_id)).last_id == 2
+
+
+async def test_append_refuses_a_writer_that_is_not_the_owner(buffer: EventBuffer) -> None:
+    execution_id = await create(buffer, owner="owner-1")
+    with pytest.raises(BufferUnavailable, match="FENCED"):
+        await buffer.append(execution_id, make_events(execution_id, 1, 1), fence="intruder")
+    assert (await buffer.read(execution_id, after=0, limit=10)).events == []
+
+
+async def test_append_to_an_unknown_execution_is_refused(buffer: EventBuffer) -> None:
+    with pytest.raises(BufferUnavailable, match="NOEXEC"):
+        await buffer.append("ex_missing", make_events("ex_missing", 1, 1), fence="x")
+    with pytest.raises(NotFound):
+        await buffer.meta("ex_missing")
+
+
+async def test_ring_keeps_the_newest_events_within_the_event_limit(buffer: EventBuffer) -> None:
+    execution_id = await create(buffer)
+    for first in range(1, 121, 10):
+        await buffer.append(execution_id, make_events(execution_id, first, 10), fence="owner-1")
+    page = await buffer.read(execution_id, after=0, limit=1000)
+    assert [event.id for event in page.events] == list(range(71, 121))
+    assert page.meta.first_id == 71 and page.meta.retained_count == 50
+
+
+async def test_ring_keeps_the_newest_events_within_the_byte_budget(buffer: EventBuffer) -> None:
+    execution_id = await create(buffer)
+    for first in range(1, 41, 5):
+        await buffer.append(
+            execution_id, make_events(execution_id, first, 5, size=2_000), fence="owner-1"
+        )
+    page = await buffer.read(execution_id, after=0, limit=1000)
+    assert page.meta.retained_bytes <= 20_000
+    assert page.events[-1].id == 40
+    assert [event.id for event in page.events] == list(range(page.meta.first_id, 41))
+    assert sum(len(event.json) for event in page.events) == page.meta.retained_bytes
+
+
+async def test_keys_share_one_hash_tag_and_carry_the_retention_ttl(
+    buffer: EventBuffer, redis: Redis
+) -> None:
+    execution_id = await create(buffer)
+    await buffer.append(execution_id, make_events(execution_id, 1, 1), fence="owner-1")
+    stream_key, meta_key = buffer.stream_key(execution_id), buffer.meta_key(execution_id)
+    assert f"{{{execution_id}}}" in stream_key and f"{{{execution_id}}}" in meta_key
+    for key in (stream_key, meta_key):
+        assert 0 < await redis.ttl(key) <= buffer.retention_seconds
