@@ -1,0 +1,1 @@
+"""Workflows: the model and its validation, templates, block types and the executor."""

@@ -1,0 +1,41 @@
+"""``approval``: pauses the execution until a human resumes it (not implemented yet)."""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+from jsonschema.exceptions import SchemaError
+from jsonschema.validators import validator_for
+from pydantic import Field, field_validator
+
+from lib.errors import BlockError
+from lib.workflows.blocks.base import BlockConfig, BlockContext, BlockType
+
+
+class ApprovalConfig(BlockConfig):
+    prompt: str
+    input_schema: dict[str, Any] = Field(alias="schema")
+    timeout_seconds: int | None = Field(None, ge=1, le=30 * 86_400)
+
+    @field_validator("input_schema")
+    @classmethod
+    def _valid_schema(cls, schema: dict[str, Any]) -> dict[str, Any]:
+        try:
+            validator_for(schema).check_schema(schema)
+        except SchemaError as exc:
+            raise ValueError(f"not a valid JSON Schema: {exc.message}") from exc
+        return schema
+
+
+class Approval(BlockType[ApprovalConfig]):
+    """Will pause for a resume validated against ``schema``; refuses to run for now."""
+
+    name = "approval"
+    config_model = ApprovalConfig
+
+    async def run(self, ctx: BlockContext, config: ApprovalConfig) -> NoReturn:
+        raise BlockError(
+            "not_supported",
+            "approval blocks pause the execution; pause/resume is not implemented yet",
+            retryable=False,
+        )

@@ -1,0 +1,131 @@
+"""What every block type speaks: its context, the services it may use, its interface.
+
+Configs are validated twice. At registration the raw config is checked against the
+type's ``config_model``, except that a problem at a value that is a template string is
+ignored (``"{{ input.n }}"`` in an integer field is fine until it is rendered); at run
+time the rendered config is validated strictly, and a failure is ``bad_config``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
+
+import httpx
+from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic.alias_generators import to_camel
+
+from lib.errors import BlockError
+from lib.workflows.templates import Templates, is_template
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockServices:
+    """Process-wide resources shared by every block (owned and closed by the caller)."""
+
+    http: httpx.AsyncClient
+    templates: Templates
+    http_limiter: asyncio.Semaphore
+    http_allow_private: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockContext:
+    """What one attempt of one block knows about its execution."""
+
+    execution_id: str
+    workflow_id: str
+    block_id: str
+    attempt: int
+    input: Any
+    emit_chunk: Callable[[str], None]
+    services: BlockServices
+
+
+PluginHandler = Callable[[BlockContext, Any], Awaitable[Any]]
+
+
+class BlockConfig(BaseModel):
+    """Base of every block config: unknown fields refused, camelCase names in JSON."""
+
+    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True)
+
+
+def as_text(value: Any) -> Any:
+    """A rendered value for a text field: strings as they are, anything else as JSON."""
+    if value is None or isinstance(value, str):
+        return value
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def error_path(loc: tuple[int | str, ...]) -> str:
+    """A pydantic error location as a JSON path suffix (``.a[2].b``)."""
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)
+
+
+def error_message(error: Any) -> str:
+    """A pydantic error's message, phrased for a workflow author."""
+    if error["type"] == "extra_forbidden":
+        return "unknown field"
+    message = str(error["msg"])
+    return message.removeprefix("Value error, ")
+
+
+def _value_at(raw: Any, loc: tuple[int | str, ...]) -> list[Any]:
+    """The values along ``loc`` inside ``raw``, outermost first (as far as they exist)."""
+    found = []
+    current = raw
+    for part in loc:
+        if isinstance(current, dict) and part in current:
+            current = current[part]
+        elif isinstance(current, list) and isinstance(part, int) and part < len(current):
+            current = current[part]
+        else:
+            break
+        found.append(current)
+    return found
+
+
+C = TypeVar("C", bound=BlockConfig)
+
+
+class BlockType(ABC, Generic[C]):
+    """A kind of block: a name, a config model and how to run one attempt."""
+
+    name: ClassVar[str]
+    config_model: type[C]
+
+    def check_config(self, raw: dict[str, Any]) -> list[tuple[str, str]]:
+        """Registration-time problems of a raw (unrendered) config, as (path, message)."""
+        problems = self.check_raw(raw)
+        try:
+            self.config_model.model_validate(raw)
+        except ValidationError as exc:
+            for error in exc.errors():
+                loc = tuple(error["loc"])
+                if any(is_template(value) for value in _value_at(raw, loc)):
+                    continue
+                problems.append((error_path(loc), error_message(error)))
+        return problems
+
+    def check_raw(self, raw: dict[str, Any]) -> list[tuple[str, str]]:
+        """Registration checks the config model cannot make (e.g. a known plugin name)."""
+        return []
+
+    def parse_config(self, rendered: Any) -> C:
+        """Validate a rendered config; a failure is the non-retryable ``bad_config``."""
+        try:
+            return self.config_model.model_validate(rendered)
+        except ValidationError as exc:
+            details = "; ".join(
+                f"config{error_path(tuple(e['loc']))}: {error_message(e)}" for e in exc.errors()
+            )
+            raise BlockError("bad_config", details, retryable=False) from exc
+
+    @abstractmethod
+    async def run(self, ctx: BlockContext, config: C) -> Any:
+        """Run one attempt and return the block's output (raise BlockError to fail)."""

@@ -1,0 +1,203 @@
+"""Jinja templates in block configs and edge conditions, evaluated in a sandbox.
+
+A string that is exactly one ``{{ expr }}`` evaluates to the expression's native value
+(``"{{ input }}"`` is the input object itself); any other string with ``{{`` or ``{%``
+renders to a string. Output is bounded: rendering stops as soon as it passes
+``max_output_bytes``, and ``*``/``**`` are intercepted so one expression cannot build a
+huge string, list or integer before the bound is checked.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jinja2
+from jinja2.environment import TemplateExpression
+from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
+from jinja2.runtime import Context
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from lib.errors import BlockError
+
+_SINGLE_EXPRESSION = re.compile(r"^\s*\{\{((?:(?!\{\{|\}\}|\{%|\{#).)*)\}\}\s*$", re.DOTALL)
+_MARKERS = ("{{", "{%", "{#")
+_CACHE_LIMIT = 4096
+_MAX_EXPONENT = 1024
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def is_template(value: Any) -> bool:
+    """Whether a config value is a string holding template syntax."""
+    return isinstance(value, str) and any(marker in value for marker in _MARKERS)
+
+
+def _key_path(key: str) -> str:
+    return f".{key}" if _IDENTIFIER.match(key) else f"[{key!r}]"
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """The sandbox with explicit refusals and bounded ``*`` and ``**``."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def __init__(self, *, max_output_bytes: int) -> None:
+        super().__init__(autoescape=False, undefined=jinja2.ChainableUndefined)
+        self.max_output_bytes = max_output_bytes
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
+        # The default returns an undefined that renders as "", hiding the refusal.
+        raise SecurityError(
+            f"access to attribute {attribute!r} of a {type(obj).__name__} is not allowed"
+        )
+
+    def call_binop(self, context: Context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(seq, str | list | tuple) and isinstance(times, int):
+                    if len(seq) * times > self.max_output_bytes:
+                        raise SecurityError("the repeated value would be too large")
+            return left * right
+        if operator == "**":
+            if isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
+                if right > _MAX_EXPONENT:
+                    raise SecurityError("the exponent is too large")
+            return left**right
+        return super().call_binop(context, operator, left, right)
+
+
+def _plain(value: Any) -> Any:
+    """Turn what an expression returned into plain JSON-like data."""
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    if isinstance(value, jinja2.Undefined):
+        return None
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple | range):
+        return [_plain(item) for item in value]
+    return str(value)
+
+
+class Templates:
+    """Renders templated JSON values and evaluates edge conditions in a sandbox."""
+
+    def __init__(self, *, max_output_bytes: int = 1024 * 1024) -> None:
+        self.max_output_bytes = max_output_bytes
+        self._env = _Sandbox(max_output_bytes=max_output_bytes)
+        self._templates: dict[str, jinja2.Template] = {}
+        self._expressions: dict[str, TemplateExpression] = {}
+
+    def render(self, value: Any, context: dict[str, Any]) -> Any:
+        """Render every template inside a JSON value; other values come back unchanged."""
+        if isinstance(value, str):
+            return self._render_string(value, context) if is_template(value) else value
+        if isinstance(value, dict):
+            return {key: self.render(item, context) for key, item in value.items()}
+        if isinstance(value, list):
+            return [self.render(item, context) for item in value]
+        return value
+
+    def condition(self, expr: str, context: dict[str, Any]) -> bool:
+        """Evaluate an edge's ``when`` expression; undefined is false."""
+        result = self._evaluate(expr, context)
+        return result is not None and bool(result)
+
+    def check(self, value: Any) -> list[tuple[str, str]]:
+        """Every unparsable template inside a JSON value, as (path suffix, message)."""
+        problems: list[tuple[str, str]] = []
+        if isinstance(value, str):
+            if is_template(value):
+                message = self._syntax_problem(value)
+                if message:
+                    problems.append(("", message))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                problems += [(_key_path(str(key)) + p, m) for p, m in self.check(item)]
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                problems += [(f"[{index}]{p}", m) for p, m in self.check(item)]
+        return problems
+
+    def check_expression(self, expr: str) -> str | None:
+        """Why a bare expression (an edge's ``when``) cannot be parsed, or None."""
+        try:
+            self._expression(expr)
+        except TemplateSyntaxError as exc:
+            return f"unparsable expression: {exc.message}"
+        return None
+
+    def _syntax_problem(self, source: str) -> str | None:
+        try:
+            match = _SINGLE_EXPRESSION.match(source)
+            if match:
+                self._expression(match.group(1))
+            else:
+                self._template(source)
+        except TemplateSyntaxError as exc:
+            return f"unparsable template: {exc.message}"
+        return None
+
+    def _render_string(self, source: str, context: dict[str, Any]) -> Any:
+        match = _SINGLE_EXPRESSION.match(source)
+        if match:
+            return self._evaluate(match.group(1), context)
+        return self._guard(lambda: self._render_bounded(source, context))
+
+    def _render_bounded(self, source: str, context: dict[str, Any]) -> str:
+        parts: list[str] = []
+        size = 0
+        for part in self._template(source).generate(context):
+            size += len(part.encode())
+            if size > self.max_output_bytes:
+                raise BlockError(
+                    "template_error",
+                    f"template output exceeds {self.max_output_bytes} bytes",
+                    retryable=False,
+                )
+            parts.append(part)
+        return "".join(parts)
+
+    def _evaluate(self, expr: str, context: dict[str, Any]) -> Any:
+        def run() -> Any:
+            return _plain(self._expression(expr)(**context))
+
+        result = self._guard(run)
+        if isinstance(result, str) and len(result.encode()) > self.max_output_bytes:
+            raise BlockError(
+                "template_error",
+                f"template output exceeds {self.max_output_bytes} bytes",
+                retryable=False,
+            )
+        return result
+
+    def _guard(self, render: Callable[[], Any]) -> Any:
+        try:
+            return render()
+        except BlockError:
+            raise
+        except TemplateError as exc:
+            raise BlockError("template_error", str(exc.message), retryable=False) from exc
+        except (ArithmeticError, TypeError, ValueError, LookupError, AttributeError) as exc:
+            message = f"{type(exc).__name__}: {exc}"
+            raise BlockError("template_error", message, retryable=False) from exc
+
+    def _template(self, source: str) -> jinja2.Template:
+        template = self._templates.get(source)
+        if template is None:
+            if len(self._templates) >= _CACHE_LIMIT:
+                self._templates.clear()
+            template = self._templates[source] = self._env.from_string(source)
+        return template
+
+    def _expression(self, expr: str) -> TemplateExpression:
+        compiled = self._expressions.get(expr)
+        if compiled is None:
+            if len(self._expressions) >= _CACHE_LIMIT:
+                self._expressions.clear()
+            compiled = self._env.compile_expression(expr, undefined_to_none=True)
+            self._expressions[expr] = compiled
+        return compiled

@@ -1,0 +1,99 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from lib.errors import BlockError
+from lib.workflows.templates import Templates
+
+CONTEXT: dict[str, Any] = {
+    "input": {"name": "Ada", "n": 3, "tags": ["a", "b"]},
+    "blocks": {"fetch": {"output": {"status": 200, "ok": True}}},
+}
+
+
+def test_single_expression_returns_native_value(templates: Templates) -> None:
+    assert templates.render("{{ input }}", CONTEXT) == CONTEXT["input"]
+    assert templates.render("  {{ input.n + 1 }}  ", CONTEXT) == 4
+    assert templates.render("{{ blocks.fetch.output.ok }}", CONTEXT) is True
+    assert templates.render("{{ input.tags }}", CONTEXT) == ["a", "b"]
+
+
+def test_undefined_single_expression_is_none(templates: Templates) -> None:
+    assert templates.render("{{ blocks.missing.output.deep }}", CONTEXT) is None
+
+
+def test_mixed_string_renders_to_string(templates: Templates) -> None:
+    value = "Hello {{ input.name }}, status {{ blocks.fetch.output.status }}"
+    assert templates.render(value, CONTEXT) == "Hello Ada, status 200"
+    assert templates.render("{% for t in input.tags %}{{ t }};{% endfor %}", CONTEXT) == "a;b;"
+    assert templates.render("{{ input.n }} and {{ input.n }}", CONTEXT) == "3 and 3"
+
+
+def test_render_walks_json_and_leaves_plain_values(templates: Templates) -> None:
+    value = {"a": ["{{ input.n }}", "plain", 5, None], "b": {"c": "x{{ input.name }}"}}
+    assert templates.render(value, CONTEXT) == {"a": [3, "plain", 5, None], "b": {"c": "xAda"}}
+
+
+def test_condition_is_truthiness_and_undefined_is_false(templates: Templates) -> None:
+    assert templates.condition("blocks.fetch.output.status == 200", CONTEXT) is True
+    assert templates.condition("input.n > 5", CONTEXT) is False
+    assert templates.condition("blocks.nope.output.approved", CONTEXT) is False
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ ''.__class__.__mro__ }}",
+        "x {{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ input.__class__ }}",
+        "{{ input.tags.append(1) }}",
+        "{{ cycler.__init__.__globals__ }}",
+    ],
+)
+def test_sandbox_refuses_python_internals(templates: Templates, source: str) -> None:
+    with pytest.raises(BlockError) as caught:
+        templates.render(source, CONTEXT)
+    assert caught.value.code == "template_error"
+    assert caught.value.retryable is False
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ 'x' * 2000 }}",
+        "{% for i in range(100) %}{{ 'abcdefghijklmnopqrstuvwxyz' }}{% endfor %}",
+        "{{ 10 ** 100000 }}",
+    ],
+)
+def test_output_larger_than_the_cap_is_refused(source: str) -> None:
+    templates = Templates(max_output_bytes=1000)
+    with pytest.raises(BlockError) as caught:
+        templates.render(source, CONTEXT)
+    assert caught.value.code == "template_error"
+
+
+def test_render_error_is_a_template_error(templates: Templates) -> None:
+    with pytest.raises(BlockError) as caught:
+        templates.render("{{ 1 / 0 }}", CONTEXT)
+    assert caught.value.code == "template_error"
+
+
+def test_check_reports_unparsable_templates_with_paths(templates: Templates) -> None:
+    value = {"ok": "{{ input }}", "bad": "{{ input", "list": ["x", "{% if %}"], "a b": "{{ }}"}
+    paths = [path for path, _ in templates.check(value)]
+    assert paths == [".bad", ".list[1]", "['a b']"]
+
+
+def test_check_expression_reports_syntax_errors(templates: Templates) -> None:
+    assert templates.check_expression("input.a == 1") is None
+    message = templates.check_expression("input.a ===")
+    assert message is not None and message.startswith("unparsable expression")
+
+
+def test_compiled_templates_are_cached(templates: Templates) -> None:
+    templates.render("a {{ input.n }}", CONTEXT)
+    compiled = templates._templates["a {{ input.n }}"]
+    templates.render("a {{ input.n }}", CONTEXT)
+    assert templates._templates["a {{ input.n }}"] is compiled
