@@ -6,7 +6,8 @@
     ├── InvalidInput                   a request the caller can fix (carries problems)
     │   └── WorkflowInvalid            a workflow definition with every problem found
     ├── BlockError                     a block attempt failed (code, message, retryable)
-    └── BufferUnavailable              the event buffer could not be reached or refused
+    ├── BufferUnavailable              the event buffer could not be reached
+    └── WriteRefused                   the buffer refused a batch (fenced, out of order, gone)
 
 HTTP status codes are chosen only in ``app``'s exception handlers.
 """
@@ -101,6 +102,23 @@ class BlockError(FlowcastError):
 
 
 class BufferUnavailable(FlowcastError):
-    """The event buffer could not be reached, or refused the write."""
+    """The event buffer could not be reached (or answered with an error)."""
 
     code = "buffer_unavailable"
+
+
+class WriteRefused(FlowcastError):
+    """The buffer refused a batch on purpose; retrying the same batch cannot help.
+
+    ``reason`` is ``fenced`` (the writer is no longer the execution's owner), ``order``
+    (the batch does not follow ``last_id``, the id stored last) or ``gone`` (the
+    execution's metadata no longer exists).
+    """
+
+    code = "write_refused"
+
+    def __init__(self, execution_id: str, reason: str, *, last_id: int | None = None) -> None:
+        super().__init__(f"the buffer refused a batch for {execution_id}: {reason}")
+        self.execution_id = execution_id
+        self.reason = reason
+        self.last_id = last_id

@@ -1,34 +1,35 @@
 --[[
 append.lua: append one ordered batch of events to an execution's replay buffer.
 
-KEYS[1]  the execution's event stream   fc:{<eid>}:events
-KEYS[2]  the execution's metadata hash  fc:{<eid>}:meta
+KEYS[1]  the execution's event stream    fc:{<eid>}:events
+KEYS[2]  the execution's metadata hash   fc:{<eid>}:meta
+KEYS[3]  the execution's dropped ranges  fc:{<eid>}:dropped  (sorted set, score = first id)
 
 ARGV[1]  fencing token of the writer; must equal the hash's `owner` field
-ARGV[2]  id of the batch's first event; must be the stored `lastId` + 1, or the
-         first id after a recorded dropped range (`lastId` < first id is allowed
-         only when ARGV[3] says so)
-ARGV[3]  "1" when the ids between `lastId` and the batch were dropped by the writer
-         (they are recorded as a dropped range), else "0"
+ARGV[2]  id of the batch's first event; must be the stored `lastId` + 1, unless ARGV[3]
+         says the writer dropped the ids in between
+ARGV[3]  "1" when the ids between `lastId` and the batch were dropped by the writer:
+         they are recorded as one dropped range "<from>-<to>", atomically with the batch
 ARGV[4]  event limit (events retained)
 ARGV[5]  byte budget (bytes retained, counted as the stored envelope sizes)
-ARGV[6]  TTL in seconds applied to both keys
+ARGV[6]  TTL in seconds applied to all three keys
 ARGV[7]  n, the number of events in the batch
 ARGV[8]  m, the number of metadata field/value pairs that follow the events
 ARGV[9 .. 8+2n]        per event: type, envelope JSON
 ARGV[9+2n .. 8+2n+2m]  metadata fields and values to set (status, output, error, …)
 
 Returns {lastId, firstId, retainedBytes, retainedCount} on success, or an error reply:
-  "NOEXEC"  the metadata hash does not exist (expired or never created)
+  "NOEXEC"          the metadata hash does not exist (expired or never created)
   "FENCED <owner>"  the writer is not the current owner
   "ORDER <lastId>"  the batch does not follow the stored last id
 
 Eviction trims the oldest events until both bounds hold again, but never the batch's
 own last event: an execution always keeps its newest event, so a reader can tell where
-the log ends.
+the log ends. Because the status is set here, with the events, a reader that sees a
+terminal status also sees every event before the terminal one.
 ]]
 
-local stream, meta = KEYS[1], KEYS[2]
+local stream, meta, dropped = KEYS[1], KEYS[2], KEYS[3]
 local token = ARGV[1]
 local first = tonumber(ARGV[2])
 local after_drop = ARGV[3] == "1"
@@ -49,6 +50,10 @@ local last = tonumber(state[2]) or 0
 if first ~= last + 1 and not (after_drop and first > last + 1) then
   return redis.error_reply("ORDER " .. last)
 end
+if first > last + 1 then
+  redis.call("ZADD", dropped, last + 1, (last + 1) .. "-" .. (first - 1))
+  redis.call("EXPIRE", dropped, ttl)
+end
 
 local first_kept = tonumber(state[3]) or 0
 local bytes = tonumber(state[4]) or 0
@@ -56,14 +61,13 @@ local count = tonumber(state[5]) or 0
 
 local base = 8
 for i = 0, n - 1 do
-  local kind = ARGV[base + 2 * i + 1]
   local body = ARGV[base + 2 * i + 2]
-  redis.call("XADD", stream, (first + i) .. "-0", "t", kind, "e", body)
+  redis.call("XADD", stream, (first + i) .. "-0", "t", ARGV[base + 2 * i + 1], "e", body)
   bytes = bytes + #body
   count = count + 1
 end
 last = first + n - 1
-if first_kept == 0 or count == n then
+if count == n then
   first_kept = first
 end
 
@@ -87,20 +91,18 @@ while count > 1 and (count > limit or bytes > budget) do
   if evict_to == nil then
     break
   end
-  local evicted = tonumber(string.match(evict_to, "^(%d+)"))
-  redis.call("XTRIM", stream, "MINID", (evicted + 1) .. "-0")
-  first_kept = evicted + 1
+  redis.call("XTRIM", stream, "MINID", (tonumber(string.match(evict_to, "^(%d+)")) + 1) .. "-0")
+  local next_entry = redis.call("XRANGE", stream, "-", "+", "COUNT", 1)
+  first_kept = tonumber(string.match(next_entry[1][1], "^(%d+)"))
 end
--- first_kept may name an id that was dropped; the reader reports what is really there.
 
 redis.call("HSET", meta, "lastId", last, "firstId", first_kept, "bytes", bytes, "count", count)
-local mbase = base + 2 * n
 if m > 0 then
-  local pairs_ = {}
+  local fields = {}
   for i = 1, 2 * m do
-    pairs_[i] = ARGV[mbase + i]
+    fields[i] = ARGV[base + 2 * n + i]
   end
-  redis.call("HSET", meta, unpack(pairs_))
+  redis.call("HSET", meta, unpack(fields))
 end
 redis.call("EXPIRE", stream, ttl)
 redis.call("EXPIRE", meta, ttl)

@@ -17,7 +17,7 @@ import orjson
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
-from lib.errors import BufferUnavailable, NotFound
+from lib.errors import BufferUnavailable, FlowcastError, NotFound, WriteRefused
 from lib.execution.events import TERMINAL_STATUSES, Event
 
 INDEX_KEY = "executions"
@@ -110,10 +110,18 @@ class AppendResult:
 
 @dataclass(frozen=True)
 class Page:
-    """Events after a cursor, with the metadata read in the same transaction."""
+    """Events after a cursor, with the metadata and dropped ranges read atomically."""
 
     events: list[Event]
     meta: ExecutionMeta
+    dropped: list[tuple[int, int]]
+
+    def gap_reason(self, after: int, before: int) -> str:
+        """Why ids between ``after`` and ``before`` (both excluded) are not retained."""
+        for low, high in self.dropped:
+            if low < before and high > after:
+                return "dropped"
+        return "evicted"
 
 
 class EventBuffer:
@@ -134,12 +142,24 @@ class EventBuffer:
         self.budget_bytes = budget_bytes
         self.retention_seconds = retention_seconds
         self._append = redis.register_script(_load_script("append.lua"))
+        self._read = redis.register_script(_load_script("read.lua"))
 
     def stream_key(self, execution_id: str) -> str:
         return f"{self.prefix}:{{{execution_id}}}:events"
 
     def meta_key(self, execution_id: str) -> str:
         return f"{self.prefix}:{{{execution_id}}}:meta"
+
+    def dropped_key(self, execution_id: str) -> str:
+        return f"{self.prefix}:{{{execution_id}}}:dropped"
+
+    def keys(self, execution_id: str) -> list[str]:
+        """The keys of one execution, in the order the scripts take them."""
+        return [
+            self.stream_key(execution_id),
+            self.meta_key(execution_id),
+            self.dropped_key(execution_id),
+        ]
 
     def index_key(self, tenant: str) -> str:
         return f"{self.prefix}:{INDEX_KEY}:{tenant}"
@@ -170,7 +190,7 @@ class EventBuffer:
             "owner": owner,
             **(extra or {}),
         }
-        async with self.redis.pipeline(transaction=True) as pipe:
+        async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hset(self.meta_key(execution_id), mapping=fields)
             pipe.expire(self.meta_key(execution_id), self.retention_seconds)
             await pipe.execute()
@@ -186,7 +206,7 @@ class EventBuffer:
         meta: Mapping[str, str] | None = None,
         after_drop: bool = False,
     ) -> AppendResult:
-        """Append one contiguous batch atomically; raises BufferUnavailable if refused."""
+        """Append one batch atomically; WriteRefused if refused, BufferUnavailable if down."""
         args: list[Any] = [
             fence,
             events[0].id,
@@ -203,8 +223,10 @@ class EventBuffer:
         for field, value in (meta or {}).items():
             args.append(field)
             args.append(value)
-        keys = [self.stream_key(execution_id), self.meta_key(execution_id)]
-        result = await self._append(keys=keys, args=args)
+        try:
+            result = await self._append(keys=self.keys(execution_id), args=args)
+        except ResponseError as exc:
+            raise _refusal(execution_id, exc) from exc
         return AppendResult(*(int(value) for value in result))
 
     @_translated
@@ -218,15 +240,14 @@ class EventBuffer:
     @_translated
     async def read(self, execution_id: str, *, after: int, limit: int) -> Page:
         """Up to ``limit`` retained events with ids above ``after``, plus the metadata."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.xrange(self.stream_key(execution_id), f"{after + 1}-0", "+", count=limit)
-            pipe.hgetall(self.meta_key(execution_id))
-            entries, fields = await pipe.execute()
-        if not fields:
+        entries, flat, ranges = await self._read(keys=self.keys(execution_id), args=[after, limit])
+        if not flat:
             raise NotFound("execution", execution_id)
+        fields = dict(zip(flat[::2], flat[1::2], strict=True))
         return Page(
-            events=[_entry_event(entry) for entry in entries],
+            events=[_lua_entry_event(entry) for entry in entries],
             meta=ExecutionMeta.from_hash(execution_id, fields),
+            dropped=[_range(member) for member in ranges],
         )
 
     @_translated
@@ -280,6 +301,31 @@ class EventBuffer:
             return bool(await self.redis.ping())
         except (RedisError, OSError):
             return False
+
+
+def _refusal(execution_id: str, exc: ResponseError) -> FlowcastError:
+    reason, _, detail = str(exc).partition(" ")
+    if reason == "ORDER":
+        return WriteRefused(execution_id, "order", last_id=int(detail))
+    if reason == "FENCED":
+        return WriteRefused(execution_id, "fenced")
+    if reason == "NOEXEC":
+        return WriteRefused(execution_id, "gone")
+    return BufferUnavailable(f"the buffer refused the append: {exc}")
+
+
+def _range(member: bytes) -> tuple[int, int]:
+    low, _, high = member.partition(b"-")
+    return int(low), int(high)
+
+
+def _lua_entry_event(entry: list[Any]) -> Event:
+    """An XRANGE entry as a script returns it: [id, [field, value, …]]."""
+    stream_id, fields = entry
+    values = dict(zip(fields[::2], fields[1::2], strict=True))
+    return Event.stored(
+        id=int(stream_id.split(b"-", 1)[0]), type=values[b"t"].decode(), raw=values[b"e"]
+    )
 
 
 def _entry_event(entry: tuple[bytes, dict[bytes, bytes]]) -> Event:

@@ -4,8 +4,8 @@ Each execution with readers here has one ``Channel``. Its events come from one o
 sources:
 
 - local: this process runs the execution; the emitter publishes each event the moment
-  it is emitted, before it is stored. The channel also keeps the events not yet stored,
-  so a reader that attaches now can get them from memory (they are not in Redis yet).
+  it is emitted, before it is stored. A reader that attaches now also gets the events
+  the writer has not stored yet, from memory (they are not in Redis yet).
 - remote: another process runs it (or nobody does, while it is paused); one tail task
   per channel blocks on the Redis stream (``XREAD BLOCK``) and publishes what arrives.
   No polling: the task wakes when an event is written.
@@ -20,7 +20,7 @@ import asyncio
 import logging
 import random
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from lib.errors import FlowcastError
 from lib.execution.buffer import EventBuffer
@@ -72,7 +72,7 @@ class Channel:
         self.execution_id = execution_id
         self.subscribers: set[Subscription] = set()
         self.local = False
-        self.unstored: deque[Event] = deque()
+        self.unstored: Callable[[], list[Event]] = list
         self.last_published = 0
         self.finished = False
         self.tail_task: asyncio.Task[None] | None = None
@@ -102,23 +102,17 @@ class LocalPublisher:
     def __init__(self, hub: Hub, channel: Channel) -> None:
         self._hub = hub
         self._channel = channel
+        self.execution_id = channel.execution_id
 
     def publish(self, event: Event) -> None:
-        """Deliver an emitted event to the readers here and keep it until it is stored."""
-        self._channel.unstored.append(event)
+        """Deliver an emitted event to the readers attached here."""
         self._channel.publish(event)
-
-    def stored(self, up_to: int) -> None:
-        """Events up to this id are stored (or dropped): memory no longer needs them."""
-        unstored = self._channel.unstored
-        while unstored and unstored[0].id <= up_to:
-            unstored.popleft()
 
     def detach(self) -> None:
         """This process stops running the execution (finished, paused or handed over)."""
         channel = self._channel
         channel.local = False
-        channel.unstored.clear()
+        channel.unstored = list
         self._hub._release(channel)
 
 
@@ -155,12 +149,18 @@ class Hub:
         elif channel.subscribers and not channel.local:
             self.ensure_tail(channel.execution_id, after=channel.last_published)
 
-    def attach_local(self, execution_id: str, *, last_id: int) -> LocalPublisher:
-        """Make this process the source of an execution's live events."""
+    def attach_local(
+        self, execution_id: str, *, last_id: int, unstored: Callable[[], list[Event]]
+    ) -> LocalPublisher:
+        """Make this process the source of an execution's live events.
+
+        ``unstored`` gives the emitted events the writer has not stored yet.
+        """
         channel = self._channel(execution_id)
         channel.stop_tail()
         channel.local = True
-        channel.unstored.clear()
+        channel.finished = False
+        channel.unstored = unstored
         channel.last_published = last_id
         return LocalPublisher(self, channel)
 
@@ -169,7 +169,7 @@ class Hub:
         channel = self._channel(execution_id)
         subscription = Subscription(channel)
         channel.subscribers.add(subscription)
-        return subscription, list(channel.unstored)
+        return subscription, channel.unstored()
 
     def unsubscribe(self, subscription: Subscription) -> None:
         channel = subscription.channel

@@ -4,7 +4,8 @@ Order of attachment is what makes the seam exact: the reader subscribes to the l
 channel first, then replays from Redis, then takes the emitted-but-unstored events the
 channel held at subscribe time, then the live queue. Every event appears in at least
 one of those; ids already sent are dropped, and a hole in the ids is filled from Redis
-or reported as a ``replay:gap``.
+or reported as a ``replay:gap`` (``evicted`` by the ring, or ``dropped`` during an
+outage). A client is never silently skipped past events.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import AsyncIterator, Iterable
 
 import orjson
 
-from lib.execution.buffer import EventBuffer, ExecutionMeta
+from lib.execution.buffer import EventBuffer, Page
 from lib.execution.events import Event, sse_frame
 from lib.execution.hub import Hub, Subscription
 
@@ -50,17 +51,21 @@ class StreamReader:
 
     async def frames(self) -> AsyncIterator[bytes]:
         """SSE frames until the terminal event (or the connection's time cap)."""
-        subscription, unstored = self._hub.subscribe(self._execution_id)
-        try:
-            async for chunk in self._replay(unstored):
-                yield chunk
-            if self.finished:
-                return
-            self._hub.ensure_tail(self._execution_id, after=self.last_sent)
-            async for chunk in self._live(subscription):
-                yield chunk
-        finally:
-            self._hub.unsubscribe(subscription)
+        while not self.finished and not self._expired():
+            subscription, unstored = self._hub.subscribe(self._execution_id)
+            try:
+                async for chunk in self._replay(unstored):
+                    yield chunk
+                if self.finished:
+                    return
+                self._hub.ensure_tail(self._execution_id, after=self.last_sent)
+                async for chunk in self._live(subscription):
+                    yield chunk
+                if not subscription.overflowed:
+                    return
+                # Too slow for the live queue: attach again and catch up from the buffer.
+            finally:
+                self._hub.unsubscribe(subscription)
 
     def _expired(self) -> bool:
         return self._deadline is not None and time.monotonic() >= self._deadline
@@ -70,7 +75,7 @@ class StreamReader:
             page = await self._buffer.read(
                 self._execution_id, after=self.last_sent, limit=REPLAY_PAGE
             )
-            chunk = self._accept(page.events, page.meta)
+            chunk = self._accept(page.events, page)
             if chunk:
                 yield chunk
             if len(page.events) < REPLAY_PAGE or self._expired():
@@ -81,10 +86,7 @@ class StreamReader:
                 yield chunk
 
     async def _live(self, subscription: Subscription) -> AsyncIterator[bytes]:
-        while not self.finished and not self._expired():
-            if subscription.overflowed:
-                # Too far behind to queue in memory: catch up from the buffer instead.
-                return
+        while not self.finished and not subscription.overflowed:
             batch = await self._wait(subscription)
             if batch is None:
                 return
@@ -95,9 +97,8 @@ class StreamReader:
     async def _wait(self, subscription: Subscription) -> list[Event] | None:
         if self._deadline is None:
             return await subscription.wait()
-        remaining = self._deadline - time.monotonic()
         try:
-            async with asyncio.timeout(max(remaining, 0)):
+            async with asyncio.timeout(max(self._deadline - time.monotonic(), 0)):
                 return await subscription.wait()
         except TimeoutError:
             return None
@@ -110,8 +111,6 @@ class StreamReader:
                 continue
             if event.id > self.last_sent + 1:
                 await self._fill(event.id, parts)
-            if event.id <= self.last_sent:
-                continue
             parts.append(event.frame)
             self.last_sent = event.id
             if event.terminal:
@@ -120,25 +119,27 @@ class StreamReader:
 
     async def _fill(self, before: int, parts: list[bytes]) -> None:
         """Send the stored events between the last one sent and ``before``."""
-        while self.last_sent + 1 < before:
+        while True:
             page = await self._buffer.read(
-                self._execution_id, after=self.last_sent, limit=min(REPLAY_PAGE, before)
+                self._execution_id, after=self.last_sent, limit=REPLAY_PAGE
             )
             wanted = [event for event in page.events if event.id < before]
-            parts.append(self._accept(wanted, page.meta))
+            parts.append(self._accept(wanted, page))
             if len(wanted) < len(page.events) or len(page.events) < REPLAY_PAGE:
                 break
         if self.last_sent + 1 < before:
-            parts.append(gap_frame(self.last_sent, before, "evicted"))
+            reason = page.gap_reason(self.last_sent, before)
+            parts.append(gap_frame(self.last_sent, before, reason))
 
-    def _accept(self, events: list[Event], meta: ExecutionMeta) -> bytes:
+    def _accept(self, events: list[Event], page: Page) -> bytes:
         """Frames for stored events in id order, with a gap frame before any hole."""
         parts: list[bytes] = []
         for event in events:
             if event.id <= self.last_sent:
                 continue
             if event.id > self.last_sent + 1:
-                parts.append(gap_frame(self.last_sent, event.id, "evicted"))
+                reason = page.gap_reason(self.last_sent, event.id)
+                parts.append(gap_frame(self.last_sent, event.id, reason))
             parts.append(event.frame)
             self.last_sent = event.id
             if event.terminal:

@@ -4,6 +4,12 @@ Emitting never waits for Redis. ``put`` queues the event; one flush task per exe
 writes whatever is queued as one atomic batch. When Redis is idle the batch is a single
 event written at once; under load the events that arrive while a write is in flight
 form the next batch, so the write rate adapts without a timer.
+
+While the buffer is unreachable the batch in flight is retried as it is, with jittered
+exponential backoff, and new events wait behind it. Past ``max_pending`` the oldest
+waiting events are dropped; the next batch that reaches Redis records their id range
+atomically with itself, so replay reports it as a ``dropped`` gap and the terminal
+event still lands after everything before it.
 """
 
 from __future__ import annotations
@@ -12,12 +18,10 @@ import asyncio
 import logging
 import random
 from collections import deque
-from collections.abc import Callable
-from typing import Any
 
 import orjson
 
-from lib.errors import BufferUnavailable
+from lib.errors import BufferUnavailable, WriteRefused
 from lib.execution.buffer import EventBuffer
 from lib.execution.events import (
     EXECUTION_COMPLETED,
@@ -60,22 +64,28 @@ class EventWriter:
         buffer: EventBuffer,
         execution_id: str,
         fence: str,
-        on_stored: Callable[[int], Any] = lambda _id: None,
+        stored_id: int = 0,
+        max_pending: int = 10_000,
         retry_base_seconds: float = 0.05,
         retry_max_seconds: float = 5.0,
     ) -> None:
         self._buffer = buffer
         self._execution_id = execution_id
         self._fence = fence
-        self._on_stored = on_stored
+        self._max_pending = max_pending
         self._retry_base = retry_base_seconds
         self._retry_max = retry_max_seconds
-        self._pending: deque[Event] = deque()
+        self._in_flight: list[Event] = []
+        self._waiting: deque[Event] = deque()
+        self._dropped_after: int | None = None  # set while a dropped range awaits recording
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
         self._task: asyncio.Task[None] | None = None
-        self.stored_id = 0
+        self.stored_id = stored_id
+        self.dropped_events = 0
+        self.failures = 0
+        self.refused: WriteRefused | None = None
 
     async def __aenter__(self) -> EventWriter:
         self._task = asyncio.create_task(self._run(), name=f"flush:{self._execution_id}")
@@ -85,53 +95,93 @@ class EventWriter:
         try:
             await self.drained()
         finally:
-            if self._task is not None:
-                self._task.cancel()
-                await asyncio.gather(self._task, return_exceptions=True)
+            await self.close()
+
+    async def close(self) -> None:
+        """Stop writing now; whatever is still queued is abandoned."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
 
     def put(self, event: Event) -> None:
-        """Queue one event for storing; never blocks."""
-        self._pending.append(event)
+        """Queue one event for storing; never blocks. Drops the oldest waiting past the cap."""
+        if self.refused is not None:
+            return
+        self._waiting.append(event)
         self._idle.clear()
         self._wakeup.set()
+        while len(self._waiting) + len(self._in_flight) > self._max_pending:
+            if len(self._waiting) <= 1:
+                break  # the newest event (maybe the terminal one) is never dropped
+            self._drop(self._waiting.popleft())
+
+    def _drop(self, event: Event) -> None:
+        if self._dropped_after is None:
+            self._dropped_after = event.id - 1
+        self.dropped_events += 1
+
+    def unstored(self) -> list[Event]:
+        """Events queued but not yet stored, oldest first."""
+        return [*self._in_flight, *self._waiting]
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        return len(self._in_flight) + len(self._waiting)
 
     async def drained(self) -> None:
-        """Wait until every queued event is stored."""
+        """Wait until every queued event is stored (or dropped, or refused)."""
         await self._idle.wait()
 
-    def _take_batch(self) -> list[Event]:
+    def _next_batch(self) -> list[Event]:
         batch: list[Event] = []
         size = 0
-        for event in self._pending:
-            size += len(event.json)
-            if batch and (len(batch) >= MAX_BATCH_EVENTS or size > MAX_BATCH_BYTES):
+        while self._waiting and len(batch) < MAX_BATCH_EVENTS:
+            size += len(self._waiting[0].json)
+            if batch and size > MAX_BATCH_BYTES:
                 break
-            batch.append(event)
+            batch.append(self._waiting.popleft())
         return batch
 
     async def _run(self) -> None:
         delay = self._retry_base
         while True:
-            if not self._pending:
-                self._idle.set()
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            batch = self._take_batch()
+            if not self._in_flight:
+                if not self._waiting:
+                    self._idle.set()
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                self._in_flight = self._next_batch()
+            batch = self._in_flight
+            after_drop = self._dropped_after is not None and batch[0].id > self.stored_id + 1
             try:
                 await self._buffer.append(
-                    self._execution_id, batch, fence=self._fence, meta=batch_meta(batch)
+                    self._execution_id,
+                    batch,
+                    fence=self._fence,
+                    meta=batch_meta(batch),
+                    after_drop=after_drop,
                 )
+            except WriteRefused as exc:
+                if (
+                    exc.reason == "order"
+                    and exc.last_id is not None
+                    and exc.last_id >= batch[-1].id
+                ):
+                    # An earlier try of this batch was applied but its reply was lost.
+                    self._stored(batch)
+                    continue
+                self._refuse(exc)
+                return
             except BufferUnavailable as exc:
+                self.failures += 1
                 log.warning(
                     "buffer write failed; will retry",
                     extra={
                         "executionId": self._execution_id,
-                        "pending": len(self._pending),
+                        "pending": self.pending,
+                        "retryInSeconds": round(delay, 3),
                         "error": str(exc),
                     },
                 )
@@ -140,7 +190,33 @@ class EventWriter:
                 delay = min(delay * 2, self._retry_max)
                 continue
             delay = self._retry_base
-            for _ in batch:
-                self._pending.popleft()
-            self.stored_id = batch[-1].id
-            self._on_stored(self.stored_id)
+            if after_drop:
+                log.warning(
+                    "events dropped while the buffer was unreachable",
+                    extra={
+                        "executionId": self._execution_id,
+                        "fromId": self.stored_id + 1,
+                        "toId": batch[0].id - 1,
+                    },
+                )
+                self._dropped_after = None
+            self._stored(batch)
+
+    def _stored(self, batch: list[Event]) -> None:
+        self._in_flight = []
+        self.stored_id = batch[-1].id
+
+    def _refuse(self, exc: WriteRefused) -> None:
+        # Another owner took over (or the execution is gone): writing more would be wrong.
+        log.error(
+            "buffer refused the writer; its events stay live-only",
+            extra={
+                "executionId": self._execution_id,
+                "reason": exc.reason,
+                "pending": self.pending,
+            },
+        )
+        self.refused = exc
+        self._in_flight = []
+        self._waiting.clear()
+        self._idle.set()

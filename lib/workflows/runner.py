@@ -52,11 +52,13 @@ class Runner:
         buffer: EventBuffer,
         hub: Hub,
         executor: Executor,
+        max_pending_events: int = 10_000,
         node_id: str | None = None,
     ) -> None:
         self._buffer = buffer
         self._hub = hub
         self._executor = executor
+        self._max_pending = max_pending_events
         self._node_id = node_id or secrets.token_hex(4)
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._closing = False
@@ -88,9 +90,16 @@ class Runner:
             created_at=utc_timestamp(now),
             created_ms=int(now.timestamp() * 1000),
         )
-        publisher = self._hub.attach_local(execution_id, last_id=0)
+        writer = EventWriter(
+            buffer=self._buffer,
+            execution_id=execution_id,
+            fence=fence,
+            max_pending=self._max_pending,
+        )
+        # Attached before the task runs, so a reader arriving now already finds it local.
+        publisher = self._hub.attach_local(execution_id, last_id=0, unstored=writer.unstored)
         task = asyncio.create_task(
-            self._run(execution_id, workflow, input, fence, publisher),
+            self._run(workflow, input, writer, publisher),
             name=f"execution:{execution_id}",
         )
         self._tasks[execution_id] = task
@@ -98,22 +107,12 @@ class Runner:
         return Started(execution_id, "running")
 
     async def _run(
-        self,
-        execution_id: str,
-        workflow: Workflow,
-        input: Any,
-        fence: str,
-        publisher: LocalPublisher,
+        self, workflow: Workflow, input: Any, writer: EventWriter, publisher: LocalPublisher
     ) -> None:
         try:
-            async with EventWriter(
-                buffer=self._buffer,
-                execution_id=execution_id,
-                fence=fence,
-                on_stored=publisher.stored,
-            ) as writer:
+            async with writer:
                 emitter = Emitter(
-                    execution_id=execution_id,
+                    execution_id=publisher.execution_id,
                     workflow_id=workflow.id,
                     publisher=publisher,
                     writer=writer,

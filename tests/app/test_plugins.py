@@ -16,16 +16,24 @@ async def test_plugin_blocks_from_flowcast_plugins_run_and_stream(
 ) -> None:
     server = FlowcastServer(
         data_dir=tmp_path,
-        env={"FLOWCAST_REDIS_URL": valkey_url, "FLOWCAST_PLUGINS": "tests.support.plugins",
-             "FLOWCAST_REDIS_PREFIX": "plugins"},
+        env={
+            "FLOWCAST_REDIS_URL": valkey_url,
+            "FLOWCAST_PLUGINS": "tests.support.plugins",
+            "FLOWCAST_REDIS_PREFIX": "plugins",
+        },
     )
     await server.start()
     try:
         async with httpx.AsyncClient(base_url=server.url, timeout=20) as client:
             workflow = {
                 "id": "loud",
-                "blocks": [{"id": "say", "type": "python",
-                            "config": {"name": "shout", "args": {"text": "{{ input.text }}"}}}],
+                "blocks": [
+                    {
+                        "id": "say",
+                        "type": "python",
+                        "config": {"name": "shout", "args": {"text": "{{ input.text }}"}},
+                    }
+                ],
             }
             assert (await client.put("/api/workflows/loud", json=workflow)).status_code == 201
             unknown = {**workflow, "id": "quiet"}
@@ -34,7 +42,9 @@ async def test_plugin_blocks_from_flowcast_plugins_run_and_stream(
             assert response.status_code == 422
             assert "whisper" in response.text
             _, frames = await collect(
-                client, "/api/workflows/loud/execute", method="POST",
+                client,
+                "/api/workflows/loud/execute",
+                method="POST",
                 json={"input": {"text": "hello there"}},
             )
         envelopes = check_view(frames)

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 
-from lib.errors import BufferUnavailable, NotFound
+from lib.errors import NotFound, WriteRefused
 from lib.execution.buffer import EventBuffer
 from lib.execution.events import Event
 
@@ -65,21 +65,24 @@ async def test_append_refuses_a_batch_that_does_not_follow_the_last_id(buffer: E
     execution_id = await create(buffer)
     await buffer.append(execution_id, make_events(execution_id, 1, 2), fence="owner-1")
     for first in (2, 4):
-        with pytest.raises(BufferUnavailable, match="ORDER 2"):
+        with pytest.raises(WriteRefused) as refused:
             await buffer.append(execution_id, make_events(execution_id, first, 1), fence="owner-1")
+        assert refused.value.reason == "order" and refused.value.last_id == 2
     assert (await buffer.meta(execution_id)).last_id == 2
 
 
 async def test_append_refuses_a_writer_that_is_not_the_owner(buffer: EventBuffer) -> None:
     execution_id = await create(buffer, owner="owner-1")
-    with pytest.raises(BufferUnavailable, match="FENCED"):
+    with pytest.raises(WriteRefused) as refused:
         await buffer.append(execution_id, make_events(execution_id, 1, 1), fence="intruder")
+    assert refused.value.reason == "fenced"
     assert (await buffer.read(execution_id, after=0, limit=10)).events == []
 
 
 async def test_append_to_an_unknown_execution_is_refused(buffer: EventBuffer) -> None:
-    with pytest.raises(BufferUnavailable, match="NOEXEC"):
+    with pytest.raises(WriteRefused) as refused:
         await buffer.append("ex_missing", make_events("ex_missing", 1, 1), fence="x")
+    assert refused.value.reason == "gone"
     with pytest.raises(NotFound):
         await buffer.meta("ex_missing")
 
@@ -115,3 +118,18 @@ async def test_keys_share_one_hash_tag_and_carry_the_retention_ttl(
     assert f"{{{execution_id}}}" in stream_key and f"{{{execution_id}}}" in meta_key
     for key in (stream_key, meta_key):
         assert 0 < await redis.ttl(key) <= buffer.retention_seconds
+
+
+async def test_a_batch_after_dropped_ids_records_the_range_atomically(buffer: EventBuffer) -> None:
+    execution_id = await create(buffer)
+    await buffer.append(execution_id, make_events(execution_id, 1, 3), fence="owner-1")
+    with pytest.raises(WriteRefused):
+        await buffer.append(execution_id, make_events(execution_id, 8, 2), fence="owner-1")
+    await buffer.append(
+        execution_id, make_events(execution_id, 8, 2), fence="owner-1", after_drop=True
+    )
+    page = await buffer.read(execution_id, after=0, limit=100)
+    assert [event.id for event in page.events] == [1, 2, 3, 8, 9]
+    assert page.dropped == [(4, 7)]
+    assert page.gap_reason(3, 8) == "dropped"
+    assert page.gap_reason(0, 2) == "evicted"

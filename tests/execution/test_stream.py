@@ -58,10 +58,9 @@ async def test_readers_attaching_during_a_local_execution_get_every_event_once(
 ) -> None:
     execution_id = await create(buffer)
     async with Hub(buffer=buffer) as hub:
-        publisher = hub.attach_local(execution_id, last_id=0)
-        async with EventWriter(
-            buffer=buffer, execution_id=execution_id, fence="me", on_stored=publisher.stored
-        ) as writer:
+        writer = EventWriter(buffer=buffer, execution_id=execution_id, fence="me")
+        publisher = hub.attach_local(execution_id, last_id=0, unstored=writer.unstored)
+        async with writer:
             emitter = Emitter(
                 execution_id=execution_id, workflow_id="wf", publisher=publisher, writer=writer
             )
@@ -94,8 +93,9 @@ async def test_readers_on_another_process_follow_the_stored_log_without_polling(
     async def remote_writer() -> None:
         # Another process writes; this one only ever sees Redis.
         async with Hub(buffer=buffer) as other_hub:
-            publisher = other_hub.attach_local(execution_id, last_id=0)
-            async with EventWriter(buffer=buffer, execution_id=execution_id, fence="me") as writer:
+            writer = EventWriter(buffer=buffer, execution_id=execution_id, fence="me")
+            publisher = other_hub.attach_local(execution_id, last_id=0, unstored=writer.unstored)
+            async with writer:
                 emitter = Emitter(
                     execution_id=execution_id, workflow_id="wf", publisher=publisher, writer=writer
                 )
@@ -123,10 +123,9 @@ async def test_reader_closes_at_its_time_cap_and_a_reconnect_loses_nothing(
 ) -> None:
     execution_id = await create(buffer)
     async with Hub(buffer=buffer) as hub:
-        publisher = hub.attach_local(execution_id, last_id=0)
-        async with EventWriter(
-            buffer=buffer, execution_id=execution_id, fence="me", on_stored=publisher.stored
-        ) as writer:
+        writer = EventWriter(buffer=buffer, execution_id=execution_id, fence="me")
+        publisher = hub.attach_local(execution_id, last_id=0, unstored=writer.unstored)
+        async with writer:
             emitter = Emitter(
                 execution_id=execution_id, workflow_id="wf", publisher=publisher, writer=writer
             )
