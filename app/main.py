@@ -16,10 +16,10 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI
-from redis.asyncio import Redis
 
 from app import errors, logs
 from app.embedded import EmbeddedValkey
+from app.connections import connect
 from app.routes import executions, health, streams, workflows
 from app.services import Services
 from app.settings import Settings
@@ -64,12 +64,7 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
             engine = EmbeddedValkey(data_dir=settings.data_dir / "valkey")
             await stack.enter_async_context(engine)
             redis_url = engine.url
-        redis: Redis = Redis.from_url(
-            redis_url,
-            socket_connect_timeout=5,
-            socket_timeout=TAIL_BLOCK_MS / 1000 + 10,
-            health_check_interval=30,
-        )
+        redis = connect(redis_url, socket_timeout=TAIL_BLOCK_MS / 1000 + 10)
         stack.push_async_callback(redis.aclose)
 
         values_dir = settings.data_dir / "values"
