@@ -36,7 +36,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     # Linux only: the child gets SIGTERM when the process that started it exits.
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -78,7 +78,7 @@ class EmbeddedValkey:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         await self._wait_ready(timeout)
         log.info("embedded valkey started", extra={"port": self.port, "dir": str(self.data_dir)})

@@ -15,7 +15,7 @@ from typing import Any, ParamSpec, TypeVar, cast
 
 import orjson
 from redis.asyncio import Redis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from lib.errors import BufferUnavailable, FlowcastError, NotFound, WriteRefused
 from lib.execution.events import TERMINAL_STATUSES, Event
@@ -36,7 +36,9 @@ def _translated(method: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
             return await method(*args, **kwargs)
         except ResponseError as exc:
             raise BufferUnavailable(f"the buffer refused the command: {exc}") from exc
-        except (RedisError, OSError) as exc:
+        # RedisClusterException is not a RedisError: the cluster client raises it when
+        # no node answers or a slot has no node, and it must not escape the buffer.
+        except (RedisError, RedisClusterException, OSError) as exc:
             raise BufferUnavailable(f"the buffer is unreachable: {exc}") from exc
 
     return wrapper
@@ -295,11 +297,16 @@ class EventBuffer:
             await self.redis.zrem(index, *expired)
         return found
 
+    @_translated
+    async def exists(self, execution_id: str) -> bool:
+        """True while the execution's metadata exists (it expires with retention)."""
+        return bool(await self.redis.exists(self.meta_key(execution_id)))
+
     async def ping(self) -> bool:
         """True when the buffer answers."""
         try:
             return bool(await self.redis.ping())
-        except (RedisError, OSError):
+        except (RedisError, RedisClusterException, OSError):
             return False
 
 

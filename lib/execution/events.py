@@ -111,6 +111,10 @@ class Event:
         return self.type in TERMINAL_TYPES
 
     def envelope(self) -> dict[str, Any]:
+        """The envelope as a dict (decoded from the stored bytes for a stored event)."""
+        if self._data is None:
+            envelope: dict[str, Any] = orjson.loads(self.json)
+            return envelope
         return {
             "id": self.id,
             "type": self.type,

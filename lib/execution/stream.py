@@ -129,6 +129,10 @@ class StreamReader:
                 break
         if self.last_sent + 1 < before:
             reason = page.gap_reason(self.last_sent, before)
+            if before - 1 > page.meta.last_id:
+                # Ids past the last stored one were never stored, so not evicted: the
+                # writer dropped them and has not recorded the range yet.
+                reason = "dropped"
             parts.append(gap_frame(self.last_sent, before, reason))
 
     def _accept(self, events: list[Event], page: Page) -> bytes:

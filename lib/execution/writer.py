@@ -77,7 +77,9 @@ class EventWriter:
         self._retry_max = retry_max_seconds
         self._in_flight: list[Event] = []
         self._waiting: deque[Event] = deque()
-        self._dropped_after: int | None = None  # set while a dropped range awaits recording
+        # The highest id dropped so far. Drops only ever take the oldest waiting events,
+        # so any ids between the stored id and the next batch are dropped ones.
+        self._last_dropped = 0
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -117,8 +119,7 @@ class EventWriter:
             self._drop(self._waiting.popleft())
 
     def _drop(self, event: Event) -> None:
-        if self._dropped_after is None:
-            self._dropped_after = event.id - 1
+        self._last_dropped = event.id
         self.dropped_events += 1
 
     def unstored(self) -> list[Event]:
@@ -154,7 +155,10 @@ class EventWriter:
                     continue
                 self._in_flight = self._next_batch()
             batch = self._in_flight
-            after_drop = self._dropped_after is not None and batch[0].id > self.stored_id + 1
+            # Recomputed on every try: events may be dropped while a batch is in flight
+            # (even one that itself records an earlier drop), and each range is recorded
+            # by the batch that follows it.
+            after_drop = self._last_dropped > self.stored_id and batch[0].id > self.stored_id + 1
             try:
                 await self._buffer.append(
                     self._execution_id,
@@ -170,6 +174,7 @@ class EventWriter:
                     and exc.last_id >= batch[-1].id
                 ):
                     # An earlier try of this batch was applied but its reply was lost.
+                    delay = self._retry_base
                     self._stored(batch)
                     continue
                 self._refuse(exc)
@@ -185,7 +190,7 @@ class EventWriter:
                         "error": str(exc),
                     },
                 )
-                # Full jitter keeps many writers from retrying in step after an outage.
+                # Jitter keeps many writers from retrying in step after an outage.
                 await asyncio.sleep(random.uniform(delay / 2, delay))
                 delay = min(delay * 2, self._retry_max)
                 continue
@@ -199,7 +204,6 @@ class EventWriter:
                         "toId": batch[0].id - 1,
                     },
                 )
-                self._dropped_after = None
             self._stored(batch)
 
     def _stored(self, batch: list[Event]) -> None:

@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import orjson
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from lib.errors import BufferUnavailable, Conflict, FlowcastError, InvalidInput, NotFound, Problem
 from lib.workflows.model import Workflow
@@ -107,14 +107,14 @@ class WorkflowStore:
         raw = orjson.dumps(workflow.model_dump(by_alias=True, exclude_none=True, mode="json"))
         try:
             created = await self._redis.hset(self._key(tenant), workflow_id, raw)
-        except (RedisError, OSError) as exc:
+        except (RedisError, RedisClusterException, OSError) as exc:
             raise BufferUnavailable(f"could not store the workflow: {exc}") from exc
         return workflow, bool(created) and workflow_id not in self._files
 
     async def get(self, tenant: str, workflow_id: str) -> StoredWorkflow:
         try:
             raw = cast(bytes | None, await self._redis.hget(self._key(tenant), workflow_id))
-        except (RedisError, OSError) as exc:
+        except (RedisError, RedisClusterException, OSError) as exc:
             raise BufferUnavailable(f"could not read the workflow: {exc}") from exc
         if raw is not None:
             return StoredWorkflow(self._parse(raw), "api")
@@ -125,7 +125,7 @@ class WorkflowStore:
     async def list(self, tenant: str) -> list[StoredWorkflow]:
         try:
             stored = cast(dict[bytes, bytes], await self._redis.hgetall(self._key(tenant)))
-        except (RedisError, OSError) as exc:
+        except (RedisError, RedisClusterException, OSError) as exc:
             raise BufferUnavailable(f"could not list workflows: {exc}") from exc
         found: dict[str, StoredWorkflow] = {
             workflow_id: StoredWorkflow(workflow, "file")
@@ -145,7 +145,7 @@ class WorkflowStore:
     async def delete(self, tenant: str, workflow_id: str) -> None:
         try:
             removed = await self._redis.hdel(self._key(tenant), workflow_id)
-        except (RedisError, OSError) as exc:
+        except (RedisError, RedisClusterException, OSError) as exc:
             raise BufferUnavailable(f"could not delete the workflow: {exc}") from exc
         if removed:
             return

@@ -24,6 +24,8 @@ class ValkeyServer(EmbeddedValkey):
         if process is not None:
             process.kill()
             process.wait()
+            if process.stderr is not None:
+                process.stderr.close()
             self._process = None
 
 

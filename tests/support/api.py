@@ -1,0 +1,49 @@
+"""Helpers that drive Flowcast's HTTP API the way a client would."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+
+
+def streaming_workflow(workflow_id: str, words: int = 30, tps: float = 0) -> dict[str, Any]:
+    text = " ".join(f"w{i}" for i in range(words))
+    return {
+        "id": workflow_id,
+        "blocks": [
+            {"id": "intro", "type": "transform", "config": {"value": "{{ input.name }}"}},
+            {"id": "talk", "type": "generate", "config": {"text": text, "tokensPerSecond": tps}},
+            {
+                "id": "done",
+                "type": "transform",
+                "config": {"value": {"who": "{{ blocks.intro.output }}"}},
+            },
+        ],
+        "edges": [{"from": "intro", "to": "talk"}, {"from": "talk", "to": "done"}],
+    }
+
+
+async def put(client: httpx.AsyncClient, workflow: dict[str, Any]) -> None:
+    response = await client.put(f"/api/workflows/{workflow['id']}", json=workflow)
+    assert response.status_code in (200, 201), response.text
+
+
+async def all_events(client: httpx.AsyncClient, execution_id: str) -> list[dict[str, Any]]:
+    found: list[dict[str, Any]] = []
+    after = 0
+    while True:
+        page = (await client.get(f"/api/executions/{execution_id}/events?after={after}")).json()
+        found += page["events"]
+        if not page["events"]:
+            return found
+        after = page["nextAfter"]
+
+
+async def wait_finished(client: httpx.AsyncClient, execution_id: str) -> dict[str, Any]:
+    while True:
+        snapshot = (await client.get(f"/api/executions/{execution_id}")).json()
+        if snapshot["status"] in ("completed", "failed", "cancelled"):
+            return snapshot
+        await asyncio.sleep(0.02)
