@@ -18,14 +18,16 @@ import httpx
 from fastapi import FastAPI
 
 from app import errors, logs
-from app.embedded import EmbeddedValkey
 from app.connections import connect
-from app.routes import executions, health, streams, workflows
+from app.embedded import EmbeddedValkey
+from app.routes import executions, health, streams, values, workflows
 from app.services import Services
 from app.settings import Settings
 from app.tokens import StreamTokens, load_secret
 from lib.execution.buffer import EventBuffer
 from lib.execution.hub import Hub
+from lib.execution.retention import Sweeper
+from lib.execution.values import LocalValueStore, ValueStore
 from lib.workflows.blocks import BlockTypes
 from lib.workflows.blocks.base import BlockServices
 from lib.workflows.executor import Executor
@@ -51,7 +53,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=functools.partial(_lifespan, settings=settings),
     )
     errors.install(app)
-    for module in (health, workflows, executions, streams):
+    for module in (health, workflows, executions, streams, values):
         app.include_router(module.router)
     return app
 
@@ -67,8 +69,17 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
         redis = connect(redis_url, socket_timeout=TAIL_BLOCK_MS / 1000 + 10)
         stack.push_async_callback(redis.aclose)
 
-        values_dir = settings.data_dir / "values"
-        values_dir.mkdir(parents=True, exist_ok=True)
+        buffer = EventBuffer(
+            redis=redis,
+            prefix=settings.redis_prefix,
+            event_limit=settings.event_limit,
+            budget_bytes=settings.event_budget_bytes,
+            retention_seconds=settings.retention_seconds,
+        )
+        values = _value_store(settings)
+        await stack.enter_async_context(
+            Sweeper(store=values, buffer=buffer, interval_seconds=settings.sweep_seconds)
+        )
 
         block_types = BlockTypes.builtin(load_plugins(settings.plugin_modules))
         templates = Templates()
@@ -100,15 +111,15 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
             concurrency=settings.block_concurrency,
         )
 
-        buffer = EventBuffer(
-            redis=redis,
-            prefix=settings.redis_prefix,
-            event_limit=settings.event_limit,
-            budget_bytes=settings.event_budget_bytes,
-            retention_seconds=settings.retention_seconds,
-        )
         hub = await stack.enter_async_context(Hub(buffer=buffer, tail_block_ms=TAIL_BLOCK_MS))
-        runner = await stack.enter_async_context(Runner(buffer=buffer, hub=hub, executor=executor))
+        runner = await stack.enter_async_context(
+            Runner(
+                buffer=buffer,
+                hub=hub,
+                executor=executor,
+                max_pending_events=settings.max_pending_events,
+            )
+        )
         app.state.services = Services(
             settings=settings,
             buffer=buffer,
@@ -121,8 +132,23 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
                 secret=load_secret(settings.secret_key, settings.data_dir),
                 lifetime_seconds=settings.stream_token_seconds,
             ),
-            values_dir=values_dir,
+            values=values,
         )
         if not settings.api_keys:
             log.warning("no FLOWCAST_API_KEYS set: the API is open, so serve it on loopback only")
         yield
+
+
+def _value_store(settings: Settings) -> ValueStore:
+    """S3 when a bucket is configured, else a directory under the data directory."""
+    if settings.s3_bucket:
+        from lib.execution.s3 import S3ValueStore  # boto3 is imported only when used
+
+        return S3ValueStore(
+            bucket=settings.s3_bucket,
+            prefix=settings.s3_prefix,
+            endpoint_url=settings.s3_endpoint_url,
+        )
+    root = settings.data_dir / "values"
+    root.mkdir(parents=True, exist_ok=True)
+    return LocalValueStore(root=root)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from fastapi import Request
 
@@ -11,6 +10,7 @@ from app.settings import Settings
 from app.tokens import StreamTokens
 from lib.execution.buffer import EventBuffer
 from lib.execution.hub import Hub
+from lib.execution.values import ValueStore
 from lib.workflows.runner import Runner
 from lib.workflows.store import WorkflowStore
 
@@ -25,7 +25,7 @@ class Services:
     runner: Runner
     workflows: WorkflowStore
     tokens: StreamTokens
-    values_dir: Path
+    values: ValueStore
 
 
 def services(request: Request) -> Services:

@@ -28,6 +28,7 @@ class Settings(BaseSettings):
     inline_file_bytes: int = Field(8 * 1024 * 1024, ge=0)
     max_pending_events: int = Field(10_000, ge=1)
     retention_seconds: int = Field(86_400, ge=1)
+    sweep_seconds: float = Field(600.0, gt=0)
     sse_ping_seconds: float = Field(15.0, gt=0)
     sse_max_seconds: float = Field(3600.0, gt=0)
     block_concurrency: int = Field(8, ge=1, le=1024)

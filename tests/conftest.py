@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -10,6 +11,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
+from tests.support.s3 import CREDENTIALS, MotoServer
 from tests.support.servers import FlowcastServer, ValkeyServer
 
 
@@ -59,3 +61,13 @@ def unique() -> str:
 @pytest.fixture
 def valkey_url(valkey: ValkeyServer) -> str:
     return valkey.url
+
+
+@pytest.fixture(scope="session")
+async def moto(session_dir: Path) -> AsyncIterator[MotoServer]:
+    for name, value in CREDENTIALS.items():
+        os.environ.setdefault(name, value)
+    server = MotoServer(log_path=session_dir / "moto.log")
+    await server.start()
+    yield server
+    await server.stop()

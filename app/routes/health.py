@@ -21,7 +21,7 @@ async def healthz() -> JSON:
 async def readyz(svc: Annotated[Services, Depends(services)]) -> JSON:
     checks = {
         "buffer": await svc.buffer.ping(),
-        "values": svc.values_dir.is_dir(),
+        "values": await svc.values.ping(),
     }
     ready = all(checks.values())
     return JSON(

@@ -1,16 +1,29 @@
-"""The emitter: gives each event its id and hands it to live readers and the writer."""
+"""The emitter: gives each event its id, compacts large values, hands it on.
+
+Emitting is synchronous and never waits. An event whose envelope is small enough that
+no value inside can need offloading goes straight to the live readers and the writer.
+Any other event, and every event behind it, waits in order for one compaction task,
+which offloads its large values and then hands it on; so live and stored copies are the
+same bytes and order is kept without blocking the workflow.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections import deque
 from typing import Any
 
 from lib.execution.events import Event
 from lib.execution.hub import LocalPublisher
+from lib.execution.offload import Compactor
 from lib.execution.writer import EventWriter
+
+log = logging.getLogger(__name__)
 
 
 class Emitter:
-    """Assigns ids 1, 2, 3, … in emit order; publishing is synchronous and never waits."""
+    """Assigns ids 1, 2, 3, … in emit order and delivers events in that order."""
 
     def __init__(
         self,
@@ -19,16 +32,36 @@ class Emitter:
         workflow_id: str,
         publisher: LocalPublisher,
         writer: EventWriter,
+        compactor: Compactor | None = None,
         last_id: int = 0,
     ) -> None:
         self.execution_id = execution_id
         self.workflow_id = workflow_id
         self._publisher = publisher
         self._writer = writer
+        self._compactor = compactor
+        self._backlog: deque[Event] = deque()
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._task: asyncio.Task[None] | None = None
         self.last_id = last_id
 
-    def emit(self, type: str, data: dict[str, Any]) -> Event:
-        """Emit one event now: readers attached here see it before it is stored."""
+    async def __aenter__(self) -> Emitter:
+        if self._compactor is not None:
+            self._task = asyncio.create_task(self._compact_backlog(), name="compact")
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        try:
+            await self._idle.wait()
+        finally:
+            if self._task is not None:
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
+
+    def emit(self, type: str, data: dict[str, Any]) -> None:
+        """Emit one event now; readers attached here see it before it is stored."""
         self.last_id += 1
         event = Event(
             id=self.last_id,
@@ -37,6 +70,43 @@ class Emitter:
             workflow_id=self.workflow_id,
             data=data,
         )
+        compactor = self._compactor
+        if self._backlog or (compactor is not None and not compactor.fits(len(event.json))):
+            self._backlog.append(event)
+            self._idle.clear()
+            self._wakeup.set()
+        else:
+            self._deliver(event)
+
+    def _deliver(self, event: Event) -> None:
+        if self._compactor is not None:
+            self._compactor.stored(len(event.json))
         self._publisher.publish(event)
         self._writer.put(event)
-        return event
+
+    async def _compact_backlog(self) -> None:
+        assert self._compactor is not None
+        while True:
+            if not self._backlog:
+                self._idle.set()
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            event = self._backlog[0]
+            try:
+                data = await self._compactor.compact(event.data)
+            except Exception:
+                # A bug in compaction must not lose the event: send it as it is.
+                log.exception("compaction failed", extra={"executionId": self.execution_id})
+                data = event.data
+            self._backlog.popleft()
+            self._deliver(
+                Event(
+                    id=event.id,
+                    type=event.type,
+                    execution_id=event.execution_id,
+                    workflow_id=event.workflow_id,
+                    data=data,
+                    ts=event.ts,
+                )
+            )

@@ -1,0 +1,224 @@
+"""Compaction: large values inside an event's ``data`` become refs to the value store.
+
+Before an event is stored (and before live readers see it, so both copies are the same
+bytes), every value whose JSON is larger than the threshold is written to the value
+store and replaced by ``{"$ref": "value", "id", "kind", "size", "preview", "sha256"}``.
+The walk is bottom-up: children first, then a container that is still too large.
+
+The threshold is ``large_value_bytes`` until the execution's ring is under pressure
+(retained bytes past half the budget), then budget ÷ event limit, so a full ring still
+fits. The retained bytes are modelled here, event by event as compacted, exactly as the
+ring script evicts, so a burst cannot slip through at the loose threshold before a
+flush catches up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from lib.errors import FlowcastError
+from lib.execution.values import ValueStore, value_id
+
+log = logging.getLogger(__name__)
+
+PREVIEW_CHARS = 256
+PREVIEW_KEYS = 20
+FILE_KEYS = frozenset({"name", "mimeType", "size", "base64"})
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """The thresholds of SPEC §5, from the buffer's bounds and the configured caps."""
+
+    large_value_bytes: int = 8 * 1024 * 1024
+    budget_bytes: int = 64 * 1024 * 1024
+    event_limit: int = 10_000
+    inline_file_bytes: int = 8 * 1024 * 1024
+    attempts: int = 3
+    retry_base_seconds: float = 0.05
+
+    @property
+    def pressure_bytes(self) -> int:
+        return min(self.large_value_bytes, max(self.budget_bytes // self.event_limit, 64))
+
+
+class RingModel:
+    """The retained bytes of an execution's ring, evicting as the Lua script does."""
+
+    def __init__(self, *, budget_bytes: int, event_limit: int) -> None:
+        self._budget = budget_bytes
+        self._limit = event_limit
+        self._sizes: deque[int] = deque()
+        self.retained_bytes = 0
+
+    def add(self, size: int) -> None:
+        self._sizes.append(size)
+        self.retained_bytes += size
+        while len(self._sizes) > 1 and (
+            len(self._sizes) > self._limit or self.retained_bytes > self._budget
+        ):
+            self.retained_bytes -= self._sizes.popleft()
+
+    @property
+    def under_pressure(self) -> bool:
+        return self.retained_bytes > self._budget // 2
+
+
+def is_file_value(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and value.keys() == FILE_KEYS
+        and isinstance(value.get("base64"), str)
+    )
+
+
+def _preview(value: Any) -> Any:
+    if isinstance(value, str):
+        return value[:PREVIEW_CHARS]
+    if isinstance(value, list):
+        return len(value)
+    return list(value)[:PREVIEW_KEYS]
+
+
+def _kind(value: Any) -> str:
+    return "string" if isinstance(value, str) else "array" if isinstance(value, list) else "object"
+
+
+class Compactor:
+    """Compacts one execution's events; keeps the ring model and what it stored."""
+
+    def __init__(
+        self,
+        *,
+        store: ValueStore,
+        execution_id: str,
+        policy: OffloadPolicy,
+        inline_files: bool = False,
+    ) -> None:
+        self._store = store
+        self._execution_id = execution_id
+        self._policy = policy
+        self._inline_files = inline_files
+        self.ring = RingModel(budget_bytes=policy.budget_bytes, event_limit=policy.event_limit)
+        self._stored: set[str] = set()
+        self.offloaded_bytes = 0
+        self.offload_failures = 0
+
+    @property
+    def threshold(self) -> int:
+        """The offload threshold in force now."""
+        if self.ring.under_pressure:
+            return self._policy.pressure_bytes
+        return self._policy.large_value_bytes
+
+    def fits(self, envelope_size: int) -> bool:
+        """True when no value inside an envelope this size can need offloading."""
+        return envelope_size <= min(self.threshold, self._policy.inline_file_bytes)
+
+    def stored(self, envelope_size: int) -> None:
+        """Count an event, as it will be stored, into the ring model."""
+        self.ring.add(envelope_size)
+
+    async def compact(self, data: dict[str, Any]) -> dict[str, Any]:
+        """``data`` with every value above the threshold replaced by a ref."""
+        threshold = self.threshold
+        compacted: dict[str, Any] = {}
+        for key, value in data.items():
+            compacted[key], _ = await self._walk(value, threshold)
+        return compacted
+
+    async def _walk(self, value: Any, threshold: int) -> tuple[Any, int]:
+        """The compacted value and the size that counts for its ancestors' decisions."""
+        if isinstance(value, str):
+            size = len(orjson.dumps(value))
+            if size > threshold:
+                return await self._offload(value, orjson.dumps(value), threshold), 0
+            return value, size
+        if self._inline_files and is_file_value(value):
+            return await self._walk_inline_file(value)
+        if isinstance(value, list):
+            items = []
+            size = 2 + max(len(value) - 1, 0)
+            for item in value:
+                new_item, item_size = await self._walk(item, threshold)
+                items.append(new_item)
+                size += item_size
+            if size > threshold:
+                return await self._offload(value, orjson.dumps(value), threshold), 0
+            return items, size
+        if isinstance(value, dict):
+            fields = {}
+            size = 2 + max(len(value) - 1, 0)
+            for key, item in value.items():
+                new_item, item_size = await self._walk(item, threshold)
+                fields[key] = new_item
+                size += len(orjson.dumps(key)) + 1 + item_size
+            if size > threshold:
+                return await self._offload(value, orjson.dumps(value), threshold), 0
+            return fields, size
+        return value, len(orjson.dumps(value))
+
+    async def _walk_inline_file(self, value: dict[str, Any]) -> tuple[Any, int]:
+        # Files kept inline on request are exempt from the pressure threshold, and so
+        # count for nothing in their ancestors' decisions: only their own cap applies,
+        # and past it just the content goes to the store.
+        content = value["base64"]
+        encoded = orjson.dumps(content)
+        if len(encoded) > self._policy.inline_file_bytes:
+            content = await self._offload(content, encoded, self._policy.inline_file_bytes)
+        return {**value, "base64": content}, 0
+
+    async def _offload(self, value: Any, encoded: bytes, threshold: int) -> Any:
+        digest = hashlib.sha256(encoded).hexdigest()
+        ref: dict[str, Any] = {
+            "$ref": "value",
+            "id": value_id(digest),
+            "kind": _kind(value),
+            "size": len(encoded),
+            "preview": _preview(value),
+            "sha256": digest,
+        }
+        if await self._put(ref["id"], encoded):
+            return ref
+        self.offload_failures += 1
+        if len(encoded) <= self._policy.large_value_bytes:
+            # Offloading only for pressure failed: keep it inline at the normal threshold.
+            return value
+        log.error(
+            "large value could not be stored; the event keeps a preview only",
+            extra={"executionId": self._execution_id, "valueId": ref["id"], "size": len(encoded)},
+        )
+        return {**ref, "available": False}
+
+    async def _put(self, value: str, encoded: bytes) -> bool:
+        if value in self._stored:
+            return True
+        delay = self._policy.retry_base_seconds
+        for attempt in range(1, self._policy.attempts + 1):
+            try:
+                await self._store.put(self._execution_id, value, encoded)
+            except FlowcastError as exc:
+                log.warning(
+                    "value offload failed",
+                    extra={
+                        "executionId": self._execution_id,
+                        "attempt": attempt,
+                        "error": str(exc),
+                    },
+                )
+                if attempt < self._policy.attempts:
+                    await asyncio.sleep(random.uniform(delay / 2, delay))
+                    delay *= 4
+                continue
+            self._stored.add(value)
+            self.offloaded_bytes += len(encoded)
+            return True
+        return False

@@ -1,0 +1,115 @@
+"""The S3 value store (any S3-compatible service); the only module that imports boto3.
+
+boto3 is blocking, so every call runs in a worker thread and the event loop never waits
+on the network. Objects live under ``<prefix><execution id>/<value id>``; values of
+expired executions go with the bucket's lifecycle rule or the sweeper (see README).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from lib.errors import NotFound
+from lib.execution.values import CHUNK_BYTES, Sha256Check, ValueStoreError, check_ids
+
+MISSING = {"NoSuchKey", "404", "NotFound"}
+
+
+class S3ValueStore:
+    """Values as S3 objects in one bucket under an optional prefix."""
+
+    def __init__(
+        self,
+        *,
+        bucket: str,
+        prefix: str = "",
+        endpoint_url: str | None = None,
+        client: Any = None,
+    ) -> None:
+        self.bucket = bucket
+        self.prefix = prefix
+        self._client = client or boto3.client(
+            "s3",
+            endpoint_url=endpoint_url,
+            config=Config(retries={"max_attempts": 3, "mode": "standard"}),
+        )
+
+    def _key(self, execution_id: str, value: str) -> str:
+        check_ids(execution_id, value)
+        return f"{self.prefix}{execution_id}/{value}"
+
+    async def put(self, execution_id: str, value: str, data: bytes) -> None:
+        key = self._key(execution_id, value)
+        try:
+            await asyncio.to_thread(
+                self._client.put_object,
+                Bucket=self.bucket,
+                Key=key,
+                Body=data,
+                ContentType="application/json",
+            )
+        except (BotoCoreError, ClientError) as exc:
+            raise ValueStoreError(f"could not store value {value}: {exc}") from exc
+
+    async def read(self, execution_id: str, value: str) -> AsyncIterator[bytes]:
+        key = self._key(execution_id, value)
+        try:
+            response = await asyncio.to_thread(self._client.get_object, Bucket=self.bucket, Key=key)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in MISSING:
+                raise NotFound("value", value) from None
+            raise ValueStoreError(f"could not read value {value}: {exc}") from exc
+        except BotoCoreError as exc:
+            raise ValueStoreError(f"could not read value {value}: {exc}") from exc
+        body = response["Body"]
+        check = Sha256Check(value)
+        try:
+            while chunk := await asyncio.to_thread(body.read, CHUNK_BYTES):
+                yield check.update(chunk)
+        except (BotoCoreError, ClientError) as exc:
+            raise ValueStoreError(f"reading value {value} failed: {exc}") from exc
+        finally:
+            body.close()
+        check.verify(execution_id, value)
+
+    async def delete_execution(self, execution_id: str) -> None:
+        prefix = f"{self.prefix}{execution_id}/"
+
+        def delete() -> None:
+            paginator = self._client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+                keys: list[Any] = [{"Key": item["Key"]} for item in page.get("Contents", [])]
+                if keys:
+                    self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys})
+
+        try:
+            await asyncio.to_thread(delete)
+        except (BotoCoreError, ClientError) as exc:
+            raise ValueStoreError(f"could not delete values of {execution_id}: {exc}") from exc
+
+    async def executions(self) -> list[str]:
+        def scan() -> list[str]:
+            found: list[str] = []
+            paginator = self._client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix, Delimiter="/"):
+                for common in page.get("CommonPrefixes", []):
+                    found.append(common["Prefix"][len(self.prefix) :].rstrip("/"))
+            return found
+
+        try:
+            return await asyncio.to_thread(scan)
+        except (BotoCoreError, ClientError) as exc:
+            raise ValueStoreError(f"could not list values: {exc}") from exc
+
+    async def ping(self) -> bool:
+        try:
+            await asyncio.to_thread(self._client.head_bucket, Bucket=self.bucket)
+        except (BotoCoreError, ClientError):
+            return False
+        return True

@@ -1,0 +1,94 @@
+"""The value store contract, run against the local directory and S3 (moto over HTTP)."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import boto3
+import pytest
+
+from lib.errors import NotFound
+from lib.execution.s3 import S3ValueStore
+from lib.execution.values import CorruptValue, LocalValueStore, ValueStore, value_id
+from tests.support.s3 import MotoServer
+
+
+@pytest.fixture(params=["local", "s3"])
+async def store(
+    request: pytest.FixtureRequest, tmp_path: Path, moto: MotoServer
+) -> AsyncIterator[ValueStore]:
+    if request.param == "local":
+        yield LocalValueStore(root=tmp_path / "values")
+        return
+    bucket = f"values-{uuid.uuid4().hex[:8]}"
+    client = boto3.client("s3", endpoint_url=moto.url)
+    client.create_bucket(Bucket=bucket)
+    yield S3ValueStore(bucket=bucket, prefix="fc/", endpoint_url=moto.url)
+
+
+def ident(data: bytes) -> str:
+    return value_id(hashlib.sha256(data).hexdigest())
+
+
+async def read_all(store: ValueStore, execution_id: str, value: str) -> bytes:
+    return b"".join([chunk async for chunk in store.read(execution_id, value)])
+
+
+async def test_a_stored_value_reads_back_whole(store: ValueStore) -> None:
+    data = b'"' + b"x" * 3_000_000 + b'"'
+    await store.put("ex_one", ident(data), data)
+    assert await read_all(store, "ex_one", ident(data)) == data
+    assert await store.ping()
+
+
+async def test_an_unknown_value_or_another_executions_value_is_not_found(
+    store: ValueStore,
+) -> None:
+    data = b"[1,2,3]"
+    await store.put("ex_one", ident(data), data)
+    with pytest.raises(NotFound):
+        await read_all(store, "ex_two", ident(data))
+    with pytest.raises(NotFound):
+        await read_all(store, "ex_one", ident(b"other"))
+
+
+async def test_ids_that_were_never_issued_are_not_found(store: ValueStore) -> None:
+    for execution_id, value in [
+        ("../etc", ident(b"1")),
+        ("ex_one", "lv_../../secret"),
+        ("ex_one", "lv_" + "g" * 64),
+        ("ex one", ident(b"1")),
+    ]:
+        with pytest.raises(NotFound):
+            await read_all(store, execution_id, value)
+
+
+async def test_content_that_does_not_match_its_sha256_is_refused(
+    store: ValueStore, tmp_path: Path, moto: MotoServer
+) -> None:
+    data = b'{"a": 1}'
+    value = ident(data)
+    await store.put("ex_bad", value, data)
+    if isinstance(store, LocalValueStore):
+        (store.root / "ex_bad" / value).write_bytes(b'{"a": 2}')
+    else:
+        assert isinstance(store, S3ValueStore)
+        client = boto3.client("s3", endpoint_url=moto.url)
+        client.put_object(Bucket=store.bucket, Key=f"fc/ex_bad/{value}", Body=b'{"a": 2}')
+    with pytest.raises(CorruptValue):
+        await read_all(store, "ex_bad", value)
+
+
+async def test_values_are_listed_and_deleted_per_execution(store: ValueStore) -> None:
+    for execution_id in ("ex_keep", "ex_drop"):
+        for data in (b"1", b"2"):
+            await store.put(execution_id, ident(data), data)
+    assert sorted(await store.executions()) == ["ex_drop", "ex_keep"]
+    await store.delete_execution("ex_drop")
+    assert await store.executions() == ["ex_keep"]
+    with pytest.raises(NotFound):
+        await read_all(store, "ex_drop", ident(b"1"))
+    assert await read_all(store, "ex_keep", ident(b"2")) == b"2"

@@ -1,0 +1,60 @@
+"""moto's S3 server in its own process on loopback, for the S3 value store tests."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from app.embedded import free_port
+
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+class MotoServer:
+    """``moto_server`` on 127.0.0.1 and a free port."""
+
+    def __init__(self, *, log_path: Path) -> None:
+        self.port = free_port()
+        self.log_path = log_path
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self, timeout: float = 30.0) -> None:
+        binary = Path(sys.executable).with_name("moto_server")
+        with self.log_path.open("wb") as log:
+            self._process = subprocess.Popen(
+                [str(binary), "-H", "127.0.0.1", "-p", str(self.port)],
+                stdout=log,
+                stderr=log,
+                env={**os.environ, **CREDENTIALS},
+            )
+        deadline = asyncio.get_running_loop().time() + timeout
+        async with httpx.AsyncClient(timeout=2) as client:
+            while True:
+                if self._process.poll() is not None:
+                    raise RuntimeError(f"moto_server exited:\n{self.log_path.read_text()}")
+                try:
+                    await client.get(self.url)
+                    return
+                except httpx.TransportError:
+                    if asyncio.get_running_loop().time() > deadline:
+                        raise
+                await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
+            process.terminate()
+            await asyncio.to_thread(process.wait, 10)
