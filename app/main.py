@@ -26,6 +26,7 @@ from app.settings import Settings
 from app.tokens import StreamTokens, load_secret
 from lib.execution.buffer import EventBuffer
 from lib.execution.hub import Hub
+from lib.execution.offload import OffloadPolicy
 from lib.execution.retention import Sweeper
 from lib.execution.values import LocalValueStore, ValueStore
 from lib.workflows.blocks import BlockTypes
@@ -117,6 +118,13 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
                 buffer=buffer,
                 hub=hub,
                 executor=executor,
+                values=values,
+                offload=OffloadPolicy(
+                    large_value_bytes=settings.large_value_bytes,
+                    budget_bytes=settings.event_budget_bytes,
+                    event_limit=settings.event_limit,
+                    inline_file_bytes=settings.inline_file_bytes,
+                ),
                 max_pending_events=settings.max_pending_events,
             )
         )

@@ -82,7 +82,9 @@ async def execute(
     """Start an execution; stream it when the client accepts SSE, else answer 202."""
     body = body or ExecuteRequest()
     stored = await svc.workflows.get(tenant_id, workflow_id)
-    started = await svc.runner.start(stored.workflow, input=body.input, tenant=tenant_id)
+    started = await svc.runner.start(
+        stored.workflow, input=body.input, tenant=tenant_id, inline_files=body.inline_files
+    )
     if "text/event-stream" in request.headers.get("accept", ""):
         return sse_response(svc, started.execution_id, cursor=0)
     answer = {

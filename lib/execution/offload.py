@@ -138,10 +138,10 @@ class Compactor:
     async def _walk(self, value: Any, threshold: int) -> tuple[Any, int]:
         """The compacted value and the size that counts for its ancestors' decisions."""
         if isinstance(value, str):
-            size = len(orjson.dumps(value))
-            if size > threshold:
-                return await self._offload(value, orjson.dumps(value), threshold), 0
-            return value, size
+            encoded = orjson.dumps(value)
+            if len(encoded) > threshold:
+                return await self._offload(value, encoded), 0
+            return value, len(encoded)
         if self._inline_files and is_file_value(value):
             return await self._walk_inline_file(value)
         if isinstance(value, list):
@@ -152,7 +152,7 @@ class Compactor:
                 items.append(new_item)
                 size += item_size
             if size > threshold:
-                return await self._offload(value, orjson.dumps(value), threshold), 0
+                return await self._offload(value, orjson.dumps(value)), 0
             return items, size
         if isinstance(value, dict):
             fields = {}
@@ -162,7 +162,7 @@ class Compactor:
                 fields[key] = new_item
                 size += len(orjson.dumps(key)) + 1 + item_size
             if size > threshold:
-                return await self._offload(value, orjson.dumps(value), threshold), 0
+                return await self._offload(value, orjson.dumps(value)), 0
             return fields, size
         return value, len(orjson.dumps(value))
 
@@ -173,10 +173,10 @@ class Compactor:
         content = value["base64"]
         encoded = orjson.dumps(content)
         if len(encoded) > self._policy.inline_file_bytes:
-            content = await self._offload(content, encoded, self._policy.inline_file_bytes)
+            content = await self._offload(content, encoded)
         return {**value, "base64": content}, 0
 
-    async def _offload(self, value: Any, encoded: bytes, threshold: int) -> Any:
+    async def _offload(self, value: Any, encoded: bytes) -> Any:
         digest = hashlib.sha256(encoded).hexdigest()
         ref: dict[str, Any] = {
             "$ref": "value",

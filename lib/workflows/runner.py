@@ -25,6 +25,8 @@ from lib.execution.events import (
     utc_timestamp,
 )
 from lib.execution.hub import Hub, LocalPublisher
+from lib.execution.offload import Compactor, OffloadPolicy
+from lib.execution.values import ValueStore
 from lib.execution.writer import EventWriter
 from lib.workflows.executor import BlockFailed, Executor
 from lib.workflows.model import Workflow
@@ -52,12 +54,16 @@ class Runner:
         buffer: EventBuffer,
         hub: Hub,
         executor: Executor,
+        values: ValueStore,
+        offload: OffloadPolicy | None = None,
         max_pending_events: int = 10_000,
         node_id: str | None = None,
     ) -> None:
         self._buffer = buffer
         self._hub = hub
         self._executor = executor
+        self._values = values
+        self._offload = offload or OffloadPolicy()
         self._max_pending = max_pending_events
         self._node_id = node_id or secrets.token_hex(4)
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -77,8 +83,14 @@ class Runner:
     def running(self) -> int:
         return len(self._tasks)
 
-    async def start(self, workflow: Workflow, *, input: Any, tenant: str) -> Started:
-        """Create an execution and start running it here; returns once it is replayable."""
+    async def start(
+        self, workflow: Workflow, *, input: Any, tenant: str, inline_files: bool = False
+    ) -> Started:
+        """Create an execution and start running it here; returns once it is replayable.
+
+        ``inline_files`` keeps file values' content inline up to their own cap, exempt
+        from the pressure threshold (SPEC §5).
+        """
         execution_id = new_execution_id()
         fence = f"{self._node_id}:{secrets.token_hex(8)}"
         now = datetime.now(UTC)
@@ -89,6 +101,7 @@ class Runner:
             owner=fence,
             created_at=utc_timestamp(now),
             created_ms=int(now.timestamp() * 1000),
+            extra={"inlineFiles": "1" if inline_files else "0"},
         )
         writer = EventWriter(
             buffer=self._buffer,
@@ -98,8 +111,20 @@ class Runner:
         )
         # Attached before the task runs, so a reader arriving now already finds it local.
         publisher = self._hub.attach_local(execution_id, last_id=0, unstored=writer.unstored)
+        emitter = Emitter(
+            execution_id=execution_id,
+            workflow_id=workflow.id,
+            publisher=publisher,
+            writer=writer,
+            compactor=Compactor(
+                store=self._values,
+                execution_id=execution_id,
+                policy=self._offload,
+                inline_files=inline_files,
+            ),
+        )
         task = asyncio.create_task(
-            self._run(workflow, input, writer, publisher),
+            self._run(workflow, input, writer, emitter, publisher),
             name=f"execution:{execution_id}",
         )
         self._tasks[execution_id] = task
@@ -107,16 +132,17 @@ class Runner:
         return Started(execution_id, "running")
 
     async def _run(
-        self, workflow: Workflow, input: Any, writer: EventWriter, publisher: LocalPublisher
+        self,
+        workflow: Workflow,
+        input: Any,
+        writer: EventWriter,
+        emitter: Emitter,
+        publisher: LocalPublisher,
     ) -> None:
+        # Exits in order: the emitter finishes compacting, then the writer stores the
+        # last event, then live readers here switch to following the buffer.
         try:
-            async with writer:
-                emitter = Emitter(
-                    execution_id=publisher.execution_id,
-                    workflow_id=workflow.id,
-                    publisher=publisher,
-                    writer=writer,
-                )
+            async with writer, emitter:
                 await self._execute(emitter, workflow, input)
         finally:
             publisher.detach()
