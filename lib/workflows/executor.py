@@ -3,6 +3,11 @@
 It emits only ``block:*`` events; the caller emits ``execution:*`` ones. Blocks run in
 one task group per execution, so a failure or a cancellation of ``run`` cancels every
 running block and leaves no task behind.
+
+A block that asks for approval stops its branch; the others run on. Once nothing else
+can run, ``run`` raises ``Paused`` with the state to resume from (outputs so far, the
+skipped blocks, the answers given). ``run(state=…)`` carries on from such a state; the
+block that asked runs again and gets its answer.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from lib.errors import BlockError, FlowcastError
@@ -23,7 +29,7 @@ from lib.execution.events import (
     BLOCK_STARTED,
 )
 from lib.workflows.blocks import BlockTypes
-from lib.workflows.blocks.base import BlockContext, BlockServices
+from lib.workflows.blocks.base import BlockContext, BlockServices, PauseRequested
 from lib.workflows.model import BlockDef, Workflow
 
 log = logging.getLogger(__name__)
@@ -49,6 +55,45 @@ class BlockFailed(FlowcastError):
         return {"code": self.code, "message": self.message, "blockId": self.block_id}
 
 
+@dataclass
+class RunState:
+    """Where a paused execution stands: enough to resume it in any process."""
+
+    outputs: dict[str, Any] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+    answers: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"outputs": self.outputs, "skipped": self.skipped, "answers": self.answers}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> RunState:
+        return cls(
+            outputs=dict(raw.get("outputs", {})),
+            skipped=list(raw.get("skipped", [])),
+            answers=dict(raw.get("answers", {})),
+        )
+
+
+@dataclass(frozen=True)
+class Pause:
+    """The approval an execution waits for."""
+
+    block_id: str
+    prompt: str
+    schema: dict[str, Any]
+    timeout_seconds: int | None = None
+
+
+class Paused(FlowcastError):
+    """Nothing more can run until a human answers ``pause``; ``state`` resumes it."""
+
+    def __init__(self, pause: Pause, state: RunState) -> None:
+        super().__init__(f"paused at {pause.block_id!r}")
+        self.pause = pause
+        self.state = state
+
+
 def backoff_delay(base_ms: int, attempt: int, retry_after: float | None) -> float:
     """Seconds to wait after failed ``attempt``: exponential, jittered, >= retry_after."""
     delay = base_ms / 1000 * 2.0 ** (attempt - 1)
@@ -69,10 +114,21 @@ class Executor:
         self.concurrency = concurrency
 
     async def run(
-        self, workflow: Workflow, *, execution_id: str, input: Any, emit: Emit
+        self,
+        workflow: Workflow,
+        *,
+        execution_id: str,
+        input: Any,
+        emit: Emit,
+        state: RunState | None = None,
     ) -> dict[str, Any]:
-        """Run a validated workflow; return its sinks' outputs or raise BlockFailed."""
-        run = _Run(self, workflow, execution_id=execution_id, input=input, emit=emit)
+        """Run a validated workflow (from ``state`` when resuming).
+
+        Returns the sinks' outputs; raises BlockFailed, or Paused when it waits for a human.
+        """
+        run = _Run(
+            self, workflow, execution_id=execution_id, input=input, emit=emit, state=state
+        )
         return await run.execute()
 
 
@@ -80,7 +136,14 @@ class _Run:
     """The state of one execution: what is done, what each block still waits for."""
 
     def __init__(
-        self, executor: Executor, workflow: Workflow, *, execution_id: str, input: Any, emit: Emit
+        self,
+        executor: Executor,
+        workflow: Workflow,
+        *,
+        execution_id: str,
+        input: Any,
+        emit: Emit,
+        state: RunState | None,
     ) -> None:
         self.executor = executor
         self.workflow = workflow
@@ -96,20 +159,43 @@ class _Run:
             block_id: len({edge.from_ for edge in edges})
             for block_id, edges in self.incoming.items()
         }
-        self.outputs: dict[str, Any] = {}
+        state = state or RunState()
+        self.outputs: dict[str, Any] = dict(state.outputs)
+        self.skipped: list[str] = list(state.skipped)
+        self.answers: dict[str, Any] = dict(state.answers)
+        self.pauses: dict[str, PauseRequested] = {}
         self.blocks = {block.id: block for block in workflow.blocks}
         self.group: asyncio.TaskGroup | None = None
+
+    def _ready_at_start(self) -> list[str]:
+        """Blocks to start now: roots on a first run, the frontier on a resume."""
+        done = [*self.outputs, *self.skipped]
+        for block_id in done:
+            self._release(block_id)
+        finished = set(done)
+        return [
+            block.id
+            for block in self.workflow.blocks
+            if block.id not in finished and self.waiting[block.id] == 0
+        ]
 
     async def execute(self) -> dict[str, Any]:
         try:
             async with asyncio.TaskGroup() as group:
                 self.group = group
-                self._settle([b.id for b in self.workflow.blocks if not self.incoming[b.id]])
+                self._settle(self._ready_at_start())
         except BaseExceptionGroup as group_error:
             failed = group_error.subgroup(BlockFailed)
             if failed is not None:
                 raise _first(failed) from None
             raise
+        if self.pauses:
+            # One approval at a time, in workflow order; the others ask again on resume.
+            block_id = next(b.id for b in self.workflow.blocks if b.id in self.pauses)
+            request = self.pauses[block_id]
+            pause = Pause(block_id, request.prompt, request.schema, request.timeout_seconds)
+            state = RunState(self.outputs, self.skipped, self.answers)
+            raise Paused(pause, state)
         return {sink: self.outputs[sink] for sink in self.workflow.sinks() if sink in self.outputs}
 
     def _context(self, block_id: str) -> dict[str, Any]:
@@ -132,6 +218,7 @@ class _Run:
                 self.group.create_task(self._run_block(self.blocks[block_id]))
                 continue
             self.emit(BLOCK_SKIPPED, {"blockId": block_id, "reason": reason})
+            self.skipped.append(block_id)
             queue += self._release(block_id)
 
     def _release(self, block_id: str) -> list[str]:
@@ -165,7 +252,11 @@ class _Run:
         return "no incoming edge was taken"
 
     async def _run_block(self, block: BlockDef) -> None:
-        output = await self._attempts(block)
+        try:
+            output = await self._attempts(block)
+        except PauseRequested as request:
+            self.pauses[block.id] = request  # its branch waits; the others carry on
+            return
         self.outputs[block.id] = output
         self._settle(self._release(block.id))
 
@@ -197,11 +288,14 @@ class _Run:
 
     async def _attempt(self, block: BlockDef, attempt: int) -> Any:
         """One attempt: render, validate, run under the timeout; any failure is a BlockError."""
-        self.emit(BLOCK_STARTED, {"blockId": block.id, "blockType": block.type, "attempt": attempt})
+        if block.id not in self.answers or attempt > 1:
+            # A block resumed with its answer already announced its start before pausing.
+            start = {"blockId": block.id, "blockType": block.type, "attempt": attempt}
+            self.emit(BLOCK_STARTED, start)
         started = time.monotonic()
         try:
             output = await self._invoke(block, attempt)
-        except BlockError:
+        except (BlockError, PauseRequested):
             raise
         except Exception as exc:
             raise _unexpected(block, exc) from exc
@@ -225,6 +319,7 @@ class _Run:
             input=self.input,
             emit_chunk=lambda text: self._chunk(block.id, text),
             services=self.executor.services,
+            **({"answer": self.answers[block.id]} if block.id in self.answers else {}),
         )
         timeout = block.timeout_ms / 1000 if block.timeout_ms else None
         try:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from lib.workflows.blocks import BlockServices, BlockTypes, PluginHandler
-from lib.workflows.executor import Executor
+from lib.workflows.executor import Executor, RunState
 from lib.workflows.model import Workflow
 from lib.workflows.templates import Templates
 
@@ -71,11 +71,14 @@ def run_workflow(services: BlockServices) -> RunWorkflow:
         plugins: Mapping[str, PluginHandler] | None = None,
         concurrency: int = 8,
         recorder: Recorder | None = None,
+        state: RunState | None = None,
     ) -> tuple[dict[str, Any], Recorder]:
         recorder = recorder if recorder is not None else Recorder()
         executor = Executor(BlockTypes.builtin(plugins or {}), services, concurrency=concurrency)
         workflow = Workflow.model_validate(definition)
-        output = await executor.run(workflow, execution_id="ex_test", input=input, emit=recorder)
+        output = await executor.run(
+            workflow, execution_id="ex_test", input=input, emit=recorder, state=state
+        )
         return output, recorder
 
     return run

@@ -5,11 +5,12 @@ import logging
 import time
 from typing import Any
 
+import orjson
 import pytest
 
 from lib.errors import BlockError
 from lib.workflows.blocks import BlockContext
-from lib.workflows.executor import BlockFailed
+from lib.workflows.executor import BlockFailed, Paused, RunState
 
 from .conftest import Recorder, RunWorkflow, workflow
 
@@ -321,8 +322,94 @@ async def test_chunks_are_emitted_as_block_chunk_events(run_workflow: RunWorkflo
     ]
 
 
-async def test_approval_is_not_supported_yet(run_workflow: RunWorkflow) -> None:
-    block = {"id": "ok", "type": "approval", "config": {"prompt": "?", "schema": {}}}
-    with pytest.raises(BlockFailed) as caught:
-        await run_workflow(workflow([block]))
-    assert caught.value.code == "not_supported"
+def approval(block_id: str, **config: Any) -> dict[str, Any]:
+    schema = {"type": "object", "required": ["approved"]}
+    return {
+        "id": block_id,
+        "type": "approval",
+        "config": {"prompt": "ok?", "schema": schema, **config},
+    }
+
+
+async def test_approval_pauses_its_branch_while_independent_blocks_finish(
+    run_workflow: RunWorkflow,
+) -> None:
+    definition = workflow(
+        [
+            transform("a", 1),
+            approval("review", timeoutSeconds=60),
+            transform("send", 2),
+            transform("side", 3),
+        ],
+        [
+            {"from": "a", "to": "review"},
+            {"from": "review", "to": "send"},
+            {"from": "a", "to": "side"},
+        ],
+    )
+    with pytest.raises(Paused) as caught:
+        await run_workflow(definition)
+    pause, state = caught.value.pause, caught.value.state
+    assert pause.block_id == "review" and pause.prompt == "ok?" and pause.timeout_seconds == 60
+    assert state.outputs == {"a": 1, "side": 3}
+    assert "send" not in state.outputs
+
+
+async def test_resuming_gives_the_answer_as_the_approval_output_and_carries_on(
+    run_workflow: RunWorkflow,
+) -> None:
+    definition = workflow(
+        [
+            transform("a", 1),
+            approval("review"),
+            transform("send", {"ok": "{{ blocks.review.output.approved }}"}),
+            transform("side", 3),
+        ],
+        [
+            {"from": "a", "to": "review"},
+            {"from": "review", "to": "send", "when": "blocks.review.output.approved"},
+            {"from": "a", "to": "side"},
+        ],
+    )
+    with pytest.raises(Paused) as caught:
+        await run_workflow(definition)
+    state = caught.value.state
+    state.answers["review"] = {"approved": True}
+    resumed = RunState.from_json(orjson.loads(orjson.dumps(state.to_json())))
+    output, recorder = await run_workflow(definition, state=resumed)
+    assert output == {"send": {"ok": True}, "side": 3}
+    # Only the frontier runs again; the approval does not announce a second start.
+    assert recorder.kinds("a") == [] and recorder.kinds("side") == []
+    assert recorder.kinds("review") == ["block:completed"]
+    assert recorder.of("block:completed", "review")[0]["output"] == {"approved": True}
+
+
+async def test_two_pending_approvals_pause_one_at_a_time_in_workflow_order(
+    run_workflow: RunWorkflow,
+) -> None:
+    definition = workflow([approval("first"), approval("second")])
+    with pytest.raises(Paused) as caught:
+        await run_workflow(definition)
+    assert caught.value.pause.block_id == "first"
+    state = caught.value.state
+    state.answers["first"] = {"approved": True}
+    with pytest.raises(Paused) as again:
+        await run_workflow(definition, state=state)
+    assert again.value.pause.block_id == "second"
+    assert again.value.state.outputs == {"first": {"approved": True}}
+
+
+async def test_a_plugin_can_ask_for_approval_and_gets_the_answer_when_run_again(
+    run_workflow: RunWorkflow,
+) -> None:
+    async def ask(ctx: BlockContext, args: Any) -> Any:
+        answer = ctx.request_approval("go?", {"type": "object"})
+        return {"answer": answer}
+
+    definition = workflow([plugin("p", "ask")])
+    with pytest.raises(Paused) as caught:
+        await run_workflow(definition, plugins={"ask": ask})
+    state = caught.value.state
+    state.answers["p"] = {"go": 1}
+    output, _ = await run_workflow(definition, plugins={"ask": ask}, state=state)
+    assert output == {"p": {"answer": {"go": 1}}}

@@ -1,14 +1,13 @@
-"""``approval``: pauses the execution until a human resumes it (not implemented yet)."""
+"""``approval``: pauses the execution until a human resumes it; outputs the resume input."""
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import Any
 
 from jsonschema.exceptions import SchemaError
 from jsonschema.validators import validator_for
 from pydantic import Field, field_validator
 
-from lib.errors import BlockError
 from lib.workflows.blocks.base import BlockConfig, BlockContext, BlockType
 
 
@@ -28,14 +27,12 @@ class ApprovalConfig(BlockConfig):
 
 
 class Approval(BlockType[ApprovalConfig]):
-    """Will pause for a resume validated against ``schema``; refuses to run for now."""
+    """Pauses for a resume whose input ``schema`` validates; that input is its output."""
 
     name = "approval"
     config_model = ApprovalConfig
 
-    async def run(self, ctx: BlockContext, config: ApprovalConfig) -> NoReturn:
-        raise BlockError(
-            "not_supported",
-            "approval blocks pause the execution; pause/resume is not implemented yet",
-            retryable=False,
+    async def run(self, ctx: BlockContext, config: ApprovalConfig) -> Any:
+        return ctx.request_approval(
+            config.prompt, config.input_schema, timeout_seconds=config.timeout_seconds
         )

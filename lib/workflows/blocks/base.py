@@ -19,7 +19,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic.alias_generators import to_camel
 
-from lib.errors import BlockError
+from lib.errors import BlockError, FlowcastError
 from lib.workflows.templates import Templates, is_template
 
 
@@ -33,6 +33,23 @@ class BlockServices:
     http_allow_private: bool = False
 
 
+class PauseRequested(FlowcastError):
+    """A block asks for a human's input; the executor pauses the execution for it."""
+
+    code = "pause_requested"
+
+    def __init__(
+        self, *, prompt: str, schema: dict[str, Any], timeout_seconds: int | None = None
+    ) -> None:
+        super().__init__(f"approval requested: {prompt}")
+        self.prompt = prompt
+        self.schema = schema
+        self.timeout_seconds = timeout_seconds
+
+
+_UNANSWERED: Any = object()
+
+
 @dataclass(frozen=True, kw_only=True)
 class BlockContext:
     """What one attempt of one block knows about its execution."""
@@ -44,6 +61,19 @@ class BlockContext:
     input: Any
     emit_chunk: Callable[[str], None]
     services: BlockServices
+    answer: Any = _UNANSWERED
+
+    def request_approval(
+        self, prompt: str, schema: dict[str, Any], *, timeout_seconds: int | None = None
+    ) -> Any:
+        """The human's answer once the execution is resumed; until then, pause.
+
+        A block that asks is run again from its start on resume, and this call then
+        returns the resume input (already validated against ``schema``).
+        """
+        if self.answer is not _UNANSWERED:
+            return self.answer
+        raise PauseRequested(prompt=prompt, schema=schema, timeout_seconds=timeout_seconds)
 
 
 PluginHandler = Callable[[BlockContext, Any], Awaitable[Any]]
