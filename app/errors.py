@@ -16,6 +16,7 @@ from lib.errors import (
     FlowcastError,
     InvalidInput,
     NotFound,
+    ShuttingDown,
 )
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,8 @@ def error_response(
     return JSON(body, status_code=status, headers=headers)
 
 
-def _status_of(exc: FlowcastError) -> int:
+def status_of(exc: FlowcastError) -> int:
+    """The HTTP status for one of our errors."""
     if isinstance(exc, ApiError):
         return exc.status
     if isinstance(exc, NotFound):
@@ -47,23 +49,28 @@ def _status_of(exc: FlowcastError) -> int:
         return 409
     if isinstance(exc, InvalidInput):
         return 422
-    if isinstance(exc, BufferUnavailable):
+    if isinstance(exc, BufferUnavailable | ShuttingDown):
         return 503
     return 500
 
 
-async def _flowcast_error(request: Request, exc: Exception) -> JSON:
-    assert isinstance(exc, FlowcastError)
-    status = _status_of(exc)
+def error_payload(exc: FlowcastError) -> tuple[int, dict[str, Any]]:
+    """The status and body that answer one of our errors."""
     extra: dict[str, Any] = {}
     if isinstance(exc, InvalidInput) and exc.problems:
         extra["problems"] = [problem.as_dict() for problem in exc.problems]
     if isinstance(exc, Conflict) and exc.details:
         extra.update(exc.details)
+    return status_of(exc), {"error": {"code": exc.code, "message": exc.message, **extra}}
+
+
+async def _flowcast_error(request: Request, exc: Exception) -> JSON:
+    assert isinstance(exc, FlowcastError)
+    status, body = error_payload(exc)
     if status >= 500:
         log.error("request failed", extra={"path": request.url.path, "error": exc.message})
     headers = exc.headers if isinstance(exc, ApiError) else None
-    return error_response(status, exc.code, exc.message, headers=headers, **extra)
+    return JSON(body, status_code=status, headers=headers)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSON:

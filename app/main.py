@@ -20,11 +20,13 @@ from fastapi import FastAPI
 from app import errors, logs
 from app.connections import connect
 from app.embedded import EmbeddedValkey
+from app.idempotency import Idempotency
 from app.routes import executions, health, streams, values, workflows
 from app.services import Services
 from app.settings import Settings
 from app.tokens import StreamTokens, load_secret
 from lib.execution.buffer import EventBuffer
+from lib.execution.control import Control
 from lib.execution.hub import Hub
 from lib.execution.offload import OffloadPolicy
 from lib.execution.retention import Sweeper
@@ -119,6 +121,9 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
                 hub=hub,
                 executor=executor,
                 values=values,
+                control=Control(buffer=buffer, lease_seconds=settings.lease_seconds),
+                lease_seconds=settings.lease_seconds,
+                shutdown_grace_seconds=settings.shutdown_grace_seconds,
                 offload=OffloadPolicy(
                     large_value_bytes=settings.large_value_bytes,
                     budget_bytes=settings.event_budget_bytes,
@@ -141,6 +146,9 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
                 lifetime_seconds=settings.stream_token_seconds,
             ),
             values=values,
+            idempotency=Idempotency(
+                redis=redis, prefix=settings.redis_prefix, ttl_seconds=settings.idempotency_seconds
+            ),
         )
         if not settings.api_keys:
             log.warning("no FLOWCAST_API_KEYS set: the API is open, so serve it on loopback only")

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from app.idempotency import Idempotency
 from app.settings import Settings
 from app.tokens import StreamTokens
 from lib.execution.buffer import EventBuffer
@@ -26,6 +27,7 @@ class Services:
     workflows: WorkflowStore
     tokens: StreamTokens
     values: ValueStore
+    idempotency: Idempotency
 
 
 def services(request: Request) -> Services:

@@ -6,6 +6,7 @@
     ├── InvalidInput                   a request the caller can fix (carries problems)
     │   └── WorkflowInvalid            a workflow definition with every problem found
     ├── BlockError                     a block attempt failed (code, message, retryable)
+    ├── ShuttingDown                   the process no longer starts executions
     ├── BufferUnavailable              the event buffer could not be reached
     └── WriteRefused                   the buffer refused a batch (fenced, out of order, gone)
 
@@ -99,6 +100,12 @@ class BlockError(FlowcastError):
         self.code = code
         self.retryable = retryable
         self.retry_after = retry_after
+
+
+class ShuttingDown(FlowcastError):
+    """The process is shutting down and starts nothing new."""
+
+    code = "shutting_down"
 
 
 class BufferUnavailable(FlowcastError):

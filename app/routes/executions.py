@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import orjson
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Body, Depends, Request
+from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import ApiError
+from app.idempotency import Outcome
 from app.responses import JSON
 from app.routes.streams import parse_cursor
 from app.services import Services, services, tenant
@@ -104,3 +106,62 @@ async def list_events(
     # The stored envelopes are sent as they are, without decoding them.
     body = b'{"events":[' + b",".join(event.json for event in page.events) + b"]," + tail[1:]
     return JSON(body)
+
+
+class ResumeRequest(BaseModel):
+    """Body of ``POST /api/executions/{eid}/resume``."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    block_id: str | None = Field(None, alias="blockId")
+    input: Any = None
+
+
+def _answer(outcome: Outcome) -> JSON:
+    return JSON(outcome.body, status_code=outcome.status)
+
+
+@router.post("/{execution_id}/resume")
+async def resume(
+    execution_id: str,
+    request: Request,
+    svc: ServicesDep,
+    tenant_id: TenantDep,
+    body: Annotated[ResumeRequest, Body()],
+) -> JSON:
+    """Answer a pause; exactly one of many concurrent resumes is accepted."""
+
+    async def act() -> Outcome:
+        started = await svc.runner.resume(
+            execution_id, tenant=tenant_id, block_id=body.block_id, input=body.input
+        )
+        return Outcome(202, {"executionId": started.execution_id, "status": started.status})
+
+    outcome = await svc.idempotency.run(
+        tenant=tenant_id,
+        operation=f"resume:{execution_id}",
+        key=request.headers.get("idempotency-key"),
+        fingerprint=await request.body(),
+        action=act,
+    )
+    return _answer(outcome)
+
+
+@router.post("/{execution_id}/cancel")
+async def cancel(
+    execution_id: str, request: Request, svc: ServicesDep, tenant_id: TenantDep
+) -> JSON:
+    """Cancel a running or paused execution, wherever it runs."""
+
+    async def act() -> Outcome:
+        started = await svc.runner.cancel(execution_id, tenant=tenant_id)
+        return Outcome(202, {"executionId": started.execution_id, "status": started.status})
+
+    outcome = await svc.idempotency.run(
+        tenant=tenant_id,
+        operation=f"cancel:{execution_id}",
+        key=request.headers.get("idempotency-key"),
+        fingerprint=await request.body(),
+        action=act,
+    )
+    return _answer(outcome)

@@ -8,6 +8,7 @@ import orjson
 from fastapi import APIRouter, Body, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.idempotency import Outcome
 from app.responses import JSON
 from app.routes.streams import sse_response
 from app.services import Services, services, tenant
@@ -80,17 +81,33 @@ async def execute(
     body: Annotated[ExecuteRequest | None, Body()] = None,
 ) -> Response:
     """Start an execution; stream it when the client accepts SSE, else answer 202."""
-    body = body or ExecuteRequest()
-    stored = await svc.workflows.get(tenant_id, workflow_id)
-    started = await svc.runner.start(
-        stored.workflow, input=body.input, tenant=tenant_id, inline_files=body.inline_files
+    request_body = body or ExecuteRequest()
+
+    async def start() -> Outcome:
+        stored = await svc.workflows.get(tenant_id, workflow_id)
+        started = await svc.runner.start(
+            stored.workflow,
+            input=request_body.input,
+            tenant=tenant_id,
+            inline_files=request_body.inline_files,
+        )
+        return Outcome(202, {"executionId": started.execution_id, "status": started.status})
+
+    outcome = await svc.idempotency.run(
+        tenant=tenant_id,
+        operation="execute",
+        key=request.headers.get("idempotency-key"),
+        fingerprint=b"execute:" + workflow_id.encode() + b":" + await request.body(),
+        action=start,
     )
+    if outcome.status >= 400:
+        return JSON(outcome.body, status_code=outcome.status)
+    execution_id = outcome.body["executionId"]
     if "text/event-stream" in request.headers.get("accept", ""):
-        return sse_response(svc, started.execution_id, cursor=0)
+        return sse_response(svc, execution_id, cursor=0)
     answer = {
-        "executionId": started.execution_id,
-        "status": started.status,
-        "streamUrl": f"/api/executions/{started.execution_id}/stream",
-        "streamToken": svc.tokens.issue(started.execution_id),
+        **outcome.body,
+        "streamUrl": f"/api/executions/{execution_id}/stream",
+        "streamToken": svc.tokens.issue(execution_id),
     }
     return JSON(orjson.dumps(answer), status_code=202)

@@ -4,6 +4,7 @@ append.lua: append one ordered batch of events to an execution's replay buffer.
 KEYS[1]  the execution's event stream    fc:{<eid>}:events
 KEYS[2]  the execution's metadata hash   fc:{<eid>}:meta
 KEYS[3]  the execution's dropped ranges  fc:{<eid>}:dropped  (sorted set, score = first id)
+KEYS[4]  the execution's run state       fc:{<eid>}:state    (only its TTL is set here)
 
 ARGV[1]  fencing token of the writer; must equal the hash's `owner` field
 ARGV[2]  id of the batch's first event; must be the stored `lastId` + 1, unless ARGV[3]
@@ -12,11 +13,13 @@ ARGV[3]  "1" when the ids between `lastId` and the batch were dropped by the wri
          they are recorded as one dropped range "<from>-<to>", atomically with the batch
 ARGV[4]  event limit (events retained)
 ARGV[5]  byte budget (bytes retained, counted as the stored envelope sizes)
-ARGV[6]  TTL in seconds applied to all three keys
-ARGV[7]  n, the number of events in the batch
-ARGV[8]  m, the number of metadata field/value pairs that follow the events
-ARGV[9 .. 8+2n]        per event: type, envelope JSON
-ARGV[9+2n .. 8+2n+2m]  metadata fields and values to set (status, output, error, …)
+ARGV[6]  retention TTL in seconds, applied to every key once the batch finishes the
+         execution (it sets a terminal status)
+ARGV[7]  TTL in seconds while the execution is not finished (running or paused)
+ARGV[8]  n, the number of events in the batch
+ARGV[9]  m, the number of metadata field/value pairs that follow the events
+ARGV[10 .. 9+2n]         per event: type, envelope JSON
+ARGV[10+2n .. 9+2n+2m]   metadata fields and values to set (status, output, error, …)
 
 Returns {lastId, firstId, retainedBytes, retainedCount} on success, or an error reply:
   "NOEXEC"          the metadata hash does not exist (expired or never created)
@@ -29,15 +32,16 @@ the log ends. Because the status is set here, with the events, a reader that see
 terminal status also sees every event before the terminal one.
 ]]
 
-local stream, meta, dropped = KEYS[1], KEYS[2], KEYS[3]
+local stream, meta, dropped, run_state = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local token = ARGV[1]
 local first = tonumber(ARGV[2])
 local after_drop = ARGV[3] == "1"
 local limit = tonumber(ARGV[4])
 local budget = tonumber(ARGV[5])
-local ttl = tonumber(ARGV[6])
-local n = tonumber(ARGV[7])
-local m = tonumber(ARGV[8])
+local retention = tonumber(ARGV[6])
+local ttl = tonumber(ARGV[7])
+local n = tonumber(ARGV[8])
+local m = tonumber(ARGV[9])
 
 local state = redis.call("HMGET", meta, "owner", "lastId", "firstId", "bytes", "count")
 if not state[1] then
@@ -59,7 +63,7 @@ local first_kept = tonumber(state[3]) or 0
 local bytes = tonumber(state[4]) or 0
 local count = tonumber(state[5]) or 0
 
-local base = 8
+local base = 9
 for i = 0, n - 1 do
   local body = ARGV[base + 2 * i + 2]
   redis.call("XADD", stream, (first + i) .. "-0", "t", ARGV[base + 2 * i + 1], "e", body)
@@ -101,9 +105,14 @@ if m > 0 then
   local fields = {}
   for i = 1, 2 * m do
     fields[i] = ARGV[base + 2 * n + i]
+    if i % 2 == 0 and fields[i - 1] == "status" and
+        (fields[i] == "completed" or fields[i] == "failed" or fields[i] == "cancelled") then
+      ttl = retention
+    end
   end
   redis.call("HSET", meta, unpack(fields))
 end
-redis.call("EXPIRE", stream, ttl)
-redis.call("EXPIRE", meta, ttl)
+for _, key in ipairs(KEYS) do
+  redis.call("EXPIRE", key, ttl)
+end
 return {last, first_kept, bytes, count}

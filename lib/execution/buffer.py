@@ -27,7 +27,7 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 
-def _translated(method: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
+def translated(method: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
     """Turn Redis client errors into BufferUnavailable at the buffer's boundary."""
 
     @functools.wraps(method)
@@ -44,7 +44,7 @@ def _translated(method: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
     return wrapper
 
 
-def _load_script(name: str) -> str:
+def load_script(name: str) -> str:
     return importlib.resources.files("lib.execution").joinpath(name).read_text()
 
 
@@ -63,6 +63,7 @@ class ExecutionMeta:
     retained_count: int
     tenant: str
     owner: str
+    cancel_requested: bool = False
     output: Any = None
     error: Any = None
     pause: Any = None
@@ -96,6 +97,7 @@ class ExecutionMeta:
             retained_count=number("count"),
             tenant=text("tenant"),
             owner=text("owner"),
+            cancel_requested=text("cancelRequested") == "1",
             output=loaded("output"),
             error=loaded("error"),
             pause=loaded("pause"),
@@ -137,14 +139,17 @@ class EventBuffer:
         event_limit: int = 10_000,
         budget_bytes: int = 64 * 1024 * 1024,
         retention_seconds: int = 86_400,
+        active_ttl_seconds: int = 30 * 86_400,
     ) -> None:
         self.redis = redis
         self.prefix = prefix
         self.event_limit = event_limit
         self.budget_bytes = budget_bytes
         self.retention_seconds = retention_seconds
-        self._append = redis.register_script(_load_script("append.lua"))
-        self._read = redis.register_script(_load_script("read.lua"))
+        # Unfinished executions (a pause may wait days) keep their keys this long.
+        self.active_ttl_seconds = max(active_ttl_seconds, retention_seconds)
+        self._append = redis.register_script(load_script("append.lua"))
+        self._read = redis.register_script(load_script("read.lua"))
 
     def stream_key(self, execution_id: str) -> str:
         return f"{self.prefix}:{{{execution_id}}}:events"
@@ -161,12 +166,16 @@ class EventBuffer:
             self.stream_key(execution_id),
             self.meta_key(execution_id),
             self.dropped_key(execution_id),
+            self.state_key(execution_id),
         ]
+
+    def state_key(self, execution_id: str) -> str:
+        return f"{self.prefix}:{{{execution_id}}}:state"
 
     def index_key(self, tenant: str) -> str:
         return f"{self.prefix}:{INDEX_KEY}:{tenant}"
 
-    @_translated
+    @translated
     async def create(
         self,
         execution_id: str,
@@ -194,11 +203,11 @@ class EventBuffer:
         }
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hset(self.meta_key(execution_id), mapping=fields)
-            pipe.expire(self.meta_key(execution_id), self.retention_seconds)
+            pipe.expire(self.meta_key(execution_id), self.active_ttl_seconds)
             await pipe.execute()
         await self.redis.zadd(self.index_key(tenant), {execution_id: created_ms})
 
-    @_translated
+    @translated
     async def append(
         self,
         execution_id: str,
@@ -216,6 +225,7 @@ class EventBuffer:
             self.event_limit,
             self.budget_bytes,
             self.retention_seconds,
+            self.active_ttl_seconds,
             len(events),
             len(meta or {}),
         ]
@@ -231,7 +241,7 @@ class EventBuffer:
             raise _refusal(execution_id, exc) from exc
         return AppendResult(*(int(value) for value in result))
 
-    @_translated
+    @translated
     async def meta(self, execution_id: str) -> ExecutionMeta:
         """The execution's metadata; NotFound when it does not exist (or expired)."""
         fields = cast(dict[bytes, bytes], await self.redis.hgetall(self.meta_key(execution_id)))
@@ -239,10 +249,11 @@ class EventBuffer:
             raise NotFound("execution", execution_id)
         return ExecutionMeta.from_hash(execution_id, fields)
 
-    @_translated
+    @translated
     async def read(self, execution_id: str, *, after: int, limit: int) -> Page:
         """Up to ``limit`` retained events with ids above ``after``, plus the metadata."""
-        entries, flat, ranges = await self._read(keys=self.keys(execution_id), args=[after, limit])
+        keys = self.keys(execution_id)[:3]
+        entries, flat, ranges = await self._read(keys=keys, args=[after, limit])
         if not flat:
             raise NotFound("execution", execution_id)
         fields = dict(zip(flat[::2], flat[1::2], strict=True))
@@ -252,7 +263,7 @@ class EventBuffer:
             dropped=[_range(member) for member in ranges],
         )
 
-    @_translated
+    @translated
     async def tail(self, execution_id: str, *, after: int, block_ms: int) -> list[Event]:
         """Block until events with ids above ``after`` are stored (or ``block_ms`` passes)."""
         key = self.stream_key(execution_id)
@@ -261,7 +272,7 @@ class EventBuffer:
             return []
         return [_entry_event(entry) for entry in reply[0][1]]
 
-    @_translated
+    @translated
     async def recent_metas(
         self,
         tenant: str,
@@ -297,7 +308,7 @@ class EventBuffer:
             await self.redis.zrem(index, *expired)
         return found
 
-    @_translated
+    @translated
     async def exists(self, execution_id: str) -> bool:
         """True while the execution's metadata exists (it expires with retention)."""
         return bool(await self.redis.exists(self.meta_key(execution_id)))

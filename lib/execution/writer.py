@@ -52,6 +52,7 @@ def batch_meta(batch: list[Event]) -> dict[str, str]:
             meta["error"] = orjson.dumps(event.data.get("error")).decode()
         elif event.type == EXECUTION_PAUSED:
             meta["pause"] = orjson.dumps(event.data).decode()
+            meta["pauseBlock"] = str(event.data.get("blockId", ""))
     return meta
 
 

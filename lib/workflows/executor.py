@@ -126,9 +126,7 @@ class Executor:
 
         Returns the sinks' outputs; raises BlockFailed, or Paused when it waits for a human.
         """
-        run = _Run(
-            self, workflow, execution_id=execution_id, input=input, emit=emit, state=state
-        )
+        run = _Run(self, workflow, execution_id=execution_id, input=input, emit=emit, state=state)
         return await run.execute()
 
 

@@ -1,37 +1,60 @@
-"""Runs executions in this process: creates them, drives the executor, ends them.
+"""Runs executions in this process: start, pause, resume, cancel, end.
 
-The runner owns the execution tasks. Each task emits ``execution:started``, lets the
-executor emit the block events, then emits exactly one terminal event, and only returns
-once the writer has stored everything (the terminal event last).
+The runner owns the execution tasks it starts. Each one emits its first event
+(``execution:started``, or ``execution:resumed``), lets the executor emit the block
+events, then emits exactly one terminal event or ``execution:paused``, and returns only
+once the writer has stored everything, the last event last.
+
+Ownership moves between processes through ``Control`` (leases and fenced claims): any
+replica may resume a pause or cancel an execution, and the janitor of any replica ends
+executions whose owner died (``worker_lost``) or whose approval timed out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from lib.execution.buffer import EventBuffer
+from jsonschema.validators import validator_for
+
+from lib.errors import (
+    BufferUnavailable,
+    Conflict,
+    FlowcastError,
+    InvalidInput,
+    NotFound,
+    Problem,
+    ShuttingDown,
+)
+from lib.execution.buffer import EventBuffer, ExecutionMeta
+from lib.execution.control import Control, node_of, now_ms
 from lib.execution.emitter import Emitter
 from lib.execution.events import (
     EXECUTION_CANCELLED,
     EXECUTION_COMPLETED,
     EXECUTION_FAILED,
+    EXECUTION_PAUSED,
+    EXECUTION_RESUMED,
     EXECUTION_STARTED,
     utc_timestamp,
 )
-from lib.execution.hub import Hub, LocalPublisher
+from lib.execution.hub import Hub
 from lib.execution.offload import Compactor, OffloadPolicy
 from lib.execution.values import ValueStore
 from lib.execution.writer import EventWriter
-from lib.workflows.executor import BlockFailed, Executor
+from lib.workflows.executor import BlockFailed, Executor, Paused, RunState
 from lib.workflows.model import Workflow
 
 log = logging.getLogger(__name__)
+
+CONTROL_BLOCK_MS = 5_000
 
 
 def new_execution_id() -> str:
@@ -45,8 +68,28 @@ class Started:
     status: str
 
 
+@dataclass
+class _Local:
+    """An execution this process runs right now."""
+
+    execution_id: str
+    fence: str
+    task: asyncio.Task[None] | None = None
+    stop_reason: str | None = None  # why its task was cancelled: cancel, shutdown, fenced
+
+    def stop(self, reason: str) -> None:
+        if self.task is not None and self.stop_reason is None:
+            self.stop_reason = reason
+            self.task.cancel(reason)
+
+
+# What an execution task does between its writer opening and closing; returns the
+# pause deadline (ms) when it paused with one, 0 when paused without, None otherwise.
+Body = Callable[[_Local, Emitter], Awaitable[int | None]]
+
+
 class Runner:
-    """Starts executions and owns their tasks until they have written their last event."""
+    """Starts, resumes and cancels executions; owns the tasks that run them here."""
 
     def __init__(
         self,
@@ -55,33 +98,62 @@ class Runner:
         hub: Hub,
         executor: Executor,
         values: ValueStore,
+        control: Control,
         offload: OffloadPolicy | None = None,
         max_pending_events: int = 10_000,
+        lease_seconds: float = 15.0,
+        shutdown_grace_seconds: float = 30.0,
         node_id: str | None = None,
     ) -> None:
         self._buffer = buffer
         self._hub = hub
         self._executor = executor
         self._values = values
+        self._control = control
         self._offload = offload or OffloadPolicy()
         self._max_pending = max_pending_events
-        self._node_id = node_id or secrets.token_hex(4)
-        self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._closing = False
+        self._lease_seconds = lease_seconds
+        self._grace = shutdown_grace_seconds
+        self.node_id = node_id or secrets.token_hex(6)
+        self._locals: dict[str, _Local] = {}
+        self._loops: list[asyncio.Task[None]] = []
+        self.accepting = True
 
     async def __aenter__(self) -> Runner:
+        self._loops = [
+            asyncio.create_task(self._renew_loop(), name="lease-renewal"),
+            asyncio.create_task(self._cancel_loop(), name="cancel-listener"),
+            asyncio.create_task(self._janitor_loop(), name="janitor"),
+        ]
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        self._closing = True
-        tasks = list(self._tasks.values())
-        for task in tasks:
-            task.cancel("shutdown")
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # Shutdown: start nothing new, let running executions finish within the grace
+        # period, then end the rest with execution:failed (shutdown), written.
+        self.accepting = False
+        running = self._tasks()
+        if running:
+            log.info("draining executions", extra={"count": len(running), "grace": self._grace})
+            await asyncio.wait(running, timeout=self._grace)
+        for local in list(self._locals.values()):
+            local.stop("shutdown")
+        if remaining := self._tasks():
+            await asyncio.wait(remaining, timeout=10)
+        for task in [*self._tasks(), *self._loops]:
+            task.cancel()
+        await asyncio.gather(*self._tasks(), *self._loops, return_exceptions=True)
+
+    def _tasks(self) -> list[asyncio.Task[None]]:
+        return [local.task for local in self._locals.values() if local.task is not None]
 
     @property
     def running(self) -> int:
-        return len(self._tasks)
+        return len(self._locals)
+
+    def _fence(self) -> str:
+        return f"{self.node_id}:{secrets.token_hex(8)}"
+
+    # -- the API's operations ------------------------------------------------------
 
     async def start(
         self, workflow: Workflow, *, input: Any, tenant: str, inline_files: bool = False
@@ -91,82 +163,203 @@ class Runner:
         ``inline_files`` keeps file values' content inline up to their own cap, exempt
         from the pressure threshold (SPEC §5).
         """
+        if not self.accepting:
+            raise ShuttingDown("the server is shutting down and starts no new executions")
         execution_id = new_execution_id()
-        fence = f"{self._node_id}:{secrets.token_hex(8)}"
+        fence = self._fence()
         now = datetime.now(UTC)
-        await self._buffer.create(
-            execution_id,
-            workflow_id=workflow.id,
-            tenant=tenant,
-            owner=fence,
-            created_at=utc_timestamp(now),
-            created_ms=int(now.timestamp() * 1000),
-            extra={"inlineFiles": "1" if inline_files else "0"},
+        await asyncio.gather(
+            self._buffer.create(
+                execution_id,
+                workflow_id=workflow.id,
+                tenant=tenant,
+                owner=fence,
+                created_at=utc_timestamp(now),
+                created_ms=int(now.timestamp() * 1000),
+                extra={"leaseUntil": str(now_ms() + self._control.lease_ms)},
+            ),
+            self._control.save_state(
+                execution_id,
+                {"workflow": workflow.to_json(), "input": input, "inlineFiles": inline_files},
+            ),
+            self._control.hold(execution_id),
         )
+
+        async def body(local: _Local, emitter: Emitter) -> int | None:
+            emitter.emit(EXECUTION_STARTED, {"input": input})
+            return await self._execute(local, emitter, workflow, input, None)
+
+        self._launch(
+            execution_id, workflow.id, fence, last_id=0, inline_files=inline_files, body=body
+        )
+        return Started(execution_id, "running")
+
+    async def resume(
+        self, execution_id: str, *, tenant: str, block_id: str | None, input: Any
+    ) -> Started:
+        """Answer a pause: validate ``input``, win the claim, run on here."""
+        if not self.accepting:
+            raise ShuttingDown("the server is shutting down and resumes nothing")
+        meta = await self._owned(execution_id, tenant)
+        if meta.status != "paused" or not isinstance(meta.pause, dict):
+            raise Conflict(
+                "not_paused", f"the execution is {meta.status}, not paused", status=meta.status
+            )
+        paused_at = str(meta.pause.get("blockId", ""))
+        if block_id is not None and block_id != paused_at:
+            raise Conflict(
+                "not_paused_there",
+                f"the execution is paused at {paused_at!r}, not at {block_id!r}",
+                status="paused",
+                pausedAt=paused_at,
+            )
+        _check_answer(meta.pause.get("schema") or {}, input)
+        fence = self._fence()
+        claim = await self._control.claim(execution_id, "resume", fence, block_id=paused_at)
+        await self._control.hold(execution_id)
+        state = await self._control.load_state(execution_id)
+        workflow = Workflow.model_validate(state["workflow"])
+        run = RunState.from_json(state.get("run") or {})
+        run.answers[paused_at] = input
+
+        async def body(local: _Local, emitter: Emitter) -> int | None:
+            emitter.emit(EXECUTION_RESUMED, {"blockId": paused_at, "input": input})
+            return await self._execute(local, emitter, workflow, state.get("input"), run)
+
+        self._launch(
+            execution_id,
+            workflow.id,
+            fence,
+            last_id=claim.last_id,
+            retained_bytes=meta.retained_bytes,
+            inline_files=bool(state.get("inlineFiles")),
+            body=body,
+        )
+        return Started(execution_id, "running")
+
+    async def cancel(self, execution_id: str, *, tenant: str) -> Started:
+        """Cancel a running or paused execution wherever it runs."""
+        meta = await self._owned(execution_id, tenant)
+        local = self._locals.get(execution_id)
+        if local is not None:
+            local.stop("cancel")
+            return Started(execution_id, "cancelling")
+        fence = self._fence()
+        claim = await self._control.claim(execution_id, "cancel", fence)
+        if claim.status_before == "running":
+            # Another process runs it: the note on its control stream reaches it now;
+            # the flag in the hash reaches it at its next lease renewal otherwise.
+            await self._control.send_cancel(node_of(claim.owner), execution_id)
+            return Started(execution_id, "cancelling")
+        await self._control.hold(execution_id)
+        self._finish_here(execution_id, meta, fence, claim.last_id, _cancelled)
+        return Started(execution_id, "cancelling")
+
+    async def _owned(self, execution_id: str, tenant: str) -> ExecutionMeta:
+        meta = await self._buffer.meta(execution_id)
+        if meta.tenant != tenant:
+            raise NotFound("execution", execution_id)
+        return meta
+
+    # -- running -------------------------------------------------------------------
+
+    def _launch(
+        self,
+        execution_id: str,
+        workflow_id: str,
+        fence: str,
+        *,
+        last_id: int,
+        inline_files: bool,
+        body: Body,
+        retained_bytes: int = 0,
+    ) -> None:
         writer = EventWriter(
             buffer=self._buffer,
             execution_id=execution_id,
             fence=fence,
+            stored_id=last_id,
             max_pending=self._max_pending,
         )
         # Attached before the task runs, so a reader arriving now already finds it local.
-        publisher = self._hub.attach_local(execution_id, last_id=0, unstored=writer.unstored)
+        publisher = self._hub.attach_local(execution_id, last_id=last_id, unstored=writer.unstored)
+        compactor = Compactor(
+            store=self._values,
+            execution_id=execution_id,
+            policy=self._offload,
+            inline_files=inline_files,
+        )
+        compactor.stored(retained_bytes)
         emitter = Emitter(
             execution_id=execution_id,
-            workflow_id=workflow.id,
+            workflow_id=workflow_id,
             publisher=publisher,
             writer=writer,
-            compactor=Compactor(
-                store=self._values,
-                execution_id=execution_id,
-                policy=self._offload,
-                inline_files=inline_files,
-            ),
+            compactor=compactor,
+            last_id=last_id,
         )
-        task = asyncio.create_task(
-            self._run(workflow, input, writer, emitter, publisher),
-            name=f"execution:{execution_id}",
-        )
-        self._tasks[execution_id] = task
-        task.add_done_callback(lambda _task: self._tasks.pop(execution_id, None))
-        return Started(execution_id, "running")
+        local = _Local(execution_id, fence)
 
-    async def _run(
+        async def run() -> None:
+            deadline: int | None = None
+            try:
+                # Exits in order: the emitter finishes compacting, then the writer stores
+                # the last event, then live readers here switch to following the buffer.
+                async with writer, emitter:
+                    deadline = await body(local, emitter)
+            finally:
+                publisher.detach()
+                await self._let_go(execution_id, deadline, fenced=writer.refused is not None)
+
+        local.task = asyncio.create_task(run(), name=f"execution:{execution_id}")
+        self._locals[execution_id] = local
+        local.task.add_done_callback(lambda _task: self._locals.pop(execution_id, None))
+
+    async def _let_go(self, execution_id: str, deadline: int | None, *, fenced: bool) -> None:
+        if fenced:
+            return  # the lease entry belongs to whoever fenced us out
+        try:
+            await self._control.release(execution_id, deadline_ms=deadline or None)
+        except FlowcastError as exc:
+            # A stale lease entry only costs the janitor one refused claim later.
+            log.warning(
+                "could not release the lease",
+                extra={"executionId": execution_id, "error": str(exc)},
+            )
+
+    async def _execute(
         self,
+        local: _Local,
+        emitter: Emitter,
         workflow: Workflow,
         input: Any,
-        writer: EventWriter,
-        emitter: Emitter,
-        publisher: LocalPublisher,
-    ) -> None:
-        # Exits in order: the emitter finishes compacting, then the writer stores the
-        # last event, then live readers here switch to following the buffer.
-        try:
-            async with writer, emitter:
-                await self._execute(emitter, workflow, input)
-        finally:
-            publisher.detach()
-
-    async def _execute(self, emitter: Emitter, workflow: Workflow, input: Any) -> None:
+        state: RunState | None,
+    ) -> int | None:
         started = time.monotonic()
-        emitter.emit(EXECUTION_STARTED, {"input": input})
         extra = {"executionId": emitter.execution_id, "workflowId": workflow.id}
         try:
             output = await self._executor.run(
-                workflow, execution_id=emitter.execution_id, input=input, emit=emitter.emit
+                workflow,
+                execution_id=emitter.execution_id,
+                input=input,
+                emit=emitter.emit,
+                state=state,
             )
+        except Paused as paused:
+            return await self._pause(emitter, paused)
         except BlockFailed as exc:
             log.info("execution failed", extra={**extra, "blockId": exc.block_id})
-            error = {"code": exc.code, "message": exc.message, "blockId": exc.block_id}
-            emitter.emit(EXECUTION_FAILED, {"error": error})
+            emitter.emit(EXECUTION_FAILED, {"error": exc.as_error()})
         except asyncio.CancelledError:
-            reason = "shutdown" if self._closing else "cancelled"
-            if self._closing:
-                error = {"code": "shutdown", "message": "the server shut down during the execution"}
+            if local.stop_reason == "fenced":
+                log.warning("execution taken over by another process", extra=extra)
+                return None  # the new owner writes the end; we may not
+            if local.stop_reason == "shutdown":
+                error = {"code": "shutdown", "message": "the server shut down during the run"}
                 emitter.emit(EXECUTION_FAILED, {"error": error})
             else:
-                emitter.emit(EXECUTION_CANCELLED, {"reason": reason})
-            raise
+                emitter.emit(EXECUTION_CANCELLED, {"reason": "cancelled"})
+            log.info("execution stopped", extra={**extra, "reason": local.stop_reason})
         except Exception as exc:
             log.exception("execution crashed", extra=extra)
             error = {"code": "internal_error", "message": f"{type(exc).__name__}: {exc}"}
@@ -175,3 +368,170 @@ class Runner:
             duration_ms = round((time.monotonic() - started) * 1000)
             emitter.emit(EXECUTION_COMPLETED, {"output": output, "durationMs": duration_ms})
             log.info("execution completed", extra={**extra, "durationMs": duration_ms})
+        return None
+
+    async def _pause(self, emitter: Emitter, paused: Paused) -> int:
+        """Persist the run state, then announce the pause (so a paused status has state)."""
+        pause = paused.pause
+        deadline = now_ms() + pause.timeout_seconds * 1000 if pause.timeout_seconds else None
+        delay = 0.05
+        for attempt in range(1, 6):
+            try:
+                await self._control.save_state(
+                    emitter.execution_id, {"run": paused.state.to_json()}, deadline_ms=deadline
+                )
+                break
+            except BufferUnavailable as exc:
+                if attempt == 5:
+                    log.error("pause state not saved", extra={"executionId": emitter.execution_id})
+                    error = {
+                        "code": "pause_not_saved",
+                        "message": f"the pause could not be saved: {exc}",
+                    }
+                    emitter.emit(EXECUTION_FAILED, {"error": error})
+                    return 0
+                await asyncio.sleep(random.uniform(delay / 2, delay))
+                delay *= 4
+        emitter.emit(
+            EXECUTION_PAUSED,
+            {"blockId": pause.block_id, "prompt": pause.prompt, "schema": pause.schema},
+        )
+        return deadline or 0
+
+    def _finish_here(
+        self,
+        execution_id: str,
+        meta: ExecutionMeta,
+        fence: str,
+        last_id: int,
+        ending: Callable[[Emitter], None],
+    ) -> None:
+        """Write the terminal event of an execution this process just claimed."""
+
+        async def body(local: _Local, emitter: Emitter) -> int | None:
+            ending(emitter)
+            return None
+
+        self._launch(
+            execution_id,
+            meta.workflow_id,
+            fence,
+            last_id=last_id,
+            retained_bytes=meta.retained_bytes,
+            inline_files=False,
+            body=body,
+        )
+
+    # -- background loops ----------------------------------------------------------
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._lease_seconds / 3)
+            for local in list(self._locals.values()):
+                try:
+                    cancel_requested = await self._control.renew(local.execution_id, local.fence)
+                except Conflict:
+                    local.stop("fenced")
+                    continue
+                except FlowcastError as exc:
+                    log.warning(
+                        "lease renewal failed",
+                        extra={"executionId": local.execution_id, "error": str(exc)},
+                    )
+                    continue
+                if cancel_requested:
+                    local.stop("cancel")
+
+    async def _cancel_loop(self) -> None:
+        cursor: str | None = None
+        delay = 0.1
+        while True:
+            try:
+                if cursor is None:
+                    cursor = await self._control.control_cursor(self.node_id)
+                cursor, cancels = await self._control.next_cancels(
+                    self.node_id, after=cursor, block_ms=CONTROL_BLOCK_MS
+                )
+            except FlowcastError as exc:
+                log.warning("control stream read failed", extra={"error": str(exc)})
+                await asyncio.sleep(random.uniform(delay / 2, delay))
+                delay = min(delay * 2, 5.0)
+                continue
+            delay = 0.1
+            for execution_id in cancels:
+                local = self._locals.get(execution_id)
+                if local is not None:
+                    local.stop("cancel")
+
+    async def _janitor_loop(self) -> None:
+        healthy_since = time.monotonic()
+        while True:
+            await asyncio.sleep(self._lease_seconds / 2 * random.uniform(0.8, 1.2))
+            try:
+                await self._sweep_once(healthy_since)
+            except FlowcastError as exc:
+                # After an outage every owner needs a full lease to renew before anyone
+                # may call its lease expired.
+                healthy_since = time.monotonic()
+                log.warning("janitor pass failed", extra={"error": str(exc)})
+
+    async def _sweep_once(self, healthy_since: float) -> None:
+        if time.monotonic() - healthy_since >= self._lease_seconds:
+            for execution_id in await self._control.due(self._control.leases_key):
+                if execution_id not in self._locals:
+                    await self._claim_and_end(execution_id, "takeover")
+        for execution_id in await self._control.due(self._control.deadlines_key):
+            await self._claim_and_end(execution_id, "expire")
+
+    async def _claim_and_end(self, execution_id: str, mode: str) -> None:
+        key = self._control.leases_key if mode == "takeover" else self._control.deadlines_key
+        fence = self._fence()
+        try:
+            claim = await self._control.claim(execution_id, mode, fence)
+        except NotFound:
+            await self._control.forget(key, execution_id)
+            return
+        except Conflict as exc:
+            if exc.code not in ("lease", "notdue"):
+                await self._control.forget(key, execution_id)  # finished or moved on
+            return
+        await self._control.forget(self._control.deadlines_key, execution_id)
+        meta = await self._buffer.meta(execution_id)
+        if mode == "expire":
+            ending = _approval_timeout
+        elif meta.cancel_requested:
+            ending = _cancelled
+        else:
+            ending = _worker_lost
+        log.warning("ending an execution", extra={"executionId": execution_id, "mode": mode})
+        await self._control.hold(execution_id)
+        self._finish_here(execution_id, meta, fence, claim.last_id, ending)
+
+
+def _cancelled(emitter: Emitter) -> None:
+    emitter.emit(EXECUTION_CANCELLED, {"reason": "cancelled"})
+
+
+def _worker_lost(emitter: Emitter) -> None:
+    error = {"code": "worker_lost", "message": "the process running the execution stopped"}
+    emitter.emit(EXECUTION_FAILED, {"error": error})
+
+
+def _approval_timeout(emitter: Emitter) -> None:
+    error = {"code": "approval_timeout", "message": "nobody answered the approval in time"}
+    emitter.emit(EXECUTION_FAILED, {"error": error})
+
+
+def _check_answer(schema: dict[str, Any], answer: Any) -> None:
+    """Refuse a resume input that its pause's JSON Schema does not accept (422)."""
+    validator = validator_for(schema)(schema)
+    problems = [
+        Problem(
+            "$.input"
+            + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path),
+            error.message,
+        )
+        for error in validator.iter_errors(answer)
+    ]
+    if problems:
+        raise InvalidInput("the input does not match the pause's schema", problems)

@@ -109,13 +109,19 @@ async def test_ring_keeps_the_newest_events_within_the_byte_budget(buffer: Event
     assert sum(len(event.json) for event in page.events) == page.meta.retained_bytes
 
 
-async def test_keys_share_one_hash_tag_and_carry_the_retention_ttl(
+async def test_keys_share_one_hash_tag_and_expire_after_retention_once_finished(
     buffer: EventBuffer, redis: Redis
 ) -> None:
     execution_id = await create(buffer)
     await buffer.append(execution_id, make_events(execution_id, 1, 1), fence="owner-1")
-    stream_key, meta_key = buffer.stream_key(execution_id), buffer.meta_key(execution_id)
-    assert f"{{{execution_id}}}" in stream_key and f"{{{execution_id}}}" in meta_key
+    keys = buffer.keys(execution_id)
+    assert all(f"{{{execution_id}}}" in key for key in keys)
+    stream_key, meta_key = keys[0], keys[1]
+    for key in (stream_key, meta_key):
+        assert buffer.retention_seconds < await redis.ttl(key) <= buffer.active_ttl_seconds
+    await buffer.append(
+        execution_id, make_events(execution_id, 2, 1), fence="owner-1", meta={"status": "completed"}
+    )
     for key in (stream_key, meta_key):
         assert 0 < await redis.ttl(key) <= buffer.retention_seconds
 
