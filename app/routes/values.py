@@ -15,9 +15,18 @@ from lib.execution.values import check_ids
 router = APIRouter(prefix="/api/executions", tags=["values"])
 
 
-async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    yield first
+async def _prepend(head: list[bytes], rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    for chunk in head:
+        yield chunk
     async for chunk in rest:
+        yield chunk
+
+
+async def _take(chunks: AsyncIterator[bytes], count: int) -> AsyncIterator[bytes]:
+    for _ in range(count):
+        chunk = await anext(chunks, None)
+        if chunk is None:
+            return
         yield chunk
 
 
@@ -32,10 +41,11 @@ async def get_value(
     check_ids(execution_id, value_id)
     await owned_meta(svc, tenant_id, execution_id)
     chunks = svc.values.read(execution_id, value_id)
-    # Read the first chunk before answering, so a missing value is a clean 404.
-    first = await anext(chunks, b"")
+    # Read two chunks before answering: a missing value is then a clean 404, and a
+    # value of one chunk is checked against its sha256 before the status is sent.
+    head = [chunk async for chunk in _take(chunks, 2)]
     return StreamingResponse(
-        _prepend(first, chunks),
+        _prepend(head, chunks),
         media_type="application/json",
         headers={"Cache-Control": "private, max-age=31536000, immutable"},
     )
