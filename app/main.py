@@ -18,9 +18,11 @@ import httpx
 from fastapi import FastAPI
 
 from app import errors, logs
+from app.auth import ApiKeys
 from app.connections import connect
 from app.embedded import EmbeddedValkey
 from app.idempotency import Idempotency
+from app.limits import BodyLimit
 from app.routes import executions, health, streams, values, workflows
 from app.services import Services
 from app.settings import Settings
@@ -56,6 +58,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=functools.partial(_lifespan, settings=settings),
     )
     errors.install(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     for module in (health, workflows, executions, streams, values):
         app.include_router(module.router)
     return app
@@ -146,6 +149,7 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
                 lifetime_seconds=settings.stream_token_seconds,
             ),
             values=values,
+            keys=ApiKeys(settings.api_keys),
             idempotency=Idempotency(
                 redis=redis, prefix=settings.redis_prefix, ttl_seconds=settings.idempotency_seconds
             ),

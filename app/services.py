@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from app.auth import ApiKeys, Caller, authenticate, authenticate_reader
 from app.idempotency import Idempotency
 from app.settings import Settings
 from app.tokens import StreamTokens
@@ -14,8 +15,6 @@ from lib.execution.hub import Hub
 from lib.execution.values import ValueStore
 from lib.workflows.runner import Runner
 from lib.workflows.store import WorkflowStore
-
-DEFAULT_TENANT = "default"
 
 
 @dataclass(frozen=True)
@@ -28,6 +27,7 @@ class Services:
     tokens: StreamTokens
     values: ValueStore
     idempotency: Idempotency
+    keys: ApiKeys
 
 
 def services(request: Request) -> Services:
@@ -37,5 +37,11 @@ def services(request: Request) -> Services:
 
 
 def tenant(request: Request) -> str:
-    """The caller's tenant (a FastAPI dependency); one tenant until API keys are set."""
-    return DEFAULT_TENANT
+    """The caller's tenant (a FastAPI dependency); ``default`` until API keys are set."""
+    return authenticate(request, services(request).keys)
+
+
+def reader(request: Request, execution_id: str) -> Caller:
+    """The caller of a stream or values route: an API key or a stream token."""
+    svc = services(request)
+    return authenticate_reader(request, svc.keys, svc.tokens, execution_id)

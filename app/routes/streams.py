@@ -8,8 +8,9 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
+from app.auth import Caller
 from app.errors import ApiError
-from app.services import Services, services, tenant
+from app.services import Services, reader, services
 from lib.errors import NotFound
 from lib.execution.stream import StreamReader
 
@@ -56,7 +57,7 @@ async def stream(
     execution_id: str,
     request: Request,
     svc: Annotated[Services, Depends(services)],
-    tenant_id: Annotated[str, Depends(tenant)],
+    caller: Annotated[Caller, Depends(reader)],
 ) -> Response:
     header = request.headers.get("last-event-id")
     if header is not None:
@@ -64,7 +65,7 @@ async def stream(
     else:
         cursor = parse_cursor(request.query_params.get("lastEventId"), "lastEventId")
     meta = await svc.buffer.meta(execution_id)
-    if meta.tenant != tenant_id:
+    if not caller.may_read(meta.tenant, execution_id):
         raise NotFound("execution", execution_id)
     if meta.finished and cursor >= meta.last_id:
         # 204 tells EventSource the stream is over and not to reconnect.

@@ -8,8 +8,9 @@ from typing import Annotated
 from fastapi import APIRouter, Depends
 from starlette.responses import StreamingResponse
 
-from app.routes.executions import owned_meta
-from app.services import Services, services, tenant
+from app.auth import Caller
+from app.services import Services, reader, services
+from lib.errors import NotFound
 from lib.execution.values import check_ids
 
 router = APIRouter(prefix="/api/executions", tags=["values"])
@@ -35,11 +36,13 @@ async def get_value(
     execution_id: str,
     value_id: str,
     svc: Annotated[Services, Depends(services)],
-    tenant_id: Annotated[str, Depends(tenant)],
+    caller: Annotated[Caller, Depends(reader)],
 ) -> StreamingResponse:
     """The value as JSON, streamed in chunks; its sha256 is checked as it goes."""
     check_ids(execution_id, value_id)
-    await owned_meta(svc, tenant_id, execution_id)
+    meta = await svc.buffer.meta(execution_id)
+    if not caller.may_read(meta.tenant, execution_id):
+        raise NotFound("execution", execution_id)
     chunks = svc.values.read(execution_id, value_id)
     # Read two chunks before answering: a missing value is then a clean 404, and a
     # value of one chunk is checked against its sha256 before the status is sent.

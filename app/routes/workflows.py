@@ -6,12 +6,13 @@ from typing import Annotated, Any
 
 import orjson
 from fastapi import APIRouter, Body, Depends, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.idempotency import Outcome
 from app.responses import JSON
 from app.routes.streams import sse_response
 from app.services import Services, services, tenant
+from lib.workflows.limits import MAX_DEPTH, too_deep
 from lib.workflows.model import Workflow
 
 router = APIRouter(prefix="/api/workflows", tags=["workflows"])
@@ -27,6 +28,13 @@ class ExecuteRequest(BaseModel):
 
     input: Any = None
     inline_files: bool = Field(False, alias="inlineFiles")
+
+    @field_validator("input")
+    @classmethod
+    def _shallow(cls, value: Any) -> Any:
+        if too_deep(value):
+            raise ValueError(f"input nests deeper than {MAX_DEPTH} levels")
+        return value
 
 
 def _summary(workflow: Workflow, source: str) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from lib.errors import Problem, WorkflowInvalid
 from lib.workflows.blocks import BlockTypes
 from lib.workflows.blocks.base import error_message, error_path
+from lib.workflows.limits import MAX_DEPTH, MAX_TEMPLATE_CHARS, long_templates, too_deep
 from lib.workflows.model import Workflow
 from lib.workflows.templates import Templates
 
@@ -23,7 +24,12 @@ def validate_workflow(raw: Any, *, block_types: BlockTypes, templates: Templates
     """The workflow defined by ``raw``, or WorkflowInvalid listing every problem."""
     if not isinstance(raw, dict):
         raise WorkflowInvalid([Problem("$", "a workflow must be a JSON object")])
-    problems: list[Problem] = []
+    if too_deep(raw):
+        raise WorkflowInvalid([Problem("$", f"the workflow nests deeper than {MAX_DEPTH} levels")])
+    problems: list[Problem] = [
+        Problem(f"${path}", f"a template may be at most {MAX_TEMPLATE_CHARS} characters")
+        for path in long_templates(raw)
+    ]
     workflow: Workflow | None = None
     try:
         workflow = Workflow.model_validate(raw)

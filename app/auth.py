@@ -1,0 +1,105 @@
+"""API keys and stream tokens.
+
+With ``FLOWCAST_API_KEYS`` set, every ``/api`` route needs ``Authorization: Bearer
+<key>``. Each key is a tenant, named by a hash of the key (so no key ever appears in a
+Redis key name or a log line); a tenant sees only its own workflows and executions.
+The SSE and values routes also accept ``?token=`` with a ``streamToken``, which grants
+access to the one execution it was issued for; ``?token=`` anywhere else is 401.
+Without keys everything is one open tenant, ``default``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from app.errors import ApiError
+from app.tokens import StreamTokens
+
+DEFAULT_TENANT = "default"
+CHALLENGE = {"WWW-Authenticate": "Bearer"}
+
+
+def tenant_of_key(key: str) -> str:
+    """The tenant a key stands for: a hash of it, never the key itself."""
+    return "t_" + hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+class ApiKeys:
+    """The configured keys; empty means the API is open."""
+
+    def __init__(self, raw: str | None) -> None:
+        self._keys = [key.strip().encode() for key in (raw or "").split(",") if key.strip()]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._keys)
+
+    def tenant(self, presented: str) -> str | None:
+        """The tenant of a presented key, compared in constant time, or None."""
+        candidate = presented.encode()
+        found: bytes | None = None
+        for key in self._keys:
+            # Compare against every key so timing tells nothing about which matched.
+            if hmac.compare_digest(candidate, key):
+                found = key
+        return tenant_of_key(found.decode()) if found is not None else None
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is asking: a tenant, or the holder of a token for one execution."""
+
+    tenant: str | None
+    execution_id: str | None = None
+
+    def may_read(self, execution_tenant: str, execution_id: str) -> bool:
+        if self.execution_id is not None:
+            return self.execution_id == execution_id
+        return self.tenant == execution_tenant
+
+
+def _bearer(request: Request, keys: ApiKeys) -> str:
+    header = request.headers.get("authorization", "")
+    scheme, _, presented = header.partition(" ")
+    if scheme.lower() != "bearer" or not presented.strip():
+        raise ApiError(
+            401, "unauthorized", "an API key is required (Authorization: Bearer <key>)", CHALLENGE
+        )
+    tenant = keys.tenant(presented.strip())
+    if tenant is None:
+        raise ApiError(401, "unauthorized", "the API key is not valid", CHALLENGE)
+    return tenant
+
+
+def authenticate(request: Request, keys: ApiKeys) -> str:
+    """The caller's tenant on a route that takes only API keys."""
+    if not keys.enabled:
+        return DEFAULT_TENANT
+    if "token" in request.query_params:
+        raise ApiError(
+            401,
+            "unauthorized",
+            "a stream token is accepted only on stream and value routes",
+            CHALLENGE,
+        )
+    return _bearer(request, keys)
+
+
+def authenticate_reader(
+    request: Request, keys: ApiKeys, tokens: StreamTokens, execution_id: str
+) -> Caller:
+    """The caller on the SSE and values routes: an API key or a stream token."""
+    if not keys.enabled:
+        return Caller(DEFAULT_TENANT)
+    token = request.query_params.get("token")
+    if token is None:
+        return Caller(_bearer(request, keys))
+    if not tokens.check(token, execution_id):
+        raise ApiError(
+            401, "unauthorized", "the stream token is not valid for this execution", CHALLENGE
+        )
+    return Caller(None, execution_id)

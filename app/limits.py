@@ -1,0 +1,71 @@
+"""Request limits that hold before a route runs: header and body size caps.
+
+A body larger than ``FLOWCAST_MAX_BODY_BYTES`` gets 413, whether it declares its size
+(``Content-Length``, refused before reading) or streams in chunks (refused once the
+count passes the cap, whatever the route then made of the broken read). Headers larger
+than 64 KiB in all get 431.
+"""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.errors import ApiError, error_payload
+from app.responses import JSON
+
+MAX_HEADER_BYTES = 64 * 1024
+
+
+class BodyLimit:
+    """ASGI middleware: 431 for oversized headers, 413 for bodies past ``max_bytes``."""
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> ApiError:
+        return ApiError(
+            413, "body_too_large", f"the request body is larger than {self.max_bytes} bytes"
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = scope["headers"]
+        if sum(len(name) + len(value) for name, value in headers) > MAX_HEADER_BYTES:
+            error = ApiError(431, "headers_too_large", "the request headers are too large")
+            await _answer(error, scope, receive, send)
+            return
+        for name, value in headers:
+            if name == b"content-length" and (
+                not value.isdigit() or int(value) > self.max_bytes
+            ):
+                await _answer(self._too_large(), scope, receive, send)
+                return
+        received = 0
+        exceeded = False
+
+        async def limited() -> Message:
+            nonlocal received, exceeded
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    exceeded = True
+                    raise self._too_large()
+            return message
+
+        async def guarded(message: Message) -> None:
+            # Once the body ran over, whatever the route answers is replaced by 413.
+            if not exceeded:
+                await send(message)
+            elif message["type"] == "http.response.start":
+                await _answer(self._too_large(), scope, receive, send)
+
+        await self.app(scope, limited, guarded)
+
+
+async def _answer(error: ApiError, scope: Scope, receive: Receive, send: Send) -> None:
+    status, body = error_payload(error)
+    await JSON(body, status_code=status)(scope, receive, send)

@@ -1,0 +1,141 @@
+"""API keys as tenants, and stream tokens scoped to one execution."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.tokens import StreamTokens, load_secret
+from tests.support.api import put, streaming_workflow, wait_finished
+from tests.support.logcheck import check_log, check_view
+from tests.support.servers import FlowcastServer, ValkeyServer
+from tests.support.sse import collect
+
+ALICE, BOB = "alice-key-" + "a" * 20, "bob-key-" + "b" * 20
+
+
+@pytest.fixture(scope="module")
+async def keyed(
+    tmp_path_factory: pytest.TempPathFactory, valkey: ValkeyServer
+) -> AsyncIterator[FlowcastServer]:
+    server = FlowcastServer(
+        data_dir=tmp_path_factory.mktemp("keyed"),
+        env={
+            "FLOWCAST_REDIS_URL": valkey.url,
+            "FLOWCAST_REDIS_PREFIX": f"auth{uuid.uuid4().hex[:6]}",
+            "FLOWCAST_API_KEYS": f"{ALICE}, {BOB}",
+        },
+    )
+    await server.start()
+    yield server
+    await server.stop()
+
+
+def as_(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture
+async def alice(keyed: FlowcastServer) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=keyed.url, headers=as_(ALICE), timeout=20) as client:
+        yield client
+
+
+@pytest.fixture
+async def anonymous(keyed: FlowcastServer) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=keyed.url, timeout=20) as client:
+        yield client
+
+
+async def test_every_api_route_needs_a_valid_key(anonymous: httpx.AsyncClient) -> None:
+    for method, url in [
+        ("GET", "/api/workflows"),
+        ("PUT", "/api/workflows/x"),
+        ("GET", "/api/executions"),
+        ("GET", "/api/executions/ex_x"),
+        ("GET", "/api/executions/ex_x/events"),
+        ("GET", "/api/executions/ex_x/stream"),
+        ("POST", "/api/executions/ex_x/resume"),
+        ("POST", "/api/executions/ex_x/cancel"),
+        ("POST", "/api/workflows/stream-story/execute"),
+    ]:
+        for headers in ({}, as_("wrong-key"), {"Authorization": "Basic abc"}):
+            response = await anonymous.request(method, url, headers=headers, json={})
+            assert response.status_code == 401, (method, url, headers)
+            assert response.json()["error"]["code"] == "unauthorized"
+            assert response.headers["www-authenticate"] == "Bearer"
+    assert (await anonymous.get("/healthz")).status_code == 200
+
+
+async def test_each_key_is_a_tenant_that_sees_only_its_own_things(
+    keyed: FlowcastServer, alice: httpx.AsyncClient, unique: str
+) -> None:
+    await put(alice, streaming_workflow(f"mine-{unique}", words=3))
+    started = (await alice.post(f"/api/workflows/mine-{unique}/execute", json={})).json()
+    execution_id = started["executionId"]
+    await wait_finished(alice, execution_id)
+    async with httpx.AsyncClient(base_url=keyed.url, headers=as_(BOB), timeout=20) as bob:
+        assert (await bob.get(f"/api/workflows/mine-{unique}")).status_code == 404
+        assert f"mine-{unique}" not in (await bob.get("/api/workflows")).text
+        for url in (
+            f"/api/executions/{execution_id}",
+            f"/api/executions/{execution_id}/events",
+            f"/api/executions/{execution_id}/stream",
+        ):
+            assert (await bob.get(url)).status_code == 404, url
+        assert (await bob.post(f"/api/executions/{execution_id}/cancel")).status_code == 404
+        assert execution_id not in (await bob.get("/api/executions")).text
+        # Example workflows from files are everyone's.
+        assert (await bob.get("/api/workflows/stream-story")).status_code == 200
+    assert execution_id in (await alice.get("/api/executions")).text
+
+
+async def test_a_stream_token_opens_the_stream_of_its_execution_only(
+    alice: httpx.AsyncClient, anonymous: httpx.AsyncClient, unique: str
+) -> None:
+    await put(alice, streaming_workflow(f"tok-{unique}", words=5))
+    first = (await alice.post(f"/api/workflows/tok-{unique}/execute", json={})).json()
+    second = (await alice.post(f"/api/workflows/tok-{unique}/execute", json={})).json()
+    token = first["streamToken"]
+    response, frames = await collect(anonymous, f"{first['streamUrl']}?token={token}")
+    assert response.status_code == 200
+    check_log(check_view(frames))
+    # The same token for another execution, a tampered one, or on another route: 401.
+    tampered = token[:-2] + ("AA" if not token.endswith("AA") else "BB")
+    for url in (
+        f"{second['streamUrl']}?token={token}",
+        f"{first['streamUrl']}?token={tampered}",
+        f"/api/executions/{first['executionId']}?token={token}",
+        f"/api/executions/{first['executionId']}/events?token={token}",
+    ):
+        assert (await anonymous.get(url)).status_code == 401, url
+    # A key holder passing a token on another route is refused too.
+    response = await alice.get(f"/api/executions/{first['executionId']}?token={token}")
+    assert response.status_code == 401
+
+
+def test_stream_tokens_expire_and_are_bound_to_their_secret(tmp_path: Path) -> None:
+    secret = load_secret(None, tmp_path)
+    assert load_secret(None, tmp_path) == secret  # generated once, kept
+    assert (tmp_path / "secret_key").stat().st_mode & 0o077 == 0
+    tokens = StreamTokens(secret=secret, lifetime_seconds=60)
+    token = tokens.issue("ex_a", now=1_000)
+    assert tokens.check(token, "ex_a", now=1_030)
+    assert not tokens.check(token, "ex_a", now=1_061)
+    assert not tokens.check(token, "ex_b", now=1_030)
+    other = StreamTokens(secret=b"another secret", lifetime_seconds=60)
+    assert not other.check(token, "ex_a", now=1_030)
+    for junk in ("", ".", "abc", "123.", "x.y", f"{int(time.time()) + 60}.garbage"):
+        assert not tokens.check(junk, "ex_a")
+
+
+async def test_keys_never_appear_in_logs(keyed: FlowcastServer, alice: httpx.AsyncClient) -> None:
+    await alice.get("/api/workflows")
+    await alice.get("/api/workflows", headers=as_("wrong-" + ALICE))
+    logs = keyed.logs()
+    assert ALICE not in logs and BOB not in logs

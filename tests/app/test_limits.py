@@ -1,0 +1,101 @@
+"""Bad input: every limit answers 4xx with a clear message and changes nothing."""
+
+from __future__ import annotations
+
+import httpx
+
+from tests.support.api import streaming_workflow
+
+
+def nested(depth: int) -> object:
+    value: object = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+async def test_a_body_past_the_cap_is_413_with_or_without_content_length(
+    client: httpx.AsyncClient, unique: str
+) -> None:
+    big = b'{"input": "' + b"x" * (11 * 1024 * 1024) + b'"}'
+    response = await client.post(
+        "/api/workflows/stream-story/execute",
+        content=big,
+        headers={"content-type": "application/json"},
+    )
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "body_too_large"
+
+    async def chunks():  # type: ignore[no-untyped-def]
+        for _ in range(12):
+            yield b" " * (1024 * 1024)
+
+    response = await client.put(
+        f"/api/workflows/chunked-{unique}",
+        content=chunks(),
+        headers={"content-type": "application/json"},
+    )
+    assert response.status_code == 413
+    assert (await client.get(f"/api/workflows/chunked-{unique}")).status_code == 404
+
+
+async def test_inputs_and_workflows_nested_too_deep_are_refused(
+    client: httpx.AsyncClient, unique: str
+) -> None:
+    response = await client.post(
+        "/api/workflows/stream-story/execute", json={"input": nested(100)}
+    )
+    assert response.status_code == 422
+    assert "deeper" in response.text
+    workflow = streaming_workflow(f"deep-{unique}")
+    workflow["blocks"][0]["config"]["value"] = nested(100)
+    response = await client.put(f"/api/workflows/deep-{unique}", json=workflow)
+    assert response.status_code == 422
+    assert "deeper" in response.text
+    assert (await client.get(f"/api/workflows/deep-{unique}")).status_code == 404
+
+
+async def test_very_long_templates_are_refused(client: httpx.AsyncClient, unique: str) -> None:
+    workflow = streaming_workflow(f"long-{unique}")
+    workflow["blocks"][0]["config"]["value"] = "{{ input }}" + "x" * 70_000
+    response = await client.put(f"/api/workflows/long-{unique}", json=workflow)
+    assert response.status_code == 422
+    assert response.json()["error"]["problems"][0]["path"] == "$.blocks[0].config.value"
+
+
+async def test_malformed_json_and_wrong_content_types_are_4xx(
+    client: httpx.AsyncClient, unique: str
+) -> None:
+    for content, content_type in [
+        (b"{not json", "application/json"),
+        (b"\xff\xfe", "application/json"),
+        (b"input=1", "application/x-www-form-urlencoded"),
+        (b"<xml/>", "text/xml"),
+    ]:
+        response = await client.post(
+            "/api/workflows/stream-story/execute",
+            content=content,
+            headers={"content-type": content_type},
+        )
+        assert 400 <= response.status_code < 500, (content, response.status_code)
+        assert "error" in response.json()
+
+
+async def test_unicode_and_path_tricks_in_ids_are_404_not_errors(
+    client: httpx.AsyncClient,
+) -> None:
+    for workflow_id in ("%2e%2e%2fetc", "caf%C3%A9", "%00", "a" * 300, "..%5C..%5Cwin"):
+        response = await client.get(f"/api/workflows/{workflow_id}")
+        assert response.status_code == 404, workflow_id
+        response = await client.get(f"/api/executions/{workflow_id}/values/{workflow_id}")
+        assert response.status_code == 404, workflow_id
+
+
+async def test_huge_headers_are_refused_without_a_server_error(
+    client: httpx.AsyncClient,
+) -> None:
+    try:
+        response = await client.get("/api/workflows", headers={"X-Big": "x" * 200_000})
+    except httpx.RemoteProtocolError:
+        return  # the server closed the connection: also a refusal
+    assert 400 <= response.status_code < 500
