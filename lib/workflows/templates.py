@@ -4,12 +4,16 @@ A string that is exactly one ``{{ expr }}`` evaluates to the expression's native
 (``"{{ input }}"`` is the input object itself); any other string with ``{{`` or ``{%``
 renders to a string. Output is bounded: rendering stops as soon as it passes
 ``max_output_bytes``, and ``*``/``**`` are intercepted so one expression cannot build a
-huge string, list or integer before the bound is checked.
+huge string, list or integer before the bound is checked. Time is bounded too: every
+call, attribute and item access checks a deadline of ``max_render_seconds``, so nested
+loops that print nothing still stop (loops run over ``range`` or data, and each inner
+loop starts with a call or an access).
 """
 
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +49,23 @@ class _Sandbox(ImmutableSandboxedEnvironment):
     def __init__(self, *, max_output_bytes: int) -> None:
         super().__init__(autoescape=False, undefined=jinja2.ChainableUndefined)
         self.max_output_bytes = max_output_bytes
+        self.deadline = float("inf")
+
+    def _on_time(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise SecurityError("the template took too long to render")
+
+    def call(self, __context: Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        self._on_time()
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        self._on_time()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        self._on_time()
+        return super().getitem(obj, argument)
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
         # The default returns an undefined that renders as "", hiding the refusal.
@@ -85,8 +106,11 @@ def _plain(value: Any) -> Any:
 class Templates:
     """Renders templated JSON values and evaluates edge conditions in a sandbox."""
 
-    def __init__(self, *, max_output_bytes: int = 1024 * 1024) -> None:
+    def __init__(
+        self, *, max_output_bytes: int = 1024 * 1024, max_render_seconds: float = 1.0
+    ) -> None:
         self.max_output_bytes = max_output_bytes
+        self.max_render_seconds = max_render_seconds
         self._env = _Sandbox(max_output_bytes=max_output_bytes)
         self._templates: dict[str, jinja2.Template] = {}
         self._expressions: dict[str, TemplateExpression] = {}
@@ -151,6 +175,7 @@ class Templates:
         parts: list[str] = []
         size = 0
         for part in self._template(source).generate(context):
+            self._env._on_time()
             size += len(part.encode())
             if size > self.max_output_bytes:
                 raise BlockError(
@@ -175,6 +200,7 @@ class Templates:
         return result
 
     def _guard(self, render: Callable[[], Any]) -> Any:
+        self._env.deadline = time.monotonic() + self.max_render_seconds
         try:
             return render()
         except BlockError:
@@ -184,6 +210,8 @@ class Templates:
         except (ArithmeticError, TypeError, ValueError, LookupError, AttributeError) as exc:
             message = f"{type(exc).__name__}: {exc}"
             raise BlockError("template_error", message, retryable=False) from exc
+        finally:
+            self._env.deadline = float("inf")
 
     def _template(self, source: str) -> jinja2.Template:
         template = self._templates.get(source)

@@ -50,6 +50,14 @@ def test_condition_is_truthiness_and_undefined_is_false(templates: Templates) ->
         "{{ input.__class__ }}",
         "{{ input.tags.append(1) }}",
         "{{ cycler.__init__.__globals__ }}",
+        "{{ lipsum.__globals__ }}",
+        "{{ joiner.__init__.__globals__['os'] }}",
+        "{{ (input|attr('__class__')).__mro__ }}",
+        "{{ '{0.__class__.__mro__}'.format(input) }}",
+        "{{ '%s'.__mod__.__self__.__class__ }}",
+        "{{ namespace.__init__.__globals__ }}",
+        "{{ self.__init__.__globals__ }}",
+        "{{ input.__getitem__.__self__ }}",
     ],
 )
 def test_sandbox_refuses_python_internals(templates: Templates, source: str) -> None:
@@ -97,3 +105,18 @@ def test_compiled_templates_are_cached(templates: Templates) -> None:
     compiled = templates._templates["a {{ input.n }}"]
     templates.render("a {{ input.n }}", CONTEXT)
     assert templates._templates["a {{ input.n }}"] is compiled
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+        "{% for i in range(99999) %}{% for j in range(99999) %}{{ '' }}{% endfor %}{% endfor %}",
+    ],
+)
+def test_rendering_that_takes_too_long_is_stopped(source: str) -> None:
+    templates = Templates(max_render_seconds=0.2)
+    with pytest.raises(BlockError) as caught:
+        templates.render(source, CONTEXT)
+    assert caught.value.code == "template_error"
+    assert "too long" in caught.value.message
