@@ -9,9 +9,10 @@ time the rendered config is validated strictly, and a failure is ``bad_config``.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -22,15 +23,26 @@ from pydantic.alias_generators import to_camel
 from lib.errors import BlockError, FlowcastError
 from lib.workflows.templates import Templates, is_template
 
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+Resolver = Callable[[str, int], Awaitable[Sequence[IPAddress]]]
+"""``await resolve(host, port)``: every address of an (ASCII) host name; ``OSError`` if none."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class BlockServices:
-    """Process-wide resources shared by every block (owned and closed by the caller)."""
+    """Process-wide resources shared by every block (owned and closed by the caller).
+
+    ``resolve`` is how ``http`` blocks look up host names before checking and pinning
+    the address; ``None`` means the system resolver (``loop.getaddrinfo``). Tests set it
+    to answer chosen addresses without DNS.
+    """
 
     http: httpx.AsyncClient
     templates: Templates
     http_limiter: asyncio.Semaphore
     http_allow_private: bool = False
+    resolve: Resolver | None = None
 
 
 class PauseRequested(FlowcastError):
