@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 import orjson
 from fastapi import APIRouter, Body, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.errors import ApiError
 from app.idempotency import Outcome
@@ -16,6 +16,7 @@ from app.services import Services, services, tenant
 from lib.errors import NotFound
 from lib.execution.buffer import ExecutionMeta
 from lib.execution.events import TERMINAL_STATUSES
+from lib.workflows.limits import MAX_DEPTH, too_deep
 
 router = APIRouter(prefix="/api/executions", tags=["executions"])
 
@@ -115,6 +116,13 @@ class ResumeRequest(BaseModel):
 
     block_id: str | None = Field(None, alias="blockId")
     input: Any = None
+
+    @field_validator("input")
+    @classmethod
+    def _shallow(cls, value: Any) -> Any:
+        if too_deep(value):
+            raise ValueError(f"input nests deeper than {MAX_DEPTH} levels")
+        return value
 
 
 def _answer(outcome: Outcome) -> JSON:

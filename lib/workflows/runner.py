@@ -76,9 +76,12 @@ class _Local:
     fence: str
     task: asyncio.Task[None] | None = None
     stop_reason: str | None = None  # why its task was cancelled: cancel, shutdown, fenced
+    ending: bool = False  # its last event (terminal or paused) is emitted, being stored
 
     def stop(self, reason: str) -> None:
-        if self.task is not None and self.stop_reason is None:
+        # Once the last event is emitted, cancelling would only abandon storing it: the
+        # execution would stay "running" in the buffer, with no lease, forever.
+        if self.task is not None and self.stop_reason is None and not self.ending:
             self.stop_reason = reason
             self.task.cancel(reason)
 
@@ -241,9 +244,13 @@ class Runner:
         """Cancel a running or paused execution wherever it runs."""
         meta = await self._owned(execution_id, tenant)
         local = self._locals.get(execution_id)
-        if local is not None:
+        if local is not None and not local.ending:
             local.stop("cancel")
             return Started(execution_id, "cancelling")
+        if local is not None and local.task is not None:
+            # Its last event is being stored: once it is, this is a cancel of a pause (or
+            # a 409 for a finished execution), answered below.
+            await asyncio.wait({local.task}, timeout=CONTROL_BLOCK_MS / 1000)
         fence = self._fence()
         claim = await self._control.claim(execution_id, "cancel", fence)
         if claim.status_before == "running":
@@ -307,13 +314,20 @@ class Runner:
                 # the last event, then live readers here switch to following the buffer.
                 async with writer, emitter:
                     deadline = await body(local, emitter)
+                    local.ending = True
             finally:
                 publisher.detach()
                 await self._let_go(execution_id, deadline, fenced=writer.refused is not None)
 
+        def forget(_task: asyncio.Task[None]) -> None:
+            # A resume or cancel here may already have launched the next run of this
+            # execution (its pause was stored before this task let go): keep that one.
+            if self._locals.get(execution_id) is local:
+                del self._locals[execution_id]
+
         local.task = asyncio.create_task(run(), name=f"execution:{execution_id}")
         self._locals[execution_id] = local
-        local.task.add_done_callback(lambda _task: self._locals.pop(execution_id, None))
+        local.task.add_done_callback(forget)
 
     async def _let_go(self, execution_id: str, deadline: int | None, *, fenced: bool) -> None:
         if fenced:

@@ -19,6 +19,12 @@ ROOT = Path(__file__).resolve().parents[2]
 class ValkeyServer(EmbeddedValkey):
     """A Valkey server the tests can stop, kill and start again on the same port."""
 
+    @property
+    def pid(self) -> int:
+        """The running server's process id (to stall it with SIGSTOP)."""
+        assert self._process is not None, "the server is not running"
+        return self._process.pid
+
     def kill(self) -> None:
         process = self._process
         if process is not None:
@@ -42,6 +48,12 @@ class FlowcastServer:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        """The running process's id (to stop or continue it with a signal)."""
+        assert self._process is not None, "the server is not running"
+        return self._process.pid
 
     def command(self) -> list[str]:
         return [
