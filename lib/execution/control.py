@@ -106,11 +106,23 @@ class Control:
         await self.redis.zrem(self.deadlines_key, execution_id)
 
     @translated
-    async def release(self, execution_id: str, *, deadline_ms: int | None = None) -> None:
-        """Stop watching the lease (finished or paused); watch a pause's deadline if any."""
-        await self.redis.zrem(self.leases_key, execution_id)
-        if deadline_ms is not None:
-            await self.redis.zadd(self.deadlines_key, {execution_id: deadline_ms})
+    async def release(self, execution_id: str, token: str) -> None:
+        """Stop watching the lease of a run that ended or paused, if it is still ours.
+
+        Another process may already have resumed or taken over the execution; its lease
+        entry must stay. (Between the check and the removal a resume could slip in: its
+        first renewal, a third of a lease later, lists it again.)
+        """
+        owner = cast(
+            bytes | None, await self.redis.hget(self.buffer.meta_key(execution_id), "owner")
+        )
+        if owner is None or owner.decode() == token:
+            await self.redis.zrem(self.leases_key, execution_id)
+
+    @translated
+    async def watch_deadline(self, execution_id: str, deadline_ms: int) -> None:
+        """List a pause under its approval deadline, for the janitors."""
+        await self.redis.zadd(self.deadlines_key, {execution_id: deadline_ms})
 
     @translated
     async def due(self, key: str, *, limit: int = 100) -> list[str]:

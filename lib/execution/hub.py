@@ -71,7 +71,7 @@ class Channel:
         self.hub = hub
         self.execution_id = execution_id
         self.subscribers: set[Subscription] = set()
-        self.local = False
+        self.publisher: LocalPublisher | None = None
         self.unstored: Callable[[], list[Event]] = list
         self.last_published = 0
         self.finished = False
@@ -90,6 +90,10 @@ class Channel:
         for event in events:
             self.publish(event)
 
+    @property
+    def local(self) -> bool:
+        return self.publisher is not None
+
     def stop_tail(self) -> None:
         if self.tail_task is not None:
             self.tail_task.cancel()
@@ -97,21 +101,31 @@ class Channel:
 
 
 class LocalPublisher:
-    """The emitting side of a channel for an execution this process runs."""
+    """The emitting side of a channel for an execution this process runs.
 
-    def __init__(self, hub: Hub, channel: Channel) -> None:
+    ``gate`` says whether this process may still show events live: an owner that has
+    not been able to check its lease for a lease period (it was stalled) might have been
+    fenced out, so it holds its events back until it knows; readers then get them from
+    memory or the buffer, and never an event the buffer will refuse.
+    """
+
+    def __init__(self, hub: Hub, channel: Channel, gate: Callable[[], bool]) -> None:
         self._hub = hub
         self._channel = channel
+        self._gate = gate
         self.execution_id = channel.execution_id
 
     def publish(self, event: Event) -> None:
         """Deliver an emitted event to the readers attached here."""
-        self._channel.publish(event)
+        if self._channel.publisher is self and self._gate():
+            self._channel.publish(event)
 
     def detach(self) -> None:
         """This process stops running the execution (finished, paused or handed over)."""
         channel = self._channel
-        channel.local = False
+        if channel.publisher is not self:
+            return  # a later run of the same execution attached here since
+        channel.publisher = None
         channel.unstored = list
         self._hub._release(channel)
 
@@ -150,7 +164,12 @@ class Hub:
             self.ensure_tail(channel.execution_id, after=channel.last_published)
 
     def attach_local(
-        self, execution_id: str, *, last_id: int, unstored: Callable[[], list[Event]]
+        self,
+        execution_id: str,
+        *,
+        last_id: int,
+        unstored: Callable[[], list[Event]],
+        gate: Callable[[], bool] = lambda: True,
     ) -> LocalPublisher:
         """Make this process the source of an execution's live events.
 
@@ -158,11 +177,16 @@ class Hub:
         """
         channel = self._channel(execution_id)
         channel.stop_tail()
-        channel.local = True
         channel.finished = False
         channel.unstored = unstored
         channel.last_published = last_id
-        return LocalPublisher(self, channel)
+        channel.publisher = LocalPublisher(self, channel, gate)
+        return channel.publisher
+
+    def unstored(self, execution_id: str) -> list[Event]:
+        """Events emitted here and not stored yet (empty unless this process runs it)."""
+        channel = self._channels.get(execution_id)
+        return channel.unstored() if channel is not None else []
 
     def subscribe(self, execution_id: str) -> tuple[Subscription, list[Event]]:
         """Attach a reader; returns its queue and the emitted events not yet stored."""

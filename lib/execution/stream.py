@@ -118,21 +118,30 @@ class StreamReader:
         return b"".join(parts)
 
     async def _fill(self, before: int, parts: list[bytes]) -> None:
-        """Send the stored events between the last one sent and ``before``."""
-        while True:
+        """Send the events between the last one sent and ``before``: stored ones from the
+        buffer, then those this process emitted and has not stored yet, from memory."""
+        pending = [e for e in self._hub.unstored(self._execution_id) if e.id < before]
+        stored_before = pending[0].id if pending else before
+        page: Page | None = None
+        while self.last_sent + 1 < stored_before:
             page = await self._buffer.read(
                 self._execution_id, after=self.last_sent, limit=REPLAY_PAGE
             )
-            wanted = [event for event in page.events if event.id < before]
+            wanted = [event for event in page.events if event.id < stored_before]
             parts.append(self._accept(wanted, page))
             if len(wanted) < len(page.events) or len(page.events) < REPLAY_PAGE:
                 break
+        if pending:
+            if self.last_sent + 1 < pending[0].id:
+                reason = page.gap_reason(self.last_sent, pending[0].id) if page else "dropped"
+                parts.append(gap_frame(self.last_sent, pending[0].id, reason))
+                self.last_sent = pending[0].id - 1
+            for event in pending:
+                if event.id > self.last_sent:
+                    parts.append(event.frame)
+                    self.last_sent = event.id
         if self.last_sent + 1 < before:
-            reason = page.gap_reason(self.last_sent, before)
-            if before - 1 > page.meta.last_id:
-                # Ids past the last stored one were never stored, so not evicted: the
-                # writer dropped them and has not recorded the range yet.
-                reason = "dropped"
+            reason = page.gap_reason(self.last_sent, before) if page else "dropped"
             parts.append(gap_frame(self.last_sent, before, reason))
 
     def _accept(self, events: list[Event], page: Page) -> bytes:

@@ -77,6 +77,7 @@ class _Local:
     task: asyncio.Task[None] | None = None
     stop_reason: str | None = None  # why its task was cancelled: cancel, shutdown, fenced
     ending: bool = False  # its last event (terminal or paused) is emitted, being stored
+    checked_at: float = 0.0  # when its lease was last renewed, or tried in an outage
 
     def stop(self, reason: str) -> None:
         # Once the last event is emitted, cancelling would only abandon storing it: the
@@ -86,9 +87,8 @@ class _Local:
             self.task.cancel(reason)
 
 
-# What an execution task does between its writer opening and closing; returns the
-# pause deadline (ms) when it paused with one, 0 when paused without, None otherwise.
-Body = Callable[[_Local, Emitter], Awaitable[int | None]]
+# What an execution task does between its writer opening and closing.
+Body = Callable[[_Local, Emitter], Awaitable[None]]
 
 
 class Runner:
@@ -188,9 +188,9 @@ class Runner:
             self._control.hold(execution_id),
         )
 
-        async def body(local: _Local, emitter: Emitter) -> int | None:
+        async def body(local: _Local, emitter: Emitter) -> None:
             emitter.emit(EXECUTION_STARTED, {"input": input})
-            return await self._execute(local, emitter, workflow, input, None)
+            await self._execute(local, emitter, workflow, input, None)
 
         self._launch(
             execution_id, workflow.id, fence, last_id=0, inline_files=inline_files, body=body
@@ -225,9 +225,9 @@ class Runner:
         run = RunState.from_json(state.get("run") or {})
         run.answers[paused_at] = input
 
-        async def body(local: _Local, emitter: Emitter) -> int | None:
+        async def body(local: _Local, emitter: Emitter) -> None:
             emitter.emit(EXECUTION_RESUMED, {"blockId": paused_at, "input": input})
-            return await self._execute(local, emitter, workflow, state.get("input"), run)
+            await self._execute(local, emitter, workflow, state.get("input"), run)
 
         self._launch(
             execution_id,
@@ -288,8 +288,14 @@ class Runner:
             stored_id=last_id,
             max_pending=self._max_pending,
         )
+        local = _Local(execution_id, fence, checked_at=time.monotonic())
         # Attached before the task runs, so a reader arriving now already finds it local.
-        publisher = self._hub.attach_local(execution_id, last_id=last_id, unstored=writer.unstored)
+        publisher = self._hub.attach_local(
+            execution_id,
+            last_id=last_id,
+            unstored=writer.unstored,
+            gate=lambda: time.monotonic() - local.checked_at < self._lease_seconds,
+        )
         compactor = Compactor(
             store=self._values,
             execution_id=execution_id,
@@ -305,19 +311,17 @@ class Runner:
             compactor=compactor,
             last_id=last_id,
         )
-        local = _Local(execution_id, fence)
 
         async def run() -> None:
-            deadline: int | None = None
             try:
                 # Exits in order: the emitter finishes compacting, then the writer stores
                 # the last event, then live readers here switch to following the buffer.
                 async with writer, emitter:
-                    deadline = await body(local, emitter)
+                    await body(local, emitter)
                     local.ending = True
             finally:
                 publisher.detach()
-                await self._let_go(execution_id, deadline, fenced=writer.refused is not None)
+                await self._let_go(execution_id, fence, fenced=writer.refused is not None)
 
         def forget(_task: asyncio.Task[None]) -> None:
             # A resume or cancel here may already have launched the next run of this
@@ -329,11 +333,11 @@ class Runner:
         self._locals[execution_id] = local
         local.task.add_done_callback(forget)
 
-    async def _let_go(self, execution_id: str, deadline: int | None, *, fenced: bool) -> None:
+    async def _let_go(self, execution_id: str, fence: str, *, fenced: bool) -> None:
         if fenced:
             return  # the lease entry belongs to whoever fenced us out
         try:
-            await self._control.release(execution_id, deadline_ms=deadline or None)
+            await self._control.release(execution_id, fence)
         except FlowcastError as exc:
             # A stale lease entry only costs the janitor one refused claim later.
             log.warning(
@@ -348,7 +352,7 @@ class Runner:
         workflow: Workflow,
         input: Any,
         state: RunState | None,
-    ) -> int | None:
+    ) -> None:
         started = time.monotonic()
         extra = {"executionId": emitter.execution_id, "workflowId": workflow.id}
         try:
@@ -360,14 +364,14 @@ class Runner:
                 state=state,
             )
         except Paused as paused:
-            return await self._pause(emitter, paused)
+            await self._pause(emitter, paused)
         except BlockFailed as exc:
             log.info("execution failed", extra={**extra, "blockId": exc.block_id})
             emitter.emit(EXECUTION_FAILED, {"error": exc.as_error()})
         except asyncio.CancelledError:
             if local.stop_reason == "fenced":
                 log.warning("execution taken over by another process", extra=extra)
-                return None  # the new owner writes the end; we may not
+                return  # the new owner writes the end; we may not
             if local.stop_reason == "shutdown":
                 error = {"code": "shutdown", "message": "the server shut down during the run"}
                 emitter.emit(EXECUTION_FAILED, {"error": error})
@@ -382,9 +386,8 @@ class Runner:
             duration_ms = round((time.monotonic() - started) * 1000)
             emitter.emit(EXECUTION_COMPLETED, {"output": output, "durationMs": duration_ms})
             log.info("execution completed", extra={**extra, "durationMs": duration_ms})
-        return None
 
-    async def _pause(self, emitter: Emitter, paused: Paused) -> int:
+    async def _pause(self, emitter: Emitter, paused: Paused) -> None:
         """Persist the run state, then announce the pause (so a paused status has state)."""
         pause = paused.pause
         deadline = now_ms() + pause.timeout_seconds * 1000 if pause.timeout_seconds else None
@@ -394,6 +397,8 @@ class Runner:
                 await self._control.save_state(
                     emitter.execution_id, {"run": paused.state.to_json()}, deadline_ms=deadline
                 )
+                if deadline is not None:
+                    await self._control.watch_deadline(emitter.execution_id, deadline)
                 break
             except BufferUnavailable as exc:
                 if attempt == 5:
@@ -403,14 +408,13 @@ class Runner:
                         "message": f"the pause could not be saved: {exc}",
                     }
                     emitter.emit(EXECUTION_FAILED, {"error": error})
-                    return 0
+                    return
                 await asyncio.sleep(random.uniform(delay / 2, delay))
                 delay *= 4
         emitter.emit(
             EXECUTION_PAUSED,
             {"blockId": pause.block_id, "prompt": pause.prompt, "schema": pause.schema},
         )
-        return deadline or 0
 
     def _finish_here(
         self,
@@ -422,9 +426,8 @@ class Runner:
     ) -> None:
         """Write the terminal event of an execution this process just claimed."""
 
-        async def body(local: _Local, emitter: Emitter) -> int | None:
+        async def body(local: _Local, emitter: Emitter) -> None:
             ending(emitter)
-            return None
 
         self._launch(
             execution_id,
@@ -441,20 +444,27 @@ class Runner:
     async def _renew_loop(self) -> None:
         while True:
             await asyncio.sleep(self._lease_seconds / 3)
-            for local in list(self._locals.values()):
-                try:
-                    cancel_requested = await self._control.renew(local.execution_id, local.fence)
-                except Conflict:
-                    local.stop("fenced")
-                    continue
-                except FlowcastError as exc:
-                    log.warning(
-                        "lease renewal failed",
-                        extra={"executionId": local.execution_id, "error": str(exc)},
-                    )
-                    continue
-                if cancel_requested:
-                    local.stop("cancel")
+            await asyncio.gather(*(self._renew(local) for local in list(self._locals.values())))
+
+    async def _renew(self, local: _Local) -> None:
+        started = time.monotonic()
+        try:
+            cancel_requested = await self._control.renew(local.execution_id, local.fence)
+        except Conflict:
+            local.stop("fenced")
+            return
+        except FlowcastError as exc:
+            # Nobody can take over while the buffer is unreachable for everyone, so an
+            # outage keeps the live gate open; only a stall of this process closes it.
+            local.checked_at = started
+            log.warning(
+                "lease renewal failed",
+                extra={"executionId": local.execution_id, "error": str(exc)},
+            )
+            return
+        local.checked_at = started
+        if cancel_requested:
+            local.stop("cancel")
 
     async def _cancel_loop(self) -> None:
         cursor: str | None = None

@@ -242,12 +242,6 @@ async def test_a_stalled_owner_that_wakes_up_is_fenced_out(
         assert all(line.get("reason") == "fenced" for line in refusals), refusals
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a woken owner publishes live, before storing, events that are then refused: "
-    "its own clients see ids that collide with the new owner's worker_lost and then wait "
-    "for ids that never come (bug, lib/execution/hub.py + emitter, not fixed here)",
-)
 async def test_a_client_attached_to_a_stalled_owner_gets_the_terminal_event(
     valkey: ValkeyServer, redis: Redis, tmp_path: Path, unique: str
 ) -> None:
