@@ -38,9 +38,7 @@ class BodyLimit:
             await _answer(error, scope, receive, send)
             return
         for name, value in headers:
-            if name == b"content-length" and (
-                not value.isdigit() or int(value) > self.max_bytes
-            ):
+            if name == b"content-length" and (not value.isdigit() or int(value) > self.max_bytes):
                 await _answer(self._too_large(), scope, receive, send)
                 return
         received = 0

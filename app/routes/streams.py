@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
+from collections.abc import AsyncIterator
 from typing import Annotated
 
+import anyio
 from fastapi import APIRouter, Depends, Request, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
@@ -16,6 +19,7 @@ from lib.execution.stream import StreamReader
 
 router = APIRouter(prefix="/api/executions", tags=["executions"])
 
+SHUTDOWN_GRACE_SECONDS = 2.0
 _CURSOR = re.compile(r"^[0-9]{1,18}$")
 
 
@@ -34,6 +38,22 @@ def _ping() -> ServerSentEvent:
     return ServerSentEvent(comment="ping", sep="\n")
 
 
+async def _until_shutdown(reader: StreamReader, shutdown: anyio.Event) -> AsyncIterator[bytes]:
+    """The reader's frames; on shutdown it ends at a frame boundary, so the response
+    closes cleanly and EventSource reconnects (to another replica) with Last-Event-ID."""
+
+    async def watch() -> None:
+        await shutdown.wait()
+        reader.close()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        async for chunk in reader.frames():
+            yield chunk
+    finally:
+        watcher.cancel()
+
+
 def sse_response(svc: Services, execution_id: str, *, cursor: int) -> EventSourceResponse:
     """The SSE response for one execution from ``cursor`` on."""
     reader = StreamReader(
@@ -43,12 +63,15 @@ def sse_response(svc: Services, execution_id: str, *, cursor: int) -> EventSourc
         cursor=cursor,
         max_seconds=svc.settings.sse_max_seconds,
     )
+    shutdown = anyio.Event()
     return EventSourceResponse(
-        reader.frames(),
+        _until_shutdown(reader, shutdown),
         headers={"Cache-Control": "no-cache", "X-Execution-Id": execution_id},
         ping=svc.settings.sse_ping_seconds,
         ping_message_factory=_ping,
         sep="\n",
+        shutdown_event=shutdown,
+        shutdown_grace_period=SHUTDOWN_GRACE_SECONDS,
     )
 
 

@@ -35,13 +35,14 @@ MAX_QUEUED_EVENTS = 50_000
 class Subscription:
     """One reader's queue of live events."""
 
-    __slots__ = ("_queue", "_wakeup", "channel", "overflowed")
+    __slots__ = ("_queue", "_wakeup", "channel", "closed", "overflowed")
 
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
         self._queue: deque[Event] = deque()
         self._wakeup = asyncio.Event()
         self.overflowed = False
+        self.closed = False
 
     def push(self, event: Event) -> None:
         if self.overflowed:
@@ -54,9 +55,14 @@ class Subscription:
             self._queue.append(event)
         self._wakeup.set()
 
+    def close(self) -> None:
+        """Wake the reader for good (the server is shutting down)."""
+        self.closed = True
+        self._wakeup.set()
+
     async def wait(self) -> list[Event]:
-        """Wait for live events and take all that are queued."""
-        while not self._queue and not self.overflowed:
+        """Wait for live events and take all that are queued (none once closed)."""
+        while not self._queue and not self.overflowed and not self.closed:
             self._wakeup.clear()
             await self._wakeup.wait()
         batch = list(self._queue)

@@ -47,12 +47,21 @@ class StreamReader:
         self._execution_id = execution_id
         self.last_sent = cursor
         self.finished = False
+        self.closed = False
+        self._subscription: Subscription | None = None
         self._deadline = None if max_seconds is None else time.monotonic() + max_seconds
 
+    def close(self) -> None:
+        """End the stream at the next frame boundary (the server is shutting down)."""
+        self.closed = True
+        if self._subscription is not None:
+            self._subscription.close()
+
     async def frames(self) -> AsyncIterator[bytes]:
-        """SSE frames until the terminal event (or the connection's time cap)."""
-        while not self.finished and not self._expired():
+        """SSE frames until the terminal event (or the connection's time cap, or close)."""
+        while not self.finished and not self.closed and not self._expired():
             subscription, unstored = self._hub.subscribe(self._execution_id)
+            self._subscription = subscription
             try:
                 async for chunk in self._replay(unstored):
                     yield chunk
@@ -86,7 +95,7 @@ class StreamReader:
                 yield chunk
 
     async def _live(self, subscription: Subscription) -> AsyncIterator[bytes]:
-        while not self.finished and not subscription.overflowed:
+        while not self.finished and not subscription.overflowed and not self.closed:
             batch = await self._wait(subscription)
             if batch is None:
                 return
