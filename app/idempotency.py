@@ -26,7 +26,19 @@ from lib.errors import BufferUnavailable, FlowcastError
 log = logging.getLogger(__name__)
 
 WAIT_SECONDS = 30.0
+# A claim whose request never finished (its process died) frees the key after this.
+PENDING_SECONDS = 60
 MAX_KEY_LENGTH = 255
+
+
+def fingerprint(scope: str, body: bytes) -> bytes:
+    """What makes two requests "the same": the scope and the body as canonical JSON, so
+    a retry serialized differently (spacing, key order) still matches."""
+    try:
+        canonical = orjson.dumps(orjson.loads(body), option=orjson.OPT_SORT_KEYS)
+    except orjson.JSONDecodeError:
+        canonical = body
+    return scope.encode() + b"\0" + canonical
 
 
 @dataclass(frozen=True)
@@ -64,7 +76,9 @@ class Idempotency:
         redis_key = f"{self._prefix}:idem:{tenant}:{operation}:{name}"
         pending = orjson.dumps({"fingerprint": digest})
         try:
-            claimed = await self._redis.set(redis_key, pending, nx=True, ex=self._ttl)
+            claimed = await self._redis.set(
+                redis_key, pending, nx=True, ex=min(self._ttl, PENDING_SECONDS)
+            )
         except (RedisError, OSError) as exc:
             raise BufferUnavailable(f"could not check the Idempotency-Key: {exc}") from exc
         if not claimed:

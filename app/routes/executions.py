@@ -9,7 +9,7 @@ from fastapi import APIRouter, Body, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.errors import ApiError
-from app.idempotency import Outcome
+from app.idempotency import Outcome, fingerprint
 from app.responses import JSON
 from app.routes.streams import parse_cursor
 from app.services import Services, services, tenant
@@ -149,7 +149,7 @@ async def resume(
         tenant=tenant_id,
         operation=f"resume:{execution_id}",
         key=request.headers.get("idempotency-key"),
-        fingerprint=await request.body(),
+        fingerprint=fingerprint(execution_id, await request.body()),
         action=act,
     )
     return _answer(outcome)
@@ -169,7 +169,7 @@ async def cancel(
         tenant=tenant_id,
         operation=f"cancel:{execution_id}",
         key=request.headers.get("idempotency-key"),
-        fingerprint=await request.body(),
+        fingerprint=fingerprint(execution_id, await request.body()),
         action=act,
     )
     return _answer(outcome)

@@ -8,7 +8,7 @@ import orjson
 from fastapi import APIRouter, Body, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from app.idempotency import Outcome
+from app.idempotency import Outcome, fingerprint
 from app.responses import JSON
 from app.routes.streams import sse_response
 from app.services import Services, services, tenant
@@ -105,7 +105,7 @@ async def execute(
         tenant=tenant_id,
         operation="execute",
         key=request.headers.get("idempotency-key"),
-        fingerprint=b"execute:" + workflow_id.encode() + b":" + await request.body(),
+        fingerprint=fingerprint(workflow_id, await request.body()),
         action=start,
     )
     if outcome.status >= 400:

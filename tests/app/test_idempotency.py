@@ -101,6 +101,14 @@ async def test_execute_repeated_with_the_same_key_and_body_returns_the_first_exe
     assert again.json()["executionId"] == execution_id
     assert again.json()["status"] == first.json()["status"]
     assert again.json()["streamUrl"] == first.json()["streamUrl"]
+    # The same JSON serialized another way (spacing, key order) is the same request.
+    respaced = await client.post(
+        url,
+        content=b'{ "input" : { "n" : 1 } }',
+        headers={**keyed(key), "content-type": "application/json"},
+    )
+    assert respaced.status_code == 202, respaced.text
+    assert respaced.json()["executionId"] == execution_id
     assert await listed(client, workflow_id) == [execution_id]
 
 
