@@ -17,6 +17,7 @@ from lib.errors import (
     InvalidInput,
     NotFound,
     ShuttingDown,
+    TooBusy,
 )
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ def status_of(exc: FlowcastError) -> int:
         return 422
     if isinstance(exc, BufferUnavailable | ShuttingDown):
         return 503
+    if isinstance(exc, TooBusy):
+        return 429
     return 500
 
 
@@ -70,6 +73,8 @@ async def _flowcast_error(request: Request, exc: Exception) -> JSON:
     if status >= 500:
         log.error("request failed", extra={"path": request.url.path, "error": exc.message})
     headers = exc.headers if isinstance(exc, ApiError) else None
+    if isinstance(exc, TooBusy):
+        headers = {"Retry-After": str(exc.retry_after)}
     return JSON(body, status_code=status, headers=headers)
 
 

@@ -23,7 +23,7 @@ from app.connections import connect
 from app.embedded import EmbeddedValkey
 from app.idempotency import Idempotency
 from app.limits import BodyLimit
-from app.routes import executions, health, streams, values, workflows
+from app.routes import executions, health, page, streams, values, workflows
 from app.services import Services
 from app.settings import Settings
 from app.tokens import StreamTokens, load_secret
@@ -59,7 +59,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     errors.install(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    for module in (health, workflows, executions, streams, values):
+    for module in (health, workflows, executions, streams, values, page):
         app.include_router(module.router)
     return app
 
@@ -127,6 +127,7 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
                 control=Control(buffer=buffer, lease_seconds=settings.lease_seconds),
                 lease_seconds=settings.lease_seconds,
                 shutdown_grace_seconds=settings.shutdown_grace_seconds,
+                max_executions_per_tenant=settings.max_executions_per_tenant,
                 offload=OffloadPolicy(
                     large_value_bytes=settings.large_value_bytes,
                     budget_bytes=settings.event_budget_bytes,

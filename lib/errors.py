@@ -7,6 +7,7 @@
     │   └── WorkflowInvalid            a workflow definition with every problem found
     ├── BlockError                     a block attempt failed (code, message, retryable)
     ├── ShuttingDown                   the process no longer starts executions
+    ├── TooBusy                        the tenant runs as many executions as it may
     ├── BufferUnavailable              the event buffer could not be reached
     └── WriteRefused                   the buffer refused a batch (fenced, out of order, gone)
 
@@ -106,6 +107,16 @@ class ShuttingDown(FlowcastError):
     """The process is shutting down and starts nothing new."""
 
     code = "shutting_down"
+
+
+class TooBusy(FlowcastError):
+    """The tenant already runs its most executions; ``retry_after`` is a hint in seconds."""
+
+    code = "too_many_executions"
+
+    def __init__(self, message: str, *, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class BufferUnavailable(FlowcastError):

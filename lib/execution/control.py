@@ -50,6 +50,7 @@ class Control:
         self.lease_ms = int(lease_seconds * 1000)
         self._claim = self.redis.register_script(load_script("claim.lua"))
         self._renew = self.redis.register_script(load_script("renew.lua"))
+        self._admit = self.redis.register_script(load_script("admit.lua"))
         prefix = buffer.prefix
         self.leases_key = f"{prefix}:leases"
         self.deadlines_key = f"{prefix}:deadlines"
@@ -86,8 +87,26 @@ class Control:
             raise Conflict(reason.lower(), str(exc)) from None
         return Claim(int(last), status.decode(), owner.decode())
 
+    def running_key(self, tenant: str) -> str:
+        return f"{self._prefix}:running:{tenant}"
+
     @translated
-    async def renew(self, execution_id: str, token: str) -> bool:
+    async def admit(self, tenant: str, execution_id: str, *, limit: int) -> bool:
+        """Count the execution among its tenant's running ones, if under ``limit``."""
+        now = now_ms()
+        admitted = await self._admit(
+            keys=[self.running_key(tenant)],
+            args=[execution_id, now, now + self.lease_ms, limit],
+        )
+        return bool(admitted)
+
+    @translated
+    async def leave(self, tenant: str, execution_id: str) -> None:
+        """The execution stopped running here (finished or paused)."""
+        await self.redis.zrem(self.running_key(tenant), execution_id)
+
+    @translated
+    async def renew(self, execution_id: str, token: str, tenant: str) -> bool:
         """Extend the lease; True when a cancel was requested. Conflict when fenced."""
         until = now_ms() + self.lease_ms
         try:
@@ -97,6 +116,7 @@ class Control:
         except ResponseError:
             raise Conflict("fenced", f"this process no longer owns {execution_id}") from None
         await self.redis.zadd(self.leases_key, {execution_id: until})
+        await self.redis.zadd(self.running_key(tenant), {execution_id: until}, xx=True)
         return bool(requested == b"1")
 
     @translated

@@ -32,6 +32,7 @@ from lib.errors import (
     NotFound,
     Problem,
     ShuttingDown,
+    TooBusy,
 )
 from lib.execution.buffer import EventBuffer, ExecutionMeta
 from lib.execution.control import Control, node_of, now_ms
@@ -50,11 +51,13 @@ from lib.execution.offload import Compactor, OffloadPolicy
 from lib.execution.values import ValueStore
 from lib.execution.writer import EventWriter
 from lib.workflows.executor import BlockFailed, Executor, Paused, RunState
+from lib.workflows.janitor import Ending, Janitor, cancelled
+from lib.workflows.leases import LeaseKeeper, LocalRun
 from lib.workflows.model import Workflow
 
 log = logging.getLogger(__name__)
 
-CONTROL_BLOCK_MS = 5_000
+ENDING_WAIT_SECONDS = 5.0
 
 
 def new_execution_id() -> str:
@@ -68,27 +71,8 @@ class Started:
     status: str
 
 
-@dataclass
-class _Local:
-    """An execution this process runs right now."""
-
-    execution_id: str
-    fence: str
-    task: asyncio.Task[None] | None = None
-    stop_reason: str | None = None  # why its task was cancelled: cancel, shutdown, fenced
-    ending: bool = False  # its last event (terminal or paused) is emitted, being stored
-    checked_at: float = 0.0  # when its lease was last renewed, or tried in an outage
-
-    def stop(self, reason: str) -> None:
-        # Once the last event is emitted, cancelling would only abandon storing it: the
-        # execution would stay "running" in the buffer, with no lease, forever.
-        if self.task is not None and self.stop_reason is None and not self.ending:
-            self.stop_reason = reason
-            self.task.cancel(reason)
-
-
 # What an execution task does between its writer opening and closing.
-Body = Callable[[_Local, Emitter], Awaitable[None]]
+Body = Callable[[LocalRun, Emitter], Awaitable[None]]
 
 
 class Runner:
@@ -106,6 +90,7 @@ class Runner:
         max_pending_events: int = 10_000,
         lease_seconds: float = 15.0,
         shutdown_grace_seconds: float = 30.0,
+        max_executions_per_tenant: int = 0,
         node_id: str | None = None,
     ) -> None:
         self._buffer = buffer
@@ -117,16 +102,30 @@ class Runner:
         self._max_pending = max_pending_events
         self._lease_seconds = lease_seconds
         self._grace = shutdown_grace_seconds
+        self._per_tenant = max_executions_per_tenant
         self.node_id = node_id or secrets.token_hex(6)
-        self._locals: dict[str, _Local] = {}
+        self._locals: dict[str, LocalRun] = {}
+        self._keeper = LeaseKeeper(
+            control=control, lease_seconds=lease_seconds, node_id=self.node_id, runs=self._locals
+        )
         self._loops: list[asyncio.Task[None]] = []
         self.accepting = True
 
     async def __aenter__(self) -> Runner:
         self._loops = [
-            asyncio.create_task(self._renew_loop(), name="lease-renewal"),
-            asyncio.create_task(self._cancel_loop(), name="cancel-listener"),
-            asyncio.create_task(self._janitor_loop(), name="janitor"),
+            asyncio.create_task(self._keeper.renew_loop(), name="lease-renewal"),
+            asyncio.create_task(self._keeper.cancel_loop(), name="cancel-listener"),
+            asyncio.create_task(
+                Janitor(
+                    buffer=self._buffer,
+                    control=self._control,
+                    lease_seconds=self._lease_seconds,
+                    is_local=self._locals.__contains__,
+                    new_fence=self._fence,
+                    finish=self._finish_here,
+                ).run(),
+                name="janitor",
+            ),
         ]
         return self
 
@@ -169,6 +168,7 @@ class Runner:
         if not self.accepting:
             raise ShuttingDown("the server is shutting down and starts no new executions")
         execution_id = new_execution_id()
+        await self._admit(tenant, execution_id)
         fence = self._fence()
         now = datetime.now(UTC)
         await asyncio.gather(
@@ -188,12 +188,18 @@ class Runner:
             self._control.hold(execution_id),
         )
 
-        async def body(local: _Local, emitter: Emitter) -> None:
+        async def body(local: LocalRun, emitter: Emitter) -> None:
             emitter.emit(EXECUTION_STARTED, {"input": input})
             await self._execute(local, emitter, workflow, input, None)
 
         self._launch(
-            execution_id, workflow.id, fence, last_id=0, inline_files=inline_files, body=body
+            execution_id,
+            workflow.id,
+            fence,
+            tenant=tenant,
+            last_id=0,
+            inline_files=inline_files,
+            body=body,
         )
         return Started(execution_id, "running")
 
@@ -217,15 +223,20 @@ class Runner:
                 pausedAt=paused_at,
             )
         _check_answer(meta.pause.get("schema") or {}, input)
+        await self._admit(tenant, execution_id)
         fence = self._fence()
-        claim = await self._control.claim(execution_id, "resume", fence, block_id=paused_at)
+        try:
+            claim = await self._control.claim(execution_id, "resume", fence, block_id=paused_at)
+        except FlowcastError:
+            await self._control.leave(tenant, execution_id)
+            raise
         await self._control.hold(execution_id)
         state = await self._control.load_state(execution_id)
         workflow = Workflow.model_validate(state["workflow"])
         run = RunState.from_json(state.get("run") or {})
         run.answers[paused_at] = input
 
-        async def body(local: _Local, emitter: Emitter) -> None:
+        async def body(local: LocalRun, emitter: Emitter) -> None:
             emitter.emit(EXECUTION_RESUMED, {"blockId": paused_at, "input": input})
             await self._execute(local, emitter, workflow, state.get("input"), run)
 
@@ -233,6 +244,7 @@ class Runner:
             execution_id,
             workflow.id,
             fence,
+            tenant=tenant,
             last_id=claim.last_id,
             retained_bytes=meta.retained_bytes,
             inline_files=bool(state.get("inlineFiles")),
@@ -250,7 +262,7 @@ class Runner:
         if local is not None and local.task is not None:
             # Its last event is being stored: once it is, this is a cancel of a pause (or
             # a 409 for a finished execution), answered below.
-            await asyncio.wait({local.task}, timeout=CONTROL_BLOCK_MS / 1000)
+            await asyncio.wait({local.task}, timeout=ENDING_WAIT_SECONDS)
         fence = self._fence()
         claim = await self._control.claim(execution_id, "cancel", fence)
         if claim.status_before == "running":
@@ -259,7 +271,7 @@ class Runner:
             await self._control.send_cancel(node_of(claim.owner), execution_id)
             return Started(execution_id, "cancelling")
         await self._control.hold(execution_id)
-        self._finish_here(execution_id, meta, fence, claim.last_id, _cancelled)
+        self._finish_here(execution_id, meta, fence, claim.last_id, cancelled)
         return Started(execution_id, "cancelling")
 
     async def _owned(self, execution_id: str, tenant: str) -> ExecutionMeta:
@@ -276,6 +288,7 @@ class Runner:
         workflow_id: str,
         fence: str,
         *,
+        tenant: str,
         last_id: int,
         inline_files: bool,
         body: Body,
@@ -288,7 +301,7 @@ class Runner:
             stored_id=last_id,
             max_pending=self._max_pending,
         )
-        local = _Local(execution_id, fence, checked_at=time.monotonic())
+        local = LocalRun(execution_id, fence, tenant, checked_at=time.monotonic())
         # Attached before the task runs, so a reader arriving now already finds it local.
         publisher = self._hub.attach_local(
             execution_id,
@@ -321,7 +334,7 @@ class Runner:
                     local.ending = True
             finally:
                 publisher.detach()
-                await self._let_go(execution_id, fence, fenced=writer.refused is not None)
+                await self._let_go(local, fenced=writer.refused is not None)
 
         def forget(_task: asyncio.Task[None]) -> None:
             # A resume or cancel here may already have launched the next run of this
@@ -333,21 +346,28 @@ class Runner:
         self._locals[execution_id] = local
         local.task.add_done_callback(forget)
 
-    async def _let_go(self, execution_id: str, fence: str, *, fenced: bool) -> None:
-        if fenced:
-            return  # the lease entry belongs to whoever fenced us out
+    async def _let_go(self, local: LocalRun, *, fenced: bool) -> None:
         try:
-            await self._control.release(execution_id, fence)
+            await self._control.leave(local.tenant, local.execution_id)
+            if not fenced:  # else the lease entry belongs to whoever fenced us out
+                await self._control.release(local.execution_id, local.fence)
         except FlowcastError as exc:
-            # A stale lease entry only costs the janitor one refused claim later.
+            # Stale entries only cost a refused claim later, or expire with their lease.
             log.warning(
                 "could not release the lease",
-                extra={"executionId": execution_id, "error": str(exc)},
+                extra={"executionId": local.execution_id, "error": str(exc)},
+            )
+
+    async def _admit(self, tenant: str, execution_id: str) -> None:
+        if not await self._control.admit(tenant, execution_id, limit=self._per_tenant):
+            raise TooBusy(
+                f"this tenant already runs {self._per_tenant} executions; try again shortly",
+                retry_after=max(1, round(self._lease_seconds / 3)),
             )
 
     async def _execute(
         self,
-        local: _Local,
+        local: LocalRun,
         emitter: Emitter,
         workflow: Workflow,
         input: Any,
@@ -422,17 +442,18 @@ class Runner:
         meta: ExecutionMeta,
         fence: str,
         last_id: int,
-        ending: Callable[[Emitter], None],
+        ending: Ending,
     ) -> None:
         """Write the terminal event of an execution this process just claimed."""
 
-        async def body(local: _Local, emitter: Emitter) -> None:
+        async def body(local: LocalRun, emitter: Emitter) -> None:
             ending(emitter)
 
         self._launch(
             execution_id,
             meta.workflow_id,
             fence,
+            tenant=meta.tenant,
             last_id=last_id,
             retained_bytes=meta.retained_bytes,
             inline_files=False,
@@ -440,110 +461,6 @@ class Runner:
         )
 
     # -- background loops ----------------------------------------------------------
-
-    async def _renew_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._lease_seconds / 3)
-            await asyncio.gather(*(self._renew(local) for local in list(self._locals.values())))
-
-    async def _renew(self, local: _Local) -> None:
-        started = time.monotonic()
-        try:
-            cancel_requested = await self._control.renew(local.execution_id, local.fence)
-        except Conflict:
-            local.stop("fenced")
-            return
-        except FlowcastError as exc:
-            # Nobody can take over while the buffer is unreachable for everyone, so an
-            # outage keeps the live gate open; only a stall of this process closes it.
-            local.checked_at = started
-            log.warning(
-                "lease renewal failed",
-                extra={"executionId": local.execution_id, "error": str(exc)},
-            )
-            return
-        local.checked_at = started
-        if cancel_requested:
-            local.stop("cancel")
-
-    async def _cancel_loop(self) -> None:
-        cursor: str | None = None
-        delay = 0.1
-        while True:
-            try:
-                if cursor is None:
-                    cursor = await self._control.control_cursor(self.node_id)
-                cursor, cancels = await self._control.next_cancels(
-                    self.node_id, after=cursor, block_ms=CONTROL_BLOCK_MS
-                )
-            except FlowcastError as exc:
-                log.warning("control stream read failed", extra={"error": str(exc)})
-                await asyncio.sleep(random.uniform(delay / 2, delay))
-                delay = min(delay * 2, 5.0)
-                continue
-            delay = 0.1
-            for execution_id in cancels:
-                local = self._locals.get(execution_id)
-                if local is not None:
-                    local.stop("cancel")
-
-    async def _janitor_loop(self) -> None:
-        healthy_since = time.monotonic()
-        while True:
-            await asyncio.sleep(self._lease_seconds / 2 * random.uniform(0.8, 1.2))
-            try:
-                await self._sweep_once(healthy_since)
-            except FlowcastError as exc:
-                # After an outage every owner needs a full lease to renew before anyone
-                # may call its lease expired.
-                healthy_since = time.monotonic()
-                log.warning("janitor pass failed", extra={"error": str(exc)})
-
-    async def _sweep_once(self, healthy_since: float) -> None:
-        if time.monotonic() - healthy_since >= self._lease_seconds:
-            for execution_id in await self._control.due(self._control.leases_key):
-                if execution_id not in self._locals:
-                    await self._claim_and_end(execution_id, "takeover")
-        for execution_id in await self._control.due(self._control.deadlines_key):
-            await self._claim_and_end(execution_id, "expire")
-
-    async def _claim_and_end(self, execution_id: str, mode: str) -> None:
-        key = self._control.leases_key if mode == "takeover" else self._control.deadlines_key
-        fence = self._fence()
-        try:
-            claim = await self._control.claim(execution_id, mode, fence)
-        except NotFound:
-            await self._control.forget(key, execution_id)
-            return
-        except Conflict as exc:
-            if exc.code not in ("lease", "notdue"):
-                await self._control.forget(key, execution_id)  # finished or moved on
-            return
-        await self._control.forget(self._control.deadlines_key, execution_id)
-        meta = await self._buffer.meta(execution_id)
-        if mode == "expire":
-            ending = _approval_timeout
-        elif meta.cancel_requested:
-            ending = _cancelled
-        else:
-            ending = _worker_lost
-        log.warning("ending an execution", extra={"executionId": execution_id, "mode": mode})
-        await self._control.hold(execution_id)
-        self._finish_here(execution_id, meta, fence, claim.last_id, ending)
-
-
-def _cancelled(emitter: Emitter) -> None:
-    emitter.emit(EXECUTION_CANCELLED, {"reason": "cancelled"})
-
-
-def _worker_lost(emitter: Emitter) -> None:
-    error = {"code": "worker_lost", "message": "the process running the execution stopped"}
-    emitter.emit(EXECUTION_FAILED, {"error": error})
-
-
-def _approval_timeout(emitter: Emitter) -> None:
-    error = {"code": "approval_timeout", "message": "nobody answered the approval in time"}
-    emitter.emit(EXECUTION_FAILED, {"error": error})
 
 
 def _check_answer(schema: dict[str, Any], answer: Any) -> None:

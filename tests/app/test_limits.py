@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import uuid
+from pathlib import Path
+
 import httpx
 
-from tests.support.api import streaming_workflow
+from tests.support.api import put, streaming_workflow, wait_finished
+from tests.support.servers import FlowcastServer, ValkeyServer
 
 
 def nested(depth: int) -> object:
@@ -42,9 +46,7 @@ async def test_a_body_past_the_cap_is_413_with_or_without_content_length(
 async def test_inputs_and_workflows_nested_too_deep_are_refused(
     client: httpx.AsyncClient, unique: str
 ) -> None:
-    response = await client.post(
-        "/api/workflows/stream-story/execute", json={"input": nested(100)}
-    )
+    response = await client.post("/api/workflows/stream-story/execute", json={"input": nested(100)})
     assert response.status_code == 422
     assert "deeper" in response.text
     workflow = streaming_workflow(f"deep-{unique}")
@@ -99,3 +101,40 @@ async def test_huge_headers_are_refused_without_a_server_error(
     except httpx.RemoteProtocolError:
         return  # the server closed the connection: also a refusal
     assert 400 <= response.status_code < 500
+
+
+async def test_a_tenant_past_its_concurrent_executions_gets_429_with_retry_after(
+    tmp_path: Path, valkey: ValkeyServer
+) -> None:
+    server = FlowcastServer(
+        data_dir=tmp_path,
+        env={
+            "FLOWCAST_REDIS_URL": valkey.url,
+            "FLOWCAST_REDIS_PREFIX": f"cap{uuid.uuid4().hex[:6]}",
+            "FLOWCAST_MAX_EXECUTIONS_PER_TENANT": "2",
+            "FLOWCAST_SHUTDOWN_GRACE_SECONDS": "0",
+        },
+    )
+    await server.start()
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=20) as client:
+            slow = {"id": "slow", "blocks": [{"id": "d", "type": "delay", "config": {"ms": 20000}}]}
+            await put(client, slow)
+            running = []
+            for _ in range(2):
+                response = await client.post("/api/workflows/slow/execute", json={})
+                assert response.status_code == 202
+                running.append(response.json()["executionId"])
+            refused = await client.post("/api/workflows/slow/execute", json={})
+            assert refused.status_code == 429
+            assert refused.json()["error"]["code"] == "too_many_executions"
+            assert int(refused.headers["retry-after"]) >= 1
+            assert (
+                len((await client.get("/api/executions?workflowId=slow")).json()["executions"]) == 2
+            )
+            assert (await client.post(f"/api/executions/{running[0]}/cancel")).status_code == 202
+            await wait_finished(client, running[0])
+            response = await client.post("/api/workflows/slow/execute", json={})
+            assert response.status_code == 202
+    finally:
+        await server.stop()
