@@ -33,6 +33,7 @@ from lib.execution.hub import Hub
 from lib.execution.offload import OffloadPolicy
 from lib.execution.retention import Sweeper
 from lib.execution.values import LocalValueStore, ValueStore
+from lib.metrics import Metrics
 from lib.workflows.blocks import BlockTypes
 from lib.workflows.blocks.base import BlockServices
 from lib.workflows.executor import Executor
@@ -117,7 +118,10 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
             concurrency=settings.block_concurrency,
         )
 
-        hub = await stack.enter_async_context(Hub(buffer=buffer, tail_block_ms=TAIL_BLOCK_MS))
+        metrics = Metrics()
+        hub = await stack.enter_async_context(
+            Hub(buffer=buffer, tail_block_ms=TAIL_BLOCK_MS, metrics=metrics)
+        )
         runner = await stack.enter_async_context(
             Runner(
                 buffer=buffer,
@@ -128,6 +132,7 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
                 lease_seconds=settings.lease_seconds,
                 shutdown_grace_seconds=settings.shutdown_grace_seconds,
                 max_executions_per_tenant=settings.max_executions_per_tenant,
+                metrics=metrics,
                 offload=OffloadPolicy(
                     large_value_bytes=settings.large_value_bytes,
                     budget_bytes=settings.event_budget_bytes,
@@ -136,6 +141,11 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
                 ),
                 max_pending_events=settings.max_pending_events,
             )
+        )
+        metrics.watch(
+            pending=runner.pending_events,
+            sse_clients=hub.subscriber_count,
+            bytes_retained=runner.retained_bytes,
         )
         app.state.services = Services(
             settings=settings,
@@ -150,6 +160,7 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
                 lifetime_seconds=settings.stream_token_seconds,
             ),
             values=values,
+            metrics=metrics,
             keys=ApiKeys(settings.api_keys),
             idempotency=Idempotency(
                 redis=redis, prefix=settings.redis_prefix, ttl_seconds=settings.idempotency_seconds

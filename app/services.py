@@ -13,6 +13,7 @@ from app.tokens import StreamTokens
 from lib.execution.buffer import EventBuffer
 from lib.execution.hub import Hub
 from lib.execution.values import ValueStore
+from lib.metrics import Metrics
 from lib.workflows.runner import Runner
 from lib.workflows.store import WorkflowStore
 
@@ -27,6 +28,7 @@ class Services:
     tokens: StreamTokens
     values: ValueStore
     idempotency: Idempotency
+    metrics: Metrics
     keys: ApiKeys
 
 

@@ -1,23 +1,31 @@
-"""Liveness and readiness."""
+"""Liveness, readiness and metrics."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from app.responses import JSON
+from app.schemas import Health, Readiness
 from app.services import Services, services
 
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz")
+@router.get("/healthz", responses={200: {"model": Health}})
 async def healthz() -> JSON:
     return JSON({"status": "ok"})
 
 
-@router.get("/readyz")
+@router.get(
+    "/readyz",
+    responses={
+        200: {"model": Readiness},
+        503: {"model": Readiness, "description": "Not ready"},
+    },
+)
 async def readyz(svc: Annotated[Services, Depends(services)]) -> JSON:
     checks = {
         "buffer": await svc.buffer.ping(),
@@ -28,3 +36,13 @@ async def readyz(svc: Annotated[Services, Depends(services)]) -> JSON:
         {"status": "ready" if ready else "unavailable", "checks": checks},
         status_code=200 if ready else 503,
     )
+
+
+@router.get(
+    "/metrics",
+    response_model=None,
+    responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus metrics"}},
+)
+async def metrics(svc: Annotated[Services, Depends(services)]) -> Response:
+    """Prometheus metrics of this process."""
+    return Response(svc.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -18,6 +18,7 @@ from lib.execution.events import Event
 from lib.execution.hub import LocalPublisher
 from lib.execution.offload import Compactor
 from lib.execution.writer import EventWriter
+from lib.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class Emitter:
         publisher: LocalPublisher,
         writer: EventWriter,
         compactor: Compactor | None = None,
+        metrics: Metrics | None = None,
         last_id: int = 0,
     ) -> None:
         self.execution_id = execution_id
@@ -40,6 +42,7 @@ class Emitter:
         self._publisher = publisher
         self._writer = writer
         self._compactor = compactor
+        self._metrics = metrics
         self._backlog: deque[Event] = deque()
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
@@ -70,6 +73,9 @@ class Emitter:
             workflow_id=self.workflow_id,
             data=data,
         )
+        if self._metrics is not None and type.startswith("execution:"):
+            # started, paused, resumed, completed, failed, cancelled
+            self._metrics.executions.labels(type.partition(":")[2]).inc()
         compactor = self._compactor
         if self._backlog or (compactor is not None and not compactor.fits(len(event.json))):
             self._backlog.append(event)

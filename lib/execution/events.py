@@ -6,6 +6,7 @@ many clients and replay from Redis both send the same bytes without re-encoding.
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime
 from typing import Any, Final
 
@@ -60,7 +61,17 @@ def utc_timestamp(moment: datetime | None = None) -> str:
 class Event:
     """One event of one execution, with its envelope encoded lazily and only once."""
 
-    __slots__ = ("_data", "_frame", "_json", "execution_id", "id", "ts", "type", "workflow_id")
+    __slots__ = (
+        "_data",
+        "_frame",
+        "_json",
+        "created",
+        "execution_id",
+        "id",
+        "ts",
+        "type",
+        "workflow_id",
+    )
 
     def __init__(
         self,
@@ -80,6 +91,8 @@ class Event:
         self.ts = ts or utc_timestamp()
         self._json: bytes | None = None
         self._frame: bytes | None = None
+        # When it was emitted (monotonic), for the stream latency metric; 0 if read back.
+        self.created = time.monotonic()
 
     @classmethod
     def stored(cls, *, id: int, type: str, raw: bytes) -> Event:
@@ -90,6 +103,7 @@ class Event:
         event._json = raw
         event._frame = None
         event._data = None
+        event.created = 0.0
         return event
 
     def _decode(self) -> None:

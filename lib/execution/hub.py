@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from lib.errors import FlowcastError
 from lib.execution.buffer import EventBuffer
 from lib.execution.events import Event
+from lib.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -139,8 +140,11 @@ class LocalPublisher:
 class Hub:
     """Owns the channels of this process and their tail tasks."""
 
-    def __init__(self, *, buffer: EventBuffer, tail_block_ms: int = 5_000) -> None:
+    def __init__(
+        self, *, buffer: EventBuffer, tail_block_ms: int = 5_000, metrics: Metrics | None = None
+    ) -> None:
         self.buffer = buffer
+        self.metrics = metrics
         self.tail_block_ms = tail_block_ms
         self._channels: dict[str, Channel] = {}
         self._tasks: set[asyncio.Task[None]] = set()

@@ -26,6 +26,7 @@ import orjson
 
 from lib.errors import FlowcastError
 from lib.execution.values import ValueStore, value_id
+from lib.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +103,13 @@ class Compactor:
         execution_id: str,
         policy: OffloadPolicy,
         inline_files: bool = False,
+        metrics: Metrics | None = None,
     ) -> None:
         self._store = store
         self._execution_id = execution_id
         self._policy = policy
         self._inline_files = inline_files
+        self._metrics = metrics
         self.ring = RingModel(budget_bytes=policy.budget_bytes, event_limit=policy.event_limit)
         self._stored: set[str] = set()
         self.offloaded_bytes = 0
@@ -189,6 +192,8 @@ class Compactor:
         if await self._put(ref["id"], encoded):
             return ref
         self.offload_failures += 1
+        if self._metrics is not None:
+            self._metrics.offload_failures.inc()
         if len(encoded) <= self._policy.large_value_bytes:
             # Offloading only for pressure failed: keep it inline at the normal threshold.
             return value
@@ -220,5 +225,7 @@ class Compactor:
                 continue
             self._stored.add(value)
             self.offloaded_bytes += len(encoded)
+            if self._metrics is not None:
+                self._metrics.bytes_offloaded.inc(len(encoded))
             return True
         return False

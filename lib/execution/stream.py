@@ -19,13 +19,16 @@ import orjson
 from lib.execution.buffer import EventBuffer, Page
 from lib.execution.events import Event, sse_frame
 from lib.execution.hub import Hub, Subscription
+from lib.metrics import Metrics
 
 REPLAY_PAGE = 1_000
 GAP_EVENT = "replay:gap"
 
 
-def gap_frame(after: int, resume_at: int, reason: str) -> bytes:
+def gap_frame(after: int, resume_at: int, reason: str, metrics: Metrics | None = None) -> bytes:
     """The frame that tells a client events after ``after`` will not be sent."""
+    if metrics is not None:
+        metrics.replay_gaps.labels(reason).inc()
     body = orjson.dumps({"after": after, "resumeAt": resume_at, "reason": reason})
     return sse_frame(None, GAP_EVENT, body)
 
@@ -44,6 +47,7 @@ class StreamReader:
     ) -> None:
         self._buffer = buffer
         self._hub = hub
+        self._metrics = hub.metrics
         self._execution_id = execution_id
         self.last_sent = cursor
         self.finished = False
@@ -115,6 +119,8 @@ class StreamReader:
     async def _accept_live(self, events: Iterable[Event]) -> bytes:
         """Frames for live events, filling any hole in the ids from the buffer first."""
         parts: list[bytes] = []
+        latency = self._metrics.stream_latency if self._metrics is not None else None
+        now = time.monotonic()
         for event in events:
             if self.finished or event.id <= self.last_sent:
                 continue
@@ -122,6 +128,8 @@ class StreamReader:
                 await self._fill(event.id, parts)
             parts.append(event.frame)
             self.last_sent = event.id
+            if latency is not None and event.created:
+                latency.observe(now - event.created)
             if event.terminal:
                 self.finished = True
         return b"".join(parts)
@@ -143,7 +151,7 @@ class StreamReader:
         if pending:
             if self.last_sent + 1 < pending[0].id:
                 reason = page.gap_reason(self.last_sent, pending[0].id) if page else "dropped"
-                parts.append(gap_frame(self.last_sent, pending[0].id, reason))
+                parts.append(gap_frame(self.last_sent, pending[0].id, reason, self._metrics))
                 self.last_sent = pending[0].id - 1
             for event in pending:
                 if event.id > self.last_sent:
@@ -151,7 +159,7 @@ class StreamReader:
                     self.last_sent = event.id
         if self.last_sent + 1 < before:
             reason = page.gap_reason(self.last_sent, before) if page else "dropped"
-            parts.append(gap_frame(self.last_sent, before, reason))
+            parts.append(gap_frame(self.last_sent, before, reason, self._metrics))
 
     def _accept(self, events: list[Event], page: Page) -> bytes:
         """Frames for stored events in id order, with a gap frame before any hole."""
@@ -161,7 +169,7 @@ class StreamReader:
                 continue
             if event.id > self.last_sent + 1:
                 reason = page.gap_reason(self.last_sent, event.id)
-                parts.append(gap_frame(self.last_sent, event.id, reason))
+                parts.append(gap_frame(self.last_sent, event.id, reason, self._metrics))
             parts.append(event.frame)
             self.last_sent = event.id
             if event.terminal:

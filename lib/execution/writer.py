@@ -31,6 +31,7 @@ from lib.execution.events import (
     Event,
     utc_timestamp,
 )
+from lib.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class EventWriter:
         fence: str,
         stored_id: int = 0,
         max_pending: int = 10_000,
+        metrics: Metrics | None = None,
         retry_base_seconds: float = 0.05,
         retry_max_seconds: float = 5.0,
     ) -> None:
@@ -74,6 +76,7 @@ class EventWriter:
         self._execution_id = execution_id
         self._fence = fence
         self._max_pending = max_pending
+        self._metrics = metrics
         self._retry_base = retry_base_seconds
         self._retry_max = retry_max_seconds
         self._in_flight: list[Event] = []
@@ -122,6 +125,8 @@ class EventWriter:
     def _drop(self, event: Event) -> None:
         self._last_dropped = event.id
         self.dropped_events += 1
+        if self._metrics is not None:
+            self._metrics.events_dropped.inc()
 
     def unstored(self) -> list[Event]:
         """Events queued but not yet stored, oldest first."""
@@ -182,6 +187,8 @@ class EventWriter:
                 return
             except BufferUnavailable as exc:
                 self.failures += 1
+                if self._metrics is not None:
+                    self._metrics.buffer_write_failures.inc()
                 log.warning(
                     "buffer write failed; will retry",
                     extra={
@@ -210,6 +217,9 @@ class EventWriter:
     def _stored(self, batch: list[Event]) -> None:
         self._in_flight = []
         self.stored_id = batch[-1].id
+        if self._metrics is not None:
+            self._metrics.events_written.inc(len(batch))
+            self._metrics.bytes_written.inc(sum(len(event.json) for event in batch))
 
     def _refuse(self, exc: WriteRefused) -> None:
         # Another owner took over (or the execution is gone): writing more would be wrong.

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from lib.errors import Conflict, FlowcastError
@@ -33,6 +34,8 @@ class LocalRun:
     stop_reason: str | None = None  # why its task was cancelled: cancel, shutdown, fenced
     ending: bool = False  # its last event (terminal or paused) is emitted, being stored
     checked_at: float = 0.0  # when its lease was last renewed, or tried in an outage
+    pending: Callable[[], int] = lambda: 0  # events emitted and not stored yet
+    retained: Callable[[], int] = lambda: 0  # bytes its ring retains, as modelled
 
     def stop(self, reason: str) -> None:
         # Once the last event is emitted, cancelling would only abandon storing it: the

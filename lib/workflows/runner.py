@@ -50,6 +50,7 @@ from lib.execution.hub import Hub
 from lib.execution.offload import Compactor, OffloadPolicy
 from lib.execution.values import ValueStore
 from lib.execution.writer import EventWriter
+from lib.metrics import Metrics
 from lib.workflows.executor import BlockFailed, Executor, Paused, RunState
 from lib.workflows.janitor import Ending, Janitor, cancelled
 from lib.workflows.leases import LeaseKeeper, LocalRun
@@ -91,6 +92,7 @@ class Runner:
         lease_seconds: float = 15.0,
         shutdown_grace_seconds: float = 30.0,
         max_executions_per_tenant: int = 0,
+        metrics: Metrics | None = None,
         node_id: str | None = None,
     ) -> None:
         self._buffer = buffer
@@ -103,6 +105,7 @@ class Runner:
         self._lease_seconds = lease_seconds
         self._grace = shutdown_grace_seconds
         self._per_tenant = max_executions_per_tenant
+        self._metrics = metrics
         self.node_id = node_id or secrets.token_hex(6)
         self._locals: dict[str, LocalRun] = {}
         self._keeper = LeaseKeeper(
@@ -151,6 +154,14 @@ class Runner:
     @property
     def running(self) -> int:
         return len(self._locals)
+
+    def pending_events(self) -> int:
+        """Events emitted by the runs here and not stored yet."""
+        return sum(run.pending() for run in self._locals.values())
+
+    def retained_bytes(self) -> int:
+        """Bytes the rings of the runs here retain, as their compactors model them."""
+        return sum(run.retained() for run in self._locals.values())
 
     def _fence(self) -> str:
         return f"{self.node_id}:{secrets.token_hex(8)}"
@@ -300,6 +311,7 @@ class Runner:
             fence=fence,
             stored_id=last_id,
             max_pending=self._max_pending,
+            metrics=self._metrics,
         )
         local = LocalRun(execution_id, fence, tenant, checked_at=time.monotonic())
         # Attached before the task runs, so a reader arriving now already finds it local.
@@ -314,6 +326,7 @@ class Runner:
             execution_id=execution_id,
             policy=self._offload,
             inline_files=inline_files,
+            metrics=self._metrics,
         )
         compactor.stored(retained_bytes)
         emitter = Emitter(
@@ -322,8 +335,11 @@ class Runner:
             publisher=publisher,
             writer=writer,
             compactor=compactor,
+            metrics=self._metrics,
             last_id=last_id,
         )
+        local.pending = lambda: writer.pending
+        local.retained = lambda: compactor.ring.retained_bytes
 
         async def run() -> None:
             try:

@@ -38,7 +38,10 @@ class ValkeyServer(EmbeddedValkey):
 class FlowcastServer:
     """``uvicorn --factory app.main:create_app`` in a subprocess on a free loopback port."""
 
-    def __init__(self, *, data_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, *, data_dir: Path, env: dict[str, str] | None = None, access_log: bool = False
+    ) -> None:
+        self.access_log = access_log
         self.data_dir = data_dir
         self.port = free_port()
         self.env = env or {}
@@ -58,7 +61,8 @@ class FlowcastServer:
     def command(self) -> list[str]:
         return [
             sys.executable, "-m", "uvicorn", "--factory", "app.main:create_app",
-            "--host", "127.0.0.1", "--port", str(self.port), "--no-access-log",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            *([] if self.access_log else ["--no-access-log"]),
         ]  # fmt: skip
 
     def environment(self) -> dict[str, str]:
