@@ -1,0 +1,30 @@
+# Flowcast: build a wheel in one stage, run it as a non-root user in a slim one.
+#   docker build -t flowcast .
+#   docker run -p 8000:8000 -e FLOWCAST_REDIS_URL=redis://… -e FLOWCAST_API_KEYS=… flowcast
+# The same image runs `flowcast serve` (embedded engine) when no Redis URL is given:
+#   docker run -p 8000:8000 -e FLOWCAST_API_KEYS=… flowcast flowcast serve
+
+FROM python:3.11-slim AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY app ./app
+COPY lib ./lib
+RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+
+FROM python:3.11-slim
+RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin flowcast
+COPY --from=build /wheels /wheels
+RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
+WORKDIR /srv/flowcast
+COPY --chown=flowcast:flowcast examples ./examples
+RUN mkdir data && chown flowcast:flowcast data
+USER flowcast
+ENV FLOWCAST_HOST=0.0.0.0 \
+    FLOWCAST_PORT=8000 \
+    FLOWCAST_DATA_DIR=/srv/flowcast/data \
+    FLOWCAST_WORKFLOWS_DIR=/srv/flowcast/examples \
+    PYTHONUNBUFFERED=1
+EXPOSE 8000
+HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
+    CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/readyz', timeout=2).status != 200)"]
+CMD ["uvicorn", "--factory", "app.main:create_app", "--host", "0.0.0.0", "--port", "8000", "--timeout-graceful-shutdown", "40"]
