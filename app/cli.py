@@ -1,14 +1,38 @@
-"""The ``flowcast`` command line."""
+"""The ``flowcast`` command line: ``serve``, ``run``, ``attach``, ``resume``, ``cancel``, ``list``.
+
+Exit codes: 0 completed (or the request was accepted), 1 failed, 2 usage or bad input
+(a 4xx answer; the server's message goes to stderr), 3 cancelled, 4 paused (``run`` and
+``attach`` stop at a pause unless ``--wait``), 5 the server could not be reached.
+"""
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
+import os
 import sys
+from pathlib import Path
+from typing import Any
 
 import uvicorn
 
+from app.client import (
+    DEFAULT_URL,
+    Event,
+    Finished,
+    FlowcastClient,
+    Gap,
+    Reconnecting,
+    Refused,
+    Unreachable,
+)
+from app.progress import Display, LiveDisplay, PlainDisplay, compact
 from app.settings import Settings
+
+COMPLETED, FAILED, USAGE, CANCELLED, PAUSED, UNREACHABLE = 0, 1, 2, 3, 4, 5
+INTERRUPTED = 130
+OUTCOMES = {"completed": COMPLETED, "failed": FAILED, "cancelled": CANCELLED}
 
 
 def _is_loopback(host: str) -> bool:
@@ -45,20 +69,240 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _error(text: str) -> None:
+    print(f"flowcast: {text}", file=sys.stderr, flush=True)
+
+
+def _json_argument(raw: str) -> Any:
+    """``--input`` as JSON, or ``@path`` for a file holding the JSON."""
+    text = Path(raw[1:]).read_text() if raw.startswith("@") else raw
+    return json.loads(text)
+
+
+def _display(args: argparse.Namespace) -> Display | None:
+    if args.quiet:
+        return None
+    if args.plain or not sys.stdout.isatty():
+        return PlainDisplay()
+    return LiveDisplay()
+
+
+def _show_pause(execution_id: str, pause: dict[str, Any], after: int) -> None:
+    block = pause.get("blockId", "")
+    _error(f"paused at block {block!r}: {pause.get('prompt', '')}")
+    if pause.get("schema"):
+        _error(f"the answer must match: {compact(pause['schema'])}")
+    _error(f"resume it with: flowcast resume {execution_id} --block {block} --input '<JSON>'")
+    _error(f"then follow it with: flowcast attach {execution_id} --after {after}")
+
+
+def _finish(status: str, data: dict[str, Any]) -> int:
+    """Print the outcome of a finished execution (from its terminal event or snapshot)."""
+    if status == "completed":
+        output = data.get("output")
+        print(json.dumps(output, indent=2) if sys.stdout.isatty() else compact(output), flush=True)
+    elif status == "failed":
+        error = data.get("error") or {}
+        where = f" in block {error['blockId']!r}" if error.get("blockId") else ""
+        _error(f"execution failed{where}: {error.get('code')}: {error.get('message')}")
+    elif status == "cancelled":
+        _error("execution cancelled")
+    return OUTCOMES[status]
+
+
+def _follow(
+    client: FlowcastClient, execution_id: str, *, after: int, wait: bool, display: Display | None
+) -> int:
+    """Follow the execution to its end (or its pause); the exit code of what happened."""
+    cursor = after
+    try:
+        for item in client.follow(execution_id, after=after):
+            if isinstance(item, Event):
+                cursor = item.id
+                if display:
+                    display.event(item)
+                if item.terminal_status:
+                    if display:
+                        display.close()
+                    # The event, not a snapshot: live events can arrive before the
+                    # snapshot shows them.
+                    return _finish(item.terminal_status, item.data)
+                if item.type == "execution:paused" and not wait:
+                    # A replayed pause may have been answered since: stop unless later
+                    # events exist (the snapshot may lag a live pause, never lead it).
+                    if client.execution(execution_id)["lastEventId"] <= item.id:
+                        if display:
+                            display.close()
+                        _show_pause(execution_id, item.data, item.id)
+                        return PAUSED
+            elif isinstance(item, Gap) and display:
+                display.gap(item)
+            elif isinstance(item, Reconnecting) and display:
+                display.notice(
+                    f"stream ended ({item.reason}); reconnecting after event {item.cursor}"
+                    + (f" in {item.delay:.1f}s" if item.delay else "")
+                )
+            elif isinstance(item, Finished):
+                snapshot = client.execution(execution_id)
+                return _finish(snapshot["status"], snapshot)
+    except KeyboardInterrupt:
+        # Leaving never cancels the execution; say how to come back.
+        _error(
+            f"stopped following; attach again with: flowcast attach {execution_id} --after {cursor}"
+        )
+        return INTERRUPTED
+    raise AssertionError("the stream ended without a terminal event")
+
+
+def _client(args: argparse.Namespace) -> FlowcastClient:
+    return FlowcastClient(args.url, api_key=args.api_key)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start an execution and follow it."""
+    with _client(args) as client:
+        started = client.execute(args.workflow, input=args.input, inline_files=args.inline_files)
+        execution_id = started["executionId"]
+        display = _display(args)
+        if display:
+            display.started(execution_id, args.workflow)
+        return _follow(client, execution_id, after=0, wait=args.wait, display=display)
+
+
+def attach(args: argparse.Namespace) -> int:
+    """Follow an existing execution."""
+    with _client(args) as client:
+        snapshot = client.execution(args.execution)
+        paused = snapshot["status"] == "paused" and args.after >= snapshot["lastEventId"]
+        if paused and not args.wait:
+            _show_pause(args.execution, snapshot.get("pause") or {}, snapshot["lastEventId"])
+            return PAUSED
+        display = _display(args)
+        if display:
+            display.started(args.execution, snapshot["workflowId"])
+        return _follow(client, args.execution, after=args.after, wait=args.wait, display=display)
+
+
+def resume(args: argparse.Namespace) -> int:
+    """Answer a pause."""
+    with _client(args) as client:
+        answer = client.resume(args.execution, input=args.input, block_id=args.block)
+    print(f"{answer['executionId']} {answer['status']}", flush=True)
+    return COMPLETED
+
+
+def cancel(args: argparse.Namespace) -> int:
+    """Cancel a running or paused execution."""
+    with _client(args) as client:
+        answer = client.cancel(args.execution)
+    print(f"{answer['executionId']} {answer['status']}", flush=True)
+    return COMPLETED
+
+
+def list_executions(args: argparse.Namespace) -> int:
+    """Recent executions as a table, newest first."""
+    with _client(args) as client:
+        found = client.executions(workflow_id=args.workflow, status=args.status, limit=args.limit)
+    rows = [("ID", "WORKFLOW", "STATUS", "EVENTS", "CREATED", "UPDATED")]
+    rows += [
+        (e["id"], e["workflowId"], e["status"], str(e["lastEventId"]), e["createdAt"],
+         e["updatedAt"])
+        for e in found
+    ]  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
+        print("  ".join(cells).rstrip())
+    return COMPLETED
+
+
+def _client_options(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--url",
+        default=os.environ.get("FLOWCAST_URL") or DEFAULT_URL,
+        help=f"the server (default FLOWCAST_URL or {DEFAULT_URL})",
+    )
+    command.add_argument(
+        "--api-key",
+        default=os.environ.get("FLOWCAST_API_KEY") or None,
+        help="sent as a Bearer token (default FLOWCAST_API_KEY)",
+    )
+
+
+def _follow_options(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--wait", action="store_true", help="keep following through pauses instead of exiting 4"
+    )
+    shown = command.add_mutually_exclusive_group()
+    shown.add_argument("--plain", action="store_true", help="one line per event, even on a TTY")
+    shown.add_argument("-q", "--quiet", action="store_true", help="print only the output")
+
+
+def _json_type(raw: str) -> Any:
+    try:
+        return _json_argument(raw)
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from exc
+
+
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="flowcast", description=__doc__)
+    top = argparse.ArgumentParser(prog="flowcast", description=__doc__.split("\n")[0])
     commands = top.add_subparsers(dest="command", required=True)
     run_server = commands.add_parser("serve", help="run the server")
     run_server.add_argument("--host", help="listen address (default FLOWCAST_HOST or 127.0.0.1)")
     run_server.add_argument("--port", type=int, help="listen port (default FLOWCAST_PORT or 8000)")
     run_server.set_defaults(handler=serve)
+
+    start = commands.add_parser("run", help="start an execution and follow it")
+    start.add_argument("workflow", help="workflow id")
+    start.add_argument("--input", type=_json_type, help="input as JSON, or @file")
+    start.add_argument(
+        "--inline-files", action="store_true", help="keep file values' content inline"
+    )
+    _follow_options(start)
+    start.set_defaults(handler=run)
+
+    follow = commands.add_parser("attach", help="follow an existing execution")
+    follow.add_argument("execution", metavar="EID", help="execution id")
+    follow.add_argument("--after", type=int, default=0, help="start after this event id")
+    _follow_options(follow)
+    follow.set_defaults(handler=attach)
+
+    answer = commands.add_parser("resume", help="answer a paused execution")
+    answer.add_argument("execution", metavar="EID", help="execution id")
+    answer.add_argument("--input", type=_json_type, required=True, help="answer as JSON, or @file")
+    answer.add_argument("--block", help="the paused block's id (refused if paused elsewhere)")
+    answer.set_defaults(handler=resume)
+
+    stop = commands.add_parser("cancel", help="cancel a running or paused execution")
+    stop.add_argument("execution", metavar="EID", help="execution id")
+    stop.set_defaults(handler=cancel)
+
+    recent = commands.add_parser("list", help="recent executions")
+    recent.add_argument("--workflow", help="only this workflow's")
+    recent.add_argument("--status", help="only in this status")
+    recent.add_argument("--limit", type=int, default=20, help="at most this many (default 20)")
+    recent.set_defaults(handler=list_executions)
+    for command in (start, follow, answer, stop, recent):
+        _client_options(command)
     return top
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    handler = args.handler
-    result: int = handler(args)
+    try:
+        result: int = args.handler(args)
+    except Refused as exc:
+        _error(f"{exc.message} ({exc.status} {exc.code})")
+        for problem in (exc.body or {}).get("error", {}).get("problems", []):
+            _error(f"  {problem.get('path')}: {problem.get('message')}")
+        # A 5xx means this server cannot serve the request now (e.g. its buffer is down).
+        return USAGE if exc.status < 500 else UNREACHABLE
+    except Unreachable as exc:
+        _error(exc.message)
+        return UNREACHABLE
+    except KeyboardInterrupt:
+        return INTERRUPTED
     return result
 
 

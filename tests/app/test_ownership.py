@@ -20,7 +20,6 @@ from typing import Any
 
 import httpx
 import orjson
-import pytest
 from redis.asyncio import Redis
 
 from tests.support.api import all_events, put

@@ -1,0 +1,319 @@
+"""A small synchronous client for Flowcast's HTTP API and its SSE stream (used by the CLI).
+
+    ClientError            root of what this client raises (a ``FlowcastError``)
+    ├── Unreachable        the server could not be reached (or stayed unreachable)
+    └── Refused            the server answered 4xx/5xx: ``status``, ``code``, ``message``
+
+``follow`` yields the execution's events in order, each id once, across reconnects:
+it resends ``Last-Event-ID`` after every dropped or server-closed connection, with
+backoff while connecting keeps failing, and reports ``replay:gap`` frames and
+reconnects as items of their own so the caller can show them.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from lib.errors import FlowcastError
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+HEALTHY_SECONDS = 1.0
+TERMINAL_EVENTS = {
+    "execution:completed": "completed",
+    "execution:failed": "failed",
+    "execution:cancelled": "cancelled",
+}
+
+
+class ClientError(FlowcastError):
+    """Root of every error the client raises."""
+
+    code = "client_error"
+
+
+class Unreachable(ClientError):
+    """The server could not be reached."""
+
+    code = "unreachable"
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(f"cannot reach the server at {url}: {reason}")
+        self.url = url
+        self.reason = reason
+
+
+class Refused(ClientError):
+    """The server answered with an error status; ``message`` is the server's own."""
+
+    def __init__(self, status: int, code: str, message: str, body: Any = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.body = body
+
+
+@dataclass(frozen=True)
+class Event:
+    """One event of the stream: its envelope (id, type, data, …)."""
+
+    id: int
+    type: str
+    data: dict[str, Any]
+    envelope: dict[str, Any]
+
+    @property
+    def terminal_status(self) -> str | None:
+        return TERMINAL_EVENTS.get(self.type)
+
+
+@dataclass(frozen=True)
+class Gap:
+    """A ``replay:gap`` frame: the events after ``after`` and before ``resume_at`` are gone."""
+
+    after: int
+    resume_at: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Reconnecting:
+    """The connection ended before the terminal event; the next one starts after ``cursor``."""
+
+    cursor: int
+    delay: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The server answered 204: the cursor is at or past the terminal event."""
+
+    cursor: int
+
+
+StreamItem = Event | Gap | Reconnecting | Finished
+
+
+@dataclass
+class _Frame:
+    event: str | None = None
+    id: str | None = None
+    data: list[str] = field(default_factory=list)
+
+
+def sse_frames(lines: Iterator[str]) -> Iterator[_Frame]:
+    """Frames from SSE lines; a frame cut off by a dropped connection is never yielded."""
+    frame = _Frame()
+    for line in lines:
+        if line == "":
+            if frame.data or frame.event is not None:
+                yield frame
+            frame = _Frame()
+            continue
+        if line.startswith(":"):
+            continue  # heartbeat comment
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "event":
+            frame.event = value
+        elif name == "id":
+            frame.id = value
+        elif name == "data":
+            frame.data.append(value)
+
+
+def backoff(attempt: int, *, base: float = 0.2, cap: float = 5.0) -> float:
+    """Full-jitter exponential backoff for the ``attempt``-th consecutive failure (from 0)."""
+    return random.uniform(0, min(cap, base * 2**attempt))
+
+
+class FlowcastClient:
+    """One server, one API key, one connection pool; use it as a context manager."""
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        *,
+        api_key: str | None = None,
+        timeout: float = 30.0,
+        read_timeout: float = 60.0,
+        give_up_seconds: float = 30.0,
+        retries: int = 2,
+    ) -> None:
+        headers = {"User-Agent": "flowcast-cli"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        self.url = url.rstrip("/")
+        self.give_up_seconds = give_up_seconds
+        self.retries = retries
+        # Heartbeats arrive every FLOWCAST_SSE_PING_SECONDS, so a silent stream past
+        # read_timeout is a stalled connection and is worth a reconnect.
+        self._stream_timeout = httpx.Timeout(timeout, read=read_timeout)
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+    def __enter__(self) -> FlowcastClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _request(self, method: str, path: str, *, json_body: Any = None, params: Any = None) -> Any:
+        """Send one request; transport errors are retried (mutations carry an
+        Idempotency-Key, so a retry never starts or resumes anything twice)."""
+        headers = {"Idempotency-Key": uuid.uuid4().hex} if method == "POST" else {}
+        for attempt in range(self.retries + 1):
+            try:
+                response = self._http.request(
+                    method, path, json=json_body, params=params, headers=headers
+                )
+                break
+            except httpx.TransportError as exc:
+                if attempt == self.retries:
+                    raise Unreachable(self.url, str(exc) or type(exc).__name__) from exc
+                time.sleep(backoff(attempt))
+        _raise_for_status(response)
+        return response.json() if response.content else None
+
+    def execute(
+        self, workflow_id: str, *, input: Any = None, inline_files: bool = False
+    ) -> dict[str, Any]:
+        """Start an execution (202): ``executionId``, ``status``, ``streamUrl``, …"""
+        body: dict[str, Any] = {"input": input}
+        if inline_files:
+            body["inlineFiles"] = True
+        result: dict[str, Any] = self._request(
+            "POST", f"/api/workflows/{workflow_id}/execute", json_body=body
+        )
+        return result
+
+    def execution(self, execution_id: str) -> dict[str, Any]:
+        """The execution's snapshot."""
+        result: dict[str, Any] = self._request("GET", f"/api/executions/{execution_id}")
+        return result
+
+    def executions(
+        self, *, workflow_id: str | None = None, status: str | None = None, limit: int = 20
+    ) -> list[dict[str, Any]]:
+        """Recent executions, newest first."""
+        params: dict[str, Any] = {"limit": limit}
+        if workflow_id:
+            params["workflowId"] = workflow_id
+        if status:
+            params["status"] = status
+        found: list[dict[str, Any]] = self._request("GET", "/api/executions", params=params)[
+            "executions"
+        ]
+        return found
+
+    def resume(
+        self, execution_id: str, *, input: Any, block_id: str | None = None
+    ) -> dict[str, Any]:
+        """Answer the execution's pause."""
+        body: dict[str, Any] = {"input": input}
+        if block_id:
+            body["blockId"] = block_id
+        result: dict[str, Any] = self._request(
+            "POST", f"/api/executions/{execution_id}/resume", json_body=body
+        )
+        return result
+
+    def cancel(self, execution_id: str) -> dict[str, Any]:
+        """Cancel a running or paused execution."""
+        result: dict[str, Any] = self._request("POST", f"/api/executions/{execution_id}/cancel")
+        return result
+
+    def follow(self, execution_id: str, *, after: int = 0) -> Iterator[StreamItem]:
+        """The execution's events after ``after`` until the terminal one, reconnecting."""
+        cursor = after
+        failures = 0
+        failing_since: float | None = None
+        while True:
+            delivered = False
+            opened = time.monotonic()
+            try:
+                for item in self._connect(execution_id, cursor):
+                    if isinstance(item, Event):
+                        delivered = True
+                        cursor = item.id
+                    yield item
+                    if isinstance(item, Finished) or (
+                        isinstance(item, Event) and item.terminal_status
+                    ):
+                        return
+                reason = "the server closed the stream"
+            except httpx.TransportError as exc:
+                reason = str(exc) or type(exc).__name__
+            except Refused as exc:
+                if exc.status < 500:
+                    raise
+                reason = f"{exc.status} {exc.message}"
+                opened = float("inf")  # an error answer is never a healthy connection
+            # A connection that delivered events or stayed open a while was healthy; one
+            # that fails at once (server down, restarting) backs off instead of spinning.
+            healthy = delivered or time.monotonic() - opened >= HEALTHY_SECONDS
+            if healthy:
+                # A normal close (FLOWCAST_SSE_MAX_SECONDS, a replica going away) or a drop
+                # after progress: reconnect at once, the way EventSource does.
+                failures, failing_since, delay = 0, None, 0.0
+            else:
+                now = time.monotonic()
+                failing_since = failing_since if failing_since is not None else now
+                if now - failing_since > self.give_up_seconds:
+                    raise Unreachable(self.url, reason)
+                delay = backoff(failures)
+                failures += 1
+            yield Reconnecting(cursor=cursor, delay=delay, reason=reason)
+            time.sleep(delay)
+
+    def _connect(self, execution_id: str, cursor: int) -> Iterator[StreamItem]:
+        headers = {"Accept": "text/event-stream", "Last-Event-ID": str(cursor)}
+        path = f"/api/executions/{execution_id}/stream"
+        with self._http.stream(
+            "GET", path, headers=headers, timeout=self._stream_timeout
+        ) as response:
+            if response.status_code == 204:
+                yield Finished(cursor)
+                return
+            if response.status_code != 200:
+                response.read()
+                _raise_for_status(response)
+            for frame in sse_frames(response.iter_lines()):
+                payload = json.loads("\n".join(frame.data)) if frame.data else {}
+                if frame.event == "replay:gap":
+                    yield Gap(int(payload["after"]), int(payload["resumeAt"]), payload["reason"])
+                elif frame.id is not None and frame.event is not None:
+                    event = Event(int(frame.id), frame.event, payload.get("data") or {}, payload)
+                    if event.id > cursor:  # never show an id twice, whatever a server sends
+                        cursor = event.id
+                        yield event
+
+
+def _raise_for_status(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    code, message, body = "http_error", response.reason_phrase, None
+    try:
+        body = response.json()
+        error = body.get("error", {}) if isinstance(body, dict) else {}
+        code = error.get("code", code)
+        message = error.get("message", message)
+    except ValueError:
+        pass
+    raise Refused(response.status_code, code, message, body)

@@ -1,0 +1,417 @@
+"""The ``flowcast`` client commands, run as subprocesses against real servers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pty
+import re
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from app.client import sse_frames
+from app.embedded import free_port
+from tests.support.api import put, streaming_workflow
+from tests.support.servers import FlowcastServer, ValkeyServer
+
+FLOWCAST = Path(sys.executable).with_name("flowcast")
+KEY = "cli-key-" + uuid.uuid4().hex[:8]
+EVENT_LINE = re.compile(r"^(\d+) (\S+)")
+APPROVAL = {
+    "type": "object",
+    "required": ["approved"],
+    "properties": {"approved": {"type": "boolean"}},
+}
+
+
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+    @property
+    def event_ids(self) -> list[int]:
+        return [int(m.group(1)) for line in self.out.splitlines() if (m := EVENT_LINE.match(line))]
+
+    @property
+    def output(self) -> Any:
+        return json.loads(self.out.splitlines()[-1])
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("FLOWCAST_")}
+    return {**base, **extra}
+
+
+async def flowcast(*args: str, url: str, timeout: float = 30, **env: str) -> Result:
+    """Run one CLI command to its end (stdout is a pipe: the plain display)."""
+    process = await asyncio.create_subprocess_exec(
+        str(FLOWCAST),
+        *args,
+        "--url",
+        url,
+        env=cli_env(**env),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        async with asyncio.timeout(timeout):
+            out, err = await process.communicate()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode is not None
+    return Result(process.returncode, out.decode(), err.decode())
+
+
+def workflow(workflow_id: str, *blocks: dict[str, Any]) -> dict[str, Any]:
+    """Blocks in a chain."""
+    edges = [{"from": a["id"], "to": b["id"]} for a, b in pairwise(blocks)]
+    return {"id": workflow_id, "blocks": list(blocks), "edges": edges}
+
+
+async def test_run_follows_an_execution_to_its_output(
+    client: httpx.AsyncClient, unique: str
+) -> None:
+    await put(client, streaming_workflow(f"cli-ok-{unique}", words=12))
+    result = await flowcast(
+        "run", f"cli-ok-{unique}", "--input", '{"name": "ada"}', url=str(client.base_url)
+    )
+    assert result.code == 0, result.err
+    assert result.output == {"done": {"who": "ada"}}
+    chunks = [line for line in result.out.splitlines() if " block:chunk talk " in line]
+    assert "".join(json.loads(line.split(" ", 3)[3]) for line in chunks).split() == [
+        f"w{i}" for i in range(12)
+    ]
+    assert re.search(r"^\d+ block:completed talk \d+ms$", result.out, re.MULTILINE)
+    ids = result.event_ids
+    assert ids == list(range(1, len(ids) + 1))
+
+
+async def test_run_of_a_failing_workflow_exits_1(client: httpx.AsyncClient, unique: str) -> None:
+    await put(
+        client,
+        workflow(
+            f"cli-fail-{unique}", {"id": "boom", "type": "fail", "config": {"message": "it broke"}}
+        ),
+    )
+    result = await flowcast("run", f"cli-fail-{unique}", url=str(client.base_url))
+    assert result.code == 1, result.err
+    assert "execution:failed" in result.out
+    assert "it broke" in result.err
+
+
+async def test_cancel_from_another_command_ends_run_with_3(
+    client: httpx.AsyncClient, unique: str
+) -> None:
+    await put(
+        client,
+        workflow(f"cli-long-{unique}", {"id": "wait", "type": "delay", "config": {"ms": 60_000}}),
+    )
+    url = str(client.base_url)
+    process = await asyncio.create_subprocess_exec(
+        str(FLOWCAST),
+        "run",
+        f"cli-long-{unique}",
+        "--url",
+        url,
+        env=cli_env(),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert process.stdout is not None and process.stderr is not None
+    try:
+        async with asyncio.timeout(30):
+            first = (await process.stdout.readline()).decode()
+            execution_id = first.split()[1]
+            # Cancel once the delay is running, as seen by the follower itself.
+            seen = [first]
+            while "block:started wait" not in seen[-1]:
+                seen.append((await process.stdout.readline()).decode())
+            cancelled = await flowcast("cancel", execution_id, url=url)
+            assert cancelled.code == 0, cancelled.err
+            rest, err = await process.communicate()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == 3, err
+    assert re.search(r"^\d+ execution:cancelled", rest.decode(), re.MULTILINE)
+    again = await flowcast("cancel", execution_id, url=url)
+    assert again.code == 2, "a finished execution cannot be cancelled"
+    assert "409" in again.err
+
+
+async def test_run_stops_at_a_pause_and_attach_finishes_after_resume(
+    client: httpx.AsyncClient, unique: str
+) -> None:
+    await put(
+        client,
+        workflow(
+            f"cli-ask-{unique}",
+            {"id": "ask", "type": "approval", "config": {"prompt": "Ship it?", "schema": APPROVAL}},
+            {"id": "done", "type": "transform", "config": {"value": "{{ blocks.ask.output }}"}},
+        ),
+    )
+    url = str(client.base_url)
+    paused = await flowcast("run", f"cli-ask-{unique}", url=url)
+    assert paused.code == 4, paused.err
+    execution_id = paused.out.splitlines()[0].split()[1]
+    assert f"flowcast resume {execution_id}" in paused.err
+    assert "Ship it?" in paused.err
+    last = paused.event_ids[-1]
+
+    attached = await flowcast("attach", execution_id, url=url)
+    assert attached.code == 4, "attach stops at the pause too"
+
+    refused = await flowcast("resume", execution_id, "--input", '{"approved": "yes"}', url=url)
+    assert refused.code == 2
+    assert "schema" in refused.err and "approved" in refused.err
+
+    resumed = await flowcast(
+        "resume", execution_id, "--input", '{"approved": true}', "--block", "ask", url=url
+    )
+    assert resumed.code == 0, resumed.err
+
+    finished = await flowcast("attach", execution_id, "--after", str(last), url=url)
+    assert finished.code == 0, finished.err
+    assert finished.output == {"done": {"approved": True}}
+    assert finished.event_ids[0] == last + 1
+    assert "execution:resumed" in finished.out
+
+    replayed = await flowcast("attach", execution_id, url=url)
+    assert replayed.code == 0, "a pause that was answered does not stop a replay"
+    assert replayed.event_ids == list(range(1, len(replayed.event_ids) + 1))
+
+
+async def test_run_with_wait_follows_through_a_pause(
+    client: httpx.AsyncClient, unique: str
+) -> None:
+    await put(
+        client,
+        workflow(
+            f"cli-wait-{unique}",
+            {"id": "ask", "type": "approval", "config": {"prompt": "Go?", "schema": APPROVAL}},
+        ),
+    )
+    url = str(client.base_url)
+    process = await asyncio.create_subprocess_exec(
+        str(FLOWCAST),
+        "run",
+        f"cli-wait-{unique}",
+        "--wait",
+        "--url",
+        url,
+        env=cli_env(),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    try:
+        async with asyncio.timeout(30):
+            execution_id = (await process.stdout.readline()).decode().split()[1]
+            while b"execution:paused" not in await process.stdout.readline():
+                pass
+            answer = await flowcast(
+                "resume", execution_id, "--input", '{"approved": false}', url=url
+            )
+            assert answer.code == 0, answer.err
+            out, err = await process.communicate()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == 0, err
+    assert json.loads(out.decode().splitlines()[-1]) == {"ask": {"approved": False}}
+
+
+def _run_on_a_terminal(args: list[str], timeout: float) -> tuple[int, str]:
+    """Run the CLI with a pseudo-terminal as stdout; its exit code and what it drew."""
+    main, child = pty.openpty()
+    with subprocess.Popen(
+        args, env=cli_env(COLUMNS="100"), stdout=child, stderr=subprocess.DEVNULL
+    ) as process:
+        os.close(child)
+        drawn = b""
+        while True:
+            try:
+                chunk = os.read(main, 65536)  # EIO once the child's side is closed
+            except OSError:
+                break
+            if not chunk:
+                break
+            drawn += chunk
+        code = process.wait(timeout)
+    os.close(main)
+    return code, drawn.decode()
+
+
+async def test_run_on_a_terminal_redraws_a_status_block(client: httpx.AsyncClient) -> None:
+    args = [str(FLOWCAST), "run", "parallel-report", "--url", str(client.base_url)]
+    code, drawn = await asyncio.wait_for(asyncio.to_thread(_run_on_a_terminal, args, 30), 40)
+    assert code == 0, drawn
+    assert "\x1b[" in drawn, "the block is redrawn in place"
+    final = drawn.rsplit("\x1b[J", 1)[1]
+    for block in ("outline", "sales", "support", "usage", "report"):
+        assert re.search(rf"✓ {block} +\w+ +completed +\d+\.\d\ds", final), final
+    assert "Usage grew in every region this week." in final
+    assert '"title": "Report on flows"' in final, "the output is pretty-printed JSON"
+
+
+async def test_list_shows_recent_executions_as_a_table(
+    client: httpx.AsyncClient, unique: str
+) -> None:
+    await put(client, streaming_workflow(f"cli-list-{unique}", words=2))
+    url = str(client.base_url)
+    ran = [await flowcast("run", f"cli-list-{unique}", url=url) for _ in range(2)]
+    ids = [result.out.splitlines()[0].split()[1] for result in ran]
+    listed = await flowcast(
+        "list", "--workflow", f"cli-list-{unique}", "--status", "completed", url=url
+    )
+    assert listed.code == 0, listed.err
+    header, *rows = listed.out.splitlines()
+    assert header.split() == ["ID", "WORKFLOW", "STATUS", "EVENTS", "CREATED", "UPDATED"]
+    assert [row.split()[0] for row in rows] == ids[::-1], "newest first"
+    assert all(row.split()[1:3] == [f"cli-list-{unique}", "completed"] for row in rows)
+    limited = await flowcast("list", "--workflow", f"cli-list-{unique}", "--limit", "1", url=url)
+    assert len(limited.out.splitlines()) == 2
+
+
+async def test_bad_input_exits_2_with_the_servers_message(
+    client: httpx.AsyncClient, unique: str
+) -> None:
+    url = str(client.base_url)
+    unknown = await flowcast("run", f"no-such-{unique}", url=url)
+    assert unknown.code == 2
+    assert f"workflow 'no-such-{unique}' was not found" in unknown.err
+    missing = await flowcast("attach", f"ex_missing{unique}", url=url)
+    assert missing.code == 2 and "not found" in missing.err
+    status = await flowcast("list", "--status", "sleeping", url=url)
+    assert status.code == 2 and "status must be one of" in status.err
+    not_json = await flowcast("run", "stream-story", "--input", "{nope", url=url)
+    assert not_json.code == 2 and "not valid JSON" in not_json.err
+
+
+async def test_an_unreachable_server_exits_5() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    for command in (["run", "stream-story"], ["list"], ["attach", "ex_x"], ["cancel", "ex_x"]):
+        result = await flowcast(*command, url=url)
+        assert result.code == 5, (command, result.err)
+        assert "cannot reach the server" in result.err
+
+
+@pytest.fixture(scope="module")
+async def keyed(
+    tmp_path_factory: pytest.TempPathFactory, valkey: ValkeyServer
+) -> AsyncIterator[FlowcastServer]:
+    server = FlowcastServer(
+        data_dir=tmp_path_factory.mktemp("cli-keyed"),
+        env={
+            "FLOWCAST_REDIS_URL": valkey.url,
+            "FLOWCAST_REDIS_PREFIX": f"cli{uuid.uuid4().hex[:6]}",
+            "FLOWCAST_API_KEYS": KEY,
+            "FLOWCAST_EVENT_LIMIT": "10",
+        },
+    )
+    await server.start()
+    yield server
+    await server.stop()
+
+
+async def test_api_key_comes_from_the_option_or_the_environment(keyed: FlowcastServer) -> None:
+    without = await flowcast("list", url=keyed.url)
+    assert without.code == 2 and "API key is required" in without.err
+    wrong = await flowcast("list", "--api-key", "nope", url=keyed.url)
+    assert wrong.code == 2 and "not valid" in wrong.err
+    ran = await flowcast("run", "route-ticket", "--api-key", KEY, url=keyed.url)
+    assert ran.code == 0, ran.err
+    listed = await flowcast("list", url=keyed.url, FLOWCAST_API_KEY=KEY)
+    assert listed.code == 0, listed.err
+    assert ran.out.splitlines()[0].split()[1] in listed.out
+
+
+async def test_attach_after_eviction_prints_the_gap_and_goes_on(
+    keyed: FlowcastServer, unique: str
+) -> None:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    async with httpx.AsyncClient(base_url=keyed.url, headers=headers, timeout=20) as client:
+        await put(client, streaming_workflow(f"cli-gap-{unique}", words=20))
+    ran = await flowcast("run", f"cli-gap-{unique}", "--api-key", KEY, url=keyed.url)
+    assert ran.code == 0, ran.err
+    execution_id = ran.out.splitlines()[0].split()[1]
+    last = ran.event_ids[-1]
+
+    attached = await flowcast("attach", execution_id, "--api-key", KEY, url=keyed.url)
+    assert attached.code == 0, attached.err
+    gap = next(line for line in attached.out.splitlines() if line.startswith("gap "))
+    resume_at = last - 10 + 1  # the ring keeps the newest 10 events
+    assert gap == f"gap after=0 resumeAt={resume_at} reason=evicted"
+    assert f"are no longer retained (evicted); continuing at {resume_at}" in attached.err
+    assert attached.event_ids == list(range(resume_at, last + 1))
+    assert attached.output == ran.output
+
+
+async def test_url_comes_from_the_environment(client: httpx.AsyncClient) -> None:
+    process = await asyncio.create_subprocess_exec(
+        str(FLOWCAST),
+        "list",
+        "--limit",
+        "1",
+        env=cli_env(FLOWCAST_URL=str(client.base_url)),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(30):
+        _, err = await process.communicate()
+    assert process.returncode == 0, err
+
+
+@pytest.fixture(scope="module")
+async def short_streams(
+    tmp_path_factory: pytest.TempPathFactory, valkey: ValkeyServer
+) -> AsyncIterator[FlowcastServer]:
+    server = FlowcastServer(
+        data_dir=tmp_path_factory.mktemp("cli-short"),
+        env={
+            "FLOWCAST_REDIS_URL": valkey.url,
+            "FLOWCAST_REDIS_PREFIX": f"cli{uuid.uuid4().hex[:6]}",
+            "FLOWCAST_SSE_MAX_SECONDS": "1",
+        },
+    )
+    await server.start()
+    yield server
+    await server.stop()
+
+
+async def test_run_reconnects_when_the_server_closes_the_stream(
+    short_streams: FlowcastServer, unique: str
+) -> None:
+    async with httpx.AsyncClient(base_url=short_streams.url, timeout=20) as client:
+        await put(client, streaming_workflow(f"cli-drop-{unique}", words=30, tps=10))
+        result = await flowcast(
+            "run", f"cli-drop-{unique}", "--input", '{"name": "x"}', url=short_streams.url
+        )
+        execution_id = result.out.splitlines()[0].split()[1]
+        snapshot = (await client.get(f"/api/executions/{execution_id}")).json()
+    assert result.code == 0, result.err
+    assert result.err.count("reconnecting after event") >= 2, "the ~3 s run outlived 1 s streams"
+    assert result.event_ids == list(range(1, snapshot["lastEventId"] + 1)), "each id exactly once"
+    assert result.output == {"done": {"who": "x"}}
+
+
+def test_sse_frames_skip_comments_and_never_yield_a_frame_cut_off_by_a_drop() -> None:
+    lines = [": ping", "", "id: 1", "event: a", 'data: {"x":', "data: 1}", "", "id: 2", "event: b"]
+    frames = list(sse_frames(iter(lines)))
+    assert [(f.id, f.event, f.data) for f in frames] == [("1", "a", ['{"x":', "1}"])]
