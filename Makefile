@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: serve test lint typecheck unit install clean
+.PHONY: serve test lint typecheck unit install browser clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,16 +17,28 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 install: $(VENV)/.installed
 
+# The browser tests drive Debian's Chromium (Playwright's own browser download does not
+# work offline). As root (as in CI) it is installed when missing; otherwise those tests
+# skip and say why.
+browser:
+	@if [ ! -x /usr/bin/chromium ]; then \
+		if [ "$$(id -u)" = 0 ]; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+		else \
+			echo "note: /usr/bin/chromium is missing and not root: the browser tests will skip"; \
+		fi; \
+	fi
+
 serve: install
 	$(BIN)/flowcast serve
 
 lint: install
-	$(BIN)/ruff check lib app tests
+	$(BIN)/ruff check lib app tests stress bench
 
 typecheck: install
 	$(BIN)/mypy lib app
 
-unit: install
+unit: install browser
 	$(BIN)/pytest
 
 test: lint typecheck unit

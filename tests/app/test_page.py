@@ -1,0 +1,444 @@
+"""The web page in a real browser: Debian's Chromium driven by Playwright, against real
+Flowcast servers on 127.0.0.1. The page starts runs, watches them over EventSource,
+re-attaches after a reload, answers pauses with a form built from the schema, cancels,
+and opens large values.
+
+Set ``FLOWCAST_UPDATE_SCREENSHOT=1`` to write the README's ``docs/screenshot.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from playwright.async_api import Browser, Page, Request, async_playwright, expect
+
+from tests.support.api import all_events, put, streaming_workflow, wait_finished
+from tests.support.servers import ROOT, FlowcastServer, ValkeyServer
+
+CHROMIUM = Path("/usr/bin/chromium")
+pytestmark = pytest.mark.skipif(
+    not CHROMIUM.exists(),
+    reason="no /usr/bin/chromium (Debian's chromium); `make test` installs it when run as root",
+)
+
+# Playwright's own browser download does not work here: use Debian's Chromium, and keep
+# it from reaching anything but the servers under test.
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-default-apps",
+    "--disable-extensions",
+    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+]
+SETTLE_MS = 30_000  # how long expect() waits for a run to reach a state
+API_KEY = "page-key-" + "p" * 24
+
+
+@pytest.fixture(scope="module")
+async def browser() -> AsyncIterator[Browser]:
+    async with async_playwright() as playwright:
+        launched = await playwright.chromium.launch(
+            executable_path=str(CHROMIUM), args=CHROMIUM_FLAGS
+        )
+        yield launched
+        await launched.close()
+
+
+@pytest.fixture
+async def page(browser: Browser) -> AsyncIterator[Page]:
+    """A fresh tab (own sessionStorage) that fails the test on a script error or on any
+    request that leaves 127.0.0.1."""
+    context = await browser.new_context(viewport={"width": 1100, "height": 820})
+    tab = await context.new_page()
+    outside: list[str] = []
+    errors: list[str] = []
+    tab.on(
+        "request",
+        lambda request: (
+            None
+            if request.url.startswith(("http://127.0.0.1:", "data:"))
+            else outside.append(request.url)
+        ),
+    )
+    tab.on("pageerror", lambda error: errors.append(str(error)))
+    yield tab
+    await context.close()
+    assert outside == [], f"the page reached beyond loopback: {outside}"
+    assert errors == [], f"script errors on the page: {errors}"
+
+
+@pytest.fixture(scope="module")
+async def guarded(
+    tmp_path_factory: pytest.TempPathFactory, valkey: ValkeyServer
+) -> AsyncIterator[FlowcastServer]:
+    """A server with an API key, a small offload threshold, a short ring, and SSE
+    connections it closes after a second and a half."""
+    server = FlowcastServer(
+        data_dir=tmp_path_factory.mktemp("page"),
+        env={
+            "FLOWCAST_REDIS_URL": valkey.url,
+            "FLOWCAST_REDIS_PREFIX": f"page{uuid.uuid4().hex[:6]}",
+            "FLOWCAST_API_KEYS": API_KEY,
+            "FLOWCAST_LARGE_VALUE_BYTES": "1024",
+            "FLOWCAST_EVENT_LIMIT": "60",
+            "FLOWCAST_SSE_MAX_SECONDS": "1.5",
+        },
+    )
+    await server.start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+async def keyed_client(guarded: FlowcastServer) -> AsyncIterator[httpx.AsyncClient]:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    async with httpx.AsyncClient(base_url=guarded.url, headers=headers, timeout=20) as client:
+        yield client
+
+
+# ---------------------------------------------------------------- helpers
+
+
+async def start(page: Page, workflow_id: str, input: Any) -> str:
+    """Pick a workflow, type its input, press Start; returns the new execution's id."""
+    run_id = page.locator("#run-id")
+    previous = await run_id.text_content() or ""
+    await page.select_option("#workflow", workflow_id)
+    await page.fill("#input", json.dumps(input))
+    await page.click("#start")
+    await expect(run_id).to_have_text(re.compile(r"^ex_"))
+    if previous:
+        await expect(run_id).not_to_have_text(previous)
+    execution_id = await run_id.inner_text()
+    assert page.url.split("#", 1)[1].split("&", 1)[0] == execution_id
+    return execution_id
+
+
+async def use_key(page: Page) -> None:
+    await expect(page.locator("#launch-error")).to_contain_text("needs an API key")
+    await page.fill("#api-key", API_KEY)
+    await page.click("#key-save")
+    await expect(page.locator("#launch-error")).to_be_hidden()
+
+
+async def finished(page: Page, status: str = "completed") -> None:
+    await expect(page.locator("#run-status")).to_have_attribute(
+        "data-status", status, timeout=SETTLE_MS
+    )
+
+
+async def event_ids(page: Page) -> list[int]:
+    ids: list[int] = await page.locator("#events li").evaluate_all(
+        "items => items.map(item => Number(item.dataset.eventId))"
+    )
+    return ids
+
+
+async def block_ids(page: Page) -> list[str]:
+    ids: list[str] = await page.locator("#timeline li.block").evaluate_all(
+        "rows => rows.map(row => row.dataset.blockId)"
+    )
+    return ids
+
+
+def block(page: Page, block_id: str) -> Any:
+    return page.locator(f'#timeline li.block[data-block-id="{block_id}"]')
+
+
+def screenshot_path(tmp_path: Path) -> Path:
+    if os.environ.get("FLOWCAST_UPDATE_SCREENSHOT") == "1":
+        target = ROOT / "docs" / "screenshot.png"
+        target.parent.mkdir(exist_ok=True)
+        return target
+    return tmp_path / "screenshot.png"
+
+
+# ---------------------------------------------------------------- the server's own page
+
+
+async def test_page_is_served_with_its_assets(client: httpx.AsyncClient) -> None:
+    page = await client.get("/")
+    assert page.status_code == 200
+    assert page.headers["content-type"].startswith("text/html")
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    for asset, kind in [("/static/page.js", "text/javascript"), ("/static/page.css", "text/css")]:
+        response = await client.get(asset)
+        assert response.status_code == 200, asset
+        assert response.headers["content-type"].startswith(kind)
+    assert (await client.get("/static/secrets.py")).status_code == 404
+
+
+async def test_page_starts_a_workflow_and_shows_its_timeline(
+    server: FlowcastServer, page: Page, client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    await page.goto(server.url)
+    execution_id = await start(page, "parallel-report", {"topic": "the web page"})
+    await finished(page)
+
+    assert sorted(await block_ids(page)) == ["outline", "report", "sales", "support", "usage"]
+    for row in await page.locator("#timeline li.block").all():
+        await expect(row.locator(".status")).to_have_text("completed")
+        await expect(row.locator(".duration")).to_have_text(re.compile(r"\d"))
+    await expect(block(page, "usage").locator(".chunks")).to_have_text(
+        "Usage grew in every region this week."
+    )
+    await expect(page.locator("#result-body")).to_contain_text("Report on the web page")
+    await expect(page.locator("#cancel")).to_be_hidden()
+
+    snapshot = await wait_finished(client, execution_id)
+    assert await event_ids(page) == list(range(1, snapshot["lastEventId"] + 1))
+    await page.screenshot(path=str(screenshot_path(tmp_path)), full_page=True)
+
+
+async def test_reload_mid_run_reattaches_and_shows_every_event_once(
+    server: FlowcastServer, page: Page, client: httpx.AsyncClient
+) -> None:
+    await page.goto(server.url)
+    execution_id = await start(
+        page, "stream-story", {"hero": "a browser tab", "tokensPerSecond": 8}
+    )
+    story = block(page, "story").locator(".chunks")
+    await expect(story).to_contain_text("Once upon a time")
+    assert (await client.get(f"/api/executions/{execution_id}")).json()["status"] == "running"
+    before = page.url
+
+    await page.reload()
+
+    assert page.url == before
+    await expect(page.locator("#run-id")).to_have_text(execution_id)
+    await finished(page)
+    snapshot = await wait_finished(client, execution_id)
+    text = snapshot["output"]["result"]["story"]
+    assert text.startswith("Once upon a time a browser tab streamed")
+    await expect(story).to_have_text(text)
+    assert await block_ids(page) == ["story", "result"]
+    assert await event_ids(page) == list(range(1, snapshot["lastEventId"] + 1))
+    assert await page.locator("#run").get_attribute("data-duplicates") == "0"
+    chunks = page.locator('#events li[data-type="block:chunk"]')
+    await expect(chunks).to_have_count(len(text.split()))
+    await expect(page.locator("#notices .notice")).to_have_count(0)
+
+
+async def test_approval_form_approves_and_runs_the_approved_branch(
+    server: FlowcastServer, page: Page, client: httpx.AsyncClient
+) -> None:
+    await page.goto(server.url)
+    execution_id = await start(page, "approve-refund", {"amount": 40, "customer": "Globex"})
+    form = page.locator("#pause")
+    await expect(form).to_be_visible()
+    await expect(page.locator("#run-status")).to_have_text("paused")
+    await expect(page.locator("#pause-prompt")).to_have_text("Refund 40 to Globex?")
+    # `approved` is answered by the two buttons; `note` is a text field, not required.
+    await expect(page.locator("#field-approved")).to_have_count(0)
+    await expect(page.locator("#field-note")).to_have_attribute("type", "text")
+    await expect(page.locator("#pause-submit")).to_have_text("Approve")
+    await expect(page.locator("#pause-reject")).to_be_visible()
+    await expect(page.locator("#pause-fields")).to_have_text("note")
+
+    await page.fill("#field-note", "fine by me")
+    await page.click("#pause-submit")
+
+    await finished(page)
+    await expect(form).to_be_hidden()
+    await expect(block(page, "issue").locator(".status")).to_have_text("completed")
+    await expect(page.locator("#result-body")).to_contain_text("fine by me")
+    events = await all_events(client, execution_id)
+    resumed = [e["data"] for e in events if e["type"] == "execution:resumed"]
+    assert resumed == [{"blockId": "review", "input": {"approved": True, "note": "fine by me"}}]
+    assert (await wait_finished(client, execution_id))["output"] == {
+        "issue": {"refunded": 40, "note": "fine by me"}
+    }
+
+
+async def test_reject_answers_approved_false_and_skips_the_branch(
+    server: FlowcastServer, page: Page, client: httpx.AsyncClient
+) -> None:
+    await page.goto(server.url)
+    execution_id = await start(page, "approve-refund", {})
+    await expect(page.locator("#pause")).to_be_visible()
+    await page.click("#pause-reject")
+    await finished(page)
+    await expect(block(page, "issue").locator(".status")).to_have_text("skipped")
+    events = await all_events(client, execution_id)
+    resumed = [e["data"]["input"] for e in events if e["type"] == "execution:resumed"]
+    assert resumed == [{"approved": False}]
+
+
+async def test_pause_form_is_built_from_the_schema(
+    server: FlowcastServer, page: Page, client: httpx.AsyncClient, unique: str
+) -> None:
+    typed = {
+        "type": "object",
+        "required": ["name", "count"],
+        "properties": {
+            "name": {"type": "string"},
+            "count": {"type": "integer"},
+            "ratio": {"type": "number"},
+            "urgent": {"type": "boolean"},
+            "tier": {"enum": ["gold", "silver"]},
+        },
+    }
+    nested = {"type": "object", "properties": {"items": {"type": "array"}}}
+    for suffix, schema in (("typed", typed), ("nested", nested)):
+        await put(
+            client,
+            {
+                "id": f"ask-{suffix}-{unique}",
+                "blocks": [
+                    {"id": "ask", "type": "approval", "config": {"prompt": "?", "schema": schema}},
+                    {
+                        "id": "echo",
+                        "type": "transform",
+                        "config": {"value": "{{ blocks.ask.output }}"},
+                    },
+                ],
+                "edges": [{"from": "ask", "to": "echo"}],
+            },
+        )
+    await page.goto(server.url)
+
+    first = await start(page, f"ask-typed-{unique}", {})
+    await expect(page.locator("#pause")).to_be_visible()
+    await expect(page.locator("#field-name")).to_have_attribute("type", "text")
+    await expect(page.locator("#field-count")).to_have_attribute("type", "number")
+    await expect(page.locator("#field-ratio")).to_have_attribute("type", "number")
+    await expect(page.locator("#field-urgent")).to_have_attribute("type", "checkbox")
+    await expect(page.locator("select#field-tier option")).to_have_text(["—", "gold", "silver"])
+    required = page.locator("#pause-fields .field:has(.required)")
+    assert await required.evaluate_all("f => f.map(x => x.dataset.field)") == ["name", "count"]
+    await expect(page.locator("#pause-submit")).to_have_text("Submit")
+    await expect(page.locator("#pause-reject")).to_be_hidden()
+
+    await page.fill("#field-name", "Ada")
+    await page.fill("#field-count", "3")
+    await page.fill("#field-ratio", "0.5")
+    await page.check("#field-urgent")
+    await page.select_option("#field-tier", label="silver")
+    await page.click("#pause-submit")
+    await finished(page)
+    answer = {"name": "Ada", "count": 3, "ratio": 0.5, "urgent": True, "tier": "silver"}
+    assert (await wait_finished(client, first))["output"] == {"echo": answer}
+
+    second = await start(page, f"ask-nested-{unique}", {})
+    await expect(page.locator("#field-json")).to_be_visible()
+    await page.fill("#field-json", '{"items": [1, 2]}')
+    await page.click("#pause-submit")
+    await finished(page)
+    assert (await wait_finished(client, second))["output"] == {"echo": {"items": [1, 2]}}
+
+
+async def test_cancel_button_cancels_the_run(
+    server: FlowcastServer, page: Page, client: httpx.AsyncClient
+) -> None:
+    await page.goto(server.url)
+    execution_id = await start(page, "stream-story", {"tokensPerSecond": 4})
+    await expect(block(page, "story").locator(".chunks")).to_contain_text("Once")
+    await page.click("#cancel")
+    await finished(page, "cancelled")
+    await expect(page.locator("#result-title")).to_have_text("Cancelled")
+    await expect(page.locator("#cancel")).to_be_hidden()
+    assert (await wait_finished(client, execution_id))["status"] == "cancelled"
+
+
+# ---------------------------------------------------------------- with an API key
+
+
+async def test_large_value_shows_its_preview_and_opens_in_full(
+    guarded: FlowcastServer, page: Page, keyed_client: httpx.AsyncClient, unique: str
+) -> None:
+    workflow_id = f"big-{unique}"
+    await put(
+        keyed_client,
+        {
+            "id": workflow_id,
+            "blocks": [{"id": "big", "type": "payload", "config": {"bytes": 6000}}],
+            "edges": [],
+        },
+    )
+    await page.goto(guarded.url)
+    await use_key(page)
+    execution_id = await start(page, workflow_id, {})
+    assert "&token=" in page.url
+    await finished(page)
+
+    ref = block(page, "big").locator(".ref")
+    await expect(ref.locator(".badge")).to_have_text("large string")
+    await expect(ref.locator(".preview")).to_contain_text('"')
+    await ref.locator(".open-value").click()
+    shown = ref.locator(".full-value")
+    await expect(shown).to_be_visible()
+
+    events = await all_events(keyed_client, execution_id)
+    (output,) = [e["data"]["output"] for e in events if e["type"] == "block:completed"]
+    assert output["$ref"] == "value"
+    assert await ref.get_attribute("data-value-id") == output["id"]
+    value = (await keyed_client.get(f"/api/executions/{execution_id}/values/{output['id']}")).json()
+    assert len(value) == 5998
+    assert json.loads(await shown.text_content() or "null") == value
+
+
+async def test_gap_notice_when_events_were_evicted(
+    guarded: FlowcastServer, page: Page, keyed_client: httpx.AsyncClient, unique: str
+) -> None:
+    # 120 words make more events than the server's ring of 60 keeps.
+    await put(keyed_client, streaming_workflow(f"long-{unique}", words=120))
+    started = await keyed_client.post(
+        f"/api/workflows/long-{unique}/execute", json={"input": {"name": "gap"}}
+    )
+    assert started.status_code == 202, started.text
+    execution_id, token = started.json()["executionId"], started.json()["streamToken"]
+    snapshot = await wait_finished(keyed_client, execution_id)
+    first_kept = snapshot["firstRetainedEventId"]
+    assert first_kept > 1
+
+    await page.goto(guarded.url)
+    await use_key(page)
+    await page.goto(f"{guarded.url}/#{execution_id}&token={token}")
+    await finished(page)
+    await expect(page.locator("#notices .notice")).to_have_text(
+        f"{first_kept - 1} events were not retained (evicted): events 1 to {first_kept - 1} "
+        f"cannot be shown; what follows starts at event {first_kept}."
+    )
+    assert await event_ids(page) == list(range(first_kept, snapshot["lastEventId"] + 1))
+
+
+async def test_eventsource_reconnects_with_last_event_id_and_misses_nothing(
+    guarded: FlowcastServer, page: Page, keyed_client: httpx.AsyncClient
+) -> None:
+    streams: list[Request] = []
+    page.on(
+        "request",
+        lambda request: (
+            streams.append(request) if request.url.split("?")[0].endswith("/stream") else None
+        ),
+    )
+    await page.goto(guarded.url)
+    await use_key(page)
+    # About four seconds of words: the server closes each connection after 1.5 s.
+    execution_id = await start(page, "stream-story", {"tokensPerSecond": 7})
+    await finished(page)
+
+    snapshot = await wait_finished(keyed_client, execution_id)
+    await expect(block(page, "story").locator(".chunks")).to_have_text(
+        snapshot["output"]["result"]["story"]
+    )
+    assert await event_ids(page) == list(range(1, snapshot["lastEventId"] + 1))
+    assert await page.locator("#run").get_attribute("data-duplicates") == "0"
+    sent = [await request.all_headers() for request in streams]
+    assert len(sent) >= 2, sent
+    assert "last-event-id" not in sent[0]
+    cursors = [int(headers["last-event-id"]) for headers in sent[1:]]
+    assert cursors == sorted(cursors) and cursors[0] > 0, cursors
