@@ -10,22 +10,42 @@ from __future__ import annotations
 
 from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
 
-def connect(url: str, *, socket_timeout: float) -> Redis:
-    """A client for ``url``; cluster URLs get a cluster client with the same interface."""
+def connect(
+    url: str, *, socket_timeout: float, max_connections: int, wait_seconds: float | None = 10.0
+) -> Redis:
+    """A client for ``url``; cluster URLs get a cluster client with the same interface.
+
+    The pool holds at most ``max_connections`` (per node on a cluster). With
+    ``wait_seconds`` set, a call that finds them all busy waits that long for one
+    instead of failing at once, so a burst of requests queues rather than erroring.
+    """
     scheme, sep, rest = url.partition("://")
     options: dict[str, Any] = {
         "socket_connect_timeout": 5,
         "socket_timeout": socket_timeout,
     }
     if scheme in CLUSTER_SCHEMES:
-        cluster: Any = RedisCluster.from_url(f"{CLUSTER_SCHEMES[scheme]}{sep}{rest}", **options)
+        cluster: Any = RedisCluster.from_url(
+            f"{CLUSTER_SCHEMES[scheme]}{sep}{rest}", max_connections=max_connections, **options
+        )
         # The cluster client speaks the same commands; the buffer only uses those.
         client: Redis = cluster
         return client
-    return Redis.from_url(url, health_check_interval=30, **options)
+    if wait_seconds is None:
+        return Redis.from_url(
+            url, health_check_interval=30, max_connections=max_connections, **options
+        )
+    pool = BlockingConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        timeout=wait_seconds,
+        health_check_interval=30,
+        **options,
+    )
+    return Redis(connection_pool=pool)

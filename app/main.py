@@ -46,6 +46,7 @@ from lib.workflows.validation import validate_workflow
 log = logging.getLogger("flowcast")
 
 TAIL_BLOCK_MS = 5_000
+MAX_TAIL_CONNECTIONS = 10_000
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -73,11 +74,25 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
             engine = EmbeddedValkey(data_dir=settings.data_dir / "valkey")
             await stack.enter_async_context(engine)
             redis_url = engine.url
-        redis = connect(redis_url, socket_timeout=TAIL_BLOCK_MS / 1000 + 10)
+        redis = connect(
+            redis_url,
+            socket_timeout=TAIL_BLOCK_MS / 1000 + 10,
+            max_connections=settings.redis_max_connections,
+        )
         stack.push_async_callback(redis.aclose)
+        # Live tails hold a connection each in a blocking read: a pool of their own, so
+        # many followed executions never starve the requests of connections.
+        tail_redis = connect(
+            redis_url,
+            socket_timeout=TAIL_BLOCK_MS / 1000 + 10,
+            max_connections=MAX_TAIL_CONNECTIONS,
+            wait_seconds=None,
+        )
+        stack.push_async_callback(tail_redis.aclose)
 
         buffer = EventBuffer(
             redis=redis,
+            tail_redis=tail_redis,
             prefix=settings.redis_prefix,
             event_limit=settings.event_limit,
             budget_bytes=settings.event_budget_bytes,

@@ -135,6 +135,7 @@ class EventBuffer:
         self,
         *,
         redis: Redis,
+        tail_redis: Redis | None = None,
         prefix: str = "fc",
         event_limit: int = 10_000,
         budget_bytes: int = 64 * 1024 * 1024,
@@ -142,6 +143,8 @@ class EventBuffer:
         active_ttl_seconds: int = 30 * 86_400,
     ) -> None:
         self.redis = redis
+        # Blocking tail reads may use a client (a pool) of their own.
+        self.tail_redis = tail_redis or redis
         self.prefix = prefix
         self.event_limit = event_limit
         self.budget_bytes = budget_bytes
@@ -267,7 +270,7 @@ class EventBuffer:
     async def tail(self, execution_id: str, *, after: int, block_ms: int) -> list[Event]:
         """Block until events with ids above ``after`` are stored (or ``block_ms`` passes)."""
         key = self.stream_key(execution_id)
-        reply: Any = await self.redis.xread({key: f"{after}-0"}, count=1000, block=block_ms)
+        reply: Any = await self.tail_redis.xread({key: f"{after}-0"}, count=1000, block=block_ms)
         if not reply:
             return []
         return [_entry_event(entry) for entry in reply[0][1]]

@@ -190,7 +190,7 @@ class Control:
     @translated
     async def next_cancels(self, node: str, *, after: str, block_ms: int) -> tuple[str, list[str]]:
         """Block for cancel messages to ``node`` after stream id ``after``."""
-        reply: Any = await self.redis.xread(
+        reply: Any = await self.buffer.tail_redis.xread(
             {self.control_key(node): after}, count=100, block=block_ms
         )
         if not reply:
