@@ -3,17 +3,35 @@
 A body larger than ``FLOWCAST_MAX_BODY_BYTES`` gets 413, whether it declares its size
 (``Content-Length``, refused before reading) or streams in chunks (refused once the
 count passes the cap, whatever the route then made of the broken read). Headers larger
-than 64 KiB in all get 431.
+than 64 KiB in all get 431. A JSON body whose values orjson cannot encode is refused by
+its route, with ``unstorable``, before anything is written.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import ApiError, error_payload
 from app.responses import JSON
 
 MAX_HEADER_BYTES = 64 * 1024
+
+
+def unstorable(value: Any) -> str | None:
+    """Why a parsed JSON body cannot be stored, or None if it can.
+
+    Bodies are parsed by the standard library, which accepts integers of any size and
+    lone surrogates (``"\\ud800"``); orjson, which encodes everything Flowcast stores and
+    streams, refuses both, and it would do so halfway through starting an execution.
+    """
+    try:
+        orjson.dumps(value)
+    except orjson.JSONEncodeError as exc:
+        return str(exc)
+    return None
 
 
 class BodyLimit:

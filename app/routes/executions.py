@@ -10,8 +10,20 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.errors import ApiError
 from app.idempotency import Outcome, fingerprint
+from app.limits import unstorable
 from app.responses import JSON
-from app.routes.streams import parse_cursor
+from app.routes.streams import CURSOR, parse_cursor
+from app.schemas import (
+    API_ERRORS,
+    IDEMPOTENCY_KEY,
+    Accepted,
+    EventPage,
+    ExecutionList,
+    Snapshot,
+    errors,
+    json_example,
+    query,
+)
 from app.services import Services, services, tenant
 from lib.errors import NotFound
 from lib.execution.buffer import ExecutionMeta
@@ -62,7 +74,17 @@ def _bounded_int(value: str | None, name: str, default: int, low: int, high: int
     return number
 
 
-@router.get("")
+@router.get(
+    "",
+    responses={200: {"model": ExecutionList}, **errors(400, *API_ERRORS)},
+    openapi_extra={
+        "parameters": [
+            query("workflowId", {"type": "string"}, "Only this workflow's executions"),
+            query("status", {"enum": sorted(STATUSES)}, "Only executions in this status"),
+            query("limit", {"type": "integer", "minimum": 1, "maximum": 200}, "At most this many"),
+        ]
+    },
+)
 async def list_executions(request: Request, svc: ServicesDep, tenant_id: TenantDep) -> JSON:
     params = request.query_params
     limit = _bounded_int(params.get("limit"), "limit", 20, 1, 200)
@@ -81,12 +103,24 @@ async def list_executions(request: Request, svc: ServicesDep, tenant_id: TenantD
     return JSON({"executions": [snapshot(meta) for meta in found]})
 
 
-@router.get("/{execution_id}")
+@router.get(
+    "/{execution_id}",
+    responses={200: {"model": Snapshot}, **errors(404, *API_ERRORS)},
+)
 async def get_execution(execution_id: str, svc: ServicesDep, tenant_id: TenantDep) -> JSON:
     return JSON(snapshot(await owned_meta(svc, tenant_id, execution_id)))
 
 
-@router.get("/{execution_id}/events")
+@router.get(
+    "/{execution_id}/events",
+    responses={200: {"model": EventPage}, **errors(400, 404, *API_ERRORS)},
+    openapi_extra={
+        "parameters": [
+            query("after", CURSOR, "Events after this id"),
+            query("limit", {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}, "Page size"),
+        ]
+    },
+)
 async def list_events(
     execution_id: str, request: Request, svc: ServicesDep, tenant_id: TenantDep
 ) -> JSON:
@@ -122,6 +156,8 @@ class ResumeRequest(BaseModel):
     def _shallow(cls, value: Any) -> Any:
         if too_deep(value):
             raise ValueError(f"input nests deeper than {MAX_DEPTH} levels")
+        if (problem := unstorable(value)) is not None:
+            raise ValueError(f"input cannot be stored as JSON: {problem}")
         return value
 
 
@@ -129,7 +165,18 @@ def _answer(outcome: Outcome) -> JSON:
     return JSON(outcome.body, status_code=outcome.status)
 
 
-@router.post("/{execution_id}/resume")
+@router.post(
+    "/{execution_id}/resume",
+    status_code=202,
+    responses={
+        202: {"model": Accepted, "description": "Resumed"},
+        **errors(400, 404, 409, 413, 422, 429, *API_ERRORS),
+    },
+    openapi_extra={
+        "parameters": [IDEMPOTENCY_KEY],
+        **json_example({"blockId": "review", "input": {"approved": True, "note": "ok"}}),
+    },
+)
 async def resume(
     execution_id: str,
     request: Request,
@@ -155,7 +202,15 @@ async def resume(
     return _answer(outcome)
 
 
-@router.post("/{execution_id}/cancel")
+@router.post(
+    "/{execution_id}/cancel",
+    status_code=202,
+    responses={
+        202: {"model": Accepted, "description": "Cancelling"},
+        **errors(400, 404, 409, 422, *API_ERRORS),
+    },
+    openapi_extra={"parameters": [IDEMPOTENCY_KEY]},
+)
 async def cancel(
     execution_id: str, request: Request, svc: ServicesDep, tenant_id: TenantDep
 ) -> JSON:

@@ -13,6 +13,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from app.auth import Caller
 from app.errors import ApiError
+from app.schemas import API_ERRORS, SSE, STREAM_TOKEN, errors, header, query
 from app.services import Services, reader, services
 from lib.errors import NotFound
 from lib.execution.stream import StreamReader
@@ -21,6 +22,10 @@ router = APIRouter(prefix="/api/executions", tags=["executions"])
 
 SHUTDOWN_GRACE_SECONDS = 2.0
 _CURSOR = re.compile(r"^[0-9]{1,18}$")
+# The buffer's Lua adds one to the cursor and prints it with "%.14g": from 10**14 on
+# that is "1e+14", which Redis refuses as a stream id (a 503 instead of a 400).
+MAX_CURSOR = 10**14 - 2
+CURSOR = {"type": "integer", "minimum": 0, "maximum": MAX_CURSOR}
 
 
 def parse_cursor(value: str | None, name: str) -> int:
@@ -31,7 +36,10 @@ def parse_cursor(value: str | None, name: str) -> int:
         raise ApiError(
             400, "invalid_cursor", f"{name} must be a non-negative integer, got {value!r}"
         )
-    return int(value)
+    number = int(value)
+    if number > MAX_CURSOR:
+        raise ApiError(400, "invalid_cursor", f"{name} must be at most {MAX_CURSOR}, got {value!r}")
+    return number
 
 
 def _ping() -> ServerSentEvent:
@@ -75,7 +83,23 @@ def sse_response(svc: Services, execution_id: str, *, cursor: int) -> EventSourc
     )
 
 
-@router.get("/{execution_id}/stream", response_model=None)
+@router.get(
+    "/{execution_id}/stream",
+    response_model=None,
+    response_class=EventSourceResponse,  # for the docs: the 200 is text/event-stream only
+    responses={
+        200: {"content": SSE, "description": "Replay after the cursor, then live"},
+        204: {"description": "The execution is finished and the cursor is at its end"},
+        **errors(400, 404, *API_ERRORS),
+    },
+    openapi_extra={
+        "parameters": [
+            query("lastEventId", CURSOR, "Replay after this event id"),
+            header("Last-Event-ID", CURSOR, "Replay after this event id (wins over the query)"),
+            STREAM_TOKEN,
+        ]
+    },
+)
 async def stream(
     execution_id: str,
     request: Request,

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends
 from starlette.responses import StreamingResponse
 
 from app.auth import Caller
+from app.schemas import API_ERRORS, STREAM_TOKEN, errors
 from app.services import Services, reader, services
 from lib.errors import NotFound
 from lib.execution.values import check_ids
@@ -31,7 +32,15 @@ async def _take(chunks: AsyncIterator[bytes], count: int) -> AsyncIterator[bytes
         yield chunk
 
 
-@router.get("/{execution_id}/values/{value_id}", response_model=None)
+@router.get(
+    "/{execution_id}/values/{value_id}",
+    response_model=None,
+    responses={
+        200: {"content": {"application/json": {"schema": {}}}, "description": "The value"},
+        **errors(404, *API_ERRORS),
+    },
+    openapi_extra={"parameters": [STREAM_TOKEN]},
+)
 async def get_value(
     execution_id: str,
     value_id: str,

@@ -9,9 +9,22 @@ from fastapi import APIRouter, Body, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.idempotency import Outcome, fingerprint
+from app.limits import unstorable
 from app.responses import JSON
 from app.routes.streams import sse_response
+from app.schemas import (
+    API_ERRORS,
+    IDEMPOTENCY_KEY,
+    SSE,
+    Started,
+    WorkflowDocument,
+    WorkflowList,
+    errors,
+    json_example,
+    workflow_body,
+)
 from app.services import Services, services, tenant
+from lib.errors import InvalidInput, Problem
 from lib.workflows.limits import MAX_DEPTH, too_deep
 from lib.workflows.model import Workflow
 
@@ -34,6 +47,8 @@ class ExecuteRequest(BaseModel):
     def _shallow(cls, value: Any) -> Any:
         if too_deep(value):
             raise ValueError(f"input nests deeper than {MAX_DEPTH} levels")
+        if (problem := unstorable(value)) is not None:
+            raise ValueError(f"input cannot be stored as JSON: {problem}")
         return value
 
 
@@ -51,36 +66,69 @@ def _document(workflow: Workflow) -> dict[str, Any]:
     return workflow.model_dump(by_alias=True, exclude_none=True, mode="json")
 
 
-@router.get("")
+@router.get("", responses={200: {"model": WorkflowList}, **errors(*API_ERRORS)})
 async def list_workflows(svc: ServicesDep, tenant_id: TenantDep) -> JSON:
     stored = await svc.workflows.list(tenant_id)
     return JSON({"workflows": [_summary(item.workflow, item.source) for item in stored]})
 
 
-@router.put("/{workflow_id}")
+@router.put(
+    "/{workflow_id}",
+    responses={
+        200: {"model": WorkflowDocument, "description": "Replaced"},
+        201: {"model": WorkflowDocument, "description": "Created"},
+        **errors(400, 413, 422, *API_ERRORS),
+    },
+    openapi_extra=workflow_body(),
+)
 async def put_workflow(
     workflow_id: str,
     svc: ServicesDep,
     tenant_id: TenantDep,
     body: Annotated[Any, Body()],
 ) -> JSON:
+    if (problem := unstorable(body)) is not None:
+        raise InvalidInput("the workflow cannot be stored as JSON", [Problem("$", problem)])
     workflow, created = await svc.workflows.put(tenant_id, workflow_id, body)
     return JSON(_document(workflow), status_code=201 if created else 200)
 
 
-@router.get("/{workflow_id}")
+@router.get(
+    "/{workflow_id}",
+    responses={200: {"model": WorkflowDocument}, **errors(404, *API_ERRORS)},
+)
 async def get_workflow(workflow_id: str, svc: ServicesDep, tenant_id: TenantDep) -> JSON:
     stored = await svc.workflows.get(tenant_id, workflow_id)
     return JSON({**_document(stored.workflow), "source": stored.source})
 
 
-@router.delete("/{workflow_id}", status_code=204)
+@router.delete(
+    "/{workflow_id}",
+    status_code=204,
+    responses=errors(404, 409, *API_ERRORS),
+)
 async def delete_workflow(workflow_id: str, svc: ServicesDep, tenant_id: TenantDep) -> Response:
     await svc.workflows.delete(tenant_id, workflow_id)
     return Response(status_code=204)
 
 
-@router.post("/{workflow_id}/execute", response_model=None)
+@router.post(
+    "/{workflow_id}/execute",
+    response_model=None,
+    status_code=202,
+    responses={
+        200: {
+            "content": SSE,
+            "description": "The execution's SSE stream (Accept: text/event-stream)",
+        },
+        202: {"model": Started, "description": "Started"},
+        **errors(400, 404, 413, 422, 429, *API_ERRORS),
+    },
+    openapi_extra={
+        "parameters": [IDEMPOTENCY_KEY],
+        **json_example({"input": {"amount": 40, "customer": "Zed"}}),
+    },
+)
 async def execute(
     workflow_id: str,
     request: Request,

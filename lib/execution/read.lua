@@ -13,5 +13,7 @@ HGETALL gives it (empty when the execution does not exist), and every dropped ra
 "<from>-<to>". One script rather than MULTI so it also runs on Redis Cluster.
 ]]
 
-local entries = redis.call("XRANGE", KEYS[1], (tonumber(ARGV[1]) + 1) .. "-0", "+", "COUNT", ARGV[2])
+-- An exclusive start built from the cursor's own digits: Lua would print a large number
+-- as "1e+14", which is not a stream id.
+local entries = redis.call("XRANGE", KEYS[1], "(" .. ARGV[1] .. "-0", "+", "COUNT", ARGV[2])
 return {entries, redis.call("HGETALL", KEYS[2]), redis.call("ZRANGE", KEYS[3], 0, -1)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from pathlib import Path
 
@@ -138,3 +139,67 @@ async def test_a_tenant_past_its_concurrent_executions_gets_429_with_retry_after
             assert response.status_code == 202
     finally:
         await server.stop()
+
+
+async def test_cursors_too_large_for_the_buffer_are_400_not_503(
+    client: httpx.AsyncClient, unique: str
+) -> None:
+    # Found by the fuzz test: the buffer's Lua printed after + 1 as "1e+14" and Redis
+    # refused it as a stream id, so a client's bad cursor came back as a 503.
+    await put(client, streaming_workflow(f"cursor-{unique}", words=3))
+    started = await client.post(f"/api/workflows/cursor-{unique}/execute", json={})
+    execution_id = started.json()["executionId"]
+    await wait_finished(client, execution_id)
+    events = f"/api/executions/{execution_id}/events"
+    largest = 10**14 - 2
+    page = await client.get(events, params={"after": largest})
+    assert page.status_code == 200, page.text
+    assert page.json()["events"] == []
+    stream = f"/api/executions/{execution_id}/stream"
+    assert (await client.get(stream, params={"lastEventId": largest})).status_code == 204
+    for cursor in (largest + 1, 9007199254740989, 999999999999999998):
+        response = await client.get(events, params={"after": cursor})
+        assert response.status_code == 400, (cursor, response.text)
+        assert response.json()["error"]["code"] == "invalid_cursor"
+        response = await client.get(stream, headers={"Last-Event-ID": str(cursor)})
+        assert response.status_code == 400, (cursor, response.text)
+
+
+async def test_numbers_and_strings_json_can_carry_but_we_cannot_store_are_422(
+    client: httpx.AsyncClient, unique: str
+) -> None:
+    # Found by the fuzz test: the standard library parses integers of any size and lone
+    # surrogates, orjson refuses both, and it did so while the execution was being
+    # created: a 500 instead of a 422.
+    json = {"content-type": "application/json"}
+    workflow_id = f"store-{unique}"
+    await put(client, streaming_workflow(workflow_id, words=3))
+    for bad in (b"123456789012345678901234567890", b'"\\ud800"'):
+        response = await client.post(
+            f"/api/workflows/{workflow_id}/execute",
+            content=b'{"input": [' + bad + b"]}",
+            headers=json,
+        )
+        assert response.status_code == 422, response.text
+        assert "cannot be stored" in response.text
+        block = b'{"id": "a", "type": "transform", "config": {"value": ' + bad + b"}}"
+        response = await client.put(
+            f"/api/workflows/bad-{unique}", content=b'{"blocks": [' + block + b"]}", headers=json
+        )
+        assert response.status_code == 422, response.text
+        assert response.json()["error"]["problems"][0]["path"] == "$"
+    assert (await client.get(f"/api/workflows/bad-{unique}")).status_code == 404
+    listed = await client.get("/api/executions", params={"workflowId": workflow_id})
+    assert listed.json()["executions"] == []
+
+    started = await client.post("/api/workflows/approve-refund/execute", json={"input": {}})
+    execution_id = started.json()["executionId"]
+    while (await client.get(f"/api/executions/{execution_id}")).json()["status"] != "paused":
+        await asyncio.sleep(0.02)
+    # The pause's schema allows more properties, so only the encoding can refuse this.
+    answer = b'{"input": {"approved": true, "extra": 123456789012345678901234567890}}'
+    response = await client.post(
+        f"/api/executions/{execution_id}/resume", content=answer, headers=json
+    )
+    assert response.status_code == 422, response.text
+    assert (await client.get(f"/api/executions/{execution_id}")).json()["status"] == "paused"
