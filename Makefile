@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: serve test lint typecheck unit install browser clean
+.PHONY: serve test lint typecheck unit install browser bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,15 @@ unit: install browser
 	$(BIN)/pytest
 
 test: lint typecheck unit
+
+# Real processes on 127.0.0.1; prints one table and writes bench/RESULTS.md (~5-10 min).
+# BENCH_ARGS=--quick for a short run. redis-benchmark (the store's ceiling) comes from
+# Debian's redis-tools, installed here when missing and we are root.
+bench: install
+	@command -v redis-benchmark >/dev/null || command -v valkey-benchmark >/dev/null \
+	  || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get install -y -qq redis-tools >/dev/null; } \
+	  || echo "redis-benchmark not found: the store ceiling is skipped (apt-get install redis-tools)"
+	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .flowcast .pytest_cache .mypy_cache .ruff_cache
