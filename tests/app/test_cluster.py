@@ -242,7 +242,7 @@ async def test_an_unreachable_cluster_is_buffer_unavailable_not_a_foreign_error(
 ) -> None:
     # Nothing listens on these ports: the cluster client raises RedisClusterException,
     # which is not a RedisError, and it must still be translated at the boundary.
-    redis = connect(ValkeyCluster(data_dir=tmp_path).url, socket_timeout=5)
+    redis = connect(ValkeyCluster(data_dir=tmp_path).url, socket_timeout=5, max_connections=8)
     try:
         buffer = EventBuffer(redis=redis)
         assert await buffer.ping() is False
