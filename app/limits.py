@@ -55,10 +55,19 @@ class BodyLimit:
             error = ApiError(431, "headers_too_large", "the request headers are too large")
             await _answer(error, scope, receive, send)
             return
+        chunked = False
         for name, value in headers:
-            if name == b"content-length" and (not value.isdigit() or int(value) > self.max_bytes):
-                await _answer(self._too_large(), scope, receive, send)
-                return
+            if name == b"content-length":
+                if not value.isdigit() or int(value) > self.max_bytes:
+                    await _answer(self._too_large(), scope, receive, send)
+                    return
+            elif name == b"transfer-encoding":
+                chunked = True
+        if not chunked:
+            # The server holds a declared body to its length, and without either header
+            # there is no body: nothing to count, so the hot paths (SSE) go straight on.
+            await self.app(scope, receive, send)
+            return
         received = 0
         exceeded = False
 

@@ -54,8 +54,18 @@ TERMINAL_STATUSES: Final = frozenset({"completed", "failed", "cancelled"})
 
 def utc_timestamp(moment: datetime | None = None) -> str:
     """An ISO 8601 UTC timestamp with milliseconds, as in the envelope's ``ts``."""
-    moment = moment or datetime.now(UTC)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+    if moment is not None:
+        return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+    # Every event needs one: format the seconds once per second, not once per event.
+    now = time.time()
+    second = int(now)
+    if _second_prefix[0] != second:
+        stamp = datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%S.")
+        _second_prefix[:] = [second, stamp]
+    return f"{_second_prefix[1]}{int((now - second) * 1000):03d}Z"
+
+
+_second_prefix: list[Any] = [-1, ""]
 
 
 class Event:

@@ -63,6 +63,18 @@ class StreamReader:
 
     async def frames(self) -> AsyncIterator[bytes]:
         """SSE frames until the terminal event (or the connection's time cap, or close)."""
+        timer = None
+        if self._deadline is not None:
+            delay = max(self._deadline - time.monotonic(), 0)
+            timer = asyncio.get_running_loop().call_later(delay, self.close)
+        try:
+            async for chunk in self._frames():
+                yield chunk
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    async def _frames(self) -> AsyncIterator[bytes]:
         while not self.finished and not self.closed and not self._expired():
             subscription, unstored = self._hub.subscribe(self._execution_id)
             self._subscription = subscription
@@ -108,13 +120,9 @@ class StreamReader:
                 yield chunk
 
     async def _wait(self, subscription: Subscription) -> list[Event] | None:
-        if self._deadline is None:
-            return await subscription.wait()
-        try:
-            async with asyncio.timeout(max(self._deadline - time.monotonic(), 0)):
-                return await subscription.wait()
-        except TimeoutError:
-            return None
+        # The time cap is one timer per connection (see frames), not one per wait.
+        batch = await subscription.wait()
+        return None if self.closed and not batch else batch
 
     async def _accept_live(self, events: Iterable[Event]) -> bytes:
         """Frames for live events, filling any hole in the ids from the buffer first."""
