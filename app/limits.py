@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import ApiError, error_payload
 from app.responses import JSON
+from lib.workflows.limits import MAX_DEPTH, too_deep
 
 MAX_HEADER_BYTES = 64 * 1024
 
@@ -32,6 +33,15 @@ def unstorable(value: Any) -> str | None:
     except orjson.JSONEncodeError as exc:
         return str(exc)
     return None
+
+
+def checked_input(value: Any) -> Any:
+    """A request's ``input`` if Flowcast can carry it; ValueError (422) otherwise."""
+    if too_deep(value):
+        raise ValueError(f"input nests deeper than {MAX_DEPTH} levels")
+    if (problem := unstorable(value)) is not None:
+        raise ValueError(f"input cannot be stored as JSON: {problem}")
+    return value
 
 
 class BodyLimit:

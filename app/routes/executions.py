@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.errors import ApiError
 from app.idempotency import Outcome, fingerprint
-from app.limits import unstorable
+from app.limits import checked_input
 from app.responses import JSON
 from app.routes.streams import CURSOR, parse_cursor
 from app.schemas import (
@@ -28,7 +28,6 @@ from app.services import Services, services, tenant
 from lib.errors import NotFound
 from lib.execution.buffer import ExecutionMeta
 from lib.execution.events import TERMINAL_STATUSES
-from lib.workflows.limits import MAX_DEPTH, too_deep
 
 router = APIRouter(prefix="/api/executions", tags=["executions"])
 
@@ -153,12 +152,8 @@ class ResumeRequest(BaseModel):
 
     @field_validator("input")
     @classmethod
-    def _shallow(cls, value: Any) -> Any:
-        if too_deep(value):
-            raise ValueError(f"input nests deeper than {MAX_DEPTH} levels")
-        if (problem := unstorable(value)) is not None:
-            raise ValueError(f"input cannot be stored as JSON: {problem}")
-        return value
+    def _carriable(cls, value: Any) -> Any:
+        return checked_input(value)
 
 
 def _answer(outcome: Outcome) -> JSON:

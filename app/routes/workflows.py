@@ -9,7 +9,7 @@ from fastapi import APIRouter, Body, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.idempotency import Outcome, fingerprint
-from app.limits import unstorable
+from app.limits import checked_input, unstorable
 from app.responses import JSON
 from app.routes.streams import sse_response
 from app.schemas import (
@@ -25,7 +25,6 @@ from app.schemas import (
 )
 from app.services import Services, services, tenant
 from lib.errors import InvalidInput, Problem
-from lib.workflows.limits import MAX_DEPTH, too_deep
 from lib.workflows.model import Workflow
 
 router = APIRouter(prefix="/api/workflows", tags=["workflows"])
@@ -44,12 +43,8 @@ class ExecuteRequest(BaseModel):
 
     @field_validator("input")
     @classmethod
-    def _shallow(cls, value: Any) -> Any:
-        if too_deep(value):
-            raise ValueError(f"input nests deeper than {MAX_DEPTH} levels")
-        if (problem := unstorable(value)) is not None:
-            raise ValueError(f"input cannot be stored as JSON: {problem}")
-        return value
+    def _carriable(cls, value: Any) -> Any:
+        return checked_input(value)
 
 
 def _summary(workflow: Workflow, source: str) -> dict[str, Any]:
