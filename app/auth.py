@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.errors import ApiError
+from app.errors import ApiError, error_payload
+from app.responses import JSON
 from app.tokens import StreamTokens
 
 DEFAULT_TENANT = "default"
@@ -103,3 +107,39 @@ def authenticate_reader(
             401, "unauthorized", "the stream token is not valid for this execution", CHALLENGE
         )
     return Caller(None, execution_id)
+
+
+class LoopbackOnly:
+    """ASGI middleware for a server without API keys: it answers on loopback only.
+
+    ``flowcast serve`` refuses to bind anything else without keys; this holds the same
+    line when the factory is started some other way (``uvicorn --host 0.0.0.0``): a
+    request that reached a non-loopback address of this machine gets 403.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not _is_loopback(scope.get("server")):
+            error = ApiError(
+                403,
+                "loopback_only",
+                "this server has no FLOWCAST_API_KEYS, so it answers on loopback only",
+            )
+            status, body = error_payload(error)
+            await JSON(body, status_code=status)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _is_loopback(server: Any) -> bool:
+    if not server:
+        return True  # a unix socket or an in-process transport: not reachable from afar
+    host = str(server[0])
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -18,7 +18,7 @@ import httpx
 from fastapi import FastAPI
 
 from app import errors, logs
-from app.auth import ApiKeys
+from app.auth import ApiKeys, LoopbackOnly
 from app.connections import connect
 from app.embedded import EmbeddedValkey
 from app.idempotency import Idempotency
@@ -61,6 +61,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     errors.install(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    if not settings.api_keys:
+        app.add_middleware(LoopbackOnly)
     for module in (health, workflows, executions, streams, values, page):
         app.include_router(module.router)
     return app

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from starlette.types import Message, Receive, Scope, Send
 
+from app.auth import LoopbackOnly
 from app.tokens import StreamTokens, load_secret
 from tests.support.api import put, streaming_workflow, wait_finished
 from tests.support.logcheck import check_log, check_view
@@ -139,3 +141,43 @@ async def test_keys_never_appear_in_logs(keyed: FlowcastServer, alice: httpx.Asy
     await alice.get("/api/workflows", headers=as_("wrong-" + ALICE))
     logs = keyed.logs()
     assert ALICE not in logs and BOB not in logs
+
+
+@pytest.mark.parametrize(
+    ("server", "reaches_app"),
+    [
+        (("127.0.0.1", 8000), True),
+        (("::1", 8000), True),
+        (("localhost", 8000), True),
+        (None, True),
+        (("10.1.2.3", 8000), False),
+        (("192.0.2.7", 8000), False),
+        (("2001:db8::1", 8000), False),
+    ],
+)
+async def test_a_server_without_keys_answers_on_loopback_addresses_only(
+    server: tuple[str, int] | None, reaches_app: bool
+) -> None:
+    # A seam test: no test may listen on anything but 127.0.0.1, so the request's
+    # server address is set in the ASGI scope, as uvicorn would for another interface.
+    reached: list[bool] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        reached.append(True)
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    scope: Scope = {"type": "http", "method": "GET", "path": "/api/workflows", "headers": []}
+    if server is not None:
+        scope["server"] = server
+    await LoopbackOnly(app)(scope, receive, send)
+    assert bool(reached) == reaches_app
+    if not reaches_app:
+        assert sent[0]["status"] == 403
+        assert b"loopback_only" in sent[1]["body"]
