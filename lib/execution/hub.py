@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from lib.backoff import Backoff
 from lib.errors import FlowcastError
 from lib.execution.buffer import EventBuffer
 from lib.execution.events import Event
@@ -116,8 +116,7 @@ class LocalPublisher:
     memory or the buffer, and never an event the buffer will refuse.
     """
 
-    def __init__(self, hub: Hub, channel: Channel, gate: Callable[[], bool]) -> None:
-        self._hub = hub
+    def __init__(self, channel: Channel, gate: Callable[[], bool]) -> None:
         self._channel = channel
         self._gate = gate
         self.execution_id = channel.execution_id
@@ -134,7 +133,7 @@ class LocalPublisher:
             return  # a later run of the same execution attached here since
         channel.publisher = None
         channel.unstored = list
-        self._hub._release(channel)
+        channel.hub._release(channel)
 
 
 class Hub:
@@ -190,7 +189,7 @@ class Hub:
         channel.finished = False
         channel.unstored = unstored
         channel.last_published = last_id
-        channel.publisher = LocalPublisher(self, channel, gate)
+        channel.publisher = LocalPublisher(channel, gate)
         return channel.publisher
 
     def unstored(self, execution_id: str) -> list[Event]:
@@ -236,26 +235,23 @@ class Hub:
         task.add_done_callback(self._tasks.discard)
 
     async def _tail(self, channel: Channel) -> None:
-        delay = 0.05
+        backoff = Backoff(base=0.05, cap=5.0)
         while channel.subscribers and not channel.local:
             try:
                 events = await self.buffer.tail(
                     channel.execution_id, after=channel.last_published, block_ms=self.tail_block_ms
                 )
-            except FlowcastError as exc:
-                log.warning(
-                    "tail read failed; retrying",
-                    extra={"executionId": channel.execution_id, "error": str(exc)},
-                )
-                await asyncio.sleep(delay * (1 + random.random()))
-                delay = min(delay * 2, 5.0)
+            except Exception as exc:
+                # A buffer outage is expected and retried; anything else is a bug, logged
+                # with its traceback, and retried too so readers are not left hanging.
+                extra = {"executionId": channel.execution_id, "error": str(exc)}
+                if isinstance(exc, FlowcastError):
+                    log.warning("tail read failed; retrying", extra=extra)
+                else:
+                    log.exception("tail read failed; retrying", extra=extra)
+                await backoff.wait()
                 continue
-            except Exception:
-                log.exception("tail read failed", extra={"executionId": channel.execution_id})
-                await asyncio.sleep(delay * (1 + random.random()))
-                delay = min(delay * 2, 5.0)
-                continue
-            delay = 0.05
+            backoff.reset()
             channel.publish_all(events)
             if events and events[-1].terminal:
                 break

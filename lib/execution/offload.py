@@ -14,16 +14,15 @@ flush catches up.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
-import random
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
+from lib.backoff import Backoff
 from lib.errors import FlowcastError
 from lib.execution.values import ValueStore, value_id
 from lib.metrics import Metrics
@@ -206,7 +205,8 @@ class Compactor:
     async def _put(self, value: str, encoded: bytes) -> bool:
         if value in self._stored:
             return True
-        delay = self._policy.retry_base_seconds
+        base = self._policy.retry_base_seconds
+        backoff = Backoff(base=base, cap=base * 4**self._policy.attempts, factor=4)
         for attempt in range(1, self._policy.attempts + 1):
             try:
                 await self._store.put(self._execution_id, value, encoded)
@@ -220,8 +220,7 @@ class Compactor:
                     },
                 )
                 if attempt < self._policy.attempts:
-                    await asyncio.sleep(random.uniform(delay / 2, delay))
-                    delay *= 4
+                    await backoff.wait()
                 continue
             self._stored.add(value)
             self.offloaded_bytes += len(encoded)

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections import deque
 
 import orjson
 
+from lib.backoff import Backoff
 from lib.errors import BufferUnavailable, WriteRefused
 from lib.execution.buffer import EventBuffer
 from lib.execution.events import (
@@ -151,7 +151,7 @@ class EventWriter:
         return batch
 
     async def _run(self) -> None:
-        delay = self._retry_base
+        backoff = Backoff(base=self._retry_base, cap=self._retry_max)
         while True:
             if not self._in_flight:
                 if not self._waiting:
@@ -180,7 +180,7 @@ class EventWriter:
                     and exc.last_id >= batch[-1].id
                 ):
                     # An earlier try of this batch was applied but its reply was lost.
-                    delay = self._retry_base
+                    backoff.reset()
                     self._stored(batch)
                     continue
                 self._refuse(exc)
@@ -194,15 +194,13 @@ class EventWriter:
                     extra={
                         "executionId": self._execution_id,
                         "pending": self.pending,
-                        "retryInSeconds": round(delay, 3),
+                        "retryInSeconds": round(backoff.delay, 3),
                         "error": str(exc),
                     },
                 )
-                # Jitter keeps many writers from retrying in step after an outage.
-                await asyncio.sleep(random.uniform(delay / 2, delay))
-                delay = min(delay * 2, self._retry_max)
+                await backoff.wait()
                 continue
-            delay = self._retry_base
+            backoff.reset()
             if after_drop:
                 log.warning(
                     "events dropped while the buffer was unreachable",

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lib.backoff import Backoff
 from lib.errors import Conflict, FlowcastError
 from lib.execution.control import Control
 
@@ -88,7 +88,7 @@ class LeaseKeeper:
 
     async def cancel_loop(self) -> None:
         cursor: str | None = None
-        delay = 0.1
+        backoff = Backoff(base=0.1, cap=5.0)
         while True:
             try:
                 if cursor is None:
@@ -98,10 +98,9 @@ class LeaseKeeper:
                 )
             except FlowcastError as exc:
                 log.warning("control stream read failed", extra={"error": str(exc)})
-                await asyncio.sleep(random.uniform(delay / 2, delay))
-                delay = min(delay * 2, 5.0)
+                await backoff.wait()
                 continue
-            delay = 0.1
+            backoff.reset()
             for execution_id in cancels:
                 run = self._runs.get(execution_id)
                 if run is not None:

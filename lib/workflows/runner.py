@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -24,6 +23,7 @@ from typing import Any
 
 from jsonschema.validators import validator_for
 
+from lib.backoff import Backoff
 from lib.errors import (
     BufferUnavailable,
     Conflict,
@@ -427,7 +427,7 @@ class Runner:
         """Persist the run state, then announce the pause (so a paused status has state)."""
         pause = paused.pause
         deadline = now_ms() + pause.timeout_seconds * 1000 if pause.timeout_seconds else None
-        delay = 0.05
+        backoff = Backoff(base=0.05, cap=5.0, factor=4)
         for attempt in range(1, 6):
             try:
                 await self._control.save_state(
@@ -445,8 +445,7 @@ class Runner:
                     }
                     emitter.emit(EXECUTION_FAILED, {"error": error})
                     return
-                await asyncio.sleep(random.uniform(delay / 2, delay))
-                delay *= 4
+                await backoff.wait()
         emitter.emit(
             EXECUTION_PAUSED,
             {"blockId": pause.block_id, "prompt": pause.prompt, "schema": pause.schema},
