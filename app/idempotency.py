@@ -17,11 +17,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from fastapi import Request
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from app.errors import ApiError, error_payload
 from lib.errors import BufferUnavailable, FlowcastError
+from lib.workflows.runner import Started
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,30 @@ class Idempotency:
             raise
         await self._remember(redis_key, digest, outcome)
         return outcome
+
+    async def accept(
+        self,
+        request: Request,
+        *,
+        tenant: str,
+        operation: str,
+        scope: str,
+        action: Callable[[], Awaitable[Started]],
+    ) -> Outcome:
+        """Run an action that starts, resumes or cancels an execution, once per the
+        request's ``Idempotency-Key``; its outcome is 202 with the execution's id."""
+
+        async def accepted() -> Outcome:
+            started = await action()
+            return Outcome(202, {"executionId": started.execution_id, "status": started.status})
+
+        return await self.run(
+            tenant=tenant,
+            operation=operation,
+            key=request.headers.get("idempotency-key"),
+            fingerprint=fingerprint(scope, await request.body()),
+            action=accepted,
+        )
 
     async def _repeat(self, redis_key: str, digest: str) -> Outcome:
         loop = asyncio.get_running_loop()

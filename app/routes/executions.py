@@ -9,7 +9,7 @@ from fastapi import APIRouter, Body, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.errors import ApiError
-from app.idempotency import Outcome, fingerprint
+from app.idempotency import Outcome
 from app.limits import checked_input
 from app.responses import JSON
 from app.routes.streams import CURSOR, parse_cursor
@@ -28,6 +28,7 @@ from app.services import Services, services, tenant
 from lib.errors import NotFound
 from lib.execution.buffer import ExecutionMeta
 from lib.execution.events import TERMINAL_STATUSES
+from lib.workflows.runner import Started as Run
 
 router = APIRouter(prefix="/api/executions", tags=["executions"])
 
@@ -181,18 +182,17 @@ async def resume(
 ) -> JSON:
     """Answer a pause; exactly one of many concurrent resumes is accepted."""
 
-    async def act() -> Outcome:
-        started = await svc.runner.resume(
+    async def resume() -> Run:
+        return await svc.runner.resume(
             execution_id, tenant=tenant_id, block_id=body.block_id, input=body.input
         )
-        return Outcome(202, {"executionId": started.execution_id, "status": started.status})
 
-    outcome = await svc.idempotency.run(
+    outcome = await svc.idempotency.accept(
+        request,
         tenant=tenant_id,
         operation=f"resume:{execution_id}",
-        key=request.headers.get("idempotency-key"),
-        fingerprint=fingerprint(execution_id, await request.body()),
-        action=act,
+        scope=execution_id,
+        action=resume,
     )
     return _answer(outcome)
 
@@ -211,15 +211,14 @@ async def cancel(
 ) -> JSON:
     """Cancel a running or paused execution, wherever it runs."""
 
-    async def act() -> Outcome:
-        started = await svc.runner.cancel(execution_id, tenant=tenant_id)
-        return Outcome(202, {"executionId": started.execution_id, "status": started.status})
+    async def cancel() -> Run:
+        return await svc.runner.cancel(execution_id, tenant=tenant_id)
 
-    outcome = await svc.idempotency.run(
+    outcome = await svc.idempotency.accept(
+        request,
         tenant=tenant_id,
         operation=f"cancel:{execution_id}",
-        key=request.headers.get("idempotency-key"),
-        fingerprint=fingerprint(execution_id, await request.body()),
-        action=act,
+        scope=execution_id,
+        action=cancel,
     )
     return _answer(outcome)

@@ -8,7 +8,6 @@ import orjson
 from fastapi import APIRouter, Body, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from app.idempotency import Outcome, fingerprint
 from app.limits import checked_input, unstorable
 from app.responses import JSON
 from app.routes.streams import sse_response
@@ -26,6 +25,7 @@ from app.schemas import (
 from app.services import Services, services, tenant
 from lib.errors import InvalidInput, Problem
 from lib.workflows.model import Workflow
+from lib.workflows.runner import Started as Run
 
 router = APIRouter(prefix="/api/workflows", tags=["workflows"])
 
@@ -134,22 +134,17 @@ async def execute(
     """Start an execution; stream it when the client accepts SSE, else answer 202."""
     request_body = body or ExecuteRequest()
 
-    async def start() -> Outcome:
+    async def start() -> Run:
         stored = await svc.workflows.get(tenant_id, workflow_id)
-        started = await svc.runner.start(
+        return await svc.runner.start(
             stored.workflow,
             input=request_body.input,
             tenant=tenant_id,
             inline_files=request_body.inline_files,
         )
-        return Outcome(202, {"executionId": started.execution_id, "status": started.status})
 
-    outcome = await svc.idempotency.run(
-        tenant=tenant_id,
-        operation="execute",
-        key=request.headers.get("idempotency-key"),
-        fingerprint=fingerprint(workflow_id, await request.body()),
-        action=start,
+    outcome = await svc.idempotency.accept(
+        request, tenant=tenant_id, operation="execute", scope=workflow_id, action=start
     )
     if outcome.status >= 400:
         return JSON(outcome.body, status_code=outcome.status)
