@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.api import all_events, put, wait_finished
+from tests.support.api import all_events, delay_workflow, put, talking_workflow, wait_finished
 from tests.support.logcheck import TERMINAL, check_log, check_view
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import Frame, events
@@ -46,29 +46,6 @@ async def clients(pair: Pair) -> AsyncIterator[tuple[httpx.AsyncClient, httpx.As
         httpx.AsyncClient(base_url=b.url, timeout=20) as on_b,
     ):
         yield on_a, on_b
-
-
-def slow_workflow(workflow_id: str, ms: int = 30_000) -> dict[str, Any]:
-    return {
-        "id": workflow_id,
-        "blocks": [
-            {"id": "hello", "type": "transform", "config": {"value": 1}},
-            {"id": "think", "type": "delay", "config": {"ms": ms}},
-            {"id": "bye", "type": "transform", "config": {"value": 2}},
-        ],
-        "edges": [{"from": "hello", "to": "think"}, {"from": "think", "to": "bye"}],
-    }
-
-
-def talking_workflow(workflow_id: str, words: int = 300, tps: float = 20) -> dict[str, Any]:
-    text = " ".join(f"w{i}" for i in range(words))
-    return {
-        "id": workflow_id,
-        "blocks": [
-            {"id": "talk", "type": "generate", "config": {"text": text, "tokensPerSecond": tps}}
-        ],
-        "edges": [],
-    }
 
 
 def approval_workflow(workflow_id: str) -> dict[str, Any]:
@@ -153,7 +130,7 @@ async def test_cancel_of_a_running_execution_ends_it_with_cancelled_on_every_str
     clients: tuple[httpx.AsyncClient, httpx.AsyncClient], unique: str, receiver: str
 ) -> None:
     on_a, on_b = clients
-    await put(on_a, slow_workflow(f"slow-{receiver}-{unique}"))
+    await put(on_a, delay_workflow(f"slow-{receiver}-{unique}"))
     execution_id = await execute(on_a, f"slow-{receiver}-{unique}")
     followers = [Follower(on_a, execution_id), Follower(on_b, execution_id)]
     await wait_for_event(on_a, execution_id, "block:started", "think")
@@ -179,7 +156,7 @@ async def test_cancel_received_by_another_process_lands_well_under_a_second(
     clients: tuple[httpx.AsyncClient, httpx.AsyncClient], unique: str
 ) -> None:
     on_a, on_b = clients
-    await put(on_a, slow_workflow(f"quick-{unique}"))
+    await put(on_a, delay_workflow(f"quick-{unique}"))
     latencies = []
     for _ in range(5):
         execution_id = await execute(on_a, f"quick-{unique}")
@@ -255,7 +232,7 @@ async def test_cancel_of_a_paused_execution_ends_it_and_closes_the_open_stream(
 
 async def finished_execution(client: httpx.AsyncClient, unique: str, status: str) -> str:
     if status == "completed":
-        await put(client, slow_workflow(f"done-{unique}", ms=0))
+        await put(client, delay_workflow(f"done-{unique}", ms=0))
         execution_id = await execute(client, f"done-{unique}")
     elif status == "failed":
         workflow = {
@@ -266,7 +243,7 @@ async def finished_execution(client: httpx.AsyncClient, unique: str, status: str
         await put(client, workflow)
         execution_id = await execute(client, f"broken-{unique}")
     else:
-        await put(client, slow_workflow(f"gone-{unique}"))
+        await put(client, delay_workflow(f"gone-{unique}"))
         execution_id = await execute(client, f"gone-{unique}")
         assert (await client.post(f"/api/executions/{execution_id}/cancel")).status_code == 202
     snapshot = await asyncio.wait_for(wait_finished(client, execution_id), 10)
@@ -306,7 +283,7 @@ async def test_concurrent_cancels_on_both_processes_end_the_execution_once(
     clients: tuple[httpx.AsyncClient, httpx.AsyncClient], unique: str
 ) -> None:
     on_a, on_b = clients
-    await put(on_a, slow_workflow(f"twice-{unique}"))
+    await put(on_a, delay_workflow(f"twice-{unique}"))
     execution_id = await execute(on_a, f"twice-{unique}")
     await wait_for_event(on_a, execution_id, "block:started", "think")
     answers = await asyncio.gather(

@@ -22,7 +22,7 @@ import httpx
 import orjson
 from redis.asyncio import Redis
 
-from tests.support.api import all_events, put
+from tests.support.api import all_events, delay_workflow, put, talking_workflow
 from tests.support.logcheck import TERMINAL, check_log, check_view
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import Frame, events
@@ -54,29 +54,6 @@ async def running(*flowcasts: FlowcastServer) -> AsyncIterator[None]:
             with contextlib.suppress(AssertionError, ProcessLookupError):
                 os.kill(server.pid, signal.SIGCONT)
         await asyncio.gather(*(server.stop(signal.SIGKILL) for server in flowcasts))
-
-
-def long_workflow(workflow_id: str, ms: int = 30_000) -> dict[str, Any]:
-    return {
-        "id": workflow_id,
-        "blocks": [
-            {"id": "hello", "type": "transform", "config": {"value": 1}},
-            {"id": "think", "type": "delay", "config": {"ms": ms}},
-            {"id": "bye", "type": "transform", "config": {"value": 2}},
-        ],
-        "edges": [{"from": "hello", "to": "think"}, {"from": "think", "to": "bye"}],
-    }
-
-
-def talking_workflow(workflow_id: str, words: int = 2_000, tps: float = 50) -> dict[str, Any]:
-    text = " ".join(f"w{i}" for i in range(words))
-    return {
-        "id": workflow_id,
-        "blocks": [
-            {"id": "talk", "type": "generate", "config": {"text": text, "tokensPerSecond": tps}}
-        ],
-        "edges": [],
-    }
 
 
 async def execute(client: httpx.AsyncClient, workflow_id: str) -> str:
@@ -151,7 +128,7 @@ async def test_a_killed_owner_is_ended_with_worker_lost_by_another_process(
         httpx.AsyncClient(base_url=a.url, timeout=20) as on_a,
         httpx.AsyncClient(base_url=b.url, timeout=20) as on_b,
     ):
-        await put(on_a, long_workflow(f"lost-{unique}"))
+        await put(on_a, delay_workflow(f"lost-{unique}"))
         execution_id = await execute(on_a, f"lost-{unique}")
         follower = asyncio.create_task(read_stream(on_b, execution_id))
         await eventually(
@@ -197,7 +174,7 @@ async def test_a_stalled_owner_that_wakes_up_is_fenced_out(
         httpx.AsyncClient(base_url=a.url, timeout=20) as on_a,
         httpx.AsyncClient(base_url=b.url, timeout=20) as on_b,
     ):
-        await put(on_a, talking_workflow(f"stall-{unique}"))
+        await put(on_a, talking_workflow(f"stall-{unique}", words=2_000, tps=50))
         execution_id = await execute(on_a, f"stall-{unique}")
         follower = asyncio.create_task(read_stream(on_b, execution_id))
 
@@ -250,7 +227,7 @@ async def test_a_client_attached_to_a_stalled_owner_gets_the_terminal_event(
         httpx.AsyncClient(base_url=a.url, timeout=20) as on_a,
         httpx.AsyncClient(base_url=b.url, timeout=20) as on_b,
     ):
-        await put(on_a, talking_workflow(f"stall-client-{unique}"))
+        await put(on_a, talking_workflow(f"stall-client-{unique}", words=2_000, tps=50))
         execution_id = await execute(on_a, f"stall-client-{unique}")
         on_owner = LiveReader(on_a, execution_id)
 
@@ -305,7 +282,7 @@ async def test_sigterm_lets_an_execution_that_fits_the_grace_period_finish(
         httpx.AsyncClient(base_url=a.url, timeout=20) as on_a,
         httpx.AsyncClient(base_url=b.url, timeout=20) as on_b,
     ):
-        await put(on_a, long_workflow(f"short-{unique}", ms=1_000))
+        await put(on_a, delay_workflow(f"short-{unique}", ms=1_000))
         execution_id = await execute(on_a, f"short-{unique}")
         follower = asyncio.create_task(read_stream(on_b, execution_id))
         await eventually(
@@ -332,7 +309,7 @@ async def test_sigterm_ends_an_execution_longer_than_the_grace_with_shutdown(
         httpx.AsyncClient(base_url=a.url, timeout=20) as on_a,
         httpx.AsyncClient(base_url=b.url, timeout=20) as on_b,
     ):
-        await put(on_a, long_workflow(f"long-{unique}", ms=10_000))
+        await put(on_a, delay_workflow(f"long-{unique}", ms=10_000))
         execution_id = await execute(on_a, f"long-{unique}")
         on_owner = asyncio.create_task(read_stream(on_a, execution_id, cut_ok=True))
         on_other = asyncio.create_task(read_stream(on_b, execution_id))
@@ -405,7 +382,7 @@ async def test_sigterm_after_the_grace_still_stores_a_terminal_event_already_emi
             httpx.AsyncClient(base_url=a.url, timeout=20) as on_a,
             httpx.AsyncClient(base_url=b.url, timeout=20) as on_b,
         ):
-            await put(on_a, long_workflow(f"stall-end-{unique}", ms=300))
+            await put(on_a, delay_workflow(f"stall-end-{unique}", ms=300))
             execution_id = await execute(on_a, f"stall-end-{unique}")
             live = LiveReader(on_a, execution_id)
             await eventually(lambda: _has(on_b, execution_id, "block:started"), "started")

@@ -25,6 +25,31 @@ def streaming_workflow(workflow_id: str, words: int = 30, tps: float = 0) -> dic
     }
 
 
+def delay_workflow(workflow_id: str, ms: int = 30_000) -> dict[str, Any]:
+    """hello → think (a delay of ``ms``) → bye: a run that sits in one block."""
+    return {
+        "id": workflow_id,
+        "blocks": [
+            {"id": "hello", "type": "transform", "config": {"value": 1}},
+            {"id": "think", "type": "delay", "config": {"ms": ms}},
+            {"id": "bye", "type": "transform", "config": {"value": 2}},
+        ],
+        "edges": [{"from": "hello", "to": "think"}, {"from": "think", "to": "bye"}],
+    }
+
+
+def talking_workflow(workflow_id: str, *, words: int, tps: float) -> dict[str, Any]:
+    """One ``generate`` block named talk: ``words`` chunks at ``tps`` a second."""
+    text = " ".join(f"w{i}" for i in range(words))
+    return {
+        "id": workflow_id,
+        "blocks": [
+            {"id": "talk", "type": "generate", "config": {"text": text, "tokensPerSecond": tps}}
+        ],
+        "edges": [],
+    }
+
+
 async def put(client: httpx.AsyncClient, workflow: dict[str, Any]) -> None:
     response = await client.put(f"/api/workflows/{workflow['id']}", json=workflow)
     assert response.status_code in (200, 201), response.text
