@@ -204,11 +204,12 @@ class EventBuffer:
             "owner": owner,
             **(extra or {}),
         }
+        # One round trip on the path to an execution's first event.
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hset(self.meta_key(execution_id), mapping=fields)
             pipe.expire(self.meta_key(execution_id), self.active_ttl_seconds)
+            pipe.zadd(self.index_key(tenant), {execution_id: created_ms})
             await pipe.execute()
-        await self.redis.zadd(self.index_key(tenant), {execution_id: created_ms})
 
     @translated
     async def append(

@@ -122,8 +122,10 @@ class Control:
     @translated
     async def hold(self, execution_id: str) -> None:
         """List a running execution under its lease, for the janitors to watch."""
-        await self.redis.zadd(self.leases_key, {execution_id: now_ms() + self.lease_ms})
-        await self.redis.zrem(self.deadlines_key, execution_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zadd(self.leases_key, {execution_id: now_ms() + self.lease_ms})
+            pipe.zrem(self.deadlines_key, execution_id)
+            await pipe.execute()
 
     @translated
     async def release(self, execution_id: str, token: str) -> None:
