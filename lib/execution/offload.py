@@ -111,7 +111,6 @@ class Compactor:
         self._metrics = metrics
         self.ring = RingModel(budget_bytes=policy.budget_bytes, event_limit=policy.event_limit)
         self._stored: set[str] = set()
-        self.offloaded_bytes = 0
         self.offload_failures = 0
 
     @property
@@ -223,7 +222,6 @@ class Compactor:
                     await backoff.wait()
                 continue
             self._stored.add(value)
-            self.offloaded_bytes += len(encoded)
             if self._metrics is not None:
                 self._metrics.bytes_offloaded.inc(len(encoded))
             return True

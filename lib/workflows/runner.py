@@ -151,10 +151,6 @@ class Runner:
     def _tasks(self) -> list[asyncio.Task[None]]:
         return [local.task for local in self._locals.values() if local.task is not None]
 
-    @property
-    def running(self) -> int:
-        return len(self._locals)
-
     def pending_events(self) -> int:
         """Events emitted by the runs here and not stored yet."""
         return sum(run.pending() for run in self._locals.values())
