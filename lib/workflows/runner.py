@@ -51,6 +51,7 @@ from lib.execution.offload import Compactor, OffloadPolicy
 from lib.execution.values import ValueStore
 from lib.execution.writer import EventWriter
 from lib.metrics import Metrics
+from lib.workflows.blocks.base import error_path
 from lib.workflows.executor import BlockFailed, Executor, Paused, RunState
 from lib.workflows.janitor import Ending, Janitor, cancelled
 from lib.workflows.leases import LeaseKeeper, LocalRun
@@ -478,11 +479,7 @@ def _check_answer(schema: dict[str, Any], answer: Any) -> None:
     """Refuse a resume input that its pause's JSON Schema does not accept (422)."""
     validator = validator_for(schema)(schema)
     problems = [
-        Problem(
-            "$.input"
-            + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path),
-            error.message,
-        )
+        Problem("$.input" + error_path(tuple(error.absolute_path)), error.message)
         for error in validator.iter_errors(answer)
     ]
     if problems:
