@@ -18,6 +18,7 @@ from lib.errors import (
     NotFound,
     ShuttingDown,
     TooBusy,
+    error_path,
 )
 
 log = logging.getLogger(__name__)
@@ -82,8 +83,7 @@ async def _validation_error(request: Request, exc: Exception) -> JSON:
     assert isinstance(exc, RequestValidationError)
     problems = []
     for error in exc.errors():
-        location = [str(part) for part in error.get("loc", ()) if part != "body"]
-        path = "$" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in location)
+        path = "$" + error_path(tuple(part for part in error.get("loc", ()) if part != "body"))
         problems.append({"path": path, "message": str(error.get("msg", "invalid"))})
     return error_response(422, "invalid_request", "the request is not valid", problems=problems)
 

@@ -62,6 +62,11 @@ class Problem:
         return {"path": self.path, "message": self.message}
 
 
+def error_path(loc: tuple[int | str, ...]) -> str:
+    """A validation error's location as a JSON path suffix (``.a[2].b``)."""
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)
+
+
 class InvalidInput(FlowcastError):
     """Input the caller can fix; ``problems`` lists every problem found."""
 

@@ -33,6 +33,7 @@ from lib.errors import (
     Problem,
     ShuttingDown,
     TooBusy,
+    error_path,
 )
 from lib.execution.buffer import EventBuffer, ExecutionMeta
 from lib.execution.control import Control, node_of, now_ms
@@ -51,7 +52,6 @@ from lib.execution.offload import Compactor, OffloadPolicy
 from lib.execution.values import ValueStore
 from lib.execution.writer import EventWriter
 from lib.metrics import Metrics
-from lib.workflows.blocks.base import error_path
 from lib.workflows.executor import BlockFailed, Executor, Paused, RunState
 from lib.workflows.janitor import Ending, Janitor, cancelled
 from lib.workflows.leases import LeaseKeeper, LocalRun

@@ -12,9 +12,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from lib.errors import Problem, WorkflowInvalid
+from lib.errors import Problem, WorkflowInvalid, error_path
 from lib.workflows.blocks import BlockTypes
-from lib.workflows.blocks.base import error_message, error_path
+from lib.workflows.blocks.base import error_message
 from lib.workflows.limits import MAX_DEPTH, MAX_TEMPLATE_CHARS, long_templates, too_deep
 from lib.workflows.model import Workflow
 from lib.workflows.templates import Templates

@@ -20,7 +20,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic.alias_generators import to_camel
 
-from lib.errors import BlockError, FlowcastError
+from lib.errors import BlockError, FlowcastError, error_path
 from lib.workflows.templates import Templates, is_template
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -102,11 +102,6 @@ def as_text(value: Any) -> Any:
     if value is None or isinstance(value, str):
         return value
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-
-
-def error_path(loc: tuple[int | str, ...]) -> str:
-    """A pydantic error location as a JSON path suffix (``.a[2].b``)."""
-    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)
 
 
 def error_message(error: Any) -> str:
