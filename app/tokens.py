@@ -10,9 +10,16 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import re
 import secrets
 import time
 from pathlib import Path
+
+# What ``issue`` writes: decimal ASCII seconds, a dot, an unpadded urlsafe-base64 SHA-256.
+# Checking the shape first keeps ``check`` total: ``str.isdigit`` and ``int`` accept
+# other digits (``²``, fullwidth ones) and ``compare_digest`` raises on non-ASCII text, so a
+# hostile query string must never reach them as anything but a plain "no".
+_TOKEN = re.compile(r"(?P<expires>[0-9]{1,15})\.(?P<mac>[A-Za-z0-9_-]{43})")
 
 
 def load_secret(configured: str | None, data_dir: Path) -> bytes:
@@ -42,15 +49,19 @@ class StreamTokens:
         return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
     def issue(self, execution_id: str, *, now: float | None = None) -> str:
-        expires = int((now or time.time()) + self._lifetime)
+        expires = int((time.time() if now is None else now) + self._lifetime)
         return f"{expires}.{self._mac(execution_id, expires)}"
 
     def check(self, token: str, execution_id: str, *, now: float | None = None) -> bool:
-        """True when the token was issued for this execution and has not expired."""
-        expires_text, _, mac = token.partition(".")
-        if not expires_text.isdigit() or not mac:
+        """True when the token was issued for this execution and has not expired.
+
+        Any string that is not a well-formed token is simply not valid: never an error.
+        """
+        match = _TOKEN.fullmatch(token)
+        if match is None:
             return False
-        expires = int(expires_text)
-        if expires < (now or time.time()):
+        expires = int(match["expires"])
+        if expires < (time.time() if now is None else now):
             return False
-        return hmac.compare_digest(mac, self._mac(execution_id, expires))
+        expected = self._mac(execution_id, expires).encode()
+        return hmac.compare_digest(match["mac"].encode(), expected)

@@ -121,6 +121,56 @@ async def test_a_stream_token_opens_the_stream_of_its_execution_only(
     assert response.status_code == 401
 
 
+# Hostile spellings of ``?token=``, sent as raw query strings so httpx does not tidy
+# them: other Unicode digits, non-ASCII or empty parts, numbers past every limit,
+# percent-encoded bytes that decode to junk (or to nothing valid in UTF-8).
+HOSTILE_TOKENS = [
+    "%C2%B2.abc",  # ².abc: str.isdigit says yes, int says no
+    "9999999999.%C3%A9",  # a non-ASCII mac
+    "%EF%BC%91%EF%BC%92.abc",  # fullwidth digits
+    "%D9%A1%D9%A2%D9%A3." + "A" * 43,  # Arabic-Indic digits before a well-sized mac
+    "9999999999." + "%C3%A9" * 43,
+    ".",
+    "",
+    "123.",
+    ".abc",
+    "9" * 5000 + ".abc",  # past Python's limit for int("...")
+    "9" * 40 + "." + "A" * 43,
+    "-1." + "A" * 43,
+    "1e9." + "A" * 43,
+    "9999999999.%00%FF%FE",  # undecodable bytes
+    "%ZZ%.%%",
+    "9999999999." + "A" * 42 + "%0A",  # a trailing newline
+    "9999999999." + "A" * 43 + ".extra",
+]
+
+
+async def test_a_malformed_stream_token_is_401_never_500(
+    alice: httpx.AsyncClient, anonymous: httpx.AsyncClient, unique: str
+) -> None:
+    await put(alice, streaming_workflow(f"junk-{unique}", words=3))
+    started = (await alice.post(f"/api/workflows/junk-{unique}/execute", json={})).json()
+    execution_id = started["executionId"]
+    await wait_finished(alice, execution_id)
+    for path in (
+        f"/api/executions/{execution_id}/stream",
+        f"/api/executions/{execution_id}/values/lv_{'0' * 64}",
+    ):
+        for token in HOSTILE_TOKENS:
+            url = httpx.URL(anonymous.base_url.join(path), query=f"token={token}".encode())
+            response = await anonymous.get(url)
+            assert response.status_code == 401, (path, token[:40], response.text)
+            error = response.json()["error"]
+            assert error["code"] == "unauthorized" and error["message"], error
+            assert response.headers["www-authenticate"] == "Bearer"
+    # The real token still opens the stream: the check only got stricter about shape.
+    response, frames = await collect(
+        anonymous, f"{started['streamUrl']}?token={started['streamToken']}"
+    )
+    assert response.status_code == 200
+    check_log(check_view(frames))
+
+
 def test_stream_tokens_expire_and_are_bound_to_their_secret(tmp_path: Path) -> None:
     secret = load_secret(None, tmp_path)
     assert load_secret(None, tmp_path) == secret  # generated once, kept
@@ -134,6 +184,11 @@ def test_stream_tokens_expire_and_are_bound_to_their_secret(tmp_path: Path) -> N
     assert not other.check(token, "ex_a", now=1_030)
     for junk in ("", ".", "abc", "123.", "x.y", f"{int(time.time()) + 60}.garbage"):
         assert not tokens.check(junk, "ex_a")
+    # Malformed spellings are simply not valid, never an exception.
+    expires, _, mac = token.partition(".")
+    wide = expires.translate({ord(d): ord(d) + 0xFF10 - ord("0") for d in "0123456789"})
+    for junk in (f"².{mac}", f"{wide}.{mac}", f"{token}\n", f"{expires}.é{mac[1:]}", "9" * 5000):
+        assert not tokens.check(junk, "ex_a", now=1_030)
 
 
 async def test_keys_never_appear_in_logs(keyed: FlowcastServer, alice: httpx.AsyncClient) -> None:
