@@ -28,9 +28,9 @@ from app.services import Services
 from app.settings import Settings
 from app.tokens import StreamTokens, load_secret
 from lib.execution.buffer import EventBuffer
-from lib.execution.control import Control
 from lib.execution.hub import Hub
 from lib.execution.offload import OffloadPolicy
+from lib.execution.ownership import Ownership
 from lib.execution.retention import Sweeper
 from lib.execution.values import LocalValueStore, ValueStore
 from lib.metrics import Metrics
@@ -76,6 +76,8 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
             engine = EmbeddedValkey(data_dir=settings.data_dir / "valkey")
             await stack.enter_async_context(engine)
             redis_url = engine.url
+        # Idle tails look for an execution the store lost about once a lease.
+        tail_block_ms = min(TAIL_BLOCK_MS, max(100, int(settings.lease_seconds * 1000)))
         redis = connect(
             redis_url,
             socket_timeout=TAIL_BLOCK_MS / 1000 + 10,
@@ -137,7 +139,12 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
 
         metrics = Metrics()
         hub = await stack.enter_async_context(
-            Hub(buffer=buffer, tail_block_ms=TAIL_BLOCK_MS, metrics=metrics)
+            Hub(
+                buffer=buffer,
+                tail_block_ms=tail_block_ms,
+                gone_seconds=settings.lease_seconds,
+                metrics=metrics,
+            )
         )
         runner = await stack.enter_async_context(
             Runner(
@@ -145,7 +152,7 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
                 hub=hub,
                 executor=executor,
                 values=values,
-                control=Control(buffer=buffer, lease_seconds=settings.lease_seconds),
+                ownership=Ownership(buffer=buffer, lease_seconds=settings.lease_seconds),
                 lease_seconds=settings.lease_seconds,
                 shutdown_grace_seconds=settings.shutdown_grace_seconds,
                 max_executions_per_tenant=settings.max_executions_per_tenant,

@@ -1,23 +1,26 @@
 --[[
 admit.lua: count a tenant's running executions and admit one more if there is room.
 
-KEYS[1]  the tenant's running set  fc:running:<tenant>  (sorted set, score = lease end)
-ARGV[1]  the execution id to admit
-ARGV[2]  now, in milliseconds since the epoch
-ARGV[3]  its lease end, in milliseconds since the epoch
-ARGV[4]  the most running executions the tenant may have (0 = no limit)
+KEYS[1]  the tenant's running set  fc:running:<tenant>  (sorted set of fencing tokens,
+         score = lease end)
+ARGV[1]  the fencing token of the run to admit (one per ownership, so the cleanup of
+         an earlier run of the same execution never removes a later one's entry)
+ARGV[2]  its lease length in milliseconds
+ARGV[3]  the most running executions the tenant may have (0 = no limit)
 
 Returns 1 when admitted (or already in), 0 when the tenant is at its limit. Entries
-whose lease ended are dropped first, so executions of a dead process stop counting
-when their lease runs out, without anyone cleaning up after it.
+whose lease ended (on Redis's clock) are dropped first, so runs of a dead process stop
+counting when their lease runs out, without anyone cleaning up after it.
 ]]
 
 local key = KEYS[1]
-redis.call("ZREMRANGEBYSCORE", key, "-inf", ARGV[2])
-local limit = tonumber(ARGV[4])
+local time = redis.call("TIME")
+local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+redis.call("ZREMRANGEBYSCORE", key, "-inf", now)
+local limit = tonumber(ARGV[3])
 if limit > 0 and not redis.call("ZSCORE", key, ARGV[1]) and redis.call("ZCARD", key) >= limit then
   return 0
 end
-redis.call("ZADD", key, ARGV[3], ARGV[1])
-redis.call("PEXPIREAT", key, ARGV[3])
+local until_ms = now + tonumber(ARGV[2])
+redis.call("ZADD", key, until_ms, ARGV[1])
 return 1

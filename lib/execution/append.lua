@@ -7,63 +7,89 @@ KEYS[3]  the execution's dropped ranges  fc:{<eid>}:dropped  (sorted set, score 
 KEYS[4]  the execution's run state       fc:{<eid>}:state    (only its TTL is set here)
 
 ARGV[1]  fencing token of the writer; must equal the hash's `owner` field
-ARGV[2]  id of the batch's first event; must be the stored `lastId` + 1, unless ARGV[3]
-         says the writer dropped the ids in between
-ARGV[3]  "1" when the ids between `lastId` and the batch were dropped by the writer:
-         they are recorded as one dropped range "<from>-<to>", atomically with the batch
-ARGV[4]  event limit (events retained)
-ARGV[5]  byte budget (bytes retained, counted as the stored envelope sizes)
-ARGV[6]  retention TTL in seconds, applied to every key once the batch finishes the
+ARGV[2]  the writer's epoch (the `epoch` its claim gave it)
+ARGV[3]  id of the batch's first event (for an empty batch: the id after the writer's
+         last stored one); must be the stored `lastId` + 1, unless ARGV[4] says the
+         ids in between were dropped (by the writer, or lost by the store)
+ARGV[4]  "1" when the ids between `lastId` and the batch are dropped: they are
+         recorded as one dropped range "<from>-<to>", atomically with the batch
+ARGV[5]  event limit (events retained)
+ARGV[6]  byte budget (bytes retained, counted as the stored envelope sizes)
+ARGV[7]  retention TTL in seconds, applied to every key once the batch finishes the
          execution (it sets a terminal status)
-ARGV[7]  TTL in seconds while the execution is not finished (running or paused)
-ARGV[8]  n, the number of events in the batch
-ARGV[9]  m, the number of metadata field/value pairs that follow the events
-ARGV[10 .. 9+2n]         per event: type, envelope JSON
-ARGV[10+2n .. 9+2n+2m]   metadata fields and values to set (status, output, error, …)
+ARGV[8]  TTL in seconds while the execution is not finished (running or paused)
+ARGV[9]  the highest id the writer wants reserved (it may show ids up to the reserved
+         one to live readers before they are stored; a new owner numbers above it)
+ARGV[10] "1" to recreate the metadata when it is missing (the store came back empty)
+ARGV[11] n, the number of events in the batch (0: a repair that only re-asserts)
+ARGV[12] m, the number of metadata field/value pairs that follow the events
+ARGV[13 .. 12+2n]        per event: type, envelope JSON
+ARGV[13+2n .. 12+2n+2m]  metadata fields and values to set (status, output, error, …;
+                         with ARGV[10], also the identity fields to recreate with)
 
-Returns {lastId, firstId, retainedBytes, retainedCount} on success, or an error reply:
-  "NOEXEC"          the metadata hash does not exist (expired or never created)
-  "FENCED <owner>"  the writer is not the current owner
+Returns {lastId, firstId, retainedBytes, retainedCount, reserved, cancelRequested}, or
+an error reply:
+  "NOEXEC"          the metadata hash does not exist (and ARGV[10] is not "1")
+  "FENCED <owner>"  another owner with the same or a later epoch holds the execution
   "ORDER <lastId>"  the batch does not follow the stored last id
+  "CANCEL"          a cancel was accepted before this batch's final event (paused or a
+                    terminal other than cancelled): the writer must end with
+                    `execution:cancelled` instead; nothing was written
 
-Eviction trims the oldest events until both bounds hold again, but never the batch's
-own last event: an execution always keeps its newest event, so a reader can tell where
-the log ends. Because the status is set here, with the events, a reader that sees a
-terminal status also sees every event before the terminal one.
+A writer whose epoch is above the stored one is the owner the store forgot (it came
+back from an older snapshot): the batch takes the execution back. Eviction trims the
+oldest events until both bounds hold again, but never the newest event. Because the
+status is set here, with the events, a reader that sees a terminal status also sees
+every event before the terminal one.
 ]]
 
-local stream, meta, dropped, run_state = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local token = ARGV[1]
-local first = tonumber(ARGV[2])
-local after_drop = ARGV[3] == "1"
-local limit = tonumber(ARGV[4])
-local budget = tonumber(ARGV[5])
-local retention = tonumber(ARGV[6])
-local ttl = tonumber(ARGV[7])
-local n = tonumber(ARGV[8])
-local m = tonumber(ARGV[9])
+local stream, meta, dropped = KEYS[1], KEYS[2], KEYS[3]
+local token, epoch = ARGV[1], tonumber(ARGV[2])
+local first = tonumber(ARGV[3])
+local after_drop = ARGV[4] == "1"
+local limit, budget = tonumber(ARGV[5]), tonumber(ARGV[6])
+local retention, ttl = tonumber(ARGV[7]), tonumber(ARGV[8])
+local reserve = tonumber(ARGV[9])
+local recreate = ARGV[10] == "1"
+local n, m = tonumber(ARGV[11]), tonumber(ARGV[12])
+local base = 12
 
-local state = redis.call("HMGET", meta, "owner", "lastId", "firstId", "bytes", "count")
+local state = redis.call("HMGET", meta, "owner", "lastId", "firstId", "bytes", "count",
+  "epoch", "reserved", "cancelRequested")
 if not state[1] then
-  return redis.error_reply("NOEXEC")
+  if not recreate then
+    return redis.error_reply("NOEXEC")
+  end
+  state = {token, "0", "0", "0", "0", tostring(epoch), "0", false}
+  redis.call("HSET", meta, "owner", token, "epoch", epoch, "status", "running",
+    "lastId", 0, "firstId", 0, "bytes", 0, "count", 0)
+elseif state[1] ~= token then
+  if (tonumber(state[6]) or 0) >= epoch then
+    return redis.error_reply("FENCED " .. state[1])
+  end
+  redis.call("HSET", meta, "owner", token, "epoch", epoch, "status", "running",
+    "pauseBlock", "", "pauseDeadline", "")
 end
-if state[1] ~= token then
-  return redis.error_reply("FENCED " .. state[1])
-end
+
 local last = tonumber(state[2]) or 0
 if first ~= last + 1 and not (after_drop and first > last + 1) then
   return redis.error_reply("ORDER " .. last)
 end
+local cancel_requested = state[8] or "0"
+if n > 0 and cancel_requested == "1" then
+  local final = ARGV[base + 2 * (n - 1) + 1]
+  if final == "execution:paused" or final == "execution:completed" or final == "execution:failed" then
+    return redis.error_reply("CANCEL")
+  end
+end
 if first > last + 1 then
   redis.call("ZADD", dropped, last + 1, (last + 1) .. "-" .. (first - 1))
-  redis.call("EXPIRE", dropped, ttl)
 end
 
 local first_kept = tonumber(state[3]) or 0
 local bytes = tonumber(state[4]) or 0
 local count = tonumber(state[5]) or 0
 
-local base = 9
 for i = 0, n - 1 do
   local body = ARGV[base + 2 * i + 2]
   redis.call("XADD", stream, (first + i) .. "-0", "t", ARGV[base + 2 * i + 1], "e", body)
@@ -71,7 +97,7 @@ for i = 0, n - 1 do
   count = count + 1
 end
 last = first + n - 1
-if count == n then
+if n > 0 and count == n then
   first_kept = first
 end
 
@@ -100,19 +126,24 @@ while count > 1 and (count > limit or bytes > budget) do
   first_kept = tonumber(string.match(next_entry[1][1], "^(%d+)"))
 end
 
-redis.call("HSET", meta, "lastId", last, "firstId", first_kept, "bytes", bytes, "count", count)
+local reserved = math.max(tonumber(state[7]) or 0, reserve, last)
 if m > 0 then
   local fields = {}
   for i = 1, 2 * m do
     fields[i] = ARGV[base + 2 * n + i]
-    if i % 2 == 0 and fields[i - 1] == "status" and
-        (fields[i] == "completed" or fields[i] == "failed" or fields[i] == "cancelled") then
-      ttl = retention
+    if i % 2 == 0 and fields[i - 1] == "status" and fields[i] ~= "running" then
+      -- Paused or finished: nothing more is shown before it is stored.
+      reserved = last
+      if fields[i] ~= "paused" then
+        ttl = retention
+      end
     end
   end
   redis.call("HSET", meta, unpack(fields))
 end
+redis.call("HSET", meta, "lastId", last, "firstId", first_kept, "bytes", bytes, "count", count,
+  "reserved", reserved)
 for _, key in ipairs(KEYS) do
   redis.call("EXPIRE", key, ttl)
 end
-return {last, first_kept, bytes, count}
+return {last, first_kept, bytes, count, reserved, cancel_requested}

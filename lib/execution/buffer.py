@@ -7,45 +7,21 @@ events and the metadata in one transaction so a reader sees a consistent pair.
 
 from __future__ import annotations
 
-import functools
-import importlib.resources
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import asyncio
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ParamSpec, TypeVar, cast
+from typing import Any, cast
 
 import orjson
 from redis.asyncio import Redis
-from redis.exceptions import RedisClusterException, RedisError, ResponseError
+from redis.exceptions import ResponseError
 
+from lib.backend import Keys, is_unreachable, load_script, translated
 from lib.errors import BufferUnavailable, FlowcastError, NotFound, WriteRefused
 from lib.execution.events import TERMINAL_STATUSES, Event
 
-INDEX_KEY = "executions"
-
-
-P = ParamSpec("P")
-T = TypeVar("T")
-
-
-def translated(method: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
-    """Turn Redis client errors into BufferUnavailable at the buffer's boundary."""
-
-    @functools.wraps(method)
-    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
-        try:
-            return await method(*args, **kwargs)
-        except ResponseError as exc:
-            raise BufferUnavailable(f"the buffer refused the command: {exc}") from exc
-        # RedisClusterException is not a RedisError: the cluster client raises it when
-        # no node answers or a slot has no node, and it must not escape the buffer.
-        except (RedisError, RedisClusterException, OSError) as exc:
-            raise BufferUnavailable(f"the buffer is unreachable: {exc}") from exc
-
-    return wrapper
-
-
-def load_script(name: str) -> str:
-    return importlib.resources.files("lib.execution").joinpath(name).read_text()
+RESERVE_AHEAD = 128  # ids an owner may show live before they are stored (append.lua)
 
 
 @dataclass(frozen=True)
@@ -63,6 +39,9 @@ class ExecutionMeta:
     retained_count: int
     tenant: str
     owner: str
+    epoch: int = 0
+    reserved: int = 0
+    inline_files: bool = False
     cancel_requested: bool = False
     output: Any = None
     error: Any = None
@@ -97,6 +76,9 @@ class ExecutionMeta:
             retained_count=number("count"),
             tenant=text("tenant"),
             owner=text("owner"),
+            epoch=number("epoch"),
+            reserved=number("reserved"),
+            inline_files=text("inlineFiles") == "1",
             cancel_requested=text("cancelRequested") == "1",
             output=loaded("output"),
             error=loaded("error"),
@@ -110,6 +92,8 @@ class AppendResult:
     first_id: int
     retained_bytes: int
     retained_count: int
+    reserved: int = 0
+    cancel_requested: bool = False
 
 
 @dataclass(frozen=True)
@@ -121,11 +105,17 @@ class Page:
     dropped: list[tuple[int, int]]
 
     def gap_reason(self, after: int, before: int) -> str:
-        """Why ids between ``after`` and ``before`` (both excluded) are not retained."""
+        """Why ids between ``after`` and ``before`` (both excluded) are not retained.
+
+        The ring evicts only below the first retained id; any other hole was dropped,
+        whether its range is recorded yet or still only known to the writer.
+        """
         for low, high in self.dropped:
             if low < before and high > after:
                 return "dropped"
-        return "evicted"
+        if self.meta.first_id and after + 1 < self.meta.first_id:
+            return "evicted"
+        return "dropped"
 
 
 class EventBuffer:
@@ -145,38 +135,19 @@ class EventBuffer:
         self.redis = redis
         # Blocking tail reads may use a client (a pool) of their own.
         self.tail_redis = tail_redis or redis
-        self.prefix = prefix
+        self.keys = Keys(prefix)
         self.event_limit = event_limit
         self.budget_bytes = budget_bytes
         self.retention_seconds = retention_seconds
         # Unfinished executions (a pause may wait days) keep their keys this long.
         self.active_ttl_seconds = max(active_ttl_seconds, retention_seconds)
-        self._append = redis.register_script(load_script("append.lua"))
-        self._read = redis.register_script(load_script("read.lua"))
+        self._start = redis.register_script(load_script(__package__, "start.lua"))
+        self._append = redis.register_script(load_script(__package__, "append.lua"))
+        self._read = redis.register_script(load_script(__package__, "read.lua"))
 
-    def stream_key(self, execution_id: str) -> str:
-        return f"{self.prefix}:{{{execution_id}}}:events"
-
-    def meta_key(self, execution_id: str) -> str:
-        return f"{self.prefix}:{{{execution_id}}}:meta"
-
-    def dropped_key(self, execution_id: str) -> str:
-        return f"{self.prefix}:{{{execution_id}}}:dropped"
-
-    def keys(self, execution_id: str) -> list[str]:
-        """The keys of one execution, in the order the scripts take them."""
-        return [
-            self.stream_key(execution_id),
-            self.meta_key(execution_id),
-            self.dropped_key(execution_id),
-            self.state_key(execution_id),
-        ]
-
-    def state_key(self, execution_id: str) -> str:
-        return f"{self.prefix}:{{{execution_id}}}:state"
-
-    def index_key(self, tenant: str) -> str:
-        return f"{self.prefix}:{INDEX_KEY}:{tenant}"
+    @property
+    def prefix(self) -> str:
+        return self.keys.prefix
 
     @translated
     async def create(
@@ -188,28 +159,30 @@ class EventBuffer:
         owner: str,
         created_at: str,
         created_ms: int,
+        lease_ms: int = 15_000,
         extra: Mapping[str, str] | None = None,
     ) -> None:
-        """Create the metadata of a new execution and list it in its tenant's index."""
-        fields: dict[Any, Any] = {
-            "workflowId": workflow_id,
-            "status": "running",
-            "createdAt": created_at,
-            "updatedAt": created_at,
-            "lastId": "0",
-            "firstId": "0",
-            "bytes": "0",
-            "count": "0",
-            "tenant": tenant,
-            "owner": owner,
-            **(extra or {}),
-        }
-        # One round trip on the path to an execution's first event.
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hset(self.meta_key(execution_id), mapping=fields)
-            pipe.expire(self.meta_key(execution_id), self.active_ttl_seconds)
-            pipe.zadd(self.index_key(tenant), {execution_id: created_ms})
-            await pipe.execute()
+        """Create a new execution's metadata, owned by ``owner`` at epoch 1, and list it in
+        its tenant's index (start.lua; the lease is on Redis's clock)."""
+        fields: list[Any] = [
+            "workflowId", workflow_id, "tenant", tenant,
+            "createdAt", created_at, "updatedAt", created_at,
+        ]  # fmt: skip
+        for name, value in (extra or {}).items():
+            fields += [name, value]
+        # The index is another key (another slot on a cluster): written beside it.
+        await asyncio.gather(
+            self._start(
+                keys=[self.keys.meta(execution_id)],
+                args=[owner, lease_ms, RESERVE_AHEAD, self.active_ttl_seconds, *fields],
+            ),
+            self.redis.zadd(self.keys.index(tenant), {execution_id: created_ms}),
+        )
+
+    @translated
+    async def index_again(self, execution_id: str, tenant: str) -> None:
+        """List a recreated execution in its tenant's index again (the store lost it)."""
+        await self.redis.zadd(self.keys.index(tenant), {execution_id: int(time.time() * 1000)})
 
     @translated
     async def append(
@@ -218,18 +191,29 @@ class EventBuffer:
         events: Sequence[Event],
         *,
         fence: str,
+        epoch: int = 1,
+        first: int | None = None,
         meta: Mapping[str, str] | None = None,
         after_drop: bool = False,
+        reserve: int = 0,
+        recreate: bool = False,
     ) -> AppendResult:
-        """Append one batch atomically; WriteRefused if refused, BufferUnavailable if down."""
+        """Append one batch atomically (append.lua); WriteRefused if refused on purpose,
+        BufferUnavailable if down. An empty batch only re-asserts the writer's ownership
+        (``first`` then names the id after its last stored one)."""
+        if first is None:
+            first = events[0].id
         args: list[Any] = [
             fence,
-            events[0].id,
+            epoch,
+            first,
             "1" if after_drop else "0",
             self.event_limit,
             self.budget_bytes,
             self.retention_seconds,
             self.active_ttl_seconds,
+            reserve,
+            "1" if recreate else "0",
             len(events),
             len(meta or {}),
         ]
@@ -240,15 +224,18 @@ class EventBuffer:
             args.append(field)
             args.append(value)
         try:
-            result = await self._append(keys=self.keys(execution_id), args=args)
+            result = await self._append(keys=self.keys.execution(execution_id), args=args)
         except ResponseError as exc:
             raise _refusal(execution_id, exc) from exc
-        return AppendResult(*(int(value) for value in result))
+        last, first_kept, size, count, reserved, cancel = result
+        return AppendResult(
+            int(last), int(first_kept), int(size), int(count), int(reserved), cancel == b"1"
+        )
 
     @translated
     async def meta(self, execution_id: str) -> ExecutionMeta:
         """The execution's metadata; NotFound when it does not exist (or expired)."""
-        fields = cast(dict[bytes, bytes], await self.redis.hgetall(self.meta_key(execution_id)))
+        fields = cast(dict[bytes, bytes], await self.redis.hgetall(self.keys.meta(execution_id)))
         if not fields:
             raise NotFound("execution", execution_id)
         return ExecutionMeta.from_hash(execution_id, fields)
@@ -256,7 +243,7 @@ class EventBuffer:
     @translated
     async def read(self, execution_id: str, *, after: int, limit: int) -> Page:
         """Up to ``limit`` retained events with ids above ``after``, plus the metadata."""
-        keys = self.keys(execution_id)[:3]
+        keys = self.keys.execution(execution_id)[:3]
         entries, flat, ranges = await self._read(keys=keys, args=[after, limit])
         if not flat:
             raise NotFound("execution", execution_id)
@@ -270,7 +257,7 @@ class EventBuffer:
     @translated
     async def tail(self, execution_id: str, *, after: int, block_ms: int) -> list[Event]:
         """Block until events with ids above ``after`` are stored (or ``block_ms`` passes)."""
-        key = self.stream_key(execution_id)
+        key = self.keys.events(execution_id)
         reply: Any = await self.tail_redis.xread({key: f"{after}-0"}, count=1000, block=block_ms)
         if not reply:
             return []
@@ -288,7 +275,7 @@ class EventBuffer:
         """A tenant's newest executions that ``keep`` accepts; expired ones leave the index."""
         found: list[ExecutionMeta] = []
         expired: list[bytes] = []
-        index = self.index_key(tenant)
+        index = self.keys.index(tenant)
         offset = 0
         while len(found) < limit and offset < scan_limit:
             ids = cast(list[bytes], await self.redis.zrevrange(index, offset, offset + 199))
@@ -297,7 +284,7 @@ class EventBuffer:
             offset += len(ids)
             async with self.redis.pipeline(transaction=False) as pipe:
                 for raw_id in ids:
-                    pipe.hgetall(self.meta_key(raw_id.decode()))
+                    pipe.hgetall(self.keys.meta(raw_id.decode()))
                 results = await pipe.execute()
             for raw_id, fields in zip(ids, results, strict=True):
                 if not fields:
@@ -315,14 +302,16 @@ class EventBuffer:
     @translated
     async def exists(self, execution_id: str) -> bool:
         """True while the execution's metadata exists (it expires with retention)."""
-        return bool(await self.redis.exists(self.meta_key(execution_id)))
+        return bool(await self.redis.exists(self.keys.meta(execution_id)))
 
     async def ping(self) -> bool:
         """True when the buffer answers."""
         try:
             return bool(await self.redis.ping())
-        except (RedisError, RedisClusterException, OSError):
-            return False
+        except Exception as exc:
+            if is_unreachable(exc):
+                return False
+            raise
 
 
 def _refusal(execution_id: str, exc: ResponseError) -> FlowcastError:
@@ -333,6 +322,8 @@ def _refusal(execution_id: str, exc: ResponseError) -> FlowcastError:
         return WriteRefused(execution_id, "fenced")
     if reason == "NOEXEC":
         return WriteRefused(execution_id, "gone")
+    if reason == "CANCEL":
+        return WriteRefused(execution_id, "cancel")
     return BufferUnavailable(f"the buffer refused the append: {exc}")
 
 

@@ -1,71 +1,89 @@
 --[[
-claim.lua: move an execution's ownership, atomically with the status check.
+claim.lua: one transition of an execution's ownership, atomic with the status check.
 
 KEYS[1]  the execution's metadata hash  fc:{<eid>}:meta
 
-ARGV[1]  mode:
+ARGV[1]  transition:
            "resume"   paused -> running, owned by the caller (a human answered)
            "cancel"   running: flag cancelRequested for the owner and return;
                       paused -> running, owned by the caller, who writes the cancel
            "takeover" running with an expired lease -> owned by the caller
            "expire"   paused past its approval deadline -> running, owned by the caller
 ARGV[2]  the caller's new fencing token
-ARGV[3]  now, in milliseconds since the epoch
-ARGV[4]  lease length in milliseconds
-ARGV[5]  resume only: the paused block the caller answers ("" = whichever it is)
+ARGV[3]  lease length in milliseconds
+ARGV[4]  resume: the paused block the caller answers ("" = whichever it is);
+         takeover: the owner whose lease the caller found expired
+ARGV[5]  how many ids past the base a new owner reserves (see append.lua)
 
-Returns {lastId, statusBefore, owner} on success, or an error reply:
+Times are Redis's own (TIME), never a host's, so a replica whose clock is off can
+neither end a healthy execution nor keep a dead one.
+
+Returns {lastId, base, statusBefore, owner, epoch} on success: a new owner numbers its
+events from base + 1 (base is above every id the previous owner may have shown live;
+ids between lastId and base are recorded as dropped by its first batch). Error replies:
   "NOEXEC"          no such execution (or it expired)
-  "STATUS <status>" the execution is not in a state this mode applies to
+  "STATUS <status>" the execution is not in a state this transition applies to
   "BLOCK <blockId>" resume names a block the execution is not paused at
   "LEASE"           takeover: the lease has not expired
+  "MOVED"           takeover: the execution has another owner than the one expected
   "NOTDUE"          expire: the deadline has not passed
 A new owner token in `owner` fences the previous owner out of append.lua.
 ]]
 
 local meta = KEYS[1]
 local mode, token = ARGV[1], ARGV[2]
-local now, lease = tonumber(ARGV[3]), tonumber(ARGV[4])
+local lease, ahead = tonumber(ARGV[3]), tonumber(ARGV[5])
+local time = redis.call("TIME")
+local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 
 local state = redis.call("HMGET", meta, "status", "lastId", "owner", "leaseUntil",
-  "pauseBlock", "pauseDeadline")
+  "pauseBlock", "pauseDeadline", "epoch", "reserved")
 local status = state[1]
 if not status then
   return redis.error_reply("NOEXEC")
 end
 local last = tonumber(state[2]) or 0
+local base = math.max(last, tonumber(state[8]) or 0)
 
-local function own()
-  redis.call("HSET", meta, "owner", token, "leaseUntil", now + lease, "status", "running",
-    "pauseBlock", "", "pauseDeadline", "")
-  return {last, status, token}
+local function own(keep_cancel)
+  local epoch = (tonumber(state[7]) or 0) + 1
+  redis.call("HSET", meta, "owner", token, "epoch", epoch, "leaseUntil", now + lease,
+    "status", "running", "pauseBlock", "", "pauseDeadline", "", "reserved", base + ahead)
+  if not keep_cancel then
+    redis.call("HDEL", meta, "cancelRequested")
+  end
+  return {last, base, status, token, epoch}
 end
 
 if mode == "resume" then
   if status ~= "paused" then
     return redis.error_reply("STATUS " .. status)
   end
-  if ARGV[5] ~= "" and ARGV[5] ~= state[5] then
+  if ARGV[4] ~= "" and ARGV[4] ~= state[5] then
     return redis.error_reply("BLOCK " .. (state[5] or ""))
   end
-  return own()
+  return own(false)
 elseif mode == "cancel" then
   if status == "running" then
     redis.call("HSET", meta, "cancelRequested", "1")
-    return {last, status, state[3]}
+    return {last, base, status, state[3], tonumber(state[7]) or 0}
   end
   if status ~= "paused" then
     return redis.error_reply("STATUS " .. status)
   end
-  return own()
+  return own(false)
 elseif mode == "takeover" then
   if status ~= "running" then
     return redis.error_reply("STATUS " .. status)
   end
+  if ARGV[4] ~= "" and ARGV[4] ~= state[3] then
+    return redis.error_reply("MOVED")
+  end
   if (tonumber(state[4]) or 0) >= now then
     return redis.error_reply("LEASE")
   end
-  return own()
+  -- A cancel asked of the dead owner still holds: its ending will be the cancel.
+  return own(true)
 elseif mode == "expire" then
   if status ~= "paused" then
     return redis.error_reply("STATUS " .. status)
@@ -74,6 +92,6 @@ elseif mode == "expire" then
   if not deadline or deadline > now then
     return redis.error_reply("NOTDUE")
   end
-  return own()
+  return own(false)
 end
 return redis.error_reply("MODE " .. mode)

@@ -1,7 +1,9 @@
-"""The emitter: gives each event its id, compacts large values, hands it on.
+"""The emitter: encodes each event, gives it its id, compacts large values, hands it on.
 
-Emitting is synchronous and never waits. An event whose envelope is small enough that
-no value inside can need offloading goes straight to the live readers and the writer.
+Emitting is synchronous and never waits. An event is encoded before it gets its id, so
+a value no event could carry (SPEC §2 "Block outputs are JSON") is made carriable first
+and can never leave a hole in the ids. An event whose envelope is small enough that no
+value inside can need offloading goes straight to the writer (which shows it live).
 Any other event, and every event behind it, waits in order for one compaction task,
 which offloads its large values and then hands it on; so live and stored copies are the
 same bytes and order is kept without blocking the workflow.
@@ -14,8 +16,7 @@ import logging
 from collections import deque
 from typing import Any
 
-from lib.execution.events import Event
-from lib.execution.hub import LocalPublisher
+from lib.execution.events import Event, carriable
 from lib.execution.offload import Compactor
 from lib.execution.writer import EventWriter
 from lib.metrics import Metrics
@@ -31,7 +32,6 @@ class Emitter:
         *,
         execution_id: str,
         workflow_id: str,
-        publisher: LocalPublisher,
         writer: EventWriter,
         compactor: Compactor | None = None,
         metrics: Metrics | None = None,
@@ -39,7 +39,6 @@ class Emitter:
     ) -> None:
         self.execution_id = execution_id
         self.workflow_id = workflow_id
-        self._publisher = publisher
         self._writer = writer
         self._compactor = compactor
         self._metrics = metrics
@@ -64,15 +63,26 @@ class Emitter:
                 await asyncio.gather(self._task, return_exceptions=True)
 
     def emit(self, type: str, data: dict[str, Any]) -> None:
-        """Emit one event now; readers attached here see it before it is stored."""
-        self.last_id += 1
+        """Emit one event now; readers attached here may see it before it is stored."""
         event = Event(
-            id=self.last_id,
+            id=self.last_id + 1,
             type=type,
             execution_id=self.execution_id,
             workflow_id=self.workflow_id,
             data=data,
         )
+        try:
+            event.json  # noqa: B018 - encoded now, before the id is taken
+        except (TypeError, ValueError):
+            event = Event(
+                id=event.id,
+                type=type,
+                execution_id=self.execution_id,
+                workflow_id=self.workflow_id,
+                data=carriable(data),
+                ts=event.ts,
+            )
+        self.last_id = event.id
         if self._metrics is not None and type.startswith("execution:"):
             # started, paused, resumed, completed, failed, cancelled
             self._metrics.executions.labels(type.partition(":")[2]).inc()
@@ -87,7 +97,6 @@ class Emitter:
     def _deliver(self, event: Event) -> None:
         if self._compactor is not None:
             self._compactor.stored(len(event.json))
-        self._publisher.publish(event)
         self._writer.put(event)
 
     async def _compact_backlog(self) -> None:

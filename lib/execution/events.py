@@ -6,6 +6,7 @@ many clients and replay from Redis both send the same bytes without re-encoding.
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import UTC, datetime
 from typing import Any, Final
@@ -50,6 +51,46 @@ STATUS_AFTER: Final[dict[str, str]] = {
 }
 TERMINAL_TYPES: Final = frozenset({EXECUTION_COMPLETED, EXECUTION_FAILED, EXECUTION_CANCELLED})
 TERMINAL_STATUSES: Final = frozenset({"completed", "failed", "cancelled"})
+# A run's last event: shown live only once stored (see writer.py).
+FINAL_TYPES: Final = frozenset({EXECUTION_PAUSED, *TERMINAL_TYPES})
+
+_INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
+_LONG_DIGITS = re.compile(rb"[0-9]{19}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def carriable(value: Any) -> Any:
+    """``value`` as JSON that any event can carry (SPEC §2 "Block outputs are JSON").
+
+    Integers beyond the signed 64-bit range become their decimal string and lone
+    surrogates become U+FFFD; anything else orjson cannot encode becomes its ``str``.
+    The common case costs one encode and one scan of the bytes.
+    """
+    try:
+        encoded = orjson.dumps(value)
+    except (orjson.JSONEncodeError, TypeError):
+        return _carriable(value)
+    if _LONG_DIGITS.search(encoded):
+        return _carriable(value)
+    return value
+
+
+def _carriable(value: Any) -> Any:
+    if isinstance(value, bool) or value is None or isinstance(value, float):
+        return value
+    if isinstance(value, int):
+        return value if _INT_MIN <= value <= _INT_MAX else str(value)
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {_carriable_key(key): _carriable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_carriable(item) for item in value]
+    return _carriable(str(value))
+
+
+def _carriable_key(key: Any) -> str:
+    return _carriable(key if isinstance(key, str) else str(key))  # type: ignore[no-any-return]
 
 
 def utc_timestamp(moment: datetime | None = None) -> str:

@@ -11,13 +11,17 @@ sources:
   No polling: the task wakes when an event is written.
 
 A reader may see an event twice at a seam (replay, memory, live); it drops every id it
-has already sent. A reader that sees a hole in the ids fills it from Redis.
+has already sent. A reader that sees a hole in the ids fills it from Redis. A tail
+starts from what is stored, never from a client's cursor, so no reader's cursor changes
+what another gets; and a tail whose execution is gone from the store (it came back
+empty and nobody recreated it) ends its readers' streams instead of waiting forever.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
@@ -140,11 +144,19 @@ class Hub:
     """Owns the channels of this process and their tail tasks."""
 
     def __init__(
-        self, *, buffer: EventBuffer, tail_block_ms: int = 5_000, metrics: Metrics | None = None
+        self,
+        *,
+        buffer: EventBuffer,
+        tail_block_ms: int = 5_000,
+        gone_seconds: float = 15.0,
+        metrics: Metrics | None = None,
     ) -> None:
         self.buffer = buffer
         self.metrics = metrics
         self.tail_block_ms = tail_block_ms
+        # How long an execution must stay missing before its tails give up on it: an
+        # owner recreates what the store lost within a third of a lease.
+        self.gone_seconds = gone_seconds
         self._channels: dict[str, Channel] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -216,8 +228,9 @@ class Hub:
     def ensure_tail(self, execution_id: str, *, after: int) -> None:
         """Follow the stored events after ``after`` unless this process runs the execution.
 
-        Called by a reader once its replay reached ``after``: every event past it will
-        then arrive through the channel, so no event falls between replay and live.
+        Called by a reader once its replay reached ``after``, a stored id (never a
+        client's own cursor): every event past it will then arrive through the channel,
+        so no event falls between replay and live.
         """
         channel = self._channels.get(execution_id)
         if (
@@ -236,11 +249,16 @@ class Hub:
 
     async def _tail(self, channel: Channel) -> None:
         backoff = Backoff(base=0.05, cap=5.0)
+        missing_since: float | None = None
         while channel.subscribers and not channel.local:
             try:
                 events = await self.buffer.tail(
                     channel.execution_id, after=channel.last_published, block_ms=self.tail_block_ms
                 )
+                if not events:
+                    missing_since = await self._check_gone(channel, missing_since)
+                    if channel.finished:
+                        break
             except Exception as exc:
                 # A buffer outage is expected and retried; anything else is a bug, logged
                 # with its traceback, and retried too so readers are not left hanging.
@@ -257,3 +275,20 @@ class Hub:
                 break
         if channel.tail_task is asyncio.current_task():
             channel.tail_task = None
+
+    async def _check_gone(self, channel: Channel, missing_since: float | None) -> float | None:
+        """After an idle read: end the readers of an execution the store no longer has."""
+        if await self.buffer.exists(channel.execution_id):
+            return None
+        now = time.monotonic()
+        if missing_since is None:
+            return now
+        if now - missing_since >= self.gone_seconds:
+            log.warning(
+                "execution gone from the buffer; ending its streams",
+                extra={"executionId": channel.execution_id},
+            )
+            channel.finished = True
+            for subscriber in list(channel.subscribers):
+                subscriber.close()
+        return missing_since

@@ -6,6 +6,11 @@ channel held at subscribe time, then the live queue. Every event appears in at l
 one of those; ids already sent are dropped, and a hole in the ids is filled from Redis
 or reported as a ``replay:gap`` (``evicted`` by the ring, or ``dropped`` during an
 outage). A client is never silently skipped past events.
+
+A client's cursor is its own: it may be above every stored id (the client saw live
+events that are not stored yet, or it is simply odd). Such a reader skips what it has
+seen, follows the tail from what is stored, and still ends at the terminal event,
+whatever its id. An execution that disappears from the store ends the stream.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import AsyncIterator, Iterable
 
 import orjson
 
+from lib.errors import NotFound
 from lib.execution.buffer import EventBuffer, Page
 from lib.execution.events import Event, sse_frame
 from lib.execution.hub import Hub, Subscription
@@ -50,6 +56,7 @@ class StreamReader:
         self._metrics = hub.metrics
         self._execution_id = execution_id
         self.last_sent = cursor
+        self._stored_last = 0  # the last stored id, as the newest read saw it
         self.finished = False
         self.closed = False
         self._subscription: Subscription | None = None
@@ -83,12 +90,16 @@ class StreamReader:
                     yield chunk
                 if self.finished:
                     return
-                self._hub.ensure_tail(self._execution_id, after=self.last_sent)
+                # From what is stored: a cursor above it must not move the shared tail.
+                after = min(self.last_sent, self._stored_last)
+                self._hub.ensure_tail(self._execution_id, after=after)
                 async for chunk in self._live(subscription):
                     yield chunk
                 if not subscription.overflowed:
                     return
                 # Too slow for the live queue: attach again and catch up from the buffer.
+            except NotFound:
+                return  # the store lost the execution and nobody recreated it
             finally:
                 self._hub.unsubscribe(subscription)
 
@@ -100,9 +111,12 @@ class StreamReader:
             page = await self._buffer.read(
                 self._execution_id, after=self.last_sent, limit=REPLAY_PAGE
             )
+            self._stored_last = page.meta.last_id
             chunk = self._accept(page.events, page)
             if chunk:
                 yield chunk
+            if page.meta.finished and self.last_sent >= page.meta.last_id:
+                self.finished = True  # the cursor is at or past the terminal event
             if len(page.events) < REPLAY_PAGE or self._expired():
                 break
         if not self.finished and unstored:
@@ -122,7 +136,8 @@ class StreamReader:
     async def _wait(self, subscription: Subscription) -> list[Event] | None:
         # The time cap is one timer per connection (see frames), not one per wait.
         batch = await subscription.wait()
-        return None if self.closed and not batch else batch
+        # Closed: the server shuts down, or the hub found the execution gone.
+        return None if (self.closed or subscription.closed) and not batch else batch
 
     async def _accept_live(self, events: Iterable[Event]) -> bytes:
         """Frames for live events, filling any hole in the ids from the buffer first."""
@@ -130,7 +145,11 @@ class StreamReader:
         latency = self._metrics.stream_latency if self._metrics is not None else None
         now = time.monotonic()
         for event in events:
-            if self.finished or event.id <= self.last_sent:
+            if self.finished:
+                break
+            if event.id <= self.last_sent:
+                if event.terminal:
+                    self.finished = True  # seen, or under a cursor past its id
                 continue
             if event.id > self.last_sent + 1:
                 await self._fill(event.id, parts)
@@ -174,6 +193,9 @@ class StreamReader:
         parts: list[bytes] = []
         for event in events:
             if event.id <= self.last_sent:
+                if event.terminal:
+                    self.finished = True
+                    break
                 continue
             if event.id > self.last_sent + 1:
                 reason = page.gap_reason(self.last_sent, event.id)

@@ -1,15 +1,27 @@
-"""The flush path: an execution's events go to the buffer in order, in batches.
+"""The flush path: an execution's events go to the buffer in order, in batches, and to
+the live readers here as soon as they may be shown.
 
 Emitting never waits for Redis. ``put`` queues the event; one flush task per execution
 writes whatever is queued as one atomic batch. When Redis is idle the batch is a single
 event written at once; under load the events that arrive while a write is in flight
 form the next batch, so the write rate adapts without a timer.
 
+What may be shown live before it is stored: an event whose id the buffer has reserved
+for this owner (append.lua keeps ``reserved`` a little ahead of what was emitted), so a
+process that takes over after this one dies numbers its events above every id shown
+here. The final event of a run (``execution:paused`` or a terminal one) is shown only
+once stored: the store decides whether a cancel accepted before it wins ("CANCEL"), and
+then the final event becomes ``execution:cancelled`` under the same id, never shown.
+
 While the buffer is unreachable the batch in flight is retried as it is, with jittered
-exponential backoff, and new events wait behind it. Past ``max_pending`` the oldest
-waiting events are dropped; the next batch that reaches Redis records their id range
-atomically with itself, so replay reports it as a ``dropped`` gap and the terminal
-event still lands after everything before it.
+exponential backoff, and new events wait behind it (and are shown live: nobody can take
+over while the store is down for everyone). Past ``max_pending`` the oldest waiting
+events are dropped; the next batch that reaches Redis records their id range atomically
+with itself, so replay reports it as a ``dropped`` gap and the terminal event still
+lands after everything before it. A store that comes back behind (restarted from an
+older snapshot, a lagging replica promoted) or empty is told so by the next batch: the
+writer records the ids it lost as dropped, recreates the metadata if needed, and
+carries on above every id it handed out. No id is ever given to two events.
 """
 
 from __future__ import annotations
@@ -17,16 +29,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable, Mapping
 
 import orjson
 
 from lib.backoff import Backoff
 from lib.errors import BufferUnavailable, WriteRefused
-from lib.execution.buffer import EventBuffer
+from lib.execution.buffer import RESERVE_AHEAD, EventBuffer
 from lib.execution.events import (
+    EXECUTION_CANCELLED,
     EXECUTION_COMPLETED,
     EXECUTION_FAILED,
     EXECUTION_PAUSED,
+    FINAL_TYPES,
     STATUS_AFTER,
     Event,
     utc_timestamp,
@@ -37,6 +52,8 @@ log = logging.getLogger(__name__)
 
 MAX_BATCH_EVENTS = 1_000
 MAX_BATCH_BYTES = 4 * 1024 * 1024
+
+Publish = Callable[[Event], None]
 
 
 def batch_meta(batch: list[Event]) -> dict[str, str]:
@@ -66,7 +83,12 @@ class EventWriter:
         buffer: EventBuffer,
         execution_id: str,
         fence: str,
+        epoch: int = 1,
         stored_id: int = 0,
+        base_id: int | None = None,
+        publish: Publish | None = None,
+        on_cancel: Callable[[], None] | None = None,
+        identity: Mapping[str, str] | None = None,
         max_pending: int = 10_000,
         metrics: Metrics | None = None,
         retry_base_seconds: float = 0.05,
@@ -75,15 +97,30 @@ class EventWriter:
         self._buffer = buffer
         self._execution_id = execution_id
         self._fence = fence
+        self._epoch = epoch
+        self._publish = publish
+        self._on_cancel = on_cancel
+        # Fields to recreate the metadata with if the store comes back empty.
+        self._identity = dict(identity or {})
         self._max_pending = max_pending
         self._metrics = metrics
         self._retry_base = retry_base_seconds
         self._retry_max = retry_max_seconds
         self._in_flight: list[Event] = []
         self._waiting: deque[Event] = deque()
-        # The highest id dropped so far. Drops only ever take the oldest waiting events,
-        # so any ids between the stored id and the next batch are dropped ones.
-        self._last_dropped = 0
+        self._unshown: deque[Event] = deque()
+        base = stored_id if base_id is None else max(base_id, stored_id)
+        # The highest id dropped so far (or never stored by this owner: a new owner's
+        # first batch records the ids between the stored last id and its base). Drops
+        # only ever take the oldest waiting events, so any ids between the stored id and
+        # the next batch are dropped ones.
+        self._last_dropped = base if base > stored_id else 0
+        self._emitted = base
+        self._shown = base
+        self.reserved = base + RESERVE_AHEAD
+        self._outage = False
+        self._recreate = False
+        self._repair = False
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -92,6 +129,7 @@ class EventWriter:
         self.dropped_events = 0
         self.failures = 0
         self.refused: WriteRefused | None = None
+        self.final_stored: Event | None = None
 
     async def __aenter__(self) -> EventWriter:
         self._task = asyncio.create_task(self._run(), name=f"flush:{self._execution_id}")
@@ -114,23 +152,53 @@ class EventWriter:
         """Queue one event for storing; never blocks. Drops the oldest waiting past the cap."""
         if self.refused is not None:
             return
+        self._emitted = event.id
         self._waiting.append(event)
+        self._unshown.append(event)
         self._idle.clear()
         self._wakeup.set()
         while len(self._waiting) + len(self._in_flight) > self._max_pending:
             if len(self._waiting) <= 1:
                 break  # the newest event (maybe the terminal one) is never dropped
             self._drop(self._waiting.popleft())
+        self._show()
+
+    def show_to(self, publish: Publish) -> None:
+        """Show events live through ``publish`` (the hub's publisher for this run)."""
+        self._publish = publish
+
+    def request_repair(self) -> None:
+        """The store lost this execution's metadata: recreate it now, even if idle."""
+        self._repair = True
+        self._idle.clear()
+        self._wakeup.set()
 
     def _drop(self, event: Event) -> None:
         self._last_dropped = event.id
         self.dropped_events += 1
+        if event in self._unshown:
+            self._unshown.remove(event)
         if self._metrics is not None:
             self._metrics.events_dropped.inc()
 
+    def _show(self) -> None:
+        """Publish, in order, the events that may be shown now (see the module doc)."""
+        unshown = self._unshown
+        while unshown:
+            event = unshown[0]
+            if event.type in FINAL_TYPES:
+                if event.id > self.stored_id:
+                    return
+            elif event.id > self.reserved and not self._outage:
+                return
+            unshown.popleft()
+            self._shown = event.id
+            if self._publish is not None:
+                self._publish(event)
+
     def unstored(self) -> list[Event]:
-        """Events queued but not yet stored, oldest first."""
-        return [*self._in_flight, *self._waiting]
+        """Events shown live but not stored yet, oldest first."""
+        return [event for event in (*self._in_flight, *self._waiting) if event.id <= self._shown]
 
     @property
     def pending(self) -> int:
@@ -154,75 +222,142 @@ class EventWriter:
         backoff = Backoff(base=self._retry_base, cap=self._retry_max)
         while True:
             if not self._in_flight:
-                if not self._waiting:
+                if not self._waiting and not self._repair:
                     self._idle.set()
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
                 self._in_flight = self._next_batch()
             batch = self._in_flight
+            first = batch[0].id if batch else self.stored_id + 1
             # Recomputed on every try: events may be dropped while a batch is in flight
             # (even one that itself records an earlier drop), and each range is recorded
             # by the batch that follows it.
-            after_drop = self._last_dropped > self.stored_id and batch[0].id > self.stored_id + 1
+            after_drop = self._last_dropped > self.stored_id and first > self.stored_id + 1
+            meta = batch_meta(batch)
+            if self._recreate:
+                meta = {**self._identity, **meta}
             try:
-                await self._buffer.append(
+                result = await self._buffer.append(
                     self._execution_id,
                     batch,
                     fence=self._fence,
-                    meta=batch_meta(batch),
+                    epoch=self._epoch,
+                    first=first,
+                    meta=meta,
                     after_drop=after_drop,
+                    reserve=self._emitted + RESERVE_AHEAD,
+                    recreate=self._recreate,
                 )
             except WriteRefused as exc:
-                if (
-                    exc.reason == "order"
-                    and exc.last_id is not None
-                    and exc.last_id >= batch[-1].id
-                ):
-                    # An earlier try of this batch was applied but its reply was lost.
+                if self._refused_but_handled(exc, batch, first):
                     backoff.reset()
-                    self._stored(batch)
                     continue
                 self._refuse(exc)
                 return
             except BufferUnavailable as exc:
-                self.failures += 1
-                if self._metrics is not None:
-                    self._metrics.buffer_write_failures.inc()
-                log.warning(
-                    "buffer write failed; will retry",
-                    extra={
-                        "executionId": self._execution_id,
-                        "pending": self.pending,
-                        "retryInSeconds": round(backoff.delay, 3),
-                        "error": str(exc),
-                    },
-                )
+                self._failed(exc, backoff)
                 await backoff.wait()
                 continue
             backoff.reset()
             if after_drop:
                 log.warning(
-                    "events dropped while the buffer was unreachable",
+                    "events recorded as dropped",
                     extra={
                         "executionId": self._execution_id,
                         "fromId": self.stored_id + 1,
-                        "toId": batch[0].id - 1,
+                        "toId": first - 1,
                     },
                 )
-            self._stored(batch)
+            if self._recreate:
+                await self._buffer.index_again(self._execution_id, self._identity.get("tenant", ""))
+            self._recreate = self._repair = self._outage = False
+            self.reserved = max(self.reserved, result.reserved)
+            self._stored(batch, first)
+            if result.cancel_requested and self._on_cancel is not None:
+                self._on_cancel()
 
-    def _stored(self, batch: list[Event]) -> None:
-        self._in_flight = []
-        self.stored_id = batch[-1].id
+    def _refused_but_handled(self, exc: WriteRefused, batch: list[Event], first: int) -> bool:
+        """Act on a refusal that the writer can answer; False when it must stop."""
+        if exc.reason == "cancel" and batch:
+            # A cancel was accepted before the final event was stored: it wins, under
+            # the final event's id (that event was never shown to anyone).
+            final = batch[-1]
+            cancelled = Event(
+                id=final.id,
+                type=EXECUTION_CANCELLED,
+                execution_id=final.execution_id,
+                workflow_id=final.workflow_id,
+                data={"reason": "cancelled"},
+            )
+            batch[-1] = cancelled
+            if self._unshown and self._unshown[-1] is final:
+                self._unshown[-1] = cancelled
+            log.info("a cancel won over the run's last event", extra=self._extra())
+            return True
+        if exc.reason == "gone":
+            # The store came back empty: recreate the metadata under this owner and
+            # record every id before this batch as dropped.
+            log.warning("the buffer lost the execution; recreating it", extra=self._extra())
+            self._recreate = True
+            self._lose_down_to(0, first)
+            return True
+        if exc.reason == "order" and exc.last_id is not None:
+            last = exc.last_id
+            if batch and last >= batch[-1].id:
+                self._stored(batch, first)  # an earlier try was applied; its reply was lost
+                return True
+            if not batch and last >= first - 1:
+                self._repair = False  # the store has all this writer stored
+                return True
+            if last < first - 1:
+                # The store is behind what this writer stored: it lost writes.
+                log.warning(
+                    "the buffer lost events; recording them as dropped",
+                    extra={**self._extra(), "storedLastId": last, "nextId": first},
+                )
+                self._lose_down_to(last, first)
+                return True
+        return False
+
+    def _lose_down_to(self, last: int, first: int) -> None:
+        self.stored_id = min(self.stored_id, last)
+        self._last_dropped = max(self._last_dropped, first - 1)
+
+    def _failed(self, exc: BufferUnavailable, backoff: Backoff) -> None:
+        self.failures += 1
         if self._metrics is not None:
+            self._metrics.buffer_write_failures.inc()
+        log.warning(
+            "buffer write failed; will retry",
+            extra={
+                **self._extra(),
+                "pending": self.pending,
+                "retryInSeconds": round(backoff.delay, 3),
+                "error": str(exc),
+            },
+        )
+        if not self._outage:
+            self._outage = True
+            self._show()
+
+    def _stored(self, batch: list[Event], first: int) -> None:
+        self._in_flight = []
+        self.stored_id = batch[-1].id if batch else first - 1
+        if batch and batch[-1].type in FINAL_TYPES:
+            self.final_stored = batch[-1]
+        if self._metrics is not None and batch:
             self._metrics.events_written.inc(len(batch))
             self._metrics.bytes_written.inc(sum(len(event.json) for event in batch))
+        self._show()
+
+    def _extra(self) -> dict[str, object]:
+        return {"executionId": self._execution_id}
 
     def _refuse(self, exc: WriteRefused) -> None:
-        # Another owner took over (or the execution is gone): writing more would be wrong.
+        # Another owner took over: writing more would be wrong.
         log.error(
-            "buffer refused the writer; its events stay live-only",
+            "buffer refused the writer; its events stay unstored",
             extra={
                 "executionId": self._execution_id,
                 "reason": exc.reason,
@@ -232,4 +367,5 @@ class EventWriter:
         self.refused = exc
         self._in_flight = []
         self._waiting.clear()
+        self._unshown.clear()
         self._idle.set()

@@ -27,6 +27,7 @@ from lib.execution.events import (
     BLOCK_FAILED,
     BLOCK_SKIPPED,
     BLOCK_STARTED,
+    carriable,
 )
 from lib.workflows.blocks import BlockTypes
 from lib.workflows.blocks.base import BlockContext, BlockServices, PauseRequested
@@ -297,6 +298,8 @@ class _Run:
             raise
         except Exception as exc:
             raise _unexpected(block, exc) from exc
+        # What templates downstream read is what the event carries (SPEC §2).
+        output = carriable(output)
         duration_ms = round((time.monotonic() - started) * 1000)
         self.emit(
             BLOCK_COMPLETED, {"blockId": block.id, "output": output, "durationMs": duration_ms}

@@ -1,10 +1,11 @@
 """The janitor: ends the executions that nobody else will end.
 
 Every process runs one. It ends an execution whose owner stopped renewing its lease
-with ``execution:failed`` (``worker_lost``, or ``execution:cancelled`` if a cancel was
-asked for), and a pause whose approval deadline passed with ``execution:failed``
-(``approval_timeout``). Each ending starts with a fenced claim, so of all the janitors
-exactly one writes it, and the old owner can never append after it.
+with ``execution:failed`` (``worker_lost``; it becomes ``execution:cancelled`` if a
+cancel was accepted before), and a pause whose approval deadline passed with
+``execution:failed`` (``approval_timeout``). Each ending starts with a fenced claim
+(take over, expire), so of all the janitors exactly one writes it, and the old owner
+can never append after it. Times are Redis's (see ownership.py).
 """
 
 from __future__ import annotations
@@ -13,20 +14,21 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
-from lib.errors import Conflict, FlowcastError, NotFound
-from lib.execution.buffer import EventBuffer, ExecutionMeta
-from lib.execution.control import Control
+from lib.errors import FlowcastError
 from lib.execution.emitter import Emitter
 from lib.execution.events import EXECUTION_CANCELLED, EXECUTION_FAILED
+from lib.execution.ownership import Ownership
 
 log = logging.getLogger(__name__)
 
 # Emits the terminal event of an execution that was just claimed.
 Ending = Callable[[Emitter], None]
-# Writes an ending for (execution id, its metadata, the new fence, the last stored id).
-Finish = Callable[[str, ExecutionMeta, str, int, Ending], None]
+# Claims an execution by a transition (takeover or expire; for a takeover, from the
+# owner named) and writes an ending. None when it did; else why the claim was refused
+# ("lease", "notdue", "moved", "execution_completed", "not_found", …).
+Finish = Callable[[str, str, str, Ending], Awaitable[str | None]]
 
 
 def cancelled(emitter: Emitter) -> None:
@@ -49,18 +51,14 @@ class Janitor:
     def __init__(
         self,
         *,
-        buffer: EventBuffer,
-        control: Control,
+        ownership: Ownership,
         lease_seconds: float,
         is_local: Callable[[str], bool],
-        new_fence: Callable[[], str],
         finish: Finish,
     ) -> None:
-        self._buffer = buffer
-        self._control = control
+        self._ownership = ownership
         self._lease_seconds = lease_seconds
         self._is_local = is_local
-        self._new_fence = new_fence
         self._finish = finish
 
     async def run(self) -> None:
@@ -78,32 +76,15 @@ class Janitor:
 
     async def sweep(self, healthy_since: float) -> None:
         if time.monotonic() - healthy_since >= self._lease_seconds:
-            for execution_id in await self._control.due(self._control.leases_key):
-                if not self._is_local(execution_id):
-                    await self._claim_and_end(execution_id, "takeover")
-        for execution_id in await self._control.due(self._control.deadlines_key):
-            await self._claim_and_end(execution_id, "expire")
-
-    async def _claim_and_end(self, execution_id: str, mode: str) -> None:
-        key = self._control.leases_key if mode == "takeover" else self._control.deadlines_key
-        fence = self._new_fence()
-        try:
-            claim = await self._control.claim(execution_id, mode, fence)
-        except NotFound:
-            await self._control.forget(key, execution_id)
-            return
-        except Conflict as exc:
-            if exc.code not in ("lease", "notdue"):
-                await self._control.forget(key, execution_id)  # finished or moved on
-            return
-        await self._control.forget(self._control.deadlines_key, execution_id)
-        meta = await self._buffer.meta(execution_id)
-        if mode == "expire":
-            ending = approval_timeout
-        elif meta.cancel_requested:
-            ending = cancelled
-        else:
-            ending = worker_lost
-        log.warning("ending an execution", extra={"executionId": execution_id, "mode": mode})
-        await self._control.hold(execution_id)
-        self._finish(execution_id, meta, fence, claim.last_id, ending)
+            for execution_id, fence in await self._ownership.due_leases():
+                if self._is_local(execution_id):
+                    continue
+                code = await self._finish(execution_id, "takeover", fence, worker_lost)
+                if code != "lease":
+                    # Ended now by a new owner (whose own entry watches it from here
+                    # on), or settled already: this entry names nothing left to do.
+                    await self._ownership.forget_lease(execution_id, fence)
+        for execution_id in await self._ownership.due_deadlines():
+            code = await self._finish(execution_id, "expire", "", approval_timeout)
+            if code != "notdue":
+                await self._ownership.forget_deadline(execution_id)

@@ -1,9 +1,10 @@
 """What keeps this process's executions owned: lease renewal and the cancel listener.
 
 Each execution running here is a ``LocalRun``. Its lease is renewed every third of a
-lease period (a refusal means another process fenced it out: the run stops at once),
-and the time of the last check opens or closes the run's live gate. Cancels for runs
-here arrive on this process's control stream, read with a blocking read.
+lease period (a refusal means another process fenced it out: the run stops at once; a
+store that lost the execution gets it recreated by the run's writer), and the time of
+the last check opens or closes the run's live gate. Cancels for runs here arrive on
+this process's control stream, read with a blocking read, and with every renewal.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from lib.backoff import Backoff
-from lib.errors import Conflict, FlowcastError
-from lib.execution.control import Control
+from lib.errors import Conflict, FlowcastError, NotFound
+from lib.execution.ownership import Ownership
 
 log = logging.getLogger(__name__)
 
@@ -25,24 +27,30 @@ CONTROL_BLOCK_MS = 5_000
 
 @dataclass
 class LocalRun:
-    """An execution this process runs right now."""
+    """An execution this process runs right now, under one ownership (fence, epoch)."""
 
     execution_id: str
     fence: str
+    epoch: int
     tenant: str
-    task: asyncio.Task[None] | None = None
-    stop_reason: str | None = None  # why its task was cancelled: cancel, shutdown, fenced
-    ending: bool = False  # its last event (terminal or paused) is emitted, being stored
+    task: asyncio.Task[None] | None = None  # the run: first event to last, then let go
+    work: asyncio.Task[Any] | None = None  # the part a stop cancels: blocks, pause save
+    stop_reason: str | None = None  # why its work was cancelled: cancel, shutdown, fenced
     checked_at: float = 0.0  # when its lease was last renewed, or tried in an outage
     pending: Callable[[], int] = lambda: 0  # events emitted and not stored yet
     retained: Callable[[], int] = lambda: 0  # bytes its ring retains, as modelled
+    repair: Callable[[], None] = lambda: None  # recreate what the store lost
 
     def stop(self, reason: str) -> None:
-        # Once the last event is emitted, cancelling would only abandon storing it: the
-        # execution would stay "running" in the buffer, with no lease, forever.
-        if self.task is not None and self.stop_reason is None and not self.ending:
+        """Cancel the run's work; the run itself still writes its last event.
+
+        Only the work is cancelled, never the run's task: a run told to stop before
+        its work began, or while it stores its last event, still ends properly.
+        """
+        if self.stop_reason is None:
             self.stop_reason = reason
-            self.task.cancel(reason)
+        if self.work is not None and not self.work.done():
+            self.work.cancel(reason)
 
 
 class LeaseKeeper:
@@ -51,12 +59,12 @@ class LeaseKeeper:
     def __init__(
         self,
         *,
-        control: Control,
+        ownership: Ownership,
         lease_seconds: float,
         node_id: str,
         runs: dict[str, LocalRun],
     ) -> None:
-        self._control = control
+        self._ownership = ownership
         self._lease_seconds = lease_seconds
         self._node_id = node_id
         self._runs = runs
@@ -69,9 +77,18 @@ class LeaseKeeper:
     async def _renew(self, run: LocalRun) -> None:
         started = time.monotonic()
         try:
-            cancel_requested = await self._control.renew(run.execution_id, run.fence, run.tenant)
+            cancel_requested = await self._ownership.renew(
+                run.execution_id, run.fence, run.epoch, run.tenant
+            )
         except Conflict:
             run.stop("fenced")
+            return
+        except NotFound:
+            log.warning(
+                "the buffer lost a running execution", extra={"executionId": run.execution_id}
+            )
+            run.checked_at = started
+            run.repair()
             return
         except FlowcastError as exc:
             # Nobody can take over while the buffer is unreachable for everyone, so an
@@ -92,8 +109,8 @@ class LeaseKeeper:
         while True:
             try:
                 if cursor is None:
-                    cursor = await self._control.control_cursor(self._node_id)
-                cursor, cancels = await self._control.next_cancels(
+                    cursor = await self._ownership.control_cursor(self._node_id)
+                cursor, cancels = await self._ownership.next_cancels(
                     self._node_id, after=cursor, block_ms=CONTROL_BLOCK_MS
                 )
             except FlowcastError as exc:

@@ -1,13 +1,18 @@
 """Runs executions in this process: start, pause, resume, cancel, end.
 
 The runner owns the execution tasks it starts. Each one emits its first event
-(``execution:started``, or ``execution:resumed``), lets the executor emit the block
-events, then emits exactly one terminal event or ``execution:paused``, and returns only
-once the writer has stored everything, the last event last.
+(``execution:started`` or ``execution:resumed``), lets its work (the executor, and the
+saving of a pause) run as a separate task, then emits exactly one last event —
+``execution:paused`` or a terminal one — and returns only once the writer has stored
+everything, the last event last. A stop (cancel, shutdown, fencing) cancels only the
+work, never the run, so the run always writes its ending, even when the stop arrives
+before its work began or while a pause is being saved.
 
-Ownership moves between processes through ``Control`` (leases and fenced claims): any
+Every change of ownership is a transition of ``Ownership`` (one Lua call each): any
 replica may resume a pause or cancel an execution, and the janitor of any replica ends
-executions whose owner died (``worker_lost``) or whose approval timed out.
+executions whose owner died (``worker_lost``) or whose approval timed out. A request
+either wins its transition (202) or gets 409 with the status that won; once it won, the
+run it launched retries whatever Redis work follows, so a 202 always takes effect.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -36,7 +41,6 @@ from lib.errors import (
     error_path,
 )
 from lib.execution.buffer import EventBuffer, ExecutionMeta
-from lib.execution.control import Control, node_of, now_ms
 from lib.execution.emitter import Emitter
 from lib.execution.events import (
     EXECUTION_CANCELLED,
@@ -49,17 +53,17 @@ from lib.execution.events import (
 )
 from lib.execution.hub import Hub
 from lib.execution.offload import Compactor, OffloadPolicy
+from lib.execution.ownership import Claim, Ownership, node_of
 from lib.execution.values import ValueStore
 from lib.execution.writer import EventWriter
 from lib.metrics import Metrics
-from lib.workflows.executor import BlockFailed, Executor, Paused, RunState
+from lib.workflows.executor import BlockFailed, Executor, Pause, Paused, RunState
 from lib.workflows.janitor import Ending, Janitor, cancelled
 from lib.workflows.leases import LeaseKeeper, LocalRun
 from lib.workflows.model import Workflow
+from lib.workflows.runstate import RunStates
 
 log = logging.getLogger(__name__)
-
-ENDING_WAIT_SECONDS = 5.0
 
 
 def new_execution_id() -> str:
@@ -73,6 +77,14 @@ class Started:
     status: str
 
 
+@dataclass(frozen=True)
+class Completed:
+    output: Any
+
+
+# What a run's work ends with, when it is not a block failure: its output, or a pause
+# whose state is saved.
+Outcome = Completed | Pause
 # What an execution task does between its writer opening and closing.
 Body = Callable[[LocalRun, Emitter], Awaitable[None]]
 
@@ -87,7 +99,7 @@ class Runner:
         hub: Hub,
         executor: Executor,
         values: ValueStore,
-        control: Control,
+        ownership: Ownership,
         offload: OffloadPolicy | None = None,
         max_pending_events: int = 10_000,
         lease_seconds: float = 15.0,
@@ -100,7 +112,8 @@ class Runner:
         self._hub = hub
         self._executor = executor
         self._values = values
-        self._control = control
+        self._ownership = ownership
+        self._states = RunStates(ownership=ownership, values=values)
         self._offload = offload or OffloadPolicy()
         self._max_pending = max_pending_events
         self._lease_seconds = lease_seconds
@@ -110,26 +123,25 @@ class Runner:
         self.node_id = node_id or secrets.token_hex(6)
         self._locals: dict[str, LocalRun] = {}
         self._keeper = LeaseKeeper(
-            control=control, lease_seconds=lease_seconds, node_id=self.node_id, runs=self._locals
+            ownership=ownership,
+            lease_seconds=lease_seconds,
+            node_id=self.node_id,
+            runs=self._locals,
         )
         self._loops: list[asyncio.Task[None]] = []
         self.accepting = True
 
     async def __aenter__(self) -> Runner:
+        janitor = Janitor(
+            ownership=self._ownership,
+            lease_seconds=self._lease_seconds,
+            is_local=self._locals.__contains__,
+            finish=self._claim_and_end,
+        )
         self._loops = [
             asyncio.create_task(self._keeper.renew_loop(), name="lease-renewal"),
             asyncio.create_task(self._keeper.cancel_loop(), name="cancel-listener"),
-            asyncio.create_task(
-                Janitor(
-                    buffer=self._buffer,
-                    control=self._control,
-                    lease_seconds=self._lease_seconds,
-                    is_local=self._locals.__contains__,
-                    new_fence=self._fence,
-                    finish=self._finish_here,
-                ).run(),
-                name="janitor",
-            ),
+            asyncio.create_task(janitor.run(), name="janitor"),
         ]
         return self
 
@@ -161,7 +173,7 @@ class Runner:
         return sum(run.retained() for run in self._locals.values())
 
     def _fence(self) -> str:
-        return f"{self.node_id}:{secrets.token_hex(8)}"
+        return self._ownership.new_fence(self.node_id)
 
     # -- the API's operations ------------------------------------------------------
 
@@ -176,39 +188,44 @@ class Runner:
         if not self.accepting:
             raise ShuttingDown("the server is shutting down and starts no new executions")
         execution_id = new_execution_id()
-        await self._admit(tenant, execution_id)
         fence = self._fence()
+        await self._admit(tenant, fence)
         now = datetime.now(UTC)
-        await asyncio.gather(
-            self._buffer.create(
+        identity = {
+            "workflowId": workflow.id,
+            "tenant": tenant,
+            "createdAt": utc_timestamp(now),
+            "inlineFiles": "1" if inline_files else "",
+        }
+        try:
+            claim = await self._ownership.start(
                 execution_id,
+                fence=fence,
                 workflow_id=workflow.id,
                 tenant=tenant,
-                owner=fence,
-                created_at=utc_timestamp(now),
+                created_at=identity["createdAt"],
                 created_ms=int(now.timestamp() * 1000),
-                extra={"leaseUntil": str(now_ms() + self._control.lease_ms)},
-            ),
-            self._control.save_state(
-                execution_id,
-                {"workflow": workflow.to_json(), "input": input, "inlineFiles": inline_files},
-            ),
-            self._control.hold(execution_id),
-        )
+                extra={"inlineFiles": identity["inlineFiles"]},
+            )
+        except FlowcastError:
+            await self._quietly(execution_id, self._ownership.leave(tenant, fence))
+            raise
 
         async def body(local: LocalRun, emitter: Emitter) -> None:
             emitter.emit(EXECUTION_STARTED, {"input": input})
-            await self._execute(local, emitter, workflow, input, None)
 
-        self._launch(
-            execution_id,
-            workflow.id,
-            fence,
-            tenant=tenant,
-            last_id=0,
-            inline_files=inline_files,
-            body=body,
-        )
+            async def work() -> Outcome:
+                # What a resume (or, later, a recovery) needs, saved off the start path.
+                version = await self._retrying(local, lambda: self._states.save_version(workflow))
+                await self._retrying(
+                    local,
+                    lambda: self._states.save(execution_id, {"workflow": version, "input": input}),
+                )
+                return await self._run_workflow(emitter, workflow, input, None)
+
+            await self._execute(local, emitter, work)
+
+        self._launch(execution_id, claim, identity=identity, body=body)
         return Started(execution_id, "running")
 
     async def resume(
@@ -231,55 +248,51 @@ class Runner:
                 pausedAt=paused_at,
             )
         _check_answer(meta.pause.get("schema") or {}, input)
-        await self._admit(tenant, execution_id)
         fence = self._fence()
-        try:
-            claim = await self._control.claim(execution_id, "resume", fence, block_id=paused_at)
-        except FlowcastError:
-            await self._control.leave(tenant, execution_id)
-            raise
-        await self._control.hold(execution_id)
-        state = await self._control.load_state(execution_id)
-        workflow = Workflow.model_validate(state["workflow"])
-        run = RunState.from_json(state.get("run") or {})
-        run.answers[paused_at] = input
+        await self._admit(tenant, fence)
+        claim = await self._claim(execution_id, "resume", fence, tenant, block_id=paused_at)
 
         async def body(local: LocalRun, emitter: Emitter) -> None:
-            emitter.emit(EXECUTION_RESUMED, {"blockId": paused_at, "input": input})
-            await self._execute(local, emitter, workflow, state.get("input"), run)
+            async def work() -> Outcome:
+                state = await self._retrying(local, lambda: self._states.load(execution_id))
+                workflow = await self._retrying(
+                    local, lambda: self._states.load_version(state["workflow"])
+                )
+                run = RunState.from_json(state.get("run") or {})
+                run.answers[paused_at] = input
+                emitter.emit(EXECUTION_RESUMED, {"blockId": paused_at, "input": input})
+                return await self._run_workflow(emitter, workflow, state.get("input"), run)
 
-        self._launch(
-            execution_id,
-            workflow.id,
-            fence,
-            tenant=tenant,
-            last_id=claim.last_id,
-            retained_bytes=meta.retained_bytes,
-            inline_files=bool(state.get("inlineFiles")),
-            body=body,
-        )
+            await self._execute(local, emitter, work)
+
+        self._launch(execution_id, claim, identity=_identity(meta), body=body, meta=meta)
         return Started(execution_id, "running")
 
     async def cancel(self, execution_id: str, *, tenant: str) -> Started:
-        """Cancel a running or paused execution wherever it runs."""
+        """Cancel a running or paused execution wherever it runs.
+
+        The claim decides, in Redis, against everything racing with it: a paused
+        execution becomes this process's to end; a running one gets its cancel flag, so
+        its owner's next final event becomes the cancel (append.lua), and the owner is
+        told at once. A finished one is a 409 with the status that won.
+        """
         meta = await self._owned(execution_id, tenant)
-        local = self._locals.get(execution_id)
-        if local is not None and not local.ending:
-            local.stop("cancel")
-            return Started(execution_id, "cancelling")
-        if local is not None and local.task is not None:
-            # Its last event is being stored: once it is, this is a cancel of a pause (or
-            # a 409 for a finished execution), answered below.
-            await asyncio.wait({local.task}, timeout=ENDING_WAIT_SECONDS)
         fence = self._fence()
-        claim = await self._control.claim(execution_id, "cancel", fence)
-        if claim.status_before == "running":
-            # Another process runs it: the note on its control stream reaches it now;
-            # the flag in the hash reaches it at its next lease renewal otherwise.
-            await self._control.send_cancel(node_of(claim.owner), execution_id)
+        claim = await self._claim(execution_id, "cancel", fence, tenant)
+        if claim.status_before != "running":
+            self._launch(
+                execution_id, claim, identity=_identity(meta), body=_ending(cancelled), meta=meta
+            )
             return Started(execution_id, "cancelling")
-        await self._control.hold(execution_id)
-        self._finish_here(execution_id, meta, fence, claim.last_id, cancelled)
+        await self._quietly(execution_id, self._ownership.release(execution_id, fence))
+        local = self._locals.get(execution_id)
+        if local is not None and local.fence == claim.owner:
+            local.stop("cancel")
+        else:
+            # The flag reaches the owner with its next write or renewal anyway.
+            await self._quietly(
+                execution_id, self._ownership.send_cancel(node_of(claim.owner), execution_id)
+            )
         return Started(execution_id, "cancelling")
 
     async def _owned(self, execution_id: str, tenant: str) -> ExecutionMeta:
@@ -288,55 +301,92 @@ class Runner:
             raise NotFound("execution", execution_id)
         return meta
 
+    async def _claim(
+        self, execution_id: str, mode: str, fence: str, tenant: str, *, block_id: str = ""
+    ) -> Claim:
+        """Watch ``fence``'s lease, then win the transition with it (or undo the watch)."""
+        try:
+            await self._ownership.hold(execution_id, fence)
+            return await self._ownership.claim(execution_id, mode, fence, block_id=block_id)
+        except FlowcastError:
+            await self._quietly(
+                execution_id,
+                self._ownership.release(execution_id, fence),
+                self._ownership.leave(tenant, fence),
+            )
+            raise
+
+    async def _claim_and_end(
+        self, execution_id: str, mode: str, expected: str, ending: Ending
+    ) -> str | None:
+        """The janitor's transitions: take over or expire, then write ``ending``."""
+        fence = self._fence()
+        try:
+            await self._ownership.hold(execution_id, fence)
+            claim = await self._ownership.claim(execution_id, mode, fence, expected=expected)
+            meta = await self._buffer.meta(execution_id)
+        except (Conflict, NotFound) as exc:
+            await self._quietly(execution_id, self._ownership.release(execution_id, fence))
+            return exc.code
+        log.warning("ending an execution", extra={"executionId": execution_id, "mode": mode})
+        self._launch(execution_id, claim, identity=_identity(meta), body=_ending(ending), meta=meta)
+        return None
+
     # -- running -------------------------------------------------------------------
 
     def _launch(
         self,
         execution_id: str,
-        workflow_id: str,
-        fence: str,
+        claim: Claim,
         *,
-        tenant: str,
-        last_id: int,
-        inline_files: bool,
+        identity: dict[str, str],
         body: Body,
-        retained_bytes: int = 0,
+        meta: ExecutionMeta | None = None,
     ) -> None:
+        """Run ``body`` here as the owner ``claim`` made this process."""
+        tenant = identity["tenant"]
+        local = LocalRun(
+            execution_id, claim.owner, claim.epoch, tenant, checked_at=time.monotonic()
+        )
         writer = EventWriter(
             buffer=self._buffer,
             execution_id=execution_id,
-            fence=fence,
-            stored_id=last_id,
+            fence=claim.owner,
+            epoch=claim.epoch,
+            stored_id=claim.last_id,
+            base_id=claim.base,
+            on_cancel=lambda: local.stop("cancel"),
+            identity={k: v for k, v in identity.items() if v},
             max_pending=self._max_pending,
             metrics=self._metrics,
         )
-        local = LocalRun(execution_id, fence, tenant, checked_at=time.monotonic())
         # Attached before the task runs, so a reader arriving now already finds it local.
         publisher = self._hub.attach_local(
             execution_id,
-            last_id=last_id,
+            last_id=claim.base,
             unstored=writer.unstored,
             gate=lambda: time.monotonic() - local.checked_at < self._lease_seconds,
         )
+        writer.show_to(publisher.publish)
         compactor = Compactor(
             store=self._values,
             execution_id=execution_id,
             policy=self._offload,
-            inline_files=inline_files,
+            inline_files=bool(identity.get("inlineFiles")),
             metrics=self._metrics,
         )
-        compactor.stored(retained_bytes)
+        compactor.stored(meta.retained_bytes if meta is not None else 0)
         emitter = Emitter(
             execution_id=execution_id,
-            workflow_id=workflow_id,
-            publisher=publisher,
+            workflow_id=identity["workflowId"],
             writer=writer,
             compactor=compactor,
             metrics=self._metrics,
-            last_id=last_id,
+            last_id=claim.base,
         )
         local.pending = lambda: writer.pending
         local.retained = lambda: compactor.ring.retained_bytes
+        local.repair = writer.request_repair
 
         async def run() -> None:
             try:
@@ -344,10 +394,9 @@ class Runner:
                 # the last event, then live readers here switch to following the buffer.
                 async with writer, emitter:
                     await body(local, emitter)
-                    local.ending = True
             finally:
                 publisher.detach()
-                await self._let_go(local, fenced=writer.refused is not None)
+                await self._let_go(local, writer)
 
         def forget(_task: asyncio.Task[None]) -> None:
             # A resume or cancel here may already have launched the next run of this
@@ -359,35 +408,110 @@ class Runner:
         self._locals[execution_id] = local
         local.task.add_done_callback(forget)
 
-    async def _let_go(self, local: LocalRun, *, fenced: bool) -> None:
-        try:
-            await self._control.leave(local.tenant, local.execution_id)
-            if not fenced:  # else the lease entry belongs to whoever fenced us out
-                await self._control.release(local.execution_id, local.fence)
-        except FlowcastError as exc:
-            # Stale entries only cost a refused claim later, or expire with their lease.
-            log.warning(
-                "could not release the lease",
-                extra={"executionId": local.execution_id, "error": str(exc)},
-            )
+    async def _let_go(self, local: LocalRun, writer: EventWriter) -> None:
+        """Leave the tenant's running set; stop watching the lease once it is settled.
 
-    async def _admit(self, tenant: str, execution_id: str) -> None:
-        if not await self._control.admit(tenant, execution_id, limit=self._per_tenant):
+        A run whose last event was not stored (and that was not fenced out) keeps its
+        lease entry: the lease expires and a janitor ends the execution, so it is never
+        left running with nobody watching.
+        """
+        settled = writer.final_stored is not None or writer.refused is not None
+        work = [self._ownership.leave(local.tenant, local.fence)]
+        if settled:
+            work.append(self._ownership.release(local.execution_id, local.fence))
+        else:
+            log.error(
+                "a run ended without storing its last event; its lease will expire",
+                extra={"executionId": local.execution_id},
+            )
+        await self._quietly(local.execution_id, *work)
+
+    async def _quietly(self, execution_id: str, *work: Awaitable[None]) -> None:
+        """Best-effort cleanup: stale entries only cost a refused claim later, or expire."""
+        for step in work:
+            try:
+                await step
+            except FlowcastError as exc:
+                log.warning(
+                    "cleanup step failed", extra={"executionId": execution_id, "error": str(exc)}
+                )
+
+    async def _admit(self, tenant: str, fence: str) -> None:
+        if not await self._ownership.admit(tenant, fence, limit=self._per_tenant):
             raise TooBusy(
                 f"this tenant already runs {self._per_tenant} executions; try again shortly",
                 retry_after=max(1, round(self._lease_seconds / 3)),
             )
 
+    async def _retrying(self, local: LocalRun, step: Callable[[], Awaitable[Any]]) -> Any:
+        """Run a Redis step of a run's work until it succeeds (a stop cancels it)."""
+        backoff = Backoff(base=0.05, cap=2.0)
+        while True:
+            try:
+                return await step()
+            except BufferUnavailable as exc:
+                log.warning(
+                    "run state step failed; will retry",
+                    extra={"executionId": local.execution_id, "error": str(exc)},
+                )
+                await backoff.wait()
+
     async def _execute(
-        self,
-        local: LocalRun,
-        emitter: Emitter,
-        workflow: Workflow,
-        input: Any,
-        state: RunState | None,
+        self, local: LocalRun, emitter: Emitter, work: Callable[[], Coroutine[Any, Any, Outcome]]
     ) -> None:
+        """Run ``work`` as the cancellable part of the run; then emit its last event."""
         started = time.monotonic()
-        extra = {"executionId": emitter.execution_id, "workflowId": workflow.id}
+        extra = {"executionId": emitter.execution_id, "workflowId": emitter.workflow_id}
+        task: asyncio.Task[Outcome] = asyncio.create_task(work(), name="work")
+        local.work = task
+        if local.stop_reason is not None:
+            task.cancel(local.stop_reason)
+        try:
+            await asyncio.wait({task})
+        finally:
+            if not task.done():  # the run itself is being torn down
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if task.cancelled():
+            reason = local.stop_reason
+            log.info("execution stopped", extra={**extra, "reason": reason})
+            if reason == "fenced":
+                log.warning("execution taken over by another process", extra=extra)
+                return  # the new owner writes the end; we may not
+            if reason == "shutdown":
+                error = {"code": "shutdown", "message": "the server shut down during the run"}
+                emitter.emit(EXECUTION_FAILED, {"error": error})
+            else:
+                emitter.emit(EXECUTION_CANCELLED, {"reason": "cancelled"})
+            return
+        failure = task.exception()
+        if isinstance(failure, BlockFailed):
+            log.info("execution failed", extra={**extra, "blockId": failure.block_id})
+            emitter.emit(EXECUTION_FAILED, {"error": failure.as_error()})
+        elif isinstance(failure, NotFound):
+            log.error("execution state lost", extra={**extra, "error": str(failure)})
+            error = {"code": "state_lost", "message": f"the run state was lost: {failure}"}
+            emitter.emit(EXECUTION_FAILED, {"error": error})
+        elif failure is not None:
+            log.error("execution crashed", extra=extra, exc_info=failure)
+            message = f"{type(failure).__name__}: {failure}"
+            emitter.emit(
+                EXECUTION_FAILED, {"error": {"code": "internal_error", "message": message}}
+            )
+        else:
+            outcome = task.result()
+            if isinstance(outcome, Pause):
+                data = {"blockId": outcome.block_id, "prompt": outcome.prompt}
+                emitter.emit(EXECUTION_PAUSED, {**data, "schema": outcome.schema})
+                return
+            duration_ms = round((time.monotonic() - started) * 1000)
+            emitter.emit(EXECUTION_COMPLETED, {"output": outcome.output, "durationMs": duration_ms})
+            log.info("execution completed", extra={**extra, "durationMs": duration_ms})
+
+    async def _run_workflow(
+        self, emitter: Emitter, workflow: Workflow, input: Any, state: RunState | None
+    ) -> Outcome:
+        """The executor's run; a pause is saved (with its deadline) before it is returned."""
         try:
             output = await self._executor.run(
                 workflow,
@@ -397,82 +521,48 @@ class Runner:
                 state=state,
             )
         except Paused as paused:
-            await self._pause(emitter, paused)
-        except BlockFailed as exc:
-            log.info("execution failed", extra={**extra, "blockId": exc.block_id})
-            emitter.emit(EXECUTION_FAILED, {"error": exc.as_error()})
-        except asyncio.CancelledError:
-            if local.stop_reason == "fenced":
-                log.warning("execution taken over by another process", extra=extra)
-                return  # the new owner writes the end; we may not
-            if local.stop_reason == "shutdown":
-                error = {"code": "shutdown", "message": "the server shut down during the run"}
-                emitter.emit(EXECUTION_FAILED, {"error": error})
-            else:
-                emitter.emit(EXECUTION_CANCELLED, {"reason": "cancelled"})
-            log.info("execution stopped", extra={**extra, "reason": local.stop_reason})
-        except Exception as exc:
-            log.exception("execution crashed", extra=extra)
-            error = {"code": "internal_error", "message": f"{type(exc).__name__}: {exc}"}
-            emitter.emit(EXECUTION_FAILED, {"error": error})
-        else:
-            duration_ms = round((time.monotonic() - started) * 1000)
-            emitter.emit(EXECUTION_COMPLETED, {"output": output, "durationMs": duration_ms})
-            log.info("execution completed", extra={**extra, "durationMs": duration_ms})
+            await self._save_pause(emitter.execution_id, paused)
+            return paused.pause
+        return Completed(output)
 
-    async def _pause(self, emitter: Emitter, paused: Paused) -> None:
-        """Persist the run state, then announce the pause (so a paused status has state)."""
+    async def _save_pause(self, execution_id: str, paused: Paused) -> None:
+        """Persist the run state, so a paused status always has state to resume from."""
         pause = paused.pause
-        deadline = now_ms() + pause.timeout_seconds * 1000 if pause.timeout_seconds else None
         backoff = Backoff(base=0.05, cap=5.0, factor=4)
         for attempt in range(1, 6):
             try:
-                await self._control.save_state(
-                    emitter.execution_id, {"run": paused.state.to_json()}, deadline_ms=deadline
+                deadline = None
+                if pause.timeout_seconds:
+                    deadline = await self._ownership.now_ms() + pause.timeout_seconds * 1000
+                await self._states.save(
+                    execution_id, {"run": paused.state.to_json()}, deadline_ms=deadline
                 )
                 if deadline is not None:
-                    await self._control.watch_deadline(emitter.execution_id, deadline)
-                break
+                    await self._ownership.watch_deadline(execution_id, deadline)
+                return
             except BufferUnavailable as exc:
                 if attempt == 5:
-                    log.error("pause state not saved", extra={"executionId": emitter.execution_id})
-                    error = {
-                        "code": "pause_not_saved",
-                        "message": f"the pause could not be saved: {exc}",
-                    }
-                    emitter.emit(EXECUTION_FAILED, {"error": error})
-                    return
+                    log.error("pause state not saved", extra={"executionId": execution_id})
+                    message = f"the pause could not be saved: {exc}"
+                    raise BlockFailed(pause.block_id, "pause_not_saved", message) from exc
                 await backoff.wait()
-        emitter.emit(
-            EXECUTION_PAUSED,
-            {"blockId": pause.block_id, "prompt": pause.prompt, "schema": pause.schema},
-        )
 
-    def _finish_here(
-        self,
-        execution_id: str,
-        meta: ExecutionMeta,
-        fence: str,
-        last_id: int,
-        ending: Ending,
-    ) -> None:
-        """Write the terminal event of an execution this process just claimed."""
 
-        async def body(local: LocalRun, emitter: Emitter) -> None:
-            ending(emitter)
+def _ending(ending: Ending) -> Body:
+    async def body(local: LocalRun, emitter: Emitter) -> None:
+        ending(emitter)
 
-        self._launch(
-            execution_id,
-            meta.workflow_id,
-            fence,
-            tenant=meta.tenant,
-            last_id=last_id,
-            retained_bytes=meta.retained_bytes,
-            inline_files=False,
-            body=body,
-        )
+    return body
 
-    # -- background loops ----------------------------------------------------------
+
+def _identity(meta: ExecutionMeta) -> dict[str, str]:
+    """The fields a writer recreates the metadata with if the store loses it."""
+    return {
+        "workflowId": meta.workflow_id,
+        "tenant": meta.tenant,
+        "createdAt": meta.created_at,
+        "inlineFiles": "1" if meta.inline_files else "",
+    }
 
 
 def _check_answer(schema: dict[str, Any], answer: Any) -> None:

@@ -176,7 +176,7 @@ class Templates:
         size = 0
         for part in self._template(source).generate(context):
             self._env._on_time()
-            size += len(part.encode())
+            size += len(part.encode("utf-8", "surrogatepass"))
             if size > self.max_output_bytes:
                 raise BlockError(
                     "template_error",
@@ -191,7 +191,10 @@ class Templates:
             return _plain(self._expression(expr)(**context))
 
         result = self._guard(run)
-        if isinstance(result, str) and len(result.encode()) > self.max_output_bytes:
+        if (
+            isinstance(result, str)
+            and len(result.encode("utf-8", "surrogatepass")) > self.max_output_bytes
+        ):
             raise BlockError(
                 "template_error",
                 f"template output exceeds {self.max_output_bytes} bytes",

@@ -48,7 +48,7 @@ def chunk(execution_id: str, event_id: int, size: int) -> Event:
 async def footprint(redis: Redis, buffer: EventBuffer, execution_id: str) -> int:
     """Bytes Redis holds for the execution's keys, every stream node counted."""
     total = 0
-    for key in buffer.keys(execution_id):
+    for key in buffer.keys.execution(execution_id):
         total += int(await redis.memory_usage(key, samples=0) or 0)  # None: no such key
     return total
 
@@ -150,7 +150,7 @@ async def test_tiny_events_never_keep_more_than_the_event_limit(redis: Redis) ->
         result = await buffer.append(execution_id, batch, fence="owner-1")
         next_id += len(batch)
         assert result.retained_count <= event_limit
-        assert await redis.xlen(buffer.stream_key(execution_id)) == result.retained_count
+        assert await redis.xlen(buffer.keys.events(execution_id)) == result.retained_count
     meta = await buffer.meta(execution_id)
     assert meta.retained_count == event_limit
     assert meta.last_id == next_id - 1

@@ -60,10 +60,9 @@ async def test_readers_attaching_during_a_local_execution_get_every_event_once(
     async with Hub(buffer=buffer) as hub:
         writer = EventWriter(buffer=buffer, execution_id=execution_id, fence="me")
         publisher = hub.attach_local(execution_id, last_id=0, unstored=writer.unstored)
+        writer.show_to(publisher.publish)
         async with writer:
-            emitter = Emitter(
-                execution_id=execution_id, workflow_id="wf", publisher=publisher, writer=writer
-            )
+            emitter = Emitter(execution_id=execution_id, workflow_id="wf", writer=writer)
             readers: list[tuple[int, asyncio.Task[list[object]]]] = []
             producer = asyncio.create_task(emit_all(emitter, TOTAL))
             rng = random.Random(7)
@@ -95,10 +94,9 @@ async def test_readers_on_another_process_follow_the_stored_log_without_polling(
         async with Hub(buffer=buffer) as other_hub:
             writer = EventWriter(buffer=buffer, execution_id=execution_id, fence="me")
             publisher = other_hub.attach_local(execution_id, last_id=0, unstored=writer.unstored)
+            writer.show_to(publisher.publish)
             async with writer:
-                emitter = Emitter(
-                    execution_id=execution_id, workflow_id="wf", publisher=publisher, writer=writer
-                )
+                emitter = Emitter(execution_id=execution_id, workflow_id="wf", writer=writer)
                 await emit_all(emitter, TOTAL)
             publisher.detach()
 
@@ -125,10 +123,9 @@ async def test_reader_closes_at_its_time_cap_and_a_reconnect_loses_nothing(
     async with Hub(buffer=buffer) as hub:
         writer = EventWriter(buffer=buffer, execution_id=execution_id, fence="me")
         publisher = hub.attach_local(execution_id, last_id=0, unstored=writer.unstored)
+        writer.show_to(publisher.publish)
         async with writer:
-            emitter = Emitter(
-                execution_id=execution_id, workflow_id="wf", publisher=publisher, writer=writer
-            )
+            emitter = Emitter(execution_id=execution_id, workflow_id="wf", writer=writer)
             emitter.emit("execution:started", {"input": None})
             capped = StreamReader(
                 buffer=buffer, hub=hub, execution_id=execution_id, cursor=0, max_seconds=0.2

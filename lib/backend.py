@@ -1,0 +1,105 @@
+"""The one Redis seam: every key name, every error translation, every Lua script.
+
+Every module that talks to Redis builds its keys with ``Keys`` and wraps its calls in
+``translated`` (or ``translating``), so a Redis or cluster error becomes
+``BufferUnavailable`` in exactly one way. Keys of one execution share the hash tag
+``{<eid>}`` so its scripts run on Redis Cluster; the few global keys (the lease and
+deadline watch lists, tenants' indexes) are only ever touched one key per command.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import ParamSpec, TypeVar
+
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
+
+from lib.errors import BufferUnavailable
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class Keys:
+    """Names of every Redis key Flowcast uses, under one prefix."""
+
+    def __init__(self, prefix: str = "fc") -> None:
+        self.prefix = prefix
+        self.leases = f"{prefix}:leases"  # running executions by lease end ("<eid> <fence>")
+        self.deadlines = f"{prefix}:deadlines"  # paused executions by approval deadline
+
+    def events(self, execution_id: str) -> str:
+        return f"{self.prefix}:{{{execution_id}}}:events"
+
+    def meta(self, execution_id: str) -> str:
+        return f"{self.prefix}:{{{execution_id}}}:meta"
+
+    def dropped(self, execution_id: str) -> str:
+        return f"{self.prefix}:{{{execution_id}}}:dropped"
+
+    def state(self, execution_id: str) -> str:
+        return f"{self.prefix}:{{{execution_id}}}:state"
+
+    def execution(self, execution_id: str) -> list[str]:
+        """The keys of one execution, in the order its scripts take them."""
+        return [
+            self.events(execution_id),
+            self.meta(execution_id),
+            self.dropped(execution_id),
+            self.state(execution_id),
+        ]
+
+    def index(self, tenant: str) -> str:
+        return f"{self.prefix}:executions:{tenant}"
+
+    def running(self, tenant: str) -> str:
+        return f"{self.prefix}:running:{tenant}"
+
+    def control(self, node: str) -> str:
+        return f"{self.prefix}:control:{node}"
+
+    def workflows(self, tenant: str) -> str:
+        return f"{self.prefix}:workflows:{tenant}"
+
+    def workflow_version(self, digest: str) -> str:
+        return f"{self.prefix}:workflow-version:{digest}"
+
+    def idempotency(self, tenant: str, operation: str, name: str) -> str:
+        return f"{self.prefix}:idem:{tenant}:{operation}:{name}"
+
+
+@contextmanager
+def translating(what: str = "the buffer") -> Iterator[None]:
+    """Turn Redis client errors raised inside into BufferUnavailable."""
+    try:
+        yield
+    except ResponseError as exc:
+        raise BufferUnavailable(f"{what} refused the command: {exc}") from exc
+    # RedisClusterException is not a RedisError: the cluster client raises it when no
+    # node answers or a slot has no node, and it must not escape the seam.
+    except (RedisError, RedisClusterException, OSError) as exc:
+        raise BufferUnavailable(f"{what} is unreachable: {exc}") from exc
+
+
+def translated(method: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
+    """Decorate a coroutine so Redis client errors leave it as BufferUnavailable."""
+
+    @functools.wraps(method)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        with translating():
+            return await method(*args, **kwargs)
+
+    return wrapper
+
+
+def load_script(package: str, name: str) -> str:
+    """The text of a Lua script that lives next to the module that runs it."""
+    return importlib.resources.files(package).joinpath(name).read_text()
+
+
+def is_unreachable(exc: BaseException) -> bool:
+    """True for the errors ``translating`` turns into BufferUnavailable."""
+    return isinstance(exc, (RedisError, RedisClusterException, OSError))

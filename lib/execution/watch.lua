@@ -1,0 +1,19 @@
+--[[
+watch.lua: list a member in a watch list (a sorted set scored by a time), or read
+the members that are due, on Redis's clock.
+
+KEYS[1]  the watch list: fc:leases ("<eid> <fence>" by lease end),
+         fc:deadlines (execution ids by approval deadline) or fc:running:<tenant>
+ARGV[1]  "add": ARGV[2] member, ARGV[3] milliseconds from now; returns the score
+         "due": ARGV[2] the most members to return; returns the members whose score
+                has passed
+]]
+
+local time = redis.call("TIME")
+local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+if ARGV[1] == "add" then
+  local score = now + tonumber(ARGV[3])
+  redis.call("ZADD", KEYS[1], score, ARGV[2])
+  return score
+end
+return redis.call("ZRANGEBYSCORE", KEYS[1], "-inf", now, "LIMIT", 0, tonumber(ARGV[2]))

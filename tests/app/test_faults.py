@@ -1,0 +1,433 @@
+"""Faults on real processes (SPEC §3, §4, §5, §7): nothing stuck, no 202 that does
+nothing, no id that names two events.
+
+Two Flowcast processes (A and B, lease 1 s) share one Valkey; faults come from Valkey
+itself (``CLIENT PAUSE … WRITE``, kill -9 and restart from an older snapshot or empty)
+or from a seam (a replica whose clock runs 60 s ahead).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from tests.support.api import all_events, put, talking_workflow
+from tests.support.faults import (
+    FaultyValkey,
+    crash_and_restore,
+    crash_and_wipe,
+    pause_writes,
+    take_snapshot,
+)
+from tests.support.logcheck import TERMINAL, check_view
+from tests.support.servers import FlowcastServer
+from tests.support.sse import Frame, events
+
+LEASE_SECONDS = 1.0
+TERMINAL_STATUSES = ("completed", "failed", "cancelled")
+# Every stream on an execution ends within about a lease plus the grace: far below this.
+STREAM_DEADLINE = 20.0
+
+
+@pytest.fixture(scope="module")
+async def valkey(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[FaultyValkey]:
+    server = FaultyValkey(data_dir=tmp_path_factory.mktemp("faults-valkey"))
+    await server.start()
+    yield server
+    await server.stop()
+
+
+def replica(valkey: FaultyValkey, root: Path, name: str, **env: str) -> FlowcastServer:
+    return FlowcastServer(
+        data_dir=root / name,
+        env={
+            "FLOWCAST_REDIS_URL": valkey.url,
+            "FLOWCAST_LEASE_SECONDS": str(LEASE_SECONDS),
+            "FLOWCAST_SSE_PING_SECONDS": "0.5",
+            "FLOWCAST_SHUTDOWN_GRACE_SECONDS": "1",
+            **env,
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+async def pair(
+    valkey: FaultyValkey, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[tuple[FlowcastServer, FlowcastServer]]:
+    root = tmp_path_factory.mktemp("faults")
+    servers = (replica(valkey, root, "a"), replica(valkey, root, "b"))
+    await asyncio.gather(*(server.start() for server in servers))
+    yield servers
+    await asyncio.gather(*(server.stop(signal.SIGKILL) for server in servers))
+
+
+@contextlib.asynccontextmanager
+async def clients(
+    pair: tuple[FlowcastServer, FlowcastServer],
+) -> AsyncIterator[tuple[httpx.AsyncClient, httpx.AsyncClient]]:
+    async with (
+        httpx.AsyncClient(base_url=pair[0].url, timeout=30) as a,
+        httpx.AsyncClient(base_url=pair[1].url, timeout=30) as b,
+    ):
+        yield a, b
+
+
+async def execute(client: httpx.AsyncClient, workflow_id: str, input: Any = None) -> str:
+    response = await client.post(f"/api/workflows/{workflow_id}/execute", json={"input": input})
+    assert response.status_code == 202, response.text
+    execution_id: str = response.json()["executionId"]
+    return execution_id
+
+
+async def follow(
+    client: httpx.AsyncClient, execution_id: str, *, cursor: int = 0, started: Any = None
+) -> list[Frame]:
+    """Read a stream to its end (it must end); ``started`` is set once it is open."""
+    headers = {"Last-Event-ID": str(cursor)}
+    async with asyncio.timeout(STREAM_DEADLINE):
+        async with client.stream(
+            "GET", f"/api/executions/{execution_id}/stream", headers=headers
+        ) as response:
+            if started is not None:
+                started.set()
+            if response.status_code == 204:
+                return []
+            assert response.status_code == 200, await response.aread()
+            return [frame async for frame in events(response)]
+
+
+def approval_workflow(workflow_id: str, *, wait_ms: int = 0) -> dict[str, Any]:
+    schema = {"type": "object", "required": ["ok"], "properties": {"ok": {"type": "boolean"}}}
+    return {
+        "id": workflow_id,
+        "blocks": [
+            {"id": "wait", "type": "delay", "config": {"ms": wait_ms}},
+            {"id": "review", "type": "approval", "config": {"prompt": "ok?", "schema": schema}},
+            {"id": "after", "type": "transform", "config": {"value": "{{ blocks.review.output }}"}},
+        ],
+        "edges": [{"from": "wait", "to": "review"}, {"from": "review", "to": "after"}],
+    }
+
+
+async def wait_status(client: httpx.AsyncClient, execution_id: str, status: str) -> None:
+    async with asyncio.timeout(STREAM_DEADLINE):
+        while (await client.get(f"/api/executions/{execution_id}")).json()["status"] != status:
+            await asyncio.sleep(0.02)
+
+
+def same_events(seen: list[dict[str, Any]], stored: list[dict[str, Any]]) -> None:
+    """No id names two different events: every id a client saw is the stored event."""
+    by_id = {envelope["id"]: envelope for envelope in stored}
+    for envelope in seen:
+        if envelope["id"] in by_id:
+            assert by_id[envelope["id"]] == envelope, (envelope, by_id[envelope["id"]])
+
+
+def covered(stored: list[dict[str, Any]], frames: list[Frame]) -> None:
+    """A full replay is the stored log: ids in order, holes only behind a replay:gap."""
+    envelopes = check_view(frames)
+    assert [e["id"] for e in envelopes] == [e["id"] for e in stored]
+    assert stored[-1]["type"] in TERMINAL
+    assert sum(e["type"] in TERMINAL for e in stored) == 1
+
+
+async def test_an_odd_cursor_on_one_reader_does_not_stall_another(
+    pair: tuple[FlowcastServer, FlowcastServer], unique: str
+) -> None:
+    async with clients(pair) as (a, b):
+        await put(a, talking_workflow(f"odd-{unique}", words=30, tps=30))
+        execution_id = await execute(a, f"odd-{unique}")
+        opened = asyncio.Event()
+        # On B, which does not run it: first a reader with a cursor far above the end...
+        odd = asyncio.create_task(follow(b, execution_id, cursor=1000, started=opened))
+        await opened.wait()
+        # ...then one from the start, which must get every event, to the terminal one.
+        plain = await follow(b, execution_id)
+        assert (await odd) == []
+        stored = await all_events(a, execution_id)
+    covered(stored, plain)
+
+
+@pytest.mark.parametrize("on", ["owner", "other"])
+async def test_a_cursor_above_the_last_id_still_ends_at_the_terminal_event(
+    pair: tuple[FlowcastServer, FlowcastServer], unique: str, on: str
+) -> None:
+    async with clients(pair) as (a, b):
+        await put(a, talking_workflow(f"above-{unique}", words=4, tps=8))
+        execution_id = await execute(a, f"above-{unique}")
+        frames = await follow(a if on == "owner" else b, execution_id, cursor=1000)
+        snapshot = await wait_finished(a, execution_id)
+    assert frames == []
+    assert snapshot["status"] == "completed" and snapshot["lastEventId"] < 1000
+
+
+async def test_a_cancel_while_the_pause_is_being_saved_ends_the_execution(
+    pair: tuple[FlowcastServer, FlowcastServer], valkey: FaultyValkey, unique: str
+) -> None:
+    async with clients(pair) as (a, b):
+        await put(a, approval_workflow(f"pausing-{unique}", wait_ms=300))
+        execution_id = await execute(a, f"pausing-{unique}")
+        reader = asyncio.create_task(follow(b, execution_id))
+        await asyncio.sleep(0.1)  # inside the delay block: the pause is saved after it
+        # Writes stall while the run saves its pause; the cancel arrives meanwhile.
+        await pause_writes(valkey, 1500)
+        await asyncio.sleep(0.4)
+        cancels = await asyncio.gather(
+            a.post(f"/api/executions/{execution_id}/cancel"),
+            b.post(f"/api/executions/{execution_id}/cancel"),
+        )
+        # One wins; the other is a 202 too, or a 409 that names the cancel that won.
+        codes = sorted(r.status_code for r in cancels)
+        assert codes in ([202, 202], [202, 409]), [r.text for r in cancels]
+        for response in cancels:
+            if response.status_code == 409:
+                assert response.json()["error"]["status"] == "cancelled", response.text
+        snapshot = await wait_finished(a, execution_id)
+        frames = await reader
+        stored = await all_events(a, execution_id)
+    assert snapshot["status"] == "cancelled", snapshot
+    covered(stored, frames)
+
+
+@pytest.mark.parametrize("where", ["same", "across"])
+async def test_resume_and_cancel_at_the_same_instant_each_take_effect_or_get_409(
+    pair: tuple[FlowcastServer, FlowcastServer], unique: str, where: str
+) -> None:
+    async with clients(pair) as (a, b):
+        await put(a, approval_workflow(f"race-{unique}"))
+        for attempt in range(8):
+            execution_id = await execute(a, f"race-{unique}", {"n": attempt})
+            await wait_status(a, execution_id, "paused")
+            canceller = a if where == "same" else b
+            resume, cancel = await asyncio.gather(
+                a.post(f"/api/executions/{execution_id}/resume", json={"input": {"ok": True}}),
+                canceller.post(f"/api/executions/{execution_id}/cancel"),
+            )
+            assert resume.status_code in (202, 409), resume.text
+            assert cancel.status_code in (202, 409), cancel.text
+            snapshot = await wait_finished(a, execution_id)
+            stored = await all_events(a, execution_id)
+            types = [e["type"] for e in stored]
+            if resume.status_code == 202:
+                assert "execution:resumed" in types, types
+            if cancel.status_code == 202:
+                assert snapshot["status"] == "cancelled", (types, snapshot)
+            else:
+                assert cancel.json()["error"]["code"] == "execution_completed", cancel.text
+                assert snapshot["status"] == "completed"
+            covered(stored, await follow(b, execution_id))
+
+
+async def test_outputs_no_event_could_carry_are_made_carriable_without_an_id_hole(
+    pair: tuple[FlowcastServer, FlowcastServer], unique: str
+) -> None:
+    workflow = {
+        "id": f"huge-{unique}",
+        "blocks": [
+            {"id": "big", "type": "transform", "config": {"value": "{{ 2 ** 64 }}"}},
+            {"id": "lone", "type": "transform", "config": {"value": "{{ '\\ud800x' }}"}},
+            {"id": "both", "type": "transform", "config": {"value": ["{{ -(3 ** 50) }}", 1]}},
+        ],
+        "edges": [],
+    }
+    async with clients(pair) as (a, _b):
+        await put(a, workflow)
+        execution_id = await execute(a, workflow["id"])
+        live = await follow(a, execution_id)
+        stored = await all_events(a, execution_id)
+    covered(stored, live)
+    assert stored[-1]["type"] == "execution:completed", stored
+    output = stored[-1]["data"]["output"]
+    assert output == {"big": str(2**64), "lone": "\ufffdx", "both": [str(-(3**50)), 1]}
+
+
+async def test_a_store_restored_from_an_older_snapshot_never_reuses_an_id(
+    pair: tuple[FlowcastServer, FlowcastServer],
+    valkey: FaultyValkey,
+    unique: str,
+    tmp_path: Path,
+) -> None:
+    async with clients(pair) as (a, b):
+        await put(a, talking_workflow(f"older-{unique}", words=60, tps=30))
+        execution_id = await execute(a, f"older-{unique}")
+        live = asyncio.create_task(follow(a, execution_id))
+        await wait_last_id(a, execution_id, 10)
+        snapshot = await take_snapshot(valkey, tmp_path / "older.rdb")
+        await wait_last_id(a, execution_id, 25)
+        await crash_and_restore(valkey, snapshot)
+        finished = await wait_finished(a, execution_id)
+        seen = check_view(await live)
+        stored = await all_events(a, execution_id)
+        replayed = await follow(b, execution_id)
+    assert finished["status"] == "completed", finished
+    assert seen[-1]["type"] == "execution:completed"
+    same_events(seen, stored)
+    covered(stored, replayed)
+    gaps = [frame.json for frame in replayed if frame.event == "replay:gap"]
+    assert gaps and all(gap["reason"] == "dropped" for gap in gaps), gaps
+
+
+async def test_a_store_that_comes_back_empty_is_recreated_by_the_owner(
+    pair: tuple[FlowcastServer, FlowcastServer], valkey: FaultyValkey, unique: str
+) -> None:
+    async with clients(pair) as (a, b):
+        await put(a, talking_workflow(f"empty-{unique}", words=60, tps=30))
+        execution_id = await execute(a, f"empty-{unique}")
+        live = asyncio.create_task(follow(a, execution_id))
+        elsewhere = asyncio.create_task(follow(b, execution_id))
+        await wait_last_id(a, execution_id, 15)
+        await crash_and_wipe(valkey)
+        await put(a, talking_workflow(f"empty-{unique}", words=60, tps=30))
+        finished = await wait_finished(a, execution_id)
+        seen = check_view(await live)
+        followed = check_view(await elsewhere)
+        stored = await all_events(a, execution_id)
+    assert finished["status"] == "completed", finished
+    assert seen[-1]["type"] == "execution:completed"
+    assert followed[-1]["type"] == "execution:completed"
+    same_events(seen, stored)
+    same_events(followed, stored)
+
+
+async def test_a_replica_whose_clock_runs_ahead_ends_no_healthy_execution(
+    pair: tuple[FlowcastServer, FlowcastServer],
+    valkey: FaultyValkey,
+    unique: str,
+    tmp_path: Path,
+) -> None:
+    skewed = replica(valkey, tmp_path, "skewed")
+    skewed.env["PYTHONPATH"] = str(clock_ahead(tmp_path / "clock", seconds=60))
+    await skewed.start()
+    try:
+        async with clients(pair) as (a, _b):
+            await put(a, talking_workflow(f"skew-{unique}", words=12, tps=4))
+            execution_id = await execute(a, f"skew-{unique}")
+            frames = await follow(a, execution_id)
+            snapshot = await wait_finished(a, execution_id)
+    finally:
+        await skewed.stop(signal.SIGKILL)
+    assert snapshot["status"] == "completed", snapshot
+    assert check_view(frames)[-1]["type"] == "execution:completed"
+
+
+async def test_a_cancel_racing_the_last_event_is_either_the_end_or_a_409(
+    pair: tuple[FlowcastServer, FlowcastServer], valkey: FaultyValkey, unique: str
+) -> None:
+    async with clients(pair) as (a, b):
+        await put(a, talking_workflow(f"last-{unique}", words=3, tps=10))
+        for attempt in range(4):
+            execution_id = await execute(a, f"last-{unique}", attempt)
+            await wait_last_id(a, execution_id, 4)
+            # The terminal event is emitted while writes stall; the cancel queues too.
+            await pause_writes(valkey, 600)
+            client = a if attempt % 2 == 0 else b
+            cancel = await client.post(f"/api/executions/{execution_id}/cancel")
+            snapshot = await wait_finished(a, execution_id)
+            if cancel.status_code == 202:
+                assert snapshot["status"] == "cancelled", snapshot
+            else:
+                assert cancel.status_code == 409, cancel.text
+                assert cancel.json()["error"]["code"] == f"execution_{snapshot['status']}"
+
+
+async def test_a_resumed_run_stays_counted_after_the_paused_run_lets_go(
+    valkey: FaultyValkey, unique: str, tmp_path: Path
+) -> None:
+    workflow = approval_workflow(f"count-{unique}")
+    workflow["blocks"][2] = {"id": "after", "type": "delay", "config": {"ms": 1500}}
+    server = replica(valkey, tmp_path, "capped", FLOWCAST_MAX_EXECUTIONS_PER_TENANT="1")
+    await server.start()
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            await put(client, workflow)
+            for _ in range(3):
+                execution_id = await execute(client, workflow["id"])
+                # Resume the moment the pause shows: the paused run may still be letting
+                # go, and its cleanup must not uncount the resumed run.
+                async with client.stream(
+                    "GET", f"/api/executions/{execution_id}/stream"
+                ) as response:
+                    async for frame in events(response):
+                        if frame.event == "execution:paused":
+                            answer = {"input": {"ok": True}}
+                            resumed = await client.post(
+                                f"/api/executions/{execution_id}/resume", json=answer
+                            )
+                            assert resumed.status_code == 202, resumed.text
+                            break
+                await asyncio.sleep(0.2)  # the paused run's cleanup has run by now
+                second = await client.post(f"/api/workflows/{workflow['id']}/execute", json={})
+                assert second.status_code == 429, second.text
+                assert (await wait_finished(client, execution_id))["status"] == "completed"
+    finally:
+        await server.stop(signal.SIGKILL)
+
+
+async def test_redis_holds_each_workflow_version_once_and_large_state_as_refs(
+    pair: tuple[FlowcastServer, FlowcastServer], valkey: FaultyValkey, unique: str
+) -> None:
+    text = "x" * 2_000_000
+    workflow = approval_workflow(f"heavy-{unique}")
+    workflow["blocks"].append({"id": "blob", "type": "transform", "config": {"value": text}})
+    workflow["edges"].append({"from": "blob", "to": "review"})
+    redis = Redis.from_url(valkey.url)
+    try:
+        async with clients(pair) as (a, _b):
+            await put(a, workflow)
+            ids = [await execute(a, workflow["id"], {"big": text}) for _ in range(3)]
+            for execution_id in ids:
+                await wait_status(a, execution_id, "paused")
+            for execution_id in ids:
+                state = await redis.memory_usage(f"fc:{{{execution_id}}}:state") or 0
+                assert state < 16 * 1024, state
+            versions = [key async for key in redis.scan_iter("fc:workflow-version:*")]
+            sizes = [await redis.strlen(key) for key in versions]
+            assert sum(size > 1_000_000 for size in sizes) == 1, sizes
+            for execution_id in ids:
+                answer = {"input": {"ok": True}}
+                response = await a.post(f"/api/executions/{execution_id}/resume", json=answer)
+                assert response.status_code == 202, response.text
+                assert (await wait_finished(a, execution_id))["status"] == "completed"
+    finally:
+        await redis.aclose()
+
+
+async def wait_finished(client: httpx.AsyncClient, execution_id: str) -> dict[str, Any]:
+    """The snapshot once terminal (a 404 while a store that lost it is recreated)."""
+    async with asyncio.timeout(STREAM_DEADLINE):
+        while True:
+            response = await client.get(f"/api/executions/{execution_id}")
+            snapshot: dict[str, Any] = response.json()
+            if response.status_code == 200 and snapshot["status"] in TERMINAL_STATUSES:
+                return snapshot
+            await asyncio.sleep(0.02)
+
+
+async def wait_last_id(client: httpx.AsyncClient, execution_id: str, at_least: int) -> None:
+    async with asyncio.timeout(STREAM_DEADLINE):
+        while True:
+            response = await client.get(f"/api/executions/{execution_id}")
+            if response.json().get("lastEventId", 0) >= at_least:
+                return
+            await asyncio.sleep(0.01)
+
+
+def clock_ahead(directory: Path, *, seconds: float) -> Path:
+    """A ``sitecustomize`` that moves this process's clock ahead: a skewed host."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "sitecustomize.py").write_text(
+        "import time\n"
+        f"_SKEW = {seconds!r}\n"
+        "_time, _time_ns = time.time, time.time_ns\n"
+        "time.time = lambda: _time() + _SKEW\n"
+        "time.time_ns = lambda: _time_ns() + int(_SKEW * 1e9)\n"
+    )
+    return directory
