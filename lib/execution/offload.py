@@ -5,11 +5,17 @@ bytes), every value whose JSON is larger than the threshold is written to the va
 store and replaced by ``{"$ref": "value", "id", "kind", "size", "preview", "sha256"}``.
 The walk is bottom-up: children first, then a container that is still too large.
 
-The threshold is ``large_value_bytes`` until the execution's ring is under pressure
-(retained bytes past half the budget), then budget ÷ event limit, so a full ring still
-fits. The retained bytes are modelled here, event by event as compacted, exactly as the
-ring script evicts, so a burst cannot slip through at the loose threshold before a
-flush catches up.
+The threshold is ``large_value_bytes`` (at most half the budget) until the execution's
+ring is under pressure (retained bytes past half the budget), then budget ÷ event limit,
+so a full ring still fits. The retained bytes are modelled here, event by event as
+compacted, exactly as the ring script evicts, so a burst cannot slip through at the
+loose threshold before a flush catches up.
+
+Whatever the configuration, an event's ``data`` never keeps more than half the budget
+inline: no threshold or cap is above that ceiling, and when several values that each
+pass their own threshold add up past it, the largest go too (``_fit``). The envelope
+around ``data`` is a few hundred bytes, and the budget is at least a kilobyte, so every
+stored event fits the budget and the ring's retained bytes never exceed it.
 """
 
 from __future__ import annotations
@@ -46,8 +52,30 @@ class OffloadPolicy:
     retry_base_seconds: float = 0.05
 
     @property
+    def ceiling_bytes(self) -> int:
+        """The most an event's ``data`` may keep inline: half the budget."""
+        return self.budget_bytes // 2
+
+    @property
+    def normal_bytes(self) -> int:
+        """The threshold without pressure: the configured one, never above the ceiling."""
+        return min(self.large_value_bytes, self.ceiling_bytes)
+
+    @property
     def pressure_bytes(self) -> int:
-        return min(self.large_value_bytes, max(self.budget_bytes // self.event_limit, 64))
+        """The threshold under pressure: budget ÷ event limit, never above the normal."""
+        return min(self.normal_bytes, max(self.budget_bytes // self.event_limit, 64))
+
+    @property
+    def inline_file_cap_bytes(self) -> int:
+        """The cap for file content kept inline on request, never above the ceiling.
+
+        ``inlineFiles`` exempts a file from the pressure threshold, not from the budget:
+        with ``FLOWCAST_INLINE_FILE_BYTES`` above half the budget, one file alone could
+        otherwise make an event the ring cannot hold. Several files that each pass this
+        cap but together pass the ceiling are handled by ``Compactor._fit``.
+        """
+        return min(self.inline_file_bytes, self.ceiling_bytes)
 
 
 class RingModel:
@@ -88,8 +116,30 @@ def _preview(value: Any) -> Any:
     return list(value)[:PREVIEW_KEYS]
 
 
+def _is_ref(value: Any) -> bool:
+    return isinstance(value, dict) and value.get("$ref") == "value"
+
+
 def _kind(value: Any) -> str:
     return "string" if isinstance(value, str) else "array" if isinstance(value, list) else "object"
+
+
+def _ref(value: Any, encoded: bytes, digest: str) -> dict[str, Any]:
+    """The ref that stands for ``value`` (whose JSON is ``encoded``) once it is stored."""
+    return {
+        "$ref": "value",
+        "id": value_id(digest),
+        "kind": _kind(value),
+        "size": len(encoded),
+        "preview": _preview(value),
+        "sha256": digest,
+    }
+
+
+def _shrinks(value: Any, encoded: bytes, inline_size: int) -> bool:
+    """True when a ref for ``value`` takes fewer bytes than it does inline now."""
+    # Every digest has the same length, so a dummy one measures the ref without hashing.
+    return len(orjson.dumps(_ref(value, encoded, "0" * 64))) < inline_size
 
 
 class Compactor:
@@ -118,11 +168,13 @@ class Compactor:
         """The offload threshold in force now."""
         if self.ring.under_pressure:
             return self._policy.pressure_bytes
-        return self._policy.large_value_bytes
+        return self._policy.normal_bytes
 
     def fits(self, envelope_size: int) -> bool:
         """True when no value inside an envelope this size can need offloading."""
-        return envelope_size <= min(self.threshold, self._policy.inline_file_bytes)
+        # The threshold is never above the ceiling, so an envelope within it cannot need
+        # ``_fit`` either: this agrees with ``compact`` in every configuration.
+        return envelope_size <= min(self.threshold, self._policy.inline_file_cap_bytes)
 
     def stored(self, envelope_size: int) -> None:
         """Count an event, as it will be stored, into the ring model."""
@@ -131,25 +183,30 @@ class Compactor:
     async def compact(self, data: dict[str, Any]) -> dict[str, Any]:
         """``data`` with every value above the threshold replaced by a ref."""
         threshold = self.threshold
+        files: list[dict[str, Any]] = []
         compacted: dict[str, Any] = {}
         for key, value in data.items():
-            compacted[key], _ = await self._walk(value, threshold)
+            compacted[key], _ = await self._walk(value, threshold, files)
+        await self._fit(compacted, data, files)
         return compacted
 
-    async def _walk(self, value: Any, threshold: int) -> tuple[Any, int]:
-        """The compacted value and the size that counts for its ancestors' decisions."""
+    async def _walk(
+        self, value: Any, threshold: int, files: list[dict[str, Any]]
+    ) -> tuple[Any, int]:
+        """The compacted value and the size that counts for its ancestors' decisions;
+        inline files kept as they are go into ``files``."""
         if isinstance(value, str):
             encoded = orjson.dumps(value)
             if len(encoded) > threshold:
                 return await self._offload(value, encoded), 0
             return value, len(encoded)
         if self._inline_files and is_file_value(value):
-            return await self._walk_inline_file(value)
+            return await self._walk_inline_file(value, files)
         if isinstance(value, list):
             items = []
             size = 2 + max(len(value) - 1, 0)
             for item in value:
-                new_item, item_size = await self._walk(item, threshold)
+                new_item, item_size = await self._walk(item, threshold, files)
                 items.append(new_item)
                 size += item_size
             if size > threshold:
@@ -159,7 +216,7 @@ class Compactor:
             fields = {}
             size = 2 + max(len(value) - 1, 0)
             for key, item in value.items():
-                new_item, item_size = await self._walk(item, threshold)
+                new_item, item_size = await self._walk(item, threshold, files)
                 fields[key] = new_item
                 size += len(orjson.dumps(key)) + 1 + item_size
             if size > threshold:
@@ -167,32 +224,66 @@ class Compactor:
             return fields, size
         return value, len(orjson.dumps(value))
 
-    async def _walk_inline_file(self, value: dict[str, Any]) -> tuple[Any, int]:
+    async def _walk_inline_file(
+        self, value: dict[str, Any], files: list[dict[str, Any]]
+    ) -> tuple[Any, int]:
         # Files kept inline on request are exempt from the pressure threshold, and so
         # count for nothing in their ancestors' decisions: only their own cap applies,
         # and past it just the content goes to the store.
         content = value["base64"]
         encoded = orjson.dumps(content)
-        if len(encoded) > self._policy.inline_file_bytes:
+        if len(encoded) > self._policy.inline_file_cap_bytes:
             content = await self._offload(content, encoded)
-        return {**value, "base64": content}, 0
+        kept = {**value, "base64": content}
+        if isinstance(content, str):
+            files.append(kept)
+        return kept, 0
 
-    async def _offload(self, value: Any, encoded: bytes) -> Any:
-        digest = hashlib.sha256(encoded).hexdigest()
-        ref: dict[str, Any] = {
-            "$ref": "value",
-            "id": value_id(digest),
-            "kind": _kind(value),
-            "size": len(encoded),
-            "preview": _preview(value),
-            "sha256": digest,
-        }
+    async def _fit(
+        self, compacted: dict[str, Any], data: dict[str, Any], files: list[dict[str, Any]]
+    ) -> None:
+        """Offload more of ``compacted``, in place, until it is within the ceiling.
+
+        Each value is within its threshold, but several of them (inline files above
+        all, which count for nothing in the walk) can still add up past half the
+        budget. The largest inline files go first, as past their own cap; then the
+        largest top-level values, stored as they came in ``data`` (a value in the store
+        never holds refs). Offloading here is required by the budget, so a failure
+        leaves a ref marked unavailable, never the value.
+        """
+        ceiling = self._policy.ceiling_bytes
+        size = len(orjson.dumps(compacted))
+        if size <= ceiling:
+            return
+        # Only what a ref makes smaller is a candidate: a short ``blockId`` stays itself
+        # even when a tiny budget leaves the refs alone past the ceiling.
+        for file in sorted(files, key=lambda kept: len(kept["base64"]), reverse=True):
+            encoded = orjson.dumps(file["base64"])
+            if not _shrinks(file["base64"], encoded, len(encoded)):
+                continue
+            file["base64"] = await self._offload(file["base64"], encoded, required=True)
+            size += len(orjson.dumps(file["base64"])) - len(encoded)
+            if size <= ceiling:
+                return
+        sizes = {key: len(orjson.dumps(value)) for key, value in compacted.items()}
+        for key in sorted(sizes, key=sizes.__getitem__, reverse=True):
+            original = data[key]
+            encoded = orjson.dumps(original)
+            if _is_ref(compacted[key]) or not _shrinks(original, encoded, sizes[key]):
+                continue
+            compacted[key] = await self._offload(original, encoded, required=True)
+            size += len(orjson.dumps(compacted[key])) - sizes[key]
+            if size <= ceiling:
+                return
+
+    async def _offload(self, value: Any, encoded: bytes, *, required: bool = False) -> Any:
+        ref = _ref(value, encoded, hashlib.sha256(encoded).hexdigest())
         if await self._put(ref["id"], encoded):
             return ref
         self.offload_failures += 1
         if self._metrics is not None:
             self._metrics.offload_failures.inc()
-        if len(encoded) <= self._policy.large_value_bytes:
+        if not required and len(encoded) <= self._policy.normal_bytes:
             # Offloading only for pressure failed: keep it inline at the normal threshold.
             return value
         log.error(

@@ -175,3 +175,99 @@ async def test_the_same_value_is_stored_once_per_execution(tmp_path: Path) -> No
     second = await compact.compact({"output": {"a": "q" * 3_000}})
     assert first["output"]["id"] == second["output"]["a"]["id"]
     assert counting.attempts == 1
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        OffloadPolicy(budget_bytes=1024 * 1024),  # the default 8 MiB threshold and file cap
+        OffloadPolicy(budget_bytes=1024 * 1024, event_limit=1),
+        OffloadPolicy(large_value_bytes=64, budget_bytes=1024, inline_file_bytes=0),
+        OffloadPolicy(),
+    ],
+)
+def test_no_threshold_or_cap_is_above_half_the_budget(
+    store: LocalValueStore, policy: OffloadPolicy
+) -> None:
+    half = policy.budget_bytes // 2
+    assert policy.pressure_bytes <= policy.normal_bytes <= half
+    assert policy.inline_file_cap_bytes <= half
+    compact = Compactor(store=store, execution_id="ex_test", policy=policy)
+    # ``fits`` says "nothing to offload" only for envelopes that ``compact`` would keep.
+    assert compact.threshold <= half and not compact.fits(half + 1)
+    for _ in range(policy.event_limit + 1):
+        compact.stored(half // policy.event_limit + 1)
+    assert compact.ring.under_pressure
+    assert compact.threshold <= half and not compact.fits(half + 1)
+
+
+HALF_KB = OffloadPolicy(large_value_bytes=8 * 1024 * 1024, budget_bytes=10_000)
+
+
+async def test_a_value_past_half_the_budget_is_offloaded_whatever_the_threshold(
+    store: LocalValueStore,
+) -> None:
+    compact = Compactor(store=store, execution_id="ex_test", policy=HALF_KB)
+    data = await compact.compact({"blockId": "a", "output": "x" * 6_000})
+    assert data["output"]["$ref"] == "value" and data["output"]["size"] == 6_002
+    assert await stored(store, data["output"]) == "x" * 6_000
+
+
+async def test_values_that_together_pass_half_the_budget_go_largest_first(
+    store: LocalValueStore,
+) -> None:
+    compact = Compactor(store=store, execution_id="ex_test", policy=HALF_KB)
+    original = {"blockId": "a", "small": "s" * 3_000, "large": {"text": "l" * 4_000}}
+    data = await compact.compact(original)
+    assert len(orjson.dumps(data)) <= HALF_KB.ceiling_bytes
+    assert data["blockId"] == "a" and data["small"] == "s" * 3_000
+    assert data["large"]["$ref"] == "value" and data["large"]["kind"] == "object"
+    assert await stored(store, data["large"]) == original["large"]
+
+
+def file_value(name: str, size: int) -> dict[str, Any]:
+    content = base64.b64encode((bytes(range(256)) * (size // 256 + 1))[:size]).decode()
+    return {"name": name, "mimeType": "x/y", "size": size, "base64": content}
+
+
+async def test_inline_files_are_not_exempt_from_half_the_budget(
+    store: LocalValueStore,
+) -> None:
+    policy = OffloadPolicy(budget_bytes=10_000, inline_file_bytes=8 * 1024 * 1024)
+    compact = Compactor(store=store, execution_id="ex_test", policy=policy, inline_files=True)
+    # One file past half the budget: its content goes, though it is within its own cap.
+    alone = await compact.compact({"output": file_value("big", 4_500)})
+    assert alone["output"]["base64"]["$ref"] == "value"
+    # Two files within half the budget each, past it together: the larger one goes.
+    left, right = file_value("left", 3_000), file_value("right", 2_000)
+    data = await compact.compact({"output": {"left": left, "right": right}})
+    assert len(orjson.dumps(data)) <= policy.ceiling_bytes
+    assert data["output"]["right"] == right
+    assert data["output"]["left"]["name"] == "left"
+    assert await stored(store, data["output"]["left"]["base64"]) == left["base64"]
+
+
+async def test_a_tiny_budget_never_turns_short_fields_into_refs(store: LocalValueStore) -> None:
+    policy = OffloadPolicy(budget_bytes=1024)
+    compact = Compactor(store=store, execution_id="ex_test", policy=policy)
+    data = await compact.compact({"blockId": "b", "output": "x" * 500, "other": "y" * 500})
+    # Both texts become refs (each smaller than its text); the refs alone still pass the
+    # ceiling, but a ref for "b" would only be larger.
+    assert data["blockId"] == "b"
+    assert data["output"]["$ref"] == "value" and data["other"]["$ref"] == "value"
+
+
+async def test_a_value_past_half_the_budget_that_cannot_be_stored_is_marked_unavailable(
+    tmp_path: Path,
+) -> None:
+    failing = FailingStore(root=tmp_path)
+    policy = OffloadPolicy(budget_bytes=10_000, retry_base_seconds=0.001)
+    compact = Compactor(store=failing, execution_id="ex_test", policy=policy)
+    # Below the configured 8 MiB threshold, but keeping both would break the budget.
+    data = await compact.compact({"a": "a" * 3_000, "b": "b" * 3_000})
+    assert len(orjson.dumps(data)) <= policy.ceiling_bytes
+    refs = {key: value for key, value in data.items() if isinstance(value, dict)}
+    assert len(refs) == 1, data
+    ((key, ref),) = refs.items()
+    assert ref["available"] is False and ref["preview"] == key * 256
+    assert failing.attempts == policy.attempts
