@@ -19,7 +19,7 @@ ARGV[7]  retention TTL in seconds, applied to every key once the batch finishes 
          execution (it sets a terminal status)
 ARGV[8]  TTL in seconds while the execution is not finished (running or paused)
 ARGV[9]  the highest id the writer wants reserved (it may show ids up to the reserved
-         one to live readers before they are stored; a new owner numbers above it)
+         one to live readers; a new owner numbers above it)
 ARGV[10] "1" to recreate the metadata when it is missing (the store came back empty)
 ARGV[11] n, the number of events in the batch (0: a repair that only re-asserts)
 ARGV[12] m, the number of metadata field/value pairs that follow the events

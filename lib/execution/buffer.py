@@ -21,8 +21,6 @@ from lib.backend import Keys, is_unreachable, load_script, translated
 from lib.errors import BufferUnavailable, FlowcastError, NotFound, WriteRefused
 from lib.execution.events import TERMINAL_STATUSES, Event
 
-RESERVE_AHEAD = 128  # ids an owner may show live before they are stored (append.lua)
-
 
 @dataclass(frozen=True)
 class ExecutionMeta:
@@ -174,7 +172,7 @@ class EventBuffer:
         await asyncio.gather(
             self._start(
                 keys=[self.keys.meta(execution_id)],
-                args=[owner, lease_ms, RESERVE_AHEAD, self.active_ttl_seconds, *fields],
+                args=[owner, lease_ms, self.active_ttl_seconds, *fields],
             ),
             self.redis.zadd(self.keys.index(tenant), {execution_id: created_ms}),
         )

@@ -13,7 +13,6 @@ ARGV[2]  the caller's new fencing token
 ARGV[3]  lease length in milliseconds
 ARGV[4]  resume: the paused block the caller answers ("" = whichever it is);
          takeover: the owner whose lease the caller found expired
-ARGV[5]  how many ids past the base a new owner reserves (see append.lua)
 
 Times are Redis's own (TIME), never a host's, so a replica whose clock is off can
 neither end a healthy execution nor keep a dead one.
@@ -32,7 +31,7 @@ A new owner token in `owner` fences the previous owner out of append.lua.
 
 local meta = KEYS[1]
 local mode, token = ARGV[1], ARGV[2]
-local lease, ahead = tonumber(ARGV[3]), tonumber(ARGV[5])
+local lease = tonumber(ARGV[3])
 local time = redis.call("TIME")
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 
@@ -48,7 +47,7 @@ local base = math.max(last, tonumber(state[8]) or 0)
 local function own(keep_cancel)
   local epoch = (tonumber(state[7]) or 0) + 1
   redis.call("HSET", meta, "owner", token, "epoch", epoch, "leaseUntil", now + lease,
-    "status", "running", "pauseBlock", "", "pauseDeadline", "", "reserved", base + ahead)
+    "status", "running", "pauseBlock", "", "pauseDeadline", "", "reserved", base)
   if not keep_cancel then
     redis.call("HDEL", meta, "cancelRequested")
   end

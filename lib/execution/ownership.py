@@ -36,7 +36,7 @@ from redis.exceptions import ResponseError
 
 from lib.backend import load_script, translated
 from lib.errors import Conflict, NotFound
-from lib.execution.buffer import RESERVE_AHEAD, EventBuffer
+from lib.execution.buffer import EventBuffer
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class Ownership:
         try:
             last, base, status, owner, epoch = await self._claim(
                 keys=[self.keys.meta(execution_id)],
-                args=[mode, fence, self.lease_ms, argument, RESERVE_AHEAD],
+                args=[mode, fence, self.lease_ms, argument],
             )
         except ResponseError as exc:
             reason, _, detail = str(exc).partition(" ")

@@ -6,10 +6,11 @@ writes whatever is queued as one atomic batch. When Redis is idle the batch is a
 event written at once; under load the events that arrive while a write is in flight
 form the next batch, so the write rate adapts without a timer.
 
-What may be shown live before it is stored: an event whose id the buffer has reserved
-for this owner (append.lua keeps ``reserved`` a little ahead of what was emitted), so a
-process that takes over after this one dies numbers its events above every id shown
-here. The final event of a run (``execution:paused`` or a terminal one) is shown only
+What is shown live: an event whose id the buffer has reserved for this owner (each
+append reserves every id emitted when it was sent, so in practice an event is shown
+once the append that carries it is acknowledged), so a process that takes over after
+this one dies numbers its events above every id shown here, and a crash leaves no hole
+in the ids. The final event of a run (``execution:paused`` or a terminal one) is shown only
 once stored: the store decides whether a cancel accepted before it wins ("CANCEL"), and
 then the final event becomes ``execution:cancelled`` under the same id, never shown.
 
@@ -35,7 +36,7 @@ import orjson
 
 from lib.backoff import Backoff
 from lib.errors import BufferUnavailable, WriteRefused
-from lib.execution.buffer import RESERVE_AHEAD, EventBuffer
+from lib.execution.buffer import EventBuffer
 from lib.execution.events import (
     EXECUTION_CANCELLED,
     EXECUTION_COMPLETED,
@@ -117,7 +118,7 @@ class EventWriter:
         self._last_dropped = base if base > stored_id else 0
         self._emitted = base
         self._shown = base
-        self.reserved = base + RESERVE_AHEAD
+        self.reserved = base
         self._outage = False
         self._recreate = False
         self._repair = False
@@ -246,7 +247,7 @@ class EventWriter:
                     first=first,
                     meta=meta,
                     after_drop=after_drop,
-                    reserve=self._emitted + RESERVE_AHEAD,
+                    reserve=self._emitted,
                     recreate=self._recreate,
                 )
             except WriteRefused as exc:

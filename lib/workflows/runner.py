@@ -253,6 +253,10 @@ class Runner:
         claim = await self._claim(execution_id, "resume", fence, tenant, block_id=paused_at)
 
         async def body(local: LocalRun, emitter: Emitter) -> None:
+            # First, whatever follows: the resume took effect even if a cancel stops
+            # the run before its work begins.
+            emitter.emit(EXECUTION_RESUMED, {"blockId": paused_at, "input": input})
+
             async def work() -> Outcome:
                 state = await self._retrying(local, lambda: self._states.load(execution_id))
                 workflow = await self._retrying(
@@ -260,7 +264,6 @@ class Runner:
                 )
                 run = RunState.from_json(state.get("run") or {})
                 run.answers[paused_at] = input
-                emitter.emit(EXECUTION_RESUMED, {"blockId": paused_at, "input": input})
                 return await self._run_workflow(emitter, workflow, state.get("input"), run)
 
             await self._execute(local, emitter, work)

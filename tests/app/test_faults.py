@@ -22,6 +22,7 @@ from redis.asyncio import Redis
 from tests.support.api import all_events, put, talking_workflow
 from tests.support.faults import (
     FaultyValkey,
+    crash_and_restart,
     crash_and_restore,
     crash_and_wipe,
     pause_writes,
@@ -431,3 +432,49 @@ def clock_ahead(directory: Path, *, seconds: float) -> Path:
         "time.time_ns = lambda: _time_ns() + int(_SKEW * 1e9)\n"
     )
     return directory
+
+
+async def test_a_resume_accepted_just_before_redis_dies_still_takes_effect(
+    pair: tuple[FlowcastServer, FlowcastServer], valkey: FaultyValkey, unique: str
+) -> None:
+    async with clients(pair) as (a, b):
+        await put(a, approval_workflow(f"dying-{unique}"))
+        execution_id = await execute(a, f"dying-{unique}")
+        await wait_status(a, execution_id, "paused")
+        resumed = await b.post(
+            f"/api/executions/{execution_id}/resume", json={"input": {"ok": True}}
+        )
+        # Redis dies right after the claim: the run B launched must still load its state
+        # and finish once Redis is back (from its AOF).
+        await crash_and_restart(valkey, down_seconds=0.5)
+        snapshot = await wait_finished(a, execution_id)
+        stored = await all_events(a, execution_id)
+    assert resumed.status_code == 202, resumed.text
+    assert snapshot["status"] == "completed", snapshot
+    assert [e["type"] for e in stored].count("execution:resumed") == 1
+
+
+async def test_a_sigterm_while_the_pause_is_being_saved_still_ends_the_execution(
+    valkey: FaultyValkey, unique: str, tmp_path: Path
+) -> None:
+    owner, other = replica(valkey, tmp_path, "owner"), replica(valkey, tmp_path, "other")
+    await asyncio.gather(owner.start(), other.start())
+    try:
+        async with (
+            httpx.AsyncClient(base_url=owner.url, timeout=30) as a,
+            httpx.AsyncClient(base_url=other.url, timeout=30) as b,
+        ):
+            await put(a, approval_workflow(f"term-{unique}", wait_ms=300))
+            execution_id = await execute(a, f"term-{unique}")
+            reader = asyncio.create_task(follow(b, execution_id))
+            await asyncio.sleep(0.1)
+            await pause_writes(valkey, 1500)
+            await asyncio.sleep(0.4)  # the run now waits to save its pause
+            await owner.stop(signal.SIGTERM)
+            snapshot = await wait_finished(b, execution_id)
+            frames = await reader
+            stored = await all_events(b, execution_id)
+    finally:
+        await asyncio.gather(owner.stop(signal.SIGKILL), other.stop(signal.SIGKILL))
+    assert snapshot["status"] == "failed" and snapshot["error"]["code"] == "shutdown", snapshot
+    covered(stored, frames)

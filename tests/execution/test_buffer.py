@@ -138,3 +138,17 @@ async def test_a_batch_after_dropped_ids_records_the_range_atomically(buffer: Ev
     assert [event.id for event in page.events] == [1, 2, 3, 8, 9]
     assert page.dropped == [(4, 7)]
     assert page.gap_reason(3, 8) == "dropped"
+
+
+async def test_a_hole_above_the_first_retained_id_is_dropped_never_evicted(
+    buffer: EventBuffer,
+) -> None:
+    # The ring only evicts below the first retained id: a hole above it is a drop, even
+    # one whose range only the writer knows yet (it is recorded by its next batch).
+    execution_id = await create(buffer)
+    for first in range(1, 60, 10):
+        await buffer.append(execution_id, make_events(execution_id, first, 10), fence="owner-1")
+    page = await buffer.read(execution_id, after=0, limit=100)
+    assert page.meta.first_id > 1 and page.dropped == []
+    assert page.gap_reason(0, page.meta.first_id) == "evicted"
+    assert page.gap_reason(page.meta.last_id, page.meta.last_id + 5) == "dropped"
