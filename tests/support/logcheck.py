@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any
 
 TERMINAL = {"execution:completed", "execution:failed", "execution:cancelled"}
@@ -20,6 +21,39 @@ def check_log(envelopes: Sequence[dict[str, Any]], *, complete: bool = True) -> 
         assert envelopes[-1]["type"] in TERMINAL, f"last event is {envelopes[-1]['type']}"
     else:
         assert not terminals or envelopes[-1]["type"] in TERMINAL
+    execution_ids = {envelope["executionId"] for envelope in envelopes}
+    assert len(execution_ids) == 1, f"events of several executions: {execution_ids}"
+
+
+def check_lossy_log(
+    envelopes: Sequence[dict[str, Any]], *, dropped: Sequence[tuple[int, int]] = ()
+) -> None:
+    """Assert a stored log of a store that may have lost writes or evicted old events:
+    ids increasing, a hole only where a recorded ``dropped`` range (inclusive bounds)
+    covers it, a missing start only before the first retained id (the ring evicted it),
+    ``execution:started`` first if id 1 is kept, one terminal event, last."""
+    ids = [envelope["id"] for envelope in envelopes]
+    assert ids, "the log is empty"
+    assert all(a < b for a, b in pairwise(ids)), f"ids are not increasing: {_summary(ids)}"
+    for before, after in pairwise(ids):
+        missing = set(range(before + 1, after))
+        for low, high in dropped:
+            missing -= set(range(low, high + 1))
+        assert not missing, (
+            f"ids {before + 1}..{after - 1} are missing and not recorded as dropped "
+            f"(dropped ranges {list(dropped)})"
+        )
+    if ids[0] == 1:
+        assert envelopes[0]["type"] == "execution:started", envelopes[0]
+    terminals = [envelope for envelope in envelopes if envelope["type"] in TERMINAL]
+    assert len(terminals) <= 1, (
+        f"{len(terminals)} terminal events: {[(e['id'], e['type']) for e in terminals]}"
+    )
+    assert terminals, f"no terminal event; the last is {ids[-1]} {envelopes[-1]['type']}"
+    assert envelopes[-1]["type"] in TERMINAL, (
+        f"the terminal event {terminals[0]['id']} is not last: {ids[-1]} "
+        f"{envelopes[-1]['type']} follows it"
+    )
     execution_ids = {envelope["executionId"] for envelope in envelopes}
     assert len(execution_ids) == 1, f"events of several executions: {execution_ids}"
 
