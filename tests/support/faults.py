@@ -72,8 +72,7 @@ async def take_snapshot(valkey: ValkeyServer, destination: Path) -> Path:
 
 
 async def crash_and_restart(valkey: ValkeyServer, *, down_seconds: float = 0.0) -> None:
-    """kill -9, stay down ``down_seconds``, start again from the AOF (nothing acknowledged
-    is lost: Valkey writes the AOF before it answers)."""
+    """kill -9, stay down ``down_seconds``, start again from the AOF (no acknowledged loss)."""
     valkey.kill()
     await asyncio.sleep(down_seconds)
     await valkey.start()
@@ -115,8 +114,7 @@ async def kill_replica(server: FlowcastServer) -> None:
 
 
 async def terminate_replica(server: FlowcastServer, *, timeout: float = 60.0) -> int:
-    """SIGTERM a Flowcast process and wait for it to drain and exit; its exit code (one
-    still running after ``timeout`` is SIGKILLed, and TimeoutError raised)."""
+    """SIGTERM and wait for the drain and exit (its code); past ``timeout``, SIGKILL."""
     pid = server.pid
     try:
         return await server.stop(signal.SIGTERM, timeout=timeout)
