@@ -15,7 +15,7 @@ import random
 import re
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -452,3 +452,24 @@ class Progress:
 
 def clock() -> float:
     return time.monotonic()
+
+
+async def bounded(report: Report, work: Awaitable[None]) -> None:
+    """Run the load within the report's time budget; running out is a finding."""
+    began = clock()
+    try:
+        async with asyncio.timeout(report.budget.seconds):
+            await work
+    except TimeoutError:
+        report.find(f"{report.name}: did not finish within {report.budget.seconds:.0f}s")
+    except BudgetExceeded as exc:
+        report.find(str(exc))
+    except ExceptionGroup as group:  # raised inside a task group
+        exceeded, rest = group.split(BudgetExceeded)
+        if rest is not None:
+            raise
+        assert exceeded is not None
+        report.find(str(exceeded.exceptions[0]))
+    finally:
+        report.seconds = clock() - began
+        report.checking = True

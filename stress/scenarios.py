@@ -9,6 +9,9 @@ returns a :class:`Report`; ``long=True`` scales the load by 5-10x.
 - ``redis_restart``: a smaller step storm plus streaming executions; Valkey is killed
   mid-run and started again on the same port (AOF).
 
+``SCENARIOS`` also names the fault storm (``stress/fault_storm.py``): resumes, cancels,
+Valkey and replica faults interleaved with a mixed load, checked by ``stress/fault_checks.py``.
+
 The random source is seeded, so a failing run can be replayed with the same plan.
 """
 
@@ -22,12 +25,13 @@ from typing import Any
 
 import httpx
 
+from stress.fault_storm import fault_storm
 from stress.harness import (
     Budget,
-    BudgetExceeded,
     Progress,
     Report,
     View,
+    bounded,
     clock,
     follow,
     read_once,
@@ -54,27 +58,6 @@ async def execute(client: httpx.AsyncClient, workflow_id: str, input: Any) -> st
         raise AssertionError(f"execute answered {response.status_code}: {response.text}")
     execution_id: str = response.json()["executionId"]
     return execution_id
-
-
-async def bounded(report: Report, work: Awaitable[None]) -> None:
-    """Run the load within the report's time budget; running out is a finding."""
-    began = clock()
-    try:
-        async with asyncio.timeout(report.budget.seconds):
-            await work
-    except TimeoutError:
-        report.find(f"{report.name}: did not finish within {report.budget.seconds:.0f}s")
-    except BudgetExceeded as exc:
-        report.find(str(exc))
-    except ExceptionGroup as group:  # raised inside a task group
-        exceeded, rest = group.split(BudgetExceeded)
-        if rest is not None:
-            raise
-        assert exceeded is not None
-        report.find(str(exceeded.exceptions[0]))
-    finally:
-        report.seconds = clock() - began
-        report.checking = True
 
 
 # -- 1. step storm ---------------------------------------------------------------------
@@ -401,4 +384,5 @@ SCENARIOS: dict[str, Scenario] = {
     "hook-storm": hook_storm,
     "reconnect-storm": reconnect_storm,
     "redis-restart": redis_restart,
+    "fault-storm": fault_storm,
 }
