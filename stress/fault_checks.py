@@ -102,6 +102,9 @@ def judge(storm: Storm) -> None:
         reconnects=sum(reader.connections - 1 for reader in readers),
         broken_streams=sum(reader.broken_frames + reader.transport_errors for reader in readers),
         lost_with_the_store=dict(excused),
+        checked_before_loss=sum(
+            run.log is None and run.log_before_loss is not None for run in storm.accepted
+        ),
     )
     for line in found.lines():
         report.find(line)

@@ -822,11 +822,15 @@ class Storm:
             elif kind == "valkey-snapshot":
                 assert snapshot is not None, "CYCLE takes a snapshot before restoring one"
                 await self._keep_finished_logs()
-                fault.began, fault.lost_since_wall = clock(), snapshot[1]
+                fault.began, fault.began_wall, fault.lost_since_wall = (
+                    clock(),
+                    time.time(),
+                    snapshot[1],
+                )
                 await faults.crash_and_restore(self.valkey, snapshot[0], down_seconds=argument)
             elif kind == "valkey-empty":
                 await self._keep_finished_logs()
-                fault.began, fault.lost_since_wall = clock(), 0.0
+                fault.began, fault.began_wall, fault.lost_since_wall = clock(), time.time(), 0.0
                 await faults.crash_and_wipe(self.valkey, down_seconds=argument)
             else:
                 await self.live.all_up()  # never both replicas down at once
