@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any
 
 import orjson
@@ -62,7 +63,7 @@ async def owned_meta(svc: Services, tenant_id: str, execution_id: str) -> Execut
     meta = await svc.buffer.meta(execution_id)
     if meta.tenant != tenant_id:
         raise NotFound("execution", execution_id)
-    return meta
+    return await svc.buffer.resolved(meta)
 
 
 def _bounded_int(value: str | None, name: str, default: int, low: int, high: int) -> int:
@@ -100,7 +101,8 @@ async def list_executions(request: Request, svc: ServicesDep, tenant_id: TenantD
             and (workflow_id is None or m.workflow_id == workflow_id)
         ),
     )
-    return JSON({"executions": [snapshot(meta) for meta in found]})
+    resolved = await asyncio.gather(*(svc.buffer.resolved(meta) for meta in found))
+    return JSON({"executions": [snapshot(meta) for meta in resolved]})
 
 
 @router.get(

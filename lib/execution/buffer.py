@@ -8,6 +8,7 @@ events and the metadata in one transaction so a reader sees a consistent pair.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -237,6 +238,18 @@ class EventBuffer:
         if not fields:
             raise NotFound("execution", execution_id)
         return ExecutionMeta.from_hash(execution_id, fields)
+
+    async def resolved(self, meta: ExecutionMeta) -> ExecutionMeta:
+        """``meta`` with a large output, error or pause read from the event that holds
+        it (the metadata names that event instead of copying it: see writer.py)."""
+        changes: dict[str, Any] = {}
+        for name, key in (("output", "output"), ("error", "error"), ("pause", None)):
+            value = getattr(meta, name)
+            if isinstance(value, dict) and value.keys() == {"$event"}:
+                page = await self.read(meta.id, after=int(value["$event"]) - 1, limit=1)
+                data = page.events[0].data if page.events else {}
+                changes[name] = data.get(key) if key is not None else data
+        return dataclasses.replace(meta, **changes) if changes else meta
 
     @translated
     async def read(self, execution_id: str, *, after: int, limit: int) -> Page:

@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 
 MAX_BATCH_EVENTS = 1_000
 MAX_BATCH_BYTES = 4 * 1024 * 1024
+# Larger outcomes are not copied into the metadata: it names the event that holds them,
+# so an execution's footprint stays its ring's budget plus a small constant.
+META_INLINE_BYTES = 16 * 1024
 
 Publish = Callable[[Event], None]
 
@@ -66,13 +69,21 @@ def batch_meta(batch: list[Event]) -> dict[str, str]:
             continue
         meta["status"] = status
         if event.type == EXECUTION_COMPLETED:
-            meta["output"] = orjson.dumps(event.data.get("output")).decode()
+            _outcome(meta, "output", event.data.get("output"), event.id)
         elif event.type == EXECUTION_FAILED:
-            meta["error"] = orjson.dumps(event.data.get("error")).decode()
+            _outcome(meta, "error", event.data.get("error"), event.id)
         elif event.type == EXECUTION_PAUSED:
-            meta["pause"] = orjson.dumps(event.data).decode()
+            _outcome(meta, "pause", event.data, event.id)
             meta["pauseBlock"] = str(event.data.get("blockId", ""))
     return meta
+
+
+def _outcome(meta: dict[str, str], field: str, value: object, event_id: int) -> None:
+    encoded = orjson.dumps(value)
+    if len(encoded) <= META_INLINE_BYTES:
+        meta[field] = encoded.decode()
+    else:
+        meta[field] = orjson.dumps({"$event": event_id}).decode()
 
 
 class EventWriter:

@@ -302,7 +302,7 @@ class Runner:
         meta = await self._buffer.meta(execution_id)
         if meta.tenant != tenant:
             raise NotFound("execution", execution_id)
-        return meta
+        return await self._buffer.resolved(meta)
 
     async def _claim(
         self, execution_id: str, mode: str, fence: str, tenant: str, *, block_id: str = ""
