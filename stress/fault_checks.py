@@ -40,18 +40,12 @@ from datetime import datetime
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
-from stress.fault_storm import (
-    BUDGET_BYTES,
-    VALKEY_FAULTS,
-    Answer,
-    Fault,
-    Reader,
-    Run,
-    Storm,
-)
+from stress.fault_plan import BUDGET_BYTES, VALKEY_FAULTS
+from stress.fault_records import Answer, Fault, Reader, Run
 from tests.support.logcheck import TERMINAL, check_lossy_log, check_view
 
 if TYPE_CHECKING:
+    from stress.fault_storm import Storm
     from tests.support.servers import FlowcastServer
 
 SLACK_BYTES = 64 * 1024

@@ -13,7 +13,9 @@ started again from its AOF, from an older snapshot and empty, one replica SIGKIL
 one SIGTERMed, each replaced by a fresh process on a new port.
 
 When the load is over the storm waits for every execution to end and every stream to
-close, collects what the store holds, and ``stress/fault_checks.py`` judges it all.
+close, collects what the store holds, and ``stress/fault_checks.py`` judges it all. The
+plan is drawn in ``stress/fault_plan.py``; the readers, answers and replicas are in
+``stress/fault_records.py``.
 """
 
 from __future__ import annotations
@@ -23,8 +25,6 @@ import json
 import logging
 import random
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,427 +32,30 @@ import httpx
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from stress.harness import Budget, BudgetExceeded, Report, bounded, clock
-from stress.workflows import APPROVAL_SCHEMA, words
+from stress.fault_checks import judge
+from stress.fault_plan import (
+    BUDGET_BYTES,
+    CYCLE,
+    GRACE_SECONDS,
+    LEASE_SECONDS,
+    LONG,
+    MAX_PENDING_EVENTS,
+    ODD_CURSOR,
+    SHORT,
+    Shape,
+    make_plans,
+    storm_workflows,
+)
+from stress.fault_records import Answer, Fault, Reader, Replicas, Run
+from stress.harness import Budget, Report, bounded, clock
 from tests.support import faults
 from tests.support.faults import FaultyValkey
 from tests.support.logcheck import TERMINAL
-from tests.support.servers import FlowcastServer
-from tests.support.sse import Frame, events
 
-LEASE_SECONDS = 1.0
-GRACE_SECONDS = 2.0
-BUDGET_BYTES = 256 * 1024
-MAX_PENDING_EVENTS = 300  # small, so an outage during a flood drops a range
-ASK_TIMEOUT_SECONDS = 2
-ODD_CURSOR = 1_000_000
-COLLECT_SECONDS = 60
-BIG_INPUT_BYTES = 400 * 1024
-SSE = {"Accept": "text/event-stream"}
 PREFIX = "fc"
+COLLECT_SECONDS = 60
 
 log = logging.getLogger(__name__)
-
-# When a fault starts, as a fraction of one cycle; what it is; its length or pause (s).
-# The data-losing restarts come early, so most executions end in a store that keeps them.
-CYCLE: tuple[tuple[float, str, float], ...] = (
-    (0.04, "pause-writes", 1.2),
-    (0.10, "debug-sleep", 0.7),
-    (0.17, "valkey-aof", 1.0),
-    (0.25, "valkey-empty", 0.5),
-    (0.33, "replica-kill", 0.5),
-    (0.40, "pause-writes", 0.8),
-    (0.47, "snapshot", 0.0),  # runs in flight between these two are rolled back
-    (0.54, "valkey-snapshot", 0.5),
-    (0.62, "debug-sleep", 1.6),  # longer than the lease
-    (0.70, "replica-term", 0.0),
-    (0.80, "pause-writes", 1.0),
-    (0.88, "valkey-aof", 0.8),
-)
-VALKEY_FAULTS = {
-    "pause-writes",
-    "debug-sleep",
-    "valkey-aof",
-    "snapshot",
-    "valkey-snapshot",
-    "valkey-empty",
-}
-KINDS = {"talk": 30, "fan": 20, "ask": 25, "ask-timeout": 15, "flood": 5}
-WORKFLOW_OF = {
-    "talk": "fs-talk",
-    "big": "fs-talk",
-    "fan": "fs-fan",
-    "ask": "fs-ask",
-    "ask-timeout": "fs-ask-timeout",
-    "flood": "fs-flood",
-}
-# What is done to a paused execution (the others: a cancel storm, or nothing), by weight.
-ACTIONS = {
-    "ask": {"resumes": 45, "resume-cancel": 25, "cancels": 15, "none": 15},
-    "ask-timeout": {"resumes": 30, "late-resumes": 30, "resume-cancel": 10, "none": 30},
-}
-
-
-@dataclass(frozen=True)
-class Shape:
-    """How much load: executions started over ``window`` seconds, fault cycles in it."""
-
-    executions: int
-    window: float
-    cycles: int
-    seconds: float  # wall-clock budget of the load
-    settle: float = 4.0 + LEASE_SECONDS + GRACE_SECONDS + 3.0  # natural end + lease + grace
-    stream_end: float = LEASE_SECONDS + GRACE_SECONDS + 3.0  # a stream ends after its terminal
-
-    @property
-    def requests(self) -> int:
-        return self.executions * 30 + 1000
-
-
-SHORT = Shape(executions=120, window=30.0, cycles=1, seconds=75)
-LONG = Shape(executions=600, window=150.0, cycles=4, seconds=300)
-
-
-# -- the workflows ---------------------------------------------------------------------
-
-
-def storm_workflows() -> list[dict[str, Any]]:
-    """The five workflows, loaded from files so a wiped Valkey does not lose them."""
-    talk = {
-        "id": "fs-talk",
-        "blocks": [
-            {"id": "intro", "type": "transform", "config": {"value": {"n": "{{ input.n }}"}}},
-            generate("talk", words(80, "t"), 20),
-            {"id": "done", "type": "transform", "config": {"value": "{{ blocks.intro.output }}"}},
-        ],
-        "edges": [{"from": "intro", "to": "talk"}, {"from": "talk", "to": "done"}],
-    }
-    branches: list[dict[str, Any]] = [
-        {"id": "d0", "type": "delay", "config": {"ms": 300}},
-        generate("g1", words(12, "g1"), 20),
-        {"id": "d2", "type": "delay", "config": {"ms": 900}},
-        generate("g3", words(12, "g3"), 0),
-        {"id": "d4", "type": "delay", "config": {"ms": 1500}},
-        generate("g5", words(24, "g5"), 30),
-    ]
-    fan = {
-        "id": "fs-fan",
-        "blocks": [
-            *branches,
-            {"id": "sink", "type": "transform", "config": {"value": {"n": "{{ input.n }}"}}},
-        ],
-        "edges": [{"from": branch["id"], "to": "sink"} for branch in branches],
-    }
-    # About 370 KB of envelopes in 3 s: the ring must evict to stay within the budget, and
-    # an outage meanwhile leaves more than MAX_PENDING_EVENTS waiting.
-    flood_text = "{% for i in range(1100) %}f{{ i }}-{{ 'x' * 200 }} {% endfor %}"
-    flood = {"id": "fs-flood", "blocks": [generate("flood", flood_text, 400)], "edges": []}
-    asks = [ask_workflow("fs-ask", None), ask_workflow("fs-ask-timeout", ASK_TIMEOUT_SECONDS)]
-    return [talk, fan, *asks, flood]
-
-
-def generate(block_id: str, text: str, tokens_per_second: float) -> dict[str, Any]:
-    config = {"text": text, "tokensPerSecond": tokens_per_second}
-    return {"id": block_id, "type": "generate", "config": config}
-
-
-def ask_workflow(workflow_id: str, timeout_seconds: int | None) -> dict[str, Any]:
-    """lead (delay) → ask (approval) → talk (generate) → done (echoes the answer)."""
-    ask: dict[str, Any] = {"prompt": "Go on with {{ input.n }}?", "schema": APPROVAL_SCHEMA}
-    if timeout_seconds is not None:
-        ask["timeoutSeconds"] = timeout_seconds
-    return {
-        "id": workflow_id,
-        "blocks": [
-            {"id": "lead", "type": "delay", "config": {"ms": 50}},
-            {"id": "ask", "type": "approval", "config": ask},
-            generate("talk", words(16, "a"), 32),
-            {"id": "done", "type": "transform", "config": {"value": "{{ blocks.ask.output }}"}},
-        ],
-        "edges": [
-            {"from": "lead", "to": "ask"},
-            {"from": "ask", "to": "talk"},
-            {"from": "talk", "to": "done"},
-        ],
-    }
-
-
-# -- the plan --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What one execution of the storm does, drawn from the seed before anything runs."""
-
-    number: int
-    kind: str
-    at: float  # seconds after the load starts
-    via: int  # the replica slot it is started on
-    streaming: bool  # started by a streaming execute, whose reader is the owner's
-    readers: tuple[tuple[str, int], ...]  # (role, replica slot): from0, dropper, odd
-    action: str  # none, resumes, late-resumes, resume-cancel, cancels, cancel-storm
-    delay: float  # before the action: after the pause was seen, or after the start
-    resumes: int
-    cancels: int
-    seed: int
-
-
-def make_plans(shape: Shape, seed: int) -> list[Plan]:
-    rng = random.Random(seed)
-    kinds = rng.choices(list(KINDS), weights=list(KINDS.values()), k=shape.executions)
-    for number in (7, shape.executions // 2):
-        kinds[number] = "big"
-    plans = []
-    for number, kind in enumerate(kinds):
-        at = shape.window * 0.92 * (number + rng.random()) / shape.executions
-        via = rng.randrange(2)
-        streaming = kind != "big" and rng.random() < 0.2
-        readers: list[tuple[str, int]] = []
-        if not streaming or rng.random() < 0.5:
-            readers.append(("from0", rng.randrange(2)))
-        if rng.random() < 0.4:
-            readers.append(("dropper", rng.randrange(2)))
-        if rng.random() < 0.12:
-            readers.append(("odd", rng.randrange(2)))
-        actions = ACTIONS.get(kind, {"cancel-storm": 25, "none": 75})
-        action = rng.choices(list(actions), weights=list(actions.values()))[0]
-        resumes, cancels = {
-            "resumes": (rng.randint(2, 4), 0),
-            "late-resumes": (2, 0),
-            "resume-cancel": (rng.randint(1, 2), rng.randint(1, 2)),
-            "cancels": (0, rng.randint(2, 3)),
-            "cancel-storm": (1, rng.randint(1, 3)),
-        }.get(action, (0, 0))
-        if action == "late-resumes":  # right at the approval deadline
-            delay = ASK_TIMEOUT_SECONDS - 0.1 + rng.uniform(-0.2, 0.2)
-        elif action == "cancel-storm":
-            delay = rng.uniform(0.05, 1.5)
-        else:
-            delay = rng.uniform(0.0, 1.2)
-        plans.append(
-            Plan(number, kind, at, via, streaming, tuple(readers), action, delay, resumes,
-                 cancels, rng.randrange(2**32))
-        )  # fmt: skip
-    return plans
-
-
-# -- what happened ---------------------------------------------------------------------
-
-
-@dataclass
-class Fault:
-    """One injected fault and when it was in effect (monotonic and wall clock)."""
-
-    kind: str
-    began: float
-    began_wall: float
-    ended: float = 0.0
-    ended_wall: float = 0.0
-    lost_since_wall: float | None = None  # a data-losing restart: writes after this are gone
-    detail: str = ""
-
-
-@dataclass
-class Answer:
-    """One resume or cancel request of a group fired at the same instant."""
-
-    kind: str
-    group: str
-    input: Any
-    sent: float
-    status: int | None = None  # None: no answer (transport error, no replica up)
-    body: str = ""
-    answered_wall: float = 0.0
-    answered: float = 0.0
-    paused_before: bool = False  # the snapshot said paused right before the group fired
-
-
-@dataclass
-class Reader:
-    """One SSE client: everything it received over all its connections."""
-
-    role: str  # owner (the streaming execute), from0, dropper, odd
-    slot: int
-    rng: random.Random
-    start: int = 0
-    bites: int = 0  # connections left that read only a few events before dropping
-    frames: list[Frame] = field(default_factory=list)
-    stamps: list[float] = field(default_factory=list)  # wall clock of each frame
-    late_frames: list[Frame] = field(default_factory=list)  # after the terminal event
-    connections: int = 0
-    statuses: Counter[int] = field(default_factory=Counter)
-    transport_errors: int = 0
-    broken_frames: int = 0
-    kept_open: bool = False  # the server did not close the stream after the terminal
-    ended: str = ""  # terminal, 204, 404, or why it stopped
-    ended_wall: float = 0.0
-
-    @property
-    def cursor(self) -> int:
-        for frame in reversed(self.frames):
-            if frame.id is not None:
-                return int(frame.id)
-        return self.start
-
-    @property
-    def label(self) -> str:
-        return (
-            f"{self.role} reader (cursor {self.start}, first on replica {self.slot}, "
-            f"{self.connections} connections)"
-        )
-
-    def end(self, how: str) -> None:
-        if not self.ended:
-            self.ended, self.ended_wall = how, time.time()
-
-
-@dataclass
-class Run:
-    """One planned execution and everything about it."""
-
-    plan: Plan
-    execution_id: str = ""
-    sent_wall: float = 0.0
-    accepted_wall: float = 0.0
-    readers: list[Reader] = field(default_factory=list)
-    answers: list[Answer] = field(default_factory=list)
-    started: asyncio.Event = field(default_factory=asyncio.Event)
-    paused: asyncio.Event = field(default_factory=asyncio.Event)
-    # Filled after the load.
-    status: str | None = None  # the final snapshot status; None: 404
-    terminal_wall: float | None = None
-    log: list[dict[str, Any]] | None = None
-    dropped: list[tuple[int, int]] = field(default_factory=list)
-    # The stored log of a finished execution as read right before a restart lost it.
-    log_before_loss: list[dict[str, Any]] | None = None
-    dropped_before_loss: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def workflow_id(self) -> str:
-        return WORKFLOW_OF[self.plan.kind]
-
-    def input(self) -> dict[str, Any]:
-        if self.plan.kind == "big":
-            return {"n": self.plan.number, "blob": "b" * BIG_INPUT_BYTES}
-        return {"n": self.plan.number}
-
-    def accept(self, execution_id: str, sent_wall: float) -> None:
-        self.execution_id, self.sent_wall, self.accepted_wall = execution_id, sent_wall, time.time()
-        self.started.set()
-
-    def saw(self, frame: Frame) -> None:
-        if frame.event == "execution:paused":
-            self.paused.set()
-
-
-@dataclass
-class ServerError:
-    wall: float
-    status: int
-    method: str
-    path: str
-    port: int
-    body: str
-
-
-# -- the replicas ----------------------------------------------------------------------
-
-
-@dataclass
-class Slot:
-    index: int
-    server: FlowcastServer
-    client: httpx.AsyncClient
-    state: str = "up"  # up, draining, down
-
-
-class Replicas:
-    """Two Flowcast processes in slots; a killed or stopped one is replaced in its slot
-    by a fresh process on a new port. Every request through their clients is counted."""
-
-    def __init__(self, root: Path, env: dict[str, str], report: Report) -> None:
-        self._root = root
-        self._env = env
-        self._report = report
-        self.slots: list[Slot] = []
-        self.servers: list[FlowcastServer] = []  # every process ever started
-        self.clients: list[httpx.AsyncClient] = []
-        self.errors: list[ServerError] = []
-        self.draining_ports: set[int] = set()
-
-    async def start(self, count: int = 2) -> None:
-        servers = [
-            FlowcastServer(data_dir=self._root / f"replica-{index}", env=self._env)
-            for index in range(count)
-        ]
-        self.servers += servers
-        await asyncio.gather(*(server.start() for server in servers))
-        self.slots = [Slot(n, server, self._client(server)) for n, server in enumerate(servers)]
-
-    def _client(self, server: FlowcastServer) -> httpx.AsyncClient:
-        report = self._report
-
-        async def count(request: httpx.Request) -> None:
-            report.requests += 1
-            if report.requests > report.budget.requests and not report.checking:
-                raise BudgetExceeded(f"{report.name}: more than {report.budget.requests} requests")
-
-        async def judge(response: httpx.Response) -> None:
-            report.statuses[response.status_code] += 1
-            if response.status_code >= 500:
-                await response.aread()
-                request = response.request
-                self.errors.append(
-                    ServerError(time.time(), response.status_code, request.method,
-                                request.url.path, request.url.port or 0, response.text[:200])
-                )  # fmt: skip
-
-        client = httpx.AsyncClient(
-            base_url=server.url,
-            timeout=httpx.Timeout(30, read=15),
-            limits=httpx.Limits(max_connections=600, max_keepalive_connections=100),
-            event_hooks={"request": [count], "response": [judge]},
-        )
-        self.clients.append(client)
-        return client
-
-    def pick(self, rng: random.Random, prefer: int | None = None) -> Slot | None:
-        """The preferred slot if it is up, else a random slot that is up (None: none)."""
-        if prefer is not None and self.slots[prefer].state == "up":
-            return self.slots[prefer]
-        up = [slot for slot in self.slots if slot.state == "up"]
-        return rng.choice(up) if up else None
-
-    async def all_up(self) -> None:
-        while any(slot.state != "up" for slot in self.slots):
-            await asyncio.sleep(0.05)
-
-    async def kill(self, index: int, pause: float) -> None:
-        slot = self.slots[index]
-        slot.state = "down"
-        await faults.kill_replica(slot.server)
-        await asyncio.sleep(pause)
-        await self._replace(slot)
-
-    async def terminate(self, index: int) -> None:
-        slot = self.slots[index]
-        slot.state = "draining"
-        self.draining_ports.add(slot.server.port)
-        await faults.terminate_replica(slot.server, timeout=GRACE_SECONDS + 15)
-        slot.state = "down"
-        await self._replace(slot)
-
-    async def _replace(self, slot: Slot) -> None:
-        server = await faults.fresh_replica(slot.server)
-        self.servers.append(server)
-        slot.server, slot.client, slot.state = server, self._client(server), "up"
-
-    async def close(self) -> None:
-        await asyncio.gather(*(slot.server.stop() for slot in self.slots), return_exceptions=True)
-        await asyncio.gather(*(client.aclose() for client in self.clients))
-
-
-# -- the storm -------------------------------------------------------------------------
 
 
 class Storm:
@@ -546,7 +149,8 @@ class Storm:
             owner = Reader("owner", plan.via, random.Random(rng.random()))
             run.readers.append(owner)
             request = ("POST", f"/api/workflows/{run.workflow_id}/execute", {"input": run.input()})
-            self._reader_tasks.append(streams.create_task(self._follow(owner, run, request)))
+            following = owner.follow(run, self.live, self.report, request)
+            self._reader_tasks.append(streams.create_task(following))
             await run.started.wait()
         else:
             await self._start(run, rng)
@@ -557,7 +161,8 @@ class Storm:
             reader.start = ODD_CURSOR if role == "odd" else 0
             reader.bites = rng.randint(2, 6) if role == "dropper" else 0
             run.readers.append(reader)
-            self._reader_tasks.append(streams.create_task(self._follow(reader, run, None)))
+            following = reader.follow(run, self.live, self.report)
+            self._reader_tasks.append(streams.create_task(following))
         await self._act(run, rng)
 
     async def _start(self, run: Run, rng: random.Random) -> None:
@@ -585,113 +190,6 @@ class Storm:
                 return
             await asyncio.sleep(0.2)
         run.started.set()
-
-    async def _follow(self, reader: Reader, run: Run, request: tuple[str, str, Any] | None) -> None:
-        """Read to the end (terminal, 204 or 404), reconnecting to any replica that is up."""
-        try:
-            await self._read_to_the_end(reader, run, request)
-        except BudgetExceeded as exc:
-            self.report.find(str(exc))
-            reader.end("request budget")
-            run.started.set()
-
-    async def _read_to_the_end(
-        self, reader: Reader, run: Run, request: tuple[str, str, Any] | None
-    ) -> None:
-        deadline = clock() + 15  # for the streaming execute to be answered at all
-        while not reader.ended:
-            starting = request is not None and not run.execution_id
-            if starting and clock() > deadline:
-                reader.end("never started")
-                run.started.set()
-                return
-            prefer = reader.slot if reader.connections == 0 or starting else None
-            slot = self.live.pick(reader.rng, prefer=prefer)
-            if slot is None:
-                await asyncio.sleep(0.1)
-                continue
-            limit = None
-            if reader.bites > 0:
-                reader.bites -= 1
-                limit = reader.rng.randint(3, 40)
-            again = await self._connect(reader, run, slot, request if starting else None, limit)
-            if again:
-                await asyncio.sleep(0.2 + 0.2 * reader.rng.random())  # EventSource's retry
-            elif limit is not None:
-                await asyncio.sleep(0.3 * reader.rng.random())
-
-    async def _connect(
-        self,
-        reader: Reader,
-        run: Run,
-        slot: Slot,
-        request: tuple[str, str, Any] | None,
-        limit: int | None,
-    ) -> bool:
-        """One connection; True when the reader should reconnect."""
-        if reader.frames and reader.frames[-1].id is None:
-            reader.frames.pop()  # cut right after a gap frame: the same cursor gets it again
-            reader.stamps.pop()
-        if request is None:
-            method, url, body = "GET", f"/api/executions/{run.execution_id}/stream", None
-            headers = {**SSE, "Last-Event-ID": str(reader.cursor)}
-        else:
-            (method, url, body), headers = request, dict(SSE)
-        reader.connections += 1
-        self.report.connections += 1
-        sent = time.time()
-        try:
-            async with slot.client.stream(method, url, headers=headers, json=body) as response:
-                status = response.status_code
-                reader.statuses[status] += 1
-                if request is not None:
-                    if status != 200:
-                        await response.aread()
-                        return True
-                    run.accept(response.headers["x-execution-id"], sent)
-                if status in (204, 404):
-                    reader.end(str(status))
-                    return False
-                if status != 200:
-                    await response.aread()
-                    if status >= 500:
-                        return True
-                    reader.end(f"answered {status}: {response.text[:120]}")
-                    return False
-                return await self._read(reader, run, response, limit)
-        except httpx.TransportError:
-            reader.transport_errors += 1
-            return True
-        except AssertionError:  # the stream ended inside a frame (a process was killed)
-            reader.broken_frames += 1
-            return True
-
-    async def _read(
-        self, reader: Reader, run: Run, response: httpx.Response, limit: int | None
-    ) -> bool:
-        taken = 0
-        loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(None) as timer:
-                async for frame in events(response):
-                    if reader.ended:
-                        reader.late_frames.append(frame)
-                        continue
-                    reader.frames.append(frame)
-                    reader.stamps.append(time.time())
-                    self.report.frames += 1
-                    if frame.id is None:
-                        continue
-                    taken += 1
-                    run.saw(frame)
-                    if frame.event in TERMINAL:
-                        reader.end("terminal")  # read on: the server must close right after
-                        timer.reschedule(loop.time() + 3)
-                    elif limit is not None and taken >= limit:
-                        return False
-        except TimeoutError:
-            reader.kept_open = True
-        return not reader.ended
 
     # -- resumes and cancels ---------------------------------------------------------
 
@@ -789,8 +287,13 @@ class Storm:
 
         async def one(run: Run) -> None:
             rng = random.Random(run.plan.seed + 1)
-            if await self.status(run, rng) == "paused":
+            for _ in range(10):  # as a client would, again after a 503 or no answer
+                if await self.status(run, rng) != "paused":
+                    return
                 await self.fire(run, rng, "sweep", resumes=0, cancels=1)
+                if run.answers[-1].status in (202, 409):
+                    return
+                await asyncio.sleep(0.3)
 
         await asyncio.gather(*(one(run) for run in self.accepted if run.plan.kind == "ask"))
 
@@ -1013,8 +516,6 @@ class Storm:
 
 async def fault_storm(root: Path, *, long: bool = False, seed: int = 20261129) -> Report:
     """Executions under faults on two replicas and one Valkey; see the module docstring."""
-    from stress.fault_checks import judge
-
     shape = LONG if long else SHORT
     report = Report("fault-storm", Budget(seconds=shape.seconds, requests=shape.requests))
     report.data_dir = root
