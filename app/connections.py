@@ -12,6 +12,9 @@ from typing import Any
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ConnectionError
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
@@ -30,6 +33,14 @@ def connect(
         "socket_connect_timeout": 5,
         "socket_timeout": socket_timeout,
     }
+    # After a Redis restart every pooled connection is dead: a command on one is sent
+    # again on a fresh connection instead of failing the request. Only a refused or
+    # closed connection is retried, never a timeout; every script tolerates a second
+    # run (append.lua finds its own batch, claims answer with the state that won).
+    retry: dict[str, Any] = {
+        "retry": Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.1), retries=2),
+        "retry_on_error": [ConnectionError],
+    }
     if scheme in CLUSTER_SCHEMES:
         cluster: Any = RedisCluster.from_url(
             f"{CLUSTER_SCHEMES[scheme]}{sep}{rest}", max_connections=max_connections, **options
@@ -39,7 +50,7 @@ def connect(
         return client
     if wait_seconds is None:
         return Redis.from_url(
-            url, health_check_interval=30, max_connections=max_connections, **options
+            url, health_check_interval=30, max_connections=max_connections, **options, **retry
         )
     pool = BlockingConnectionPool.from_url(
         url,
@@ -47,5 +58,6 @@ def connect(
         timeout=wait_seconds,
         health_check_interval=30,
         **options,
+        **retry,
     )
     return Redis(connection_pool=pool)

@@ -311,6 +311,19 @@ class EventBuffer:
         return found
 
     @translated
+    async def last_ids(self, execution_ids: list[str]) -> list[int | None]:
+        """The last stored id of each execution (None for one the store does not have)."""
+        found: list[int | None] = []
+        for start in range(0, len(execution_ids), 500):
+            chunk = execution_ids[start : start + 500]
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for execution_id in chunk:
+                    pipe.hget(self.keys.meta(execution_id), "lastId")
+                values = await pipe.execute()
+            found += [None if value is None else int(value) for value in values]
+        return found
+
+    @translated
     async def exists(self, execution_id: str) -> bool:
         """True while the execution's metadata exists (it expires with retention)."""
         return bool(await self.redis.exists(self.keys.meta(execution_id)))

@@ -204,6 +204,15 @@ class Ownership:
         await self.redis.zrem(self.keys.deadlines, execution_id)
 
     @translated
+    async def store_id(self) -> str:
+        """Which Redis server answers (its run id; every node's on a cluster): a new one
+        means a restart or a failover, maybe to older data."""
+        info: Any = await self.redis.info("server")
+        if "run_id" in info:
+            return str(info["run_id"])
+        return ",".join(sorted(str(node.get("run_id", "")) for node in info.values()))
+
+    @translated
     async def now_ms(self) -> int:
         """Redis's clock, in milliseconds since the epoch."""
         seconds, micros = await self.redis.time()

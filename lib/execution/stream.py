@@ -16,16 +16,19 @@ whatever its id. An execution that disappears from the store ends the stream.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Iterable
 
 import orjson
 
-from lib.errors import NotFound
+from lib.errors import BufferUnavailable, NotFound
 from lib.execution.buffer import EventBuffer, Page
 from lib.execution.events import Event, sse_frame
 from lib.execution.hub import Hub, Subscription
 from lib.metrics import Metrics
+
+log = logging.getLogger(__name__)
 
 REPLAY_PAGE = 1_000
 GAP_EVENT = "replay:gap"
@@ -100,6 +103,13 @@ class StreamReader:
                 # Too slow for the live queue: attach again and catch up from the buffer.
             except NotFound:
                 return  # the store lost the execution and nobody recreated it
+            except BufferUnavailable as exc:
+                # End at a frame boundary: the client reconnects with Last-Event-ID.
+                log.warning(
+                    "stream ended: the buffer failed",
+                    extra={"executionId": self._execution_id, "error": str(exc)},
+                )
+                return
             finally:
                 self._hub.unsubscribe(subscription)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 import orjson
 
@@ -100,6 +100,7 @@ class EventWriter:
         base_id: int | None = None,
         publish: Publish | None = None,
         on_cancel: Callable[[], None] | None = None,
+        on_lost: Callable[[], Awaitable[None]] | None = None,
         identity: Mapping[str, str] | None = None,
         max_pending: int = 10_000,
         metrics: Metrics | None = None,
@@ -112,6 +113,9 @@ class EventWriter:
         self._epoch = epoch
         self._publish = publish
         self._on_cancel = on_cancel
+        # Called before the metadata is recreated: the owner watches its lease again
+        # first, so a recreated execution is never running with nobody watching.
+        self._on_lost = on_lost
         # Fields to recreate the metadata with if the store comes back empty.
         self._identity = dict(identity or {})
         self._max_pending = max_pending
@@ -264,6 +268,12 @@ class EventWriter:
             except WriteRefused as exc:
                 if self._refused_but_handled(exc, batch, first):
                     backoff.reset()
+                    if exc.reason == "gone" and self._on_lost is not None:
+                        try:
+                            await self._on_lost()
+                        except BufferUnavailable as lost:
+                            self._failed(lost, backoff)
+                            await backoff.wait()
                     continue
                 self._refuse(exc)
                 return
@@ -281,8 +291,6 @@ class EventWriter:
                         "toId": first - 1,
                     },
                 )
-            if self._recreate:
-                await self._buffer.index_again(self._execution_id, self._identity.get("tenant", ""))
             self._recreate = self._repair = self._outage = False
             self.reserved = max(self.reserved, result.reserved)
             self._stored(batch, first)

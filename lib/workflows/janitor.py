@@ -55,11 +55,15 @@ class Janitor:
         lease_seconds: float,
         is_local: Callable[[str], bool],
         finish: Finish,
+        restarted: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._ownership = ownership
         self._lease_seconds = lease_seconds
         self._is_local = is_local
         self._finish = finish
+        # Told when another Redis server answers than before (a restart, a failover).
+        self._restarted = restarted
+        self._store_id: str | None = None
 
     async def run(self) -> None:
         """Sweep every half lease (jittered) until cancelled."""
@@ -67,12 +71,24 @@ class Janitor:
         while True:
             await asyncio.sleep(self._lease_seconds / 2 * random.uniform(0.8, 1.2))
             try:
+                if await self._store_changed():
+                    # Owners re-assert what the store may have lost before anyone may
+                    # call a lease expired: a full lease from now, as after an outage.
+                    healthy_since = time.monotonic()
+                    if self._restarted is not None:
+                        await self._restarted()
                 await self.sweep(healthy_since)
             except FlowcastError as exc:
                 # After an outage every owner needs a full lease to renew before anyone
                 # may call its lease expired.
                 healthy_since = time.monotonic()
                 log.warning("janitor pass failed", extra={"error": str(exc)})
+
+    async def _store_changed(self) -> bool:
+        current = await self._ownership.store_id()
+        changed = self._store_id is not None and current != self._store_id
+        self._store_id = current
+        return changed
 
     async def sweep(self, healthy_since: float) -> None:
         if time.monotonic() - healthy_since >= self._lease_seconds:

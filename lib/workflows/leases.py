@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lib.backoff import Backoff
@@ -40,6 +40,7 @@ class LocalRun:
     pending: Callable[[], int] = lambda: 0  # events emitted and not stored yet
     retained: Callable[[], int] = lambda: 0  # bytes its ring retains, as modelled
     repair: Callable[[], None] = lambda: None  # recreate what the store lost
+    identity: dict[str, str] = field(default_factory=dict)  # fields to recreate it with
 
     def stop(self, reason: str) -> None:
         """Cancel the run's work; the run itself still writes its last event.

@@ -21,6 +21,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -38,6 +39,7 @@ from lib.errors import (
     Problem,
     ShuttingDown,
     TooBusy,
+    WriteRefused,
     error_path,
 )
 from lib.execution.buffer import EventBuffer, ExecutionMeta
@@ -49,13 +51,14 @@ from lib.execution.events import (
     EXECUTION_PAUSED,
     EXECUTION_RESUMED,
     EXECUTION_STARTED,
+    Event,
     utc_timestamp,
 )
 from lib.execution.hub import Hub
 from lib.execution.offload import Compactor, OffloadPolicy
 from lib.execution.ownership import Claim, Ownership, node_of
 from lib.execution.values import ValueStore
-from lib.execution.writer import EventWriter
+from lib.execution.writer import EventWriter, batch_meta
 from lib.metrics import Metrics
 from lib.workflows.executor import BlockFailed, Executor, Pause, Paused, RunState
 from lib.workflows.janitor import Ending, Janitor, cancelled
@@ -80,6 +83,22 @@ class Started:
 @dataclass(frozen=True)
 class Completed:
     output: Any
+
+
+@dataclass(frozen=True)
+class Final:
+    """The last event a run here stored, kept for a while to re-assert it if the store
+    comes back without it (restarted from an older snapshot, or empty)."""
+
+    event: Event
+    fence: str
+    epoch: int
+    identity: dict[str, str]
+
+
+# Finals remembered, newest last; larger events are not kept (their memory would add up).
+MAX_FINALS = 4_096
+MAX_FINAL_BYTES = 16 * 1024
 
 
 # What a run's work ends with, when it is not a block failure: its output, or a pause
@@ -122,6 +141,7 @@ class Runner:
         self._metrics = metrics
         self.node_id = node_id or secrets.token_hex(6)
         self._locals: dict[str, LocalRun] = {}
+        self._finals: OrderedDict[str, Final] = OrderedDict()
         self._keeper = LeaseKeeper(
             ownership=ownership,
             lease_seconds=lease_seconds,
@@ -137,6 +157,7 @@ class Runner:
             lease_seconds=self._lease_seconds,
             is_local=self._locals.__contains__,
             finish=self._claim_and_end,
+            restarted=self._reassert_finals,
         )
         self._loops = [
             asyncio.create_task(self._keeper.renew_loop(), name="lease-renewal"),
@@ -307,16 +328,24 @@ class Runner:
     async def _claim(
         self, execution_id: str, mode: str, fence: str, tenant: str, *, block_id: str = ""
     ) -> Claim:
-        """Watch ``fence``'s lease, then win the transition with it (or undo the watch)."""
+        """Watch ``fence``'s lease, then win the transition with it.
+
+        A refused claim undoes the watch. One whose answer was lost (the buffer failed
+        mid-call) keeps it: if the claim did apply, the lease it set expires unrenewed
+        and a janitor ends the execution, so it is never running with nobody watching.
+        """
         try:
             await self._ownership.hold(execution_id, fence)
             return await self._ownership.claim(execution_id, mode, fence, block_id=block_id)
-        except FlowcastError:
+        except (Conflict, NotFound):
             await self._quietly(
                 execution_id,
                 self._ownership.release(execution_id, fence),
                 self._ownership.leave(tenant, fence),
             )
+            raise
+        except FlowcastError:
+            await self._quietly(execution_id, self._ownership.leave(tenant, fence))
             raise
 
     async def _claim_and_end(
@@ -325,9 +354,9 @@ class Runner:
         """The janitor's transitions: take over or expire, then write ``ending``."""
         fence = self._fence()
         try:
+            meta = await self._buffer.meta(execution_id)
             await self._ownership.hold(execution_id, fence)
             claim = await self._ownership.claim(execution_id, mode, fence, expected=expected)
-            meta = await self._buffer.meta(execution_id)
         except (Conflict, NotFound) as exc:
             await self._quietly(execution_id, self._ownership.release(execution_id, fence))
             return exc.code
@@ -359,6 +388,7 @@ class Runner:
             stored_id=claim.last_id,
             base_id=claim.base,
             on_cancel=lambda: local.stop("cancel"),
+            on_lost=lambda: self._rewatch(execution_id, local),
             identity={k: v for k, v in identity.items() if v},
             max_pending=self._max_pending,
             metrics=self._metrics,
@@ -387,6 +417,7 @@ class Runner:
             metrics=self._metrics,
             last_id=claim.base,
         )
+        local.identity = identity
         local.pending = lambda: writer.pending
         local.retained = lambda: compactor.ring.retained_bytes
         local.repair = writer.request_repair
@@ -411,6 +442,11 @@ class Runner:
         self._locals[execution_id] = local
         local.task.add_done_callback(forget)
 
+    async def _rewatch(self, execution_id: str, local: LocalRun) -> None:
+        """The store lost a running execution: watch its lease and list it again."""
+        await self._ownership.hold(execution_id, local.fence)
+        await self._buffer.index_again(execution_id, local.tenant)
+
     async def _let_go(self, local: LocalRun, writer: EventWriter) -> None:
         """Leave the tenant's running set; stop watching the lease once it is settled.
 
@@ -419,6 +455,8 @@ class Runner:
         left running with nobody watching.
         """
         settled = writer.final_stored is not None or writer.refused is not None
+        if writer.final_stored is not None and writer.refused is None:
+            self._remember(local, writer.final_stored)
         work = [self._ownership.leave(local.tenant, local.fence)]
         if settled:
             work.append(self._ownership.release(local.execution_id, local.fence))
@@ -428,6 +466,54 @@ class Runner:
                 extra={"executionId": local.execution_id},
             )
         await self._quietly(local.execution_id, *work)
+
+    def _remember(self, local: LocalRun, event: Event) -> None:
+        if len(event.json) > MAX_FINAL_BYTES:
+            return
+        self._finals.pop(local.execution_id, None)
+        self._finals[local.execution_id] = Final(event, local.fence, local.epoch, local.identity)
+        while len(self._finals) > MAX_FINALS:
+            self._finals.popitem(last=False)
+
+    async def _reassert_finals(self) -> None:
+        """Another Redis server answers: store again the last events it lacks.
+
+        A store restarted from an older snapshot (or a lagging replica promoted, or an
+        empty one) may have forgotten how a run here ended. Left alone, a janitor would
+        end it a second time under ids that clients already saw. The run's own fence and
+        epoch let its last event back in (append.lua), with the ids in between recorded
+        as dropped.
+        """
+        finals = list(self._finals.items())
+        if not finals:
+            return
+        stored = await self._buffer.last_ids([execution_id for execution_id, _ in finals])
+        restored = 0
+        for (execution_id, final), last_id in zip(finals, stored, strict=True):
+            if last_id is not None and last_id >= final.event.id:
+                continue
+            try:
+                await self._buffer.append(
+                    execution_id,
+                    [final.event],
+                    fence=final.fence,
+                    epoch=final.epoch,
+                    meta={**final.identity, **batch_meta([final.event])},
+                    after_drop=True,
+                    reserve=final.event.id,
+                    recreate=True,
+                )
+            except WriteRefused as exc:
+                log.warning(
+                    "could not restore a run's last event",
+                    extra={"executionId": execution_id, "reason": exc.reason},
+                )
+                continue
+            if last_id is None:
+                await self._buffer.index_again(execution_id, final.identity["tenant"])
+            restored += 1
+        if restored:
+            log.warning("restored the last events the store lost", extra={"count": restored})
 
     async def _quietly(self, execution_id: str, *work: Awaitable[None]) -> None:
         """Best-effort cleanup: stale entries only cost a refused claim later, or expire."""

@@ -66,7 +66,8 @@ class RunStates:
     async def load(self, execution_id: str) -> dict[str, Any]:
         """The run state as saved; NotFound when the store has none."""
         stored = await self._ownership.load_state(execution_id)
-        if not stored:
+        if "workflow" not in stored:
+            # Missing, or restored only in part (a store back from an older snapshot).
             raise NotFound("run state", execution_id)
         return {name: await self._decode(execution_id, value) for name, value in stored.items()}
 
