@@ -522,3 +522,29 @@ async def test_a_large_outcome_is_not_copied_into_the_metadata(
     assert isinstance(output, str) and len(output) >= size - 2, len(output)
     assert meta < 32 * 1024, meta
     assert listed["executions"][0]["output"] == snapshot["output"]
+
+
+async def test_a_run_that_ended_before_a_rollback_is_not_ended_twice(
+    pair: tuple[FlowcastServer, FlowcastServer],
+    valkey: FaultyValkey,
+    unique: str,
+    tmp_path: Path,
+) -> None:
+    async with clients(pair) as (a, b):
+        await put(a, talking_workflow(f"ended-{unique}", words=20, tps=40))
+        execution_id = await execute(a, f"ended-{unique}")
+        live = asyncio.create_task(follow(a, execution_id))
+        await wait_last_id(a, execution_id, 6)
+        snapshot = await take_snapshot(valkey, tmp_path / "before-the-end.rdb")
+        seen = check_view(await live)
+        ended = await wait_finished(a, execution_id)
+        # The store forgets the end: the execution is "running" again, its lease long
+        # expired. Its owner must restore its last event before any janitor ends it.
+        await crash_and_restore(valkey, snapshot)
+        finished = await wait_finished(b, execution_id)
+        stored = await all_events(b, execution_id)
+        replayed = await follow(b, execution_id)
+    assert ended["status"] == finished["status"] == "completed", finished
+    assert stored[-1] == seen[-1], (stored[-1], seen[-1])
+    same_events(seen, stored)
+    covered(stored, replayed)
