@@ -17,6 +17,9 @@ ARGV[4]  resume: the paused block the caller answers ("" = whichever it is);
 Times are Redis's own (TIME), never a host's, so a replica whose clock is off can
 neither end a healthy execution nor keep a dead one.
 
+A claim sent again (its first answer was lost) finds the caller already owning the
+execution and answers as the first run did, with the status it replaced.
+
 Returns {lastId, base, statusBefore, owner, epoch} on success: a new owner numbers its
 events from base + 1 (base is above every id the previous owner may have shown live;
 ids between lastId and base are recorded as dropped by its first batch). Error replies:
@@ -43,6 +46,14 @@ if not status then
 end
 local last = tonumber(state[2]) or 0
 local base = math.max(last, tonumber(state[8]) or 0)
+
+if state[3] == token then
+  local before = "paused"
+  if mode == "takeover" then
+    before = "running"
+  end
+  return {last, base, before, token, tonumber(state[7]) or 0}
+end
 
 local function own(keep_cancel)
   local epoch = (tonumber(state[7]) or 0) + 1

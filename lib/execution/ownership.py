@@ -35,8 +35,16 @@ import orjson
 from redis.exceptions import ResponseError
 
 from lib.backend import load_script, translated
-from lib.errors import Conflict, NotFound
+from lib.errors import BufferUnavailable, Conflict, NotFound
 from lib.execution.buffer import EventBuffer
+
+
+@dataclass(frozen=True)
+class Store:
+    """The Redis server that answers: its identity and how long it has run."""
+
+    identity: str
+    uptime_seconds: float
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,7 @@ class Ownership:
         self.redis = buffer.redis
         self.keys = buffer.keys
         self.lease_ms = int(lease_seconds * 1000)
+        self.settle_seconds = 2 * lease_seconds
         package = __package__
         self._claim = self.redis.register_script(load_script(package, "claim.lua"))
         self._renew = self.redis.register_script(load_script(package, "renew.lua"))
@@ -204,13 +213,28 @@ class Ownership:
         await self.redis.zrem(self.keys.deadlines, execution_id)
 
     @translated
-    async def store_id(self) -> str:
-        """Which Redis server answers (its run id; every node's on a cluster): a new one
-        means a restart or a failover, maybe to older data."""
+    async def store(self) -> Store:
+        """Which Redis server answers, and for how long: a new one means a restart or a
+        failover, maybe to older data (every node's, on a cluster)."""
         info: Any = await self.redis.info("server")
-        if "run_id" in info:
-            return str(info["run_id"])
-        return ",".join(sorted(str(node.get("run_id", "")) for node in info.values()))
+        nodes = [info] if "run_id" in info else list(info.values())
+        return Store(
+            ",".join(sorted(str(node.get("run_id", "")) for node in nodes)),
+            min(float(node.get("uptime_in_seconds", 0)) for node in nodes),
+        )
+
+    async def check_settled(self) -> None:
+        """Refuse to move ownership (BufferUnavailable) while the store is new.
+
+        A store that just restarted (or a replica just promoted) may have forgotten
+        recent transitions; until every process had a chance to re-assert what it
+        knows (two leases), a claim could hand out ids that clients already saw.
+        """
+        store = await self.store()
+        if store.uptime_seconds < self.settle_seconds:
+            raise BufferUnavailable(
+                "the buffer restarted moments ago; ownership moves again shortly"
+            )
 
     @translated
     async def now_ms(self) -> int:

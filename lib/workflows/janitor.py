@@ -71,28 +71,34 @@ class Janitor:
         while True:
             await asyncio.sleep(self._lease_seconds / 2 * random.uniform(0.8, 1.2))
             try:
-                if await self._store_changed():
-                    # Owners re-assert what the store may have lost before anyone may
-                    # call a lease expired: a full lease from now, as after an outage.
+                store = await self._ownership.store()
+                changed = self._store_id is not None and store.identity != self._store_id
+                self._store_id = store.identity
+                if changed and self._restarted is not None:
+                    # Owners re-assert what the store may have lost...
+                    await self._restarted()
+                if store.uptime_seconds < self._ownership.settle_seconds:
+                    # ...before anyone may end an execution it holds (see ownership.py).
                     healthy_since = time.monotonic()
-                    if self._restarted is not None:
-                        await self._restarted()
-                await self.sweep(healthy_since)
+                    continue
+                if not await self.sweep(healthy_since):
+                    healthy_since = time.monotonic()
             except FlowcastError as exc:
                 # After an outage every owner needs a full lease to renew before anyone
                 # may call its lease expired.
                 healthy_since = time.monotonic()
                 log.warning("janitor pass failed", extra={"error": str(exc)})
 
-    async def _store_changed(self) -> bool:
-        current = await self._ownership.store_id()
-        changed = self._store_id is not None and current != self._store_id
-        self._store_id = current
-        return changed
-
-    async def sweep(self, healthy_since: float) -> None:
+    async def sweep(self, healthy_since: float) -> bool:
+        """One pass; False when the store answered too slowly to trust its leases."""
         if time.monotonic() - healthy_since >= self._lease_seconds:
-            for execution_id, fence in await self._ownership.due_leases():
+            asked = time.monotonic()
+            due = await self._ownership.due_leases()
+            if time.monotonic() - asked > self._lease_seconds / 3:
+                # A stalled store: owners could not renew either, so their leases
+                # prove nothing until a lease has passed with the store answering.
+                return False
+            for execution_id, fence in due:
                 if self._is_local(execution_id):
                     continue
                 code = await self._finish(execution_id, "takeover", fence, worker_lost)
@@ -104,3 +110,4 @@ class Janitor:
             code = await self._finish(execution_id, "expire", "", approval_timeout)
             if code != "notdue":
                 await self._ownership.forget_deadline(execution_id)
+        return True

@@ -41,6 +41,7 @@ class LocalRun:
     retained: Callable[[], int] = lambda: 0  # bytes its ring retains, as modelled
     repair: Callable[[], None] = lambda: None  # recreate what the store lost
     identity: dict[str, str] = field(default_factory=dict)  # fields to recreate it with
+    saved_pause: Any = None  # what its pause saved (runner.SavedPause), once saved
 
     def stop(self, reason: str) -> None:
         """Cancel the run's work; the run itself still writes its last event.

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
 from jsonschema.validators import validator_for
 
 from lib.backoff import Backoff
@@ -94,6 +95,20 @@ class Final:
     fence: str
     epoch: int
     identity: dict[str, str]
+    pause: SavedPause | None = None
+
+
+@dataclass(frozen=True)
+class SavedPause:
+    """What a pause saved: enough to save it again into a store that lost it."""
+
+    workflow: Workflow
+    input: Any
+    run: dict[str, Any]
+    deadline_ms: int | None
+
+    def size(self) -> int:
+        return len(orjson.dumps([self.input, self.run]))
 
 
 # Finals remembered, newest last; larger events are not kept (their memory would add up).
@@ -242,7 +257,7 @@ class Runner:
                     local,
                     lambda: self._states.save(execution_id, {"workflow": version, "input": input}),
                 )
-                return await self._run_workflow(emitter, workflow, input, None)
+                return await self._run_workflow(local, emitter, workflow, input, None)
 
             await self._execute(local, emitter, work)
 
@@ -285,7 +300,7 @@ class Runner:
                 )
                 run = RunState.from_json(state.get("run") or {})
                 run.answers[paused_at] = input
-                return await self._run_workflow(emitter, workflow, state.get("input"), run)
+                return await self._run_workflow(local, emitter, workflow, state.get("input"), run)
 
             await self._execute(local, emitter, work)
 
@@ -335,6 +350,7 @@ class Runner:
         and a janitor ends the execution, so it is never running with nobody watching.
         """
         try:
+            await self._ownership.check_settled()
             await self._ownership.hold(execution_id, fence)
             return await self._ownership.claim(execution_id, mode, fence, block_id=block_id)
         except (Conflict, NotFound):
@@ -454,24 +470,35 @@ class Runner:
         lease entry: the lease expires and a janitor ends the execution, so it is never
         left running with nobody watching.
         """
-        settled = writer.final_stored is not None or writer.refused is not None
+        settled = (
+            writer.final_stored is not None
+            or writer.refused is not None
+            or local.stop_reason == "fenced"
+        )
         if writer.final_stored is not None and writer.refused is None:
             self._remember(local, writer.final_stored)
         work = [self._ownership.leave(local.tenant, local.fence)]
         if settled:
             work.append(self._ownership.release(local.execution_id, local.fence))
         else:
-            log.error(
+            log.warning(
                 "a run ended without storing its last event; its lease will expire",
                 extra={"executionId": local.execution_id},
             )
         await self._quietly(local.execution_id, *work)
 
     def _remember(self, local: LocalRun, event: Event) -> None:
-        if len(event.json) > MAX_FINAL_BYTES:
+        pause = local.saved_pause if event.type == EXECUTION_PAUSED else None
+        if len(event.json) > MAX_FINAL_BYTES or (
+            event.type == EXECUTION_PAUSED and (pause is None or pause.size() > MAX_FINAL_BYTES)
+        ):
+            # Too large to keep in memory; a pause restored without its state would be
+            # worse than none (nobody could resume it), so it is not kept either.
+            self._finals.pop(local.execution_id, None)
             return
         self._finals.pop(local.execution_id, None)
-        self._finals[local.execution_id] = Final(event, local.fence, local.epoch, local.identity)
+        final = Final(event, local.fence, local.epoch, local.identity, pause)
+        self._finals[local.execution_id] = final
         while len(self._finals) > MAX_FINALS:
             self._finals.popitem(last=False)
 
@@ -493,6 +520,8 @@ class Runner:
             if last_id is not None and last_id >= final.event.id:
                 continue
             try:
+                if final.pause is not None:
+                    await self._restore_pause(execution_id, final.pause)
                 await self._buffer.append(
                     execution_id,
                     [final.event],
@@ -514,6 +543,14 @@ class Runner:
             restored += 1
         if restored:
             log.warning("restored the last events the store lost", extra={"count": restored})
+
+    async def _restore_pause(self, execution_id: str, pause: SavedPause) -> None:
+        """Save a pause's run state and deadline again, before its event is restored."""
+        version = await self._states.save_version(pause.workflow)
+        fields = {"workflow": version, "input": pause.input, "run": pause.run}
+        await self._states.save(execution_id, fields, deadline_ms=pause.deadline_ms)
+        if pause.deadline_ms is not None:
+            await self._ownership.watch_deadline(execution_id, pause.deadline_ms)
 
     async def _quietly(self, execution_id: str, *work: Awaitable[None]) -> None:
         """Best-effort cleanup: stale entries only cost a refused claim later, or expire."""
@@ -561,6 +598,13 @@ class Runner:
             if not task.done():  # the run itself is being torn down
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+        # The run stops counting among its tenant's before its end can be seen, so a
+        # client that saw it end may start another at once. (Left again when it lets go.)
+        try:
+            await asyncio.wait_for(self._ownership.leave(local.tenant, local.fence), 1.0)
+        except (FlowcastError, TimeoutError) as exc:
+            extra_error = {**extra, "error": str(exc) or type(exc).__name__}
+            log.warning("could not stop counting the run; it will on letting go", extra=extra_error)
         if task.cancelled():
             reason = local.stop_reason
             log.info("execution stopped", extra={**extra, "reason": reason})
@@ -598,7 +642,12 @@ class Runner:
             log.info("execution completed", extra={**extra, "durationMs": duration_ms})
 
     async def _run_workflow(
-        self, emitter: Emitter, workflow: Workflow, input: Any, state: RunState | None
+        self,
+        local: LocalRun,
+        emitter: Emitter,
+        workflow: Workflow,
+        input: Any,
+        state: RunState | None,
     ) -> Outcome:
         """The executor's run; a pause is saved (with its deadline) before it is returned."""
         try:
@@ -610,12 +659,15 @@ class Runner:
                 state=state,
             )
         except Paused as paused:
-            await self._save_pause(emitter.execution_id, paused)
+            await self._save_pause(local, paused, workflow, input)
             return paused.pause
         return Completed(output)
 
-    async def _save_pause(self, execution_id: str, paused: Paused) -> None:
+    async def _save_pause(
+        self, local: LocalRun, paused: Paused, workflow: Workflow, input: Any
+    ) -> None:
         """Persist the run state, so a paused status always has state to resume from."""
+        execution_id = local.execution_id
         pause = paused.pause
         backoff = Backoff(base=0.05, cap=5.0, factor=4)
         for attempt in range(1, 6):
@@ -628,6 +680,7 @@ class Runner:
                 )
                 if deadline is not None:
                     await self._ownership.watch_deadline(execution_id, deadline)
+                local.saved_pause = SavedPause(workflow, input, paused.state.to_json(), deadline)
                 return
             except BufferUnavailable as exc:
                 if attempt == 5:

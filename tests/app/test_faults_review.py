@@ -23,6 +23,7 @@ from tests.app.test_faults import (
     pair,
     replica,
     same_events,
+    settled,
     valkey,
     wait_status,
 )
@@ -31,7 +32,7 @@ from tests.support.faults import FaultyValkey, crash_and_restore, crash_and_wipe
 from tests.support.logcheck import TERMINAL, check_view
 from tests.support.servers import FlowcastServer
 
-__all__ = ["pair", "valkey"]  # module fixtures shared with test_faults.py
+__all__ = ["pair", "settled", "valkey"]  # fixtures shared with test_faults.py
 
 
 async def test_a_second_resume_after_a_rollback_never_renames_seen_events(
