@@ -514,12 +514,16 @@ class Storm:
                 self.peaks[execution_id] = (total, parts)
 
 
-async def fault_storm(root: Path, *, long: bool = False, seed: int = 20261129) -> Report:
-    """Executions under faults on two replicas and one Valkey; see the module docstring."""
+async def fault_storm(
+    root: Path, *, long: bool = False, seed: int = 20261129, expect_recovery: bool = False
+) -> Report:
+    """Executions under faults on two replicas and one Valkey; see the module docstring.
+    ``expect_recovery`` also checks SPEC §7 "Recovery" and "Shutdown hands work off":
+    turn it on once step 11 lands."""
     shape = LONG if long else SHORT
     report = Report("fault-storm", Budget(seconds=shape.seconds, requests=shape.requests))
     report.data_dir = root
     storm = Storm(root, shape, seed, report)
     await storm.run()
-    judge(storm)
+    judge(storm, expect_recovery=expect_recovery)
     return report

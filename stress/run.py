@@ -1,5 +1,6 @@
-"""``python -m stress.run [--long] [--only NAME] [--seed N] [--keep]``: run the scenarios
-one after another, print one line per scenario, exit 1 if any invariant broke."""
+"""``python -m stress.run [--long] [--only NAME] [--seed N] [--keep] [--expect-recovery]``:
+run the scenarios one after another, print one line per scenario, exit 1 if any
+invariant broke."""
 
 from __future__ import annotations
 
@@ -24,13 +25,23 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--keep", action="store_true", help="keep the data directories (always kept on findings)"
     )
+    parser.add_argument(
+        "--expect-recovery",
+        action="store_true",
+        help="fault-storm: a lost owner must be recovered and a SIGTERM must hand off "
+        "(SPEC §7; turn on once step 11 lands)",
+    )
     return parser.parse_args(argv)
 
 
-async def run(names: list[str], *, long: bool, seed: int, root: Path) -> list[Report]:
+async def run(
+    names: list[str], *, long: bool, seed: int, root: Path, expect_recovery: bool = False
+) -> list[Report]:
     reports = []
     for name in names:
-        report = await SCENARIOS[name](root / name, long=long, seed=seed)
+        # Only the fault storm kills and stops replicas, so only it checks recovery.
+        options = {"expect_recovery": True} if expect_recovery and name == "fault-storm" else {}
+        report = await SCENARIOS[name](root / name, long=long, seed=seed, **options)
         print(report.summary(), flush=True)
         for finding in report.listing():
             print(f"  - {finding}", flush=True)
@@ -42,7 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     names = args.only or list(SCENARIOS)
     root = Path(tempfile.mkdtemp(prefix="flowcast-stress-"))
-    reports = asyncio.run(run(names, long=args.long, seed=args.seed, root=root))
+    reports = asyncio.run(
+        run(
+            names,
+            long=args.long,
+            seed=args.seed,
+            root=root,
+            expect_recovery=args.expect_recovery,
+        )
+    )
     total = sum(report.seconds for report in reports)
     failed = [report.name for report in reports if not report.ok]
     print(f"{len(reports)} scenarios in {total:.1f}s: " + (f"FAILED {failed}" if failed else "ok"))
