@@ -344,5 +344,17 @@ class Replicas:
         slot.server, slot.client, slot.state = server, self._client(server), "up"
 
     async def close(self) -> None:
-        await asyncio.gather(*(slot.server.stop() for slot in self.slots), return_exceptions=True)
+        """SIGTERM the replicas; one that has not exited a few seconds past its grace is
+        SIGKILLed and reported, never left running (nothing runs on it by now)."""
+
+        async def stop(slot: Slot) -> None:
+            if slot.state != "up":  # stopped, or stopping under a fault of its own
+                return
+            port = slot.server.port
+            try:
+                await faults.terminate_replica(slot.server, timeout=GRACE_SECONDS + 8)
+            except TimeoutError as exc:
+                self._report.find(f"replica on port {port} did not exit after SIGTERM: {exc}")
+
+        await asyncio.gather(*(stop(slot) for slot in self.slots))
         await asyncio.gather(*(client.aclose() for client in self.clients))

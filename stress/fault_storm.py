@@ -21,6 +21,7 @@ plan is drawn in ``stress/fault_plan.py``; the readers, answers and replicas are
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -111,7 +112,8 @@ class Storm:
             await self.live.start()
             log.info("replicas up: %s", [slot.server.port for slot in self.live.slots])
             async with asyncio.TaskGroup() as streams:
-                sampler = asyncio.create_task(self._sample_forever())
+                stop_sampling = asyncio.Event()
+                sampler = asyncio.create_task(self._sample_forever(stop_sampling))
                 try:
                     await bounded(self.report, self._load(streams))
                     self.load_ended_wall = time.time()
@@ -120,16 +122,18 @@ class Storm:
                     log.info("settled; waiting for the streams")
                     await self._wait_streams()
                 finally:
-                    sampler.cancel()
-                    await asyncio.gather(sampler, return_exceptions=True)
+                    stop_sampling.set()
+                    await sampler
             log.info("collecting the stored logs")
             async with asyncio.timeout(COLLECT_SECONDS):
                 await self._collect()
             self.dump(self.root / "fault-storm.json")
             log.info("collected")
         finally:
-            await self.live.close()
-            await self.valkey.stop()
+            try:
+                await self.live.close()
+            finally:
+                await self.valkey.stop()
 
     # -- the load --------------------------------------------------------------------
 
@@ -321,7 +325,9 @@ class Storm:
                 await faults.crash_and_restart(self.valkey, down_seconds=argument)
             elif kind == "snapshot":
                 path = self.root / "snapshots" / f"{len(self.faults)}.rdb"
-                snapshot = (await faults.take_snapshot(self.valkey, path), time.time())
+                # The data is as of SAVE, not of its return: what was acknowledged while
+                # it ran, or while the file was copied, may be missing from it.
+                snapshot = (await faults.take_snapshot(self.valkey, path), fault.began_wall)
             elif kind == "valkey-snapshot":
                 assert snapshot is not None, "CYCLE takes a snapshot before restoring one"
                 await self._keep_finished_logs()
@@ -485,15 +491,20 @@ class Storm:
 
     # -- the Redis footprint ---------------------------------------------------------
 
-    async def _sample_forever(self) -> None:
+    async def _sample_forever(self, done: asyncio.Event) -> None:
+        """Sample every second until ``done`` is set. Stopped by a flag, not a cancel:
+        redis-py can swallow a cancel that lands inside a pipeline (seen with 8.1), and
+        this loop would then sample on forever with the storm waiting for it."""
         redis = Redis.from_url(self.valkey.url, socket_timeout=5)
         try:
-            while True:
+            while not done.is_set():
                 try:
                     await self._sample(redis)
                 except (RedisError, OSError):
                     pass  # Valkey is down or asleep: the next sample
-                await asyncio.sleep(1)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(1):
+                        await done.wait()
         finally:
             await redis.aclose()
 
