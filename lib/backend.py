@@ -30,6 +30,7 @@ class Keys:
         self.prefix = prefix
         self.leases = f"{prefix}:leases"  # running executions by lease end ("<eid> <fence>")
         self.deadlines = f"{prefix}:deadlines"  # paused executions by approval deadline
+        self.store = f"{prefix}:store"  # which Redis server wrote the data (store.lua)
 
     def events(self, execution_id: str) -> str:
         return f"{self.prefix}:{{{execution_id}}}:events"
@@ -81,6 +82,12 @@ def translating(what: str = "the buffer") -> Iterator[None]:
     # RedisClusterException is not a RedisError: the cluster client raises it when no
     # node answers or a slot has no node, and it must not escape the seam.
     except (RedisError, RedisClusterException, OSError) as exc:
+        raise BufferUnavailable(f"{what} is unreachable: {exc}") from exc
+    except RuntimeError as exc:
+        # A connection the server closed while the client wrote its handshake: the
+        # event loop says so with a RuntimeError, not a connection error.
+        if "closed" not in str(exc):
+            raise
         raise BufferUnavailable(f"{what} is unreachable: {exc}") from exc
 
 

@@ -41,10 +41,10 @@ from lib.execution.buffer import EventBuffer
 
 @dataclass(frozen=True)
 class Store:
-    """The Redis server that answers: its identity and how long it has run."""
+    """The Redis server that answers, and how long ownership must still wait."""
 
     identity: str
-    uptime_seconds: float
+    settling_seconds: float
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,7 @@ class Ownership:
         self._renew = self.redis.register_script(load_script(package, "renew.lua"))
         self._admit = self.redis.register_script(load_script(package, "admit.lua"))
         self._watch = self.redis.register_script(load_script(package, "watch.lua"))
+        self._store = self.redis.register_script(load_script(package, "store.lua"))
 
     def new_fence(self, node: str) -> str:
         return f"{node}:{secrets.token_hex(8)}"
@@ -214,24 +215,24 @@ class Ownership:
 
     @translated
     async def store(self) -> Store:
-        """Which Redis server answers, and for how long: a new one means a restart or a
-        failover, maybe to older data (every node's, on a cluster)."""
+        """Which Redis server answers, and how long ownership must still wait after its
+        data changed servers (store.lua)."""
         info: Any = await self.redis.info("server")
         nodes = [info] if "run_id" in info else list(info.values())
-        return Store(
-            ",".join(sorted(str(node.get("run_id", "")) for node in nodes)),
-            min(float(node.get("uptime_in_seconds", 0)) for node in nodes),
-        )
+        identity = ",".join(sorted(str(node.get("run_id", "")) for node in nodes))
+        settle_ms = int(self.settle_seconds * 1000)
+        remaining = await self._store(keys=[self.keys.store], args=[identity, settle_ms])
+        return Store(identity, int(remaining) / 1000)
 
     async def check_settled(self) -> None:
-        """Refuse to move ownership (BufferUnavailable) while the store is new.
+        """Refuse to move ownership (BufferUnavailable) while the store settles.
 
-        A store that just restarted (or a replica just promoted) may have forgotten
-        recent transitions; until every process had a chance to re-assert what it
-        knows (two leases), a claim could hand out ids that clients already saw.
+        Data that now answers from another server (a restart, a replica promoted) may
+        have forgotten recent transitions; until every process had a chance to
+        re-assert what it knows (two leases), a claim could hand out ids that clients
+        already saw.
         """
-        store = await self.store()
-        if store.uptime_seconds < self.settle_seconds:
+        if (await self.store()).settling_seconds > 0:
             raise BufferUnavailable(
                 "the buffer restarted moments ago; ownership moves again shortly"
             )

@@ -72,12 +72,17 @@ class Janitor:
             await asyncio.sleep(self._lease_seconds / 2 * random.uniform(0.8, 1.2))
             try:
                 store = await self._ownership.store()
-                changed = self._store_id is not None and store.identity != self._store_id
-                self._store_id = store.identity
-                if changed and self._restarted is not None:
-                    # Owners re-assert what the store may have lost...
-                    await self._restarted()
-                if store.uptime_seconds < self._ownership.settle_seconds:
+                if store.identity != self._store_id:
+                    # Another server answers (or this is the first look, while the store
+                    # settles after such a change): owners re-assert what it may have
+                    # lost...
+                    first_look = self._store_id is None
+                    self._store_id = store.identity
+                    if self._restarted is not None and (
+                        not first_look or store.settling_seconds > 0
+                    ):
+                        await self._restarted()
+                if store.settling_seconds > 0:
                     # ...before anyone may end an execution it holds (see ownership.py).
                     healthy_since = time.monotonic()
                     continue

@@ -167,6 +167,11 @@ class Runner:
         self.accepting = True
 
     async def __aenter__(self) -> Runner:
+        try:
+            # Marks the data as this server's before this process writes any (store.lua).
+            await self._ownership.store()
+        except FlowcastError as exc:
+            log.warning("the buffer is not reachable at start", extra={"error": str(exc)})
         janitor = Janitor(
             ownership=self._ownership,
             lease_seconds=self._lease_seconds,

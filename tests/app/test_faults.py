@@ -61,12 +61,16 @@ def replica(valkey: FaultyValkey, root: Path, name: str, **env: str) -> Flowcast
 
 @pytest.fixture(autouse=True)
 async def settled(valkey: FaultyValkey) -> None:
-    """Each test starts on a store that has run for two leases: until then (right after
-    an earlier test restarted it) claims answer 503 by design (see ownership.py)."""
+    """Each test starts on a settled store: right after an earlier test restarted it,
+    claims answer 503 for two leases by design (see ownership.py)."""
     redis = Redis.from_url(valkey.url)
     try:
         async with asyncio.timeout(STREAM_DEADLINE):
-            while (await redis.info("server"))["uptime_in_seconds"] < 2 * LEASE_SECONDS + 1:
+            while True:
+                until = await redis.hget("fc:store", "settleUntil")
+                seconds, micros = await redis.time()
+                if until is None or int(until) <= seconds * 1000 + micros // 1000:
+                    break
                 await asyncio.sleep(0.1)
     finally:
         await redis.aclose()
