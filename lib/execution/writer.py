@@ -6,13 +6,16 @@ writes whatever is queued as one atomic batch. When Redis is idle the batch is a
 event written at once; under load the events that arrive while a write is in flight
 form the next batch, so the write rate adapts without a timer.
 
-What is shown live: an event whose id the buffer has reserved for this owner (each
-append reserves every id emitted when it was sent, so in practice an event is shown
-once the append that carries it is acknowledged), so a process that takes over after
-this one dies numbers its events above every id shown here, and a crash leaves no hole
-in the ids. The final event of a run (``execution:paused`` or a terminal one) is shown only
-once stored: the store decides whether a cancel accepted before it wins ("CANCEL"), and
-then the final event becomes ``execution:cancelled`` under the same id, never shown.
+What is shown live: an event whose id the buffer has reserved for this owner, so a
+process that takes over after this one dies numbers its events above every id shown
+here. Each append reserves every id emitted when it was sent, plus, in a burst (64 or
+more events arrived during the previous append), as many again; so an event at a calm
+moment is shown once the append that carries it is acknowledged (a crash then leaves no
+hole in the ids), and a burst is shown as it is emitted (a crash in it is reported as
+a dropped range). The final event of a run (``execution:paused`` or a terminal one) is
+shown only once stored: the store decides whether a cancel accepted before it wins
+("CANCEL"), and then the final event becomes ``execution:cancelled`` under the same id,
+never shown.
 
 While the buffer is unreachable the batch in flight is retried as it is, with jittered
 exponential backoff, and new events wait behind it (and are shown live: nobody can take
@@ -53,6 +56,8 @@ log = logging.getLogger(__name__)
 
 MAX_BATCH_EVENTS = 1_000
 MAX_BATCH_BYTES = 4 * 1024 * 1024
+# Events piling up during one append that make a burst, shown ahead of the store.
+BURST_EVENTS = 64
 # Larger outcomes are not copied into the metadata: it names the event that holds them,
 # so an execution's footprint stays its ring's budget plus a small constant.
 META_INLINE_BYTES = 16 * 1024
@@ -125,6 +130,7 @@ class EventWriter:
         self._in_flight: list[Event] = []
         self._waiting: deque[Event] = deque()
         self._unshown: deque[Event] = deque()
+        self._dropped_unshown: set[int] = set()
         base = stored_id if base_id is None else max(base_id, stored_id)
         # The highest id dropped so far (or never stored by this owner: a new owner's
         # first batch records the ids between the stored last id and its base). Drops
@@ -134,6 +140,10 @@ class EventWriter:
         self._emitted = base
         self._shown = base
         self.reserved = base
+        # How far past what it emitted an append reserves: as many events as arrived
+        # while the last one was in flight. Idle, it is 0 (a takeover leaves no hole);
+        # in a burst, events are shown as they are emitted, up to the next reservation.
+        self._ahead = 0
         self._outage = False
         self._recreate = False
         self._repair = False
@@ -192,8 +202,8 @@ class EventWriter:
     def _drop(self, event: Event) -> None:
         self._last_dropped = event.id
         self.dropped_events += 1
-        if event in self._unshown:
-            self._unshown.remove(event)
+        if event.id > self._shown:
+            self._dropped_unshown.add(event.id)
         if self._metrics is not None:
             self._metrics.events_dropped.inc()
 
@@ -202,6 +212,11 @@ class EventWriter:
         unshown = self._unshown
         while unshown:
             event = unshown[0]
+            if event.id in self._dropped_unshown:
+                # Dropped before it could be shown: it never will be (a gap instead).
+                self._dropped_unshown.discard(event.id)
+                unshown.popleft()
+                continue
             if event.type in FINAL_TYPES:
                 if event.id > self.stored_id:
                     return
@@ -262,7 +277,7 @@ class EventWriter:
                     first=first,
                     meta=meta,
                     after_drop=after_drop,
-                    reserve=self._emitted,
+                    reserve=self._emitted + self._ahead,
                     recreate=self._recreate,
                 )
             except WriteRefused as exc:
@@ -292,6 +307,8 @@ class EventWriter:
                     },
                 )
             self._recreate = self._repair = self._outage = False
+            waiting = len(self._waiting)
+            self._ahead = min(waiting, self._max_pending) if waiting >= BURST_EVENTS else 0
             self.reserved = max(self.reserved, result.reserved)
             self._stored(batch, first)
             if result.cancel_requested and self._on_cancel is not None:

@@ -500,8 +500,10 @@ async def test_a_sigterm_while_the_pause_is_being_saved_still_ends_the_execution
     if settled["status"] == "paused":
         assert snapshot["status"] == "completed", snapshot
     else:
+        # Ended by the shutdown, or, when the writes stalled past the lease, by another
+        # replica's janitor (worker_lost): either way exactly once, and not stuck.
         assert snapshot["status"] == "failed", snapshot
-        assert snapshot["error"]["code"] == "shutdown", snapshot
+        assert snapshot["error"]["code"] in ("shutdown", "worker_lost"), snapshot
     covered(stored, frames)
 
 
