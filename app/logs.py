@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+import urllib.parse
 from datetime import UTC, datetime
 from typing import Any
 
@@ -23,12 +24,23 @@ _STANDARD = set(logging.makeLogRecord({}).__dict__) | {
 }
 
 
-_TOKEN = re.compile(r"([?&]token=)[^&\s\"]*")
+# A query parameter as it appears in a URL; its name is decoded before it is judged, so
+# every spelling the server would accept as ``token`` (``%74oken``, ``to%6Ben``) is caught.
+_PARAMETER = re.compile(r"([?&])([^=&\s\"#]*)=([^&\s\"#]*)")
+_SECRET_NAMES = frozenset({"token"})
+
+
+def _redacted(match: re.Match[str]) -> str:
+    name = urllib.parse.unquote_plus(match.group(2)).strip().lower()
+    if name in _SECRET_NAMES:
+        return f"{match.group(1)}{match.group(2)}=[redacted]"
+    return match.group(0)
 
 
 def redact(text: str) -> str:
-    """``text`` with the value of every ``token=`` query parameter replaced."""
-    return _TOKEN.sub(r"\1[redacted]", text)
+    """``text`` with the value of every ``token`` query parameter replaced, however its
+    name is spelled."""
+    return _PARAMETER.sub(_redacted, text) if "=" in text else text
 
 
 class JsonFormatter(logging.Formatter):

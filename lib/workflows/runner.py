@@ -28,7 +28,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
-from jsonschema.validators import validator_for
 
 from lib.backoff import Backoff
 from lib.errors import (
@@ -37,11 +36,9 @@ from lib.errors import (
     FlowcastError,
     InvalidInput,
     NotFound,
-    Problem,
     ShuttingDown,
     TooBusy,
     WriteRefused,
-    error_path,
 )
 from lib.execution.buffer import EventBuffer, ExecutionMeta
 from lib.execution.emitter import Emitter
@@ -66,6 +63,7 @@ from lib.workflows.janitor import Ending, Janitor, cancelled
 from lib.workflows.leases import LeaseKeeper, LocalRun
 from lib.workflows.model import Workflow
 from lib.workflows.runstate import RunStates
+from lib.workflows.schemas import answer_problems
 
 log = logging.getLogger(__name__)
 
@@ -714,10 +712,6 @@ def _identity(meta: ExecutionMeta) -> dict[str, str]:
 
 def _check_answer(schema: dict[str, Any], answer: Any) -> None:
     """Refuse a resume input that its pause's JSON Schema does not accept (422)."""
-    validator = validator_for(schema)(schema)
-    problems = [
-        Problem("$.input" + error_path(tuple(error.absolute_path)), error.message)
-        for error in validator.iter_errors(answer)
-    ]
+    problems = answer_problems(schema, answer)
     if problems:
         raise InvalidInput("the input does not match the pause's schema", problems)

@@ -114,3 +114,20 @@ async def test_logs_are_json_lines_with_execution_ids_and_no_secrets(
     for secret in (KEY, SECRET, token, token.split(".", 1)[1]):
         assert secret not in text
     assert "token=[redacted]" in text
+
+
+async def test_a_token_in_any_spelling_of_its_name_never_reaches_a_log_line(
+    observed: FlowcastServer, client: httpx.AsyncClient
+) -> None:
+    await put(client, {"id": "spelled", "blocks": [{"id": "t", "type": "transform", "config": {}}]})
+    started = (await client.post("/api/workflows/spelled/execute", json={})).json()
+    token = started["streamToken"]
+    async with httpx.AsyncClient(base_url=observed.url, timeout=20) as anonymous:
+        for name in ("%74oken", "to%6Ben", "%74%6F%6B%65%6E"):
+            url = f"{started['streamUrl']}?{name}={token}"
+            response, frames = await collect(anonymous, url)
+            assert response.status_code == 200, (name, response.status_code)
+            assert frames[-1].event == "execution:completed"
+    text = observed.logs()
+    assert token not in text and token.split(".", 1)[1] not in text
+    assert "%74oken=[redacted]" in text

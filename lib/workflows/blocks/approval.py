@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from jsonschema.exceptions import SchemaError
-from jsonschema.validators import validator_for
 from pydantic import Field, field_validator
 
 from lib.workflows.blocks.base import BlockConfig, BlockContext, BlockType
+from lib.workflows.schemas import check_schema
 
 
 class ApprovalConfig(BlockConfig):
@@ -20,7 +20,7 @@ class ApprovalConfig(BlockConfig):
     @classmethod
     def _valid_schema(cls, schema: dict[str, Any]) -> dict[str, Any]:
         try:
-            validator_for(schema).check_schema(schema)
+            check_schema(schema)
         except SchemaError as exc:
             raise ValueError(f"not a valid JSON Schema: {exc.message}") from exc
         return schema

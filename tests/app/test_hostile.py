@@ -1,0 +1,132 @@
+"""Hostile tenants (SPEC §8 "Tenants are untrusted") on a real process with two keys:
+an approval schema never makes the server fetch anything, and no pattern in one can
+stall the server for the other tenant."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.api import put
+from tests.support.servers import FlowcastServer, ValkeyServer
+
+MALLORY, ALICE = "mallory-key-" + "m" * 20, "alice-key-" + "a" * 20
+
+
+@pytest.fixture(scope="module")
+async def shared(
+    tmp_path_factory: pytest.TempPathFactory, valkey: ValkeyServer
+) -> AsyncIterator[FlowcastServer]:
+    server = FlowcastServer(
+        data_dir=tmp_path_factory.mktemp("hostile"),
+        env={
+            "FLOWCAST_REDIS_URL": valkey.url,
+            "FLOWCAST_REDIS_PREFIX": f"hostile{uuid.uuid4().hex[:6]}",
+            "FLOWCAST_API_KEYS": f"{MALLORY},{ALICE}",
+        },
+    )
+    await server.start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+async def mallory(shared: FlowcastServer) -> AsyncIterator[httpx.AsyncClient]:
+    headers = {"Authorization": f"Bearer {MALLORY}"}
+    async with httpx.AsyncClient(base_url=shared.url, headers=headers, timeout=30) as client:
+        yield client
+
+
+@pytest.fixture
+async def alice(shared: FlowcastServer) -> AsyncIterator[httpx.AsyncClient]:
+    headers = {"Authorization": f"Bearer {ALICE}"}
+    async with httpx.AsyncClient(base_url=shared.url, headers=headers, timeout=30) as client:
+        yield client
+
+
+def approval(workflow_id: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": workflow_id,
+        "blocks": [{"id": "ask", "type": "approval", "config": {"prompt": "?", "schema": schema}}],
+    }
+
+
+class Listener:
+    """A loopback HTTP server that counts every connection made to it."""
+
+    def __init__(self) -> None:
+        self.hits = 0
+        self.port = 0
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.hits += 1
+        writer.write(b'HTTP/1.1 200 OK\r\nContent-Length: 17\r\n\r\n{"type":"string"}')
+        await writer.drain()
+        writer.close()
+
+
+async def test_a_schema_that_refers_outside_itself_is_refused_and_nothing_is_fetched(
+    mallory: httpx.AsyncClient, unique: str
+) -> None:
+    listener = Listener()
+    server = await asyncio.start_server(listener._handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        for ref in (f"http://127.0.0.1:{port}/internal.json", "file:///etc/passwd"):
+            schema = {"type": "object", "properties": {"x": {"$ref": ref}}}
+            response = await mallory.put(
+                f"/api/workflows/ref-{unique}", json=approval(f"ref-{unique}", schema)
+            )
+            assert response.status_code == 422, response.text
+            assert "outside the schema" in response.text
+            assert "root:" not in response.text
+        # A ref inside the schema is fine.
+        inside = {
+            "$defs": {"ok": {"type": "boolean"}},
+            "properties": {"ok": {"$ref": "#/$defs/ok"}},
+        }
+        created = await mallory.put(
+            f"/api/workflows/in-{unique}", json=approval(f"in-{unique}", inside)
+        )
+        assert created.status_code in (200, 201), created.text
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert listener.hits == 0
+
+
+async def test_a_catastrophic_pattern_answers_at_once_and_never_stalls_another_tenant(
+    mallory: httpx.AsyncClient, alice: httpx.AsyncClient, unique: str
+) -> None:
+    schema = {"type": "string", "pattern": "^(a+)+$"}
+    await put(mallory, approval(f"redos-{unique}", schema))
+    started = await mallory.post(f"/api/workflows/redos-{unique}/execute", json={})
+    execution_id = started.json()["executionId"]
+    async with asyncio.timeout(20):
+        while (await mallory.get(f"/api/executions/{execution_id}")).json()["status"] != "paused":
+            await asyncio.sleep(0.02)
+    # With a backtracking engine this input takes 2**40 steps; RE2 answers at once.
+    evil = {"input": "a" * 40 + "!"}
+    resume = asyncio.create_task(mallory.post(f"/api/executions/{execution_id}/resume", json=evil))
+    other = await alice.get("/api/workflows")
+    refused = await resume
+    assert other.status_code == 200
+    assert refused.status_code == 422, refused.text
+    assert "does not match" in refused.text
+    good = await mallory.post(f"/api/executions/{execution_id}/resume", json={"input": "aaa"})
+    assert good.status_code == 202, good.text
+
+
+async def test_a_pattern_that_needs_backtracking_is_refused_when_stored(
+    mallory: httpx.AsyncClient, unique: str
+) -> None:
+    schema = {"type": "string", "pattern": "^(a)\\1$"}
+    workflow = approval(f"backref-{unique}", schema)
+    response = await mallory.put(f"/api/workflows/backref-{unique}", json=workflow)
+    assert response.status_code == 422, response.text
+    assert "not supported" in response.text
