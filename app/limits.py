@@ -1,14 +1,18 @@
-"""Request limits that hold before a route runs: header and body size caps.
+"""Request limits that hold before a route runs: header and body size caps, body time.
 
 A body larger than ``FLOWCAST_MAX_BODY_BYTES`` gets 413, whether it declares its size
 (``Content-Length``, refused before reading) or streams in chunks (refused once the
 count passes the cap, whatever the route then made of the broken read). Headers larger
-than 64 KiB in all get 431. A JSON body whose values orjson cannot encode is refused by
-its route, with ``unstorable``, before anything is written.
+than 64 KiB in all get 431. A body that has not fully arrived
+``FLOWCAST_BODY_TIMEOUT_SECONDS`` after the route began reading it gets 408, so a client
+sending a byte now and then cannot hold a connection and a task forever. A JSON body
+whose values orjson cannot encode is refused by its route, with ``unstorable``, before
+anything is written.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
@@ -47,9 +51,10 @@ def checked_input(value: Any) -> Any:
 class BodyLimit:
     """ASGI middleware: 431 for oversized headers, 413 for bodies past ``max_bytes``."""
 
-    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, *, max_bytes: int, timeout_seconds: float = 30.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_seconds = timeout_seconds
 
     def _too_large(self) -> ApiError:
         return ApiError(
@@ -65,38 +70,56 @@ class BodyLimit:
             error = ApiError(431, "headers_too_large", "the request headers are too large")
             await _answer(error, scope, receive, send)
             return
-        chunked = False
+        chunked = declared = False
         for name, value in headers:
             if name == b"content-length":
                 if not value.isdigit() or int(value) > self.max_bytes:
                     await _answer(self._too_large(), scope, receive, send)
                     return
+                declared = int(value) > 0
             elif name == b"transfer-encoding":
                 chunked = True
-        if not chunked:
-            # The server holds a declared body to its length, and without either header
-            # there is no body: nothing to count, so the hot paths (SSE) go straight on.
+        if not chunked and not declared:
+            # Without either header there is no body: nothing to count or time, so the
+            # hot paths (SSE) go straight on.
             await self.app(scope, receive, send)
             return
         received = 0
-        exceeded = False
+        refused: ApiError | None = None
+        deadline: float | None = None
+        whole = False
 
         async def limited() -> Message:
-            nonlocal received, exceeded
-            message = await receive()
+            nonlocal received, refused, deadline, whole
+            loop = asyncio.get_running_loop()
+            if deadline is None:
+                deadline = loop.time() + self.timeout_seconds
+            try:
+                async with asyncio.timeout_at(None if whole else deadline):
+                    message = await receive()
+            except TimeoutError:
+                refused = ApiError(
+                    408,
+                    "body_timeout",
+                    f"the request body did not arrive within {self.timeout_seconds:g} s",
+                )
+                raise refused from None
             if message["type"] == "http.request":
+                whole = whole or not message.get("more_body", False)
+            if chunked and message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    exceeded = True
-                    raise self._too_large()
+                    refused = self._too_large()
+                    raise refused
             return message
 
         async def guarded(message: Message) -> None:
-            # Once the body ran over, whatever the route answers is replaced by 413.
-            if not exceeded:
+            # Once the body ran over (in size or in time), whatever the route answers is
+            # replaced by that error.
+            if refused is None:
                 await send(message)
             elif message["type"] == "http.response.start":
-                await _answer(self._too_large(), scope, receive, send)
+                await _answer(refused, scope, receive, send)
 
         await self.app(scope, limited, guarded)
 

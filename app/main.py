@@ -60,7 +60,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=functools.partial(_lifespan, settings=settings),
     )
     errors.install(app)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=settings.max_body_bytes,
+        timeout_seconds=settings.body_timeout_seconds,
+    )
     if not settings.api_keys:
         app.add_middleware(LoopbackOnly)
     for module in (health, workflows, executions, streams, values, page):

@@ -130,3 +130,50 @@ async def test_a_pattern_that_needs_backtracking_is_refused_when_stored(
     response = await mallory.put(f"/api/workflows/backref-{unique}", json=workflow)
     assert response.status_code == 422, response.text
     assert "not supported" in response.text
+
+
+@pytest.fixture(scope="module")
+async def impatient(
+    tmp_path_factory: pytest.TempPathFactory, valkey: ValkeyServer
+) -> AsyncIterator[FlowcastServer]:
+    server = FlowcastServer(
+        data_dir=tmp_path_factory.mktemp("impatient"),
+        env={
+            "FLOWCAST_REDIS_URL": valkey.url,
+            "FLOWCAST_REDIS_PREFIX": f"slow{uuid.uuid4().hex[:6]}",
+            "FLOWCAST_API_KEYS": MALLORY,
+            "FLOWCAST_BODY_TIMEOUT_SECONDS": "1",
+        },
+    )
+    await server.start()
+    yield server
+    await server.stop()
+
+
+async def test_a_body_that_trickles_in_is_answered_408_and_closed(
+    impatient: FlowcastServer,
+) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", impatient.port)
+    body = b'{"id": "slow", "blocks": []}'
+    writer.write(
+        b"PUT /api/workflows/slow HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        + f"Authorization: Bearer {MALLORY}\r\n".encode()
+        + b"Content-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+    )
+    answer = b""
+    async with asyncio.timeout(15):
+        # One byte every half second: the whole body would take 14 s.
+        for byte in body:
+            writer.write(bytes([byte]))
+            await writer.drain()
+            try:
+                answer += await asyncio.wait_for(reader.read(4096), 0.5)
+            except TimeoutError:
+                continue
+            if answer:
+                break
+        answer += await reader.read()  # the server closes the connection after it
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert b"body_timeout" in answer
