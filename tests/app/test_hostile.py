@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -177,3 +178,36 @@ async def test_a_body_that_trickles_in_is_answered_408_and_closed(
     writer.close()
     assert answer.startswith(b"HTTP/1.1 408"), answer
     assert b"body_timeout" in answer
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+async def test_storing_a_template_evaluates_nothing_and_formatting_is_bounded(
+    shared: FlowcastServer, mallory: httpx.AsyncClient, unique: str
+) -> None:
+    workflow = {
+        "id": f"fold-{unique}",
+        "blocks": [
+            {"id": "f", "type": "transform", "config": {"value": "{{ '%0200000000d' % 1 }}"}}
+        ],
+    }
+    before = rss_bytes(shared.pid)
+    for _ in range(3):
+        response = await mallory.put(f"/api/workflows/fold-{unique}", json=workflow)
+        assert response.status_code in (200, 201), response.text
+    # Constant-folding that expression while compiling built ~200 MB per PUT.
+    assert rss_bytes(shared.pid) - before < 50 * 1024 * 1024
+    started = await mallory.post(f"/api/workflows/fold-{unique}/execute", json={})
+    execution_id = started.json()["executionId"]
+    async with asyncio.timeout(20):
+        while (snapshot := (await mallory.get(f"/api/executions/{execution_id}")).json())[
+            "status"
+        ] == "running":
+            await asyncio.sleep(0.02)
+    assert snapshot["status"] == "failed", snapshot
+    assert "too large" in snapshot["error"]["message"], snapshot
