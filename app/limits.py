@@ -13,6 +13,7 @@ anything is written.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from typing import Any
 
 import orjson
@@ -20,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import ApiError, error_payload
 from app.responses import JSON
+from lib.errors import TooManyStreams
 from lib.workflows.limits import MAX_DEPTH, too_deep
 
 MAX_HEADER_BYTES = 64 * 1024
@@ -46,6 +48,33 @@ def checked_input(value: Any) -> Any:
     if (problem := unstorable(value)) is not None:
         raise ValueError(f"input cannot be stored as JSON: {problem}")
     return value
+
+
+class StreamSlots:
+    """Open SSE connections per tenant on this replica, capped (0 = no cap).
+
+    Each stream holds memory, a task and, for an execution run elsewhere, a share of a
+    blocking Redis read: a cap per tenant keeps one tenant from exhausting them (and
+    Redis's ``maxclients``) for everyone.
+    """
+
+    def __init__(self, per_tenant: int) -> None:
+        self._per_tenant = per_tenant
+        self._open: Counter[str] = Counter()
+
+    def take(self, tenant: str) -> None:
+        """Count one more stream for ``tenant``; TooManyStreams (429) at the cap."""
+        if self._per_tenant and self._open[tenant] >= self._per_tenant:
+            raise TooManyStreams(
+                f"this tenant already has {self._per_tenant} streams open; close one first",
+                retry_after=5,
+            )
+        self._open[tenant] += 1
+
+    def give_back(self, tenant: str) -> None:
+        self._open[tenant] -= 1
+        if self._open[tenant] <= 0:
+            del self._open[tenant]
 
 
 class BodyLimit:

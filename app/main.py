@@ -22,7 +22,7 @@ from app.auth import ApiKeys, LoopbackOnly
 from app.connections import connect
 from app.embedded import EmbeddedValkey
 from app.idempotency import Idempotency
-from app.limits import BodyLimit
+from app.limits import BodyLimit, StreamSlots
 from app.routes import executions, health, page, streams, values, workflows
 from app.services import Services
 from app.settings import Settings
@@ -190,6 +190,7 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
             values=values,
             metrics=metrics,
             keys=ApiKeys(settings.api_keys),
+            streams=StreamSlots(settings.max_streams_per_tenant),
             idempotency=Idempotency(
                 redis=redis, prefix=settings.redis_prefix, ttl_seconds=settings.idempotency_seconds
             ),

@@ -8,6 +8,7 @@ from fastapi import Request
 
 from app.auth import ApiKeys, Caller, authenticate, authenticate_reader
 from app.idempotency import Idempotency
+from app.limits import StreamSlots
 from app.settings import Settings
 from app.tokens import StreamTokens
 from lib.execution.buffer import EventBuffer
@@ -30,6 +31,7 @@ class Services:
     idempotency: Idempotency
     metrics: Metrics
     keys: ApiKeys
+    streams: StreamSlots
 
 
 def services(request: Request) -> Services:

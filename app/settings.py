@@ -41,6 +41,7 @@ class Settings(BaseSettings):
     stream_token_seconds: int = Field(3600, ge=1)
     idempotency_seconds: int = Field(86_400, ge=1)
     max_body_bytes: int = Field(10 * 1024 * 1024, ge=1024)
+    max_streams_per_tenant: int = Field(1000, ge=0)
     body_timeout_seconds: float = Field(30.0, gt=0)
     http_allow_private: bool = False
     http_max_concurrency: int = Field(64, ge=1)

@@ -8,6 +8,7 @@
     ├── BlockError                     a block attempt failed (code, message, retryable)
     ├── ShuttingDown                   the process no longer starts executions
     ├── TooBusy                        the tenant runs as many executions as it may
+    │   └── TooManyStreams             the tenant has as many streams open as it may
     ├── BufferUnavailable              the event buffer could not be reached
     └── WriteRefused                   the buffer refused a batch (fenced, out of order, gone)
 
@@ -122,6 +123,12 @@ class TooBusy(FlowcastError):
     def __init__(self, message: str, *, retry_after: int) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class TooManyStreams(TooBusy):
+    """The tenant already has its most SSE connections open (on this replica)."""
+
+    code = "too_many_streams"
 
 
 class BufferUnavailable(FlowcastError):

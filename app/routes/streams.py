@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated
 
 import anyio
@@ -46,7 +47,9 @@ def _ping() -> ServerSentEvent:
     return ServerSentEvent(comment="ping", sep="\n")
 
 
-async def _until_shutdown(reader: StreamReader, shutdown: anyio.Event) -> AsyncIterator[bytes]:
+async def _until_shutdown(
+    reader: StreamReader, shutdown: anyio.Event, release: Callable[[], None]
+) -> AsyncIterator[bytes]:
     """The reader's frames; on shutdown it ends at a frame boundary, so the response
     closes cleanly and EventSource reconnects (to another replica) with Last-Event-ID."""
 
@@ -60,10 +63,16 @@ async def _until_shutdown(reader: StreamReader, shutdown: anyio.Event) -> AsyncI
             yield chunk
     finally:
         watcher.cancel()
+        release()
 
 
-def sse_response(svc: Services, execution_id: str, *, cursor: int) -> EventSourceResponse:
-    """The SSE response for one execution from ``cursor`` on."""
+def sse_response(
+    svc: Services, execution_id: str, *, cursor: int, tenant: str, slot_taken: bool = False
+) -> EventSourceResponse:
+    """The SSE response for one execution from ``cursor`` on, counted among the tenant's
+    open streams (429 past the cap) until it ends."""
+    if not slot_taken:
+        svc.streams.take(tenant)
     reader = StreamReader(
         buffer=svc.buffer,
         hub=svc.hub,
@@ -73,7 +82,7 @@ def sse_response(svc: Services, execution_id: str, *, cursor: int) -> EventSourc
     )
     shutdown = anyio.Event()
     return EventSourceResponse(
-        _until_shutdown(reader, shutdown),
+        _until_shutdown(reader, shutdown, functools.partial(svc.streams.give_back, tenant)),
         headers={"Cache-Control": "no-cache", "X-Execution-Id": execution_id},
         ping=svc.settings.sse_ping_seconds,
         ping_message_factory=_ping,
@@ -90,7 +99,7 @@ def sse_response(svc: Services, execution_id: str, *, cursor: int) -> EventSourc
     responses={
         200: {"content": SSE, "description": "Replay after the cursor, then live"},
         204: {"description": "The execution is finished and the cursor is at its end"},
-        **errors(400, 404, *API_ERRORS),
+        **errors(400, 404, 429, *API_ERRORS),
     },
     openapi_extra={
         "parameters": [
@@ -117,4 +126,4 @@ async def stream(
     if meta.finished and cursor >= meta.last_id:
         # 204 tells EventSource the stream is over and not to reconnect.
         return Response(status_code=204, headers={"X-Execution-Id": execution_id})
-    return sse_response(svc, execution_id, cursor=cursor)
+    return sse_response(svc, execution_id, cursor=cursor, tenant=meta.tenant)

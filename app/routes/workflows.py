@@ -143,14 +143,24 @@ async def execute(
             inline_files=request_body.inline_files,
         )
 
-    outcome = await svc.idempotency.accept(
-        request, tenant=tenant_id, operation="execute", scope=workflow_id, action=start
-    )
+    streaming = "text/event-stream" in request.headers.get("accept", "")
+    if streaming:
+        svc.streams.take(tenant_id)  # before starting: a refused stream starts nothing
+    try:
+        outcome = await svc.idempotency.accept(
+            request, tenant=tenant_id, operation="execute", scope=workflow_id, action=start
+        )
+    except BaseException:
+        if streaming:
+            svc.streams.give_back(tenant_id)
+        raise
     if outcome.status >= 400:
+        if streaming:
+            svc.streams.give_back(tenant_id)
         return JSON(outcome.body, status_code=outcome.status)
     execution_id = outcome.body["executionId"]
-    if "text/event-stream" in request.headers.get("accept", ""):
-        return sse_response(svc, execution_id, cursor=0)
+    if streaming:
+        return sse_response(svc, execution_id, cursor=0, tenant=tenant_id, slot_taken=True)
     answer = {
         **outcome.body,
         "streamUrl": f"/api/executions/{execution_id}/stream",

@@ -1,12 +1,15 @@
 --[[
-admit.lua: count a tenant's running executions and admit one more if there is room.
+admit.lua: count a tenant's unfinished executions and admit one more if there is room.
 
-KEYS[1]  the tenant's running set  fc:running:<tenant>  (sorted set of fencing tokens,
-         score = lease end)
+KEYS[1]  the tenant's set  fc:running:<tenant>  (sorted set: the fencing token of each
+         running ownership, scored by lease end, and "paused:<eid>" for each paused
+         execution, scored by when its keys would expire)
 ARGV[1]  the fencing token of the run to admit (one per ownership, so the cleanup of
          an earlier run of the same execution never removes a later one's entry)
 ARGV[2]  its lease length in milliseconds
-ARGV[3]  the most running executions the tenant may have (0 = no limit)
+ARGV[3]  the most unfinished executions the tenant may have (0 = no limit)
+ARGV[4]  a member the new run replaces ("paused:<eid>" for a resume; "" for none): it
+         does not count, so a tenant at its cap can still resume its own pause
 
 Returns 1 when admitted (or already in), 0 when the tenant is at its limit. Entries
 whose lease ended (on Redis's clock) are dropped first, so runs of a dead process stop
@@ -18,7 +21,11 @@ local time = redis.call("TIME")
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 redis.call("ZREMRANGEBYSCORE", key, "-inf", now)
 local limit = tonumber(ARGV[3])
-if limit > 0 and not redis.call("ZSCORE", key, ARGV[1]) and redis.call("ZCARD", key) >= limit then
+local count = redis.call("ZCARD", key)
+if ARGV[4] ~= "" and redis.call("ZSCORE", key, ARGV[4]) then
+  count = count - 1
+end
+if limit > 0 and not redis.call("ZSCORE", key, ARGV[1]) and count >= limit then
   return 0
 end
 local until_ms = now + tonumber(ARGV[2])

@@ -68,6 +68,10 @@ def node_of(token: str) -> str:
     return token.partition(":")[0]
 
 
+def paused_member(execution_id: str) -> str:
+    return f"paused:{execution_id}"
+
+
 def lease_member(execution_id: str, fence: str) -> str:
     return f"{execution_id} {fence}"
 
@@ -246,12 +250,20 @@ class Ownership:
     # -- admission -------------------------------------------------------------------
 
     @translated
-    async def admit(self, tenant: str, fence: str, *, limit: int) -> bool:
-        """Count an ownership among its tenant's running ones, if under ``limit``."""
+    async def admit(self, tenant: str, fence: str, *, limit: int, replaces: str = "") -> bool:
+        """Count an ownership among its tenant's unfinished executions, if under ``limit``
+        (``replaces``, e.g. the pause it resumes, does not count)."""
         admitted = await self._admit(
-            keys=[self.keys.running(tenant)], args=[fence, self.lease_ms, limit]
+            keys=[self.keys.running(tenant)], args=[fence, self.lease_ms, limit, replaces]
         )
         return bool(admitted)
+
+    @translated
+    async def count_paused(self, tenant: str, execution_id: str) -> None:
+        """Count a paused execution among its tenant's unfinished ones (it holds no lease;
+        its entry lasts as long as its keys would)."""
+        after_ms = self.buffer.active_ttl_seconds * 1000
+        await self._add(self.keys.running(tenant), paused_member(execution_id), after_ms)
 
     @translated
     async def leave(self, tenant: str, fence: str) -> None:

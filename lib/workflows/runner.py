@@ -54,7 +54,7 @@ from lib.execution.events import (
 )
 from lib.execution.hub import Hub
 from lib.execution.offload import Compactor, OffloadPolicy
-from lib.execution.ownership import Claim, Ownership, node_of
+from lib.execution.ownership import Claim, Ownership, node_of, paused_member
 from lib.execution.values import ValueStore
 from lib.execution.writer import EventWriter, batch_meta
 from lib.metrics import Metrics
@@ -288,7 +288,7 @@ class Runner:
             )
         _check_answer(meta.pause.get("schema") or {}, input)
         fence = self._fence()
-        await self._admit(tenant, fence)
+        await self._admit(tenant, fence, replaces=paused_member(execution_id))
         claim = await self._claim(execution_id, "resume", fence, tenant, block_id=paused_at)
 
         async def body(local: LocalRun, emitter: Emitter) -> None:
@@ -355,7 +355,7 @@ class Runner:
         try:
             await self._ownership.check_settled()
             await self._ownership.hold(execution_id, fence)
-            return await self._ownership.claim(execution_id, mode, fence, block_id=block_id)
+            claim = await self._ownership.claim(execution_id, mode, fence, block_id=block_id)
         except (Conflict, NotFound):
             await self._quietly(
                 execution_id,
@@ -366,6 +366,12 @@ class Runner:
         except FlowcastError:
             await self._quietly(execution_id, self._ownership.leave(tenant, fence))
             raise
+        if claim.status_before == "paused":
+            # The pause stops counting as such: its new owner counts (or it ends).
+            await self._quietly(
+                execution_id, self._ownership.leave(tenant, paused_member(execution_id))
+            )
+        return claim
 
     async def _claim_and_end(
         self, execution_id: str, mode: str, expected: str, ending: Ending
@@ -473,6 +479,11 @@ class Runner:
         lease entry: the lease expires and a janitor ends the execution, so it is never
         left running with nobody watching.
         """
+        work = [self._ownership.leave(local.tenant, local.fence)]
+        final = writer.final_stored
+        if final is not None and final.type != EXECUTION_PAUSED:
+            # Ended, also when a cancel won over its pause: it no longer counts at all.
+            work.append(self._ownership.leave(local.tenant, paused_member(local.execution_id)))
         settled = (
             writer.final_stored is not None
             or writer.refused is not None
@@ -480,7 +491,6 @@ class Runner:
         )
         if writer.final_stored is not None and writer.refused is None:
             self._remember(local, writer.final_stored)
-        work = [self._ownership.leave(local.tenant, local.fence)]
         if settled:
             work.append(self._ownership.release(local.execution_id, local.fence))
         else:
@@ -565,8 +575,10 @@ class Runner:
                     "cleanup step failed", extra={"executionId": execution_id, "error": str(exc)}
                 )
 
-    async def _admit(self, tenant: str, fence: str) -> None:
-        if not await self._ownership.admit(tenant, fence, limit=self._per_tenant):
+    async def _admit(self, tenant: str, fence: str, *, replaces: str = "") -> None:
+        if not await self._ownership.admit(
+            tenant, fence, limit=self._per_tenant, replaces=replaces
+        ):
             raise TooBusy(
                 f"this tenant already runs {self._per_tenant} executions; try again shortly",
                 retry_after=max(1, round(self._lease_seconds / 3)),
@@ -602,8 +614,18 @@ class Runner:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         # The run stops counting among its tenant's before its end can be seen, so a
-        # client that saw it end may start another at once. (Left again when it lets go.)
+        # client that saw it end may start another at once (left again when it lets
+        # go); a pause goes on counting, as its own entry.
         try:
+            paused = (
+                not task.cancelled()
+                and task.exception() is None
+                and isinstance(task.result(), Pause)
+            )
+            if paused:
+                await asyncio.wait_for(
+                    self._ownership.count_paused(local.tenant, local.execution_id), 1.0
+                )
             await asyncio.wait_for(self._ownership.leave(local.tenant, local.fence), 1.0)
         except (FlowcastError, TimeoutError) as exc:
             extra_error = {**extra, "error": str(exc) or type(exc).__name__}

@@ -53,9 +53,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
     def __init__(self, *, max_output_bytes: int) -> None:
         # No optimizer: it folds constant expressions while compiling, so storing a
         # workflow would evaluate tenant data ("{{ '%0200000000d' % 1 }}" built 200 MB).
-        super().__init__(
-            autoescape=False, undefined=jinja2.ChainableUndefined, optimized=False
-        )
+        super().__init__(autoescape=False, undefined=jinja2.ChainableUndefined, optimized=False)
         self.max_output_bytes = max_output_bytes
         self.deadline = float("inf")
 

@@ -5,6 +5,7 @@ stall the server for the other tenant."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from tests.support.api import put
 from tests.support.servers import FlowcastServer, ValkeyServer
 
 MALLORY, ALICE = "mallory-key-" + "m" * 20, "alice-key-" + "a" * 20
+CAROL = "carol-key-" + "c" * 20
 
 
 @pytest.fixture(scope="module")
@@ -211,3 +213,97 @@ async def test_storing_a_template_evaluates_nothing_and_formatting_is_bounded(
             await asyncio.sleep(0.02)
     assert snapshot["status"] == "failed", snapshot
     assert "too large" in snapshot["error"]["message"], snapshot
+
+
+@pytest.fixture(scope="module")
+async def capped(
+    tmp_path_factory: pytest.TempPathFactory, valkey: ValkeyServer
+) -> AsyncIterator[FlowcastServer]:
+    server = FlowcastServer(
+        data_dir=tmp_path_factory.mktemp("capped"),
+        env={
+            "FLOWCAST_REDIS_URL": valkey.url,
+            "FLOWCAST_REDIS_PREFIX": f"capped{uuid.uuid4().hex[:6]}",
+            "FLOWCAST_API_KEYS": f"{MALLORY},{ALICE},{CAROL}",
+            "FLOWCAST_MAX_STREAMS_PER_TENANT": "3",
+            "FLOWCAST_MAX_EXECUTIONS_PER_TENANT": "3",
+        },
+    )
+    await server.start()
+    yield server
+    await server.stop()
+
+
+async def test_open_streams_are_capped_per_tenant_and_freed_when_they_end(
+    capped: FlowcastServer, unique: str
+) -> None:
+    as_mallory = {"Authorization": f"Bearer {MALLORY}"}
+    as_alice = {"Authorization": f"Bearer {ALICE}"}
+    async with (
+        httpx.AsyncClient(base_url=capped.url, headers=as_mallory, timeout=30) as mallory,
+        httpx.AsyncClient(base_url=capped.url, headers=as_alice, timeout=30) as alice,
+    ):
+        schema = {"type": "boolean"}
+        await put(mallory, approval(f"hold-{unique}", schema))
+        await put(alice, approval(f"hold-{unique}", schema))
+        started = await mallory.post(f"/api/workflows/hold-{unique}/execute", json={})
+        execution_id = started.json()["executionId"]
+        url = f"/api/executions/{execution_id}/stream"
+        async with contextlib.AsyncExitStack() as stack:
+            for _ in range(3):
+                response = await stack.enter_async_context(mallory.stream("GET", url))
+                assert response.status_code == 200
+            refused = await mallory.get(url)
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error"]["code"] == "too_many_streams"
+            assert refused.headers["retry-after"]
+            # The cap is per tenant: another tenant streams as usual.
+            async with alice.stream(
+                "POST",
+                f"/api/workflows/hold-{unique}/execute",
+                json={},
+                headers={"Accept": "text/event-stream"},
+            ) as other:
+                assert other.status_code == 200
+        # Closed streams free their slots.
+        async with asyncio.timeout(10):
+            while True:
+                async with mallory.stream("GET", url) as again:
+                    if again.status_code == 200:
+                        break
+                await asyncio.sleep(0.05)
+
+
+async def test_paused_executions_count_toward_the_tenant_cap(
+    capped: FlowcastServer, unique: str
+) -> None:
+    as_carol = {"Authorization": f"Bearer {CAROL}"}
+    async with httpx.AsyncClient(base_url=capped.url, headers=as_carol, timeout=30) as carol:
+        await put(carol, approval(f"wait-{unique}", {"type": "boolean"}))
+        paused = []
+        for _ in range(3):
+            response = await carol.post(f"/api/workflows/wait-{unique}/execute", json={})
+            assert response.status_code == 202, response.text
+            paused.append(response.json()["executionId"])
+        for execution_id in paused:
+            async with asyncio.timeout(20):
+                while (await carol.get(f"/api/executions/{execution_id}")).json()[
+                    "status"
+                ] != "paused":
+                    await asyncio.sleep(0.02)
+        refused = await carol.post(f"/api/workflows/wait-{unique}/execute", json={})
+        assert refused.status_code == 429, refused.text
+        assert refused.headers["retry-after"]
+        # At its cap, a tenant still resumes its own pause; once that one ends, there
+        # is room again. A cancelled pause frees its place too.
+        resumed = await carol.post(f"/api/executions/{paused[0]}/resume", json={"input": True})
+        assert resumed.status_code == 202, resumed.text
+        cancelled = await carol.post(f"/api/executions/{paused[1]}/cancel")
+        assert cancelled.status_code == 202, cancelled.text
+        async with asyncio.timeout(20):
+            while True:
+                again = await carol.post(f"/api/workflows/wait-{unique}/execute", json={})
+                if again.status_code == 202:
+                    break
+                assert again.status_code == 429, again.text
+                await asyncio.sleep(0.05)
