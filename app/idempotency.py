@@ -19,9 +19,9 @@ from typing import Any
 import orjson
 from fastapi import Request
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from app.errors import ApiError, error_payload
+from lib.backend import Keys, translating
 from lib.errors import BufferUnavailable, FlowcastError
 from lib.workflows.runner import Started
 
@@ -54,7 +54,7 @@ class Idempotency:
 
     def __init__(self, *, redis: Redis, prefix: str, ttl_seconds: int) -> None:
         self._redis = redis
-        self._prefix = prefix
+        self._keys = Keys(prefix)
         self._ttl = ttl_seconds
 
     async def run(
@@ -75,14 +75,12 @@ class Idempotency:
             )
         digest = hashlib.sha256(fingerprint).hexdigest()
         name = hashlib.sha256(key.encode()).hexdigest()
-        redis_key = f"{self._prefix}:idem:{tenant}:{operation}:{name}"
+        redis_key = self._keys.idempotency(tenant, operation, name)
         pending = orjson.dumps({"fingerprint": digest})
-        try:
+        with translating("check the Idempotency-Key"):
             claimed = await self._redis.set(
                 redis_key, pending, nx=True, ex=min(self._ttl, PENDING_SECONDS)
             )
-        except (RedisError, OSError) as exc:
-            raise BufferUnavailable(f"could not check the Idempotency-Key: {exc}") from exc
         if not claimed:
             return await self._repeat(redis_key, digest)
         try:
@@ -128,10 +126,8 @@ class Idempotency:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + WAIT_SECONDS
         while True:
-            try:
+            with translating("check the Idempotency-Key"):
                 raw = await self._redis.get(redis_key)
-            except (RedisError, OSError) as exc:
-                raise BufferUnavailable(f"could not check the Idempotency-Key: {exc}") from exc
             if raw is None:
                 raise ApiError(
                     409, "idempotency_retry", "the first request with this key failed; retry"
@@ -159,13 +155,15 @@ class Idempotency:
             {"fingerprint": digest, "status": outcome.status, "body": outcome.body}
         )
         try:
-            await self._redis.set(redis_key, value, ex=self._ttl)
-        except (RedisError, OSError):
+            with translating("remember an Idempotency-Key"):
+                await self._redis.set(redis_key, value, ex=self._ttl)
+        except BufferUnavailable:
             await self._forget(redis_key)
 
     async def _forget(self, redis_key: str) -> None:
         try:
-            await self._redis.delete(redis_key)
-        except (RedisError, OSError) as exc:
+            with translating("clear an Idempotency-Key"):
+                await self._redis.delete(redis_key)
+        except BufferUnavailable as exc:
             # The key expires on its own; until then a repeat waits, then may retry.
             log.warning("could not clear an Idempotency-Key", extra={"error": str(exc)})

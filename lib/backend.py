@@ -73,22 +73,24 @@ class Keys:
 
 
 @contextmanager
-def translating(what: str = "the buffer") -> Iterator[None]:
-    """Turn Redis client errors raised inside into BufferUnavailable."""
+def translating(action: str = "") -> Iterator[None]:
+    """Turn Redis client errors raised inside into BufferUnavailable; ``action`` (e.g.
+    "store the workflow") says what was being done."""
+    doing = f" (trying to {action})" if action else ""
     try:
         yield
     except ResponseError as exc:
-        raise BufferUnavailable(f"{what} refused the command: {exc}") from exc
+        raise BufferUnavailable(f"the buffer refused the command{doing}: {exc}") from exc
     # RedisClusterException is not a RedisError: the cluster client raises it when no
     # node answers or a slot has no node, and it must not escape the seam.
     except (RedisError, RedisClusterException, OSError) as exc:
-        raise BufferUnavailable(f"{what} is unreachable: {exc}") from exc
+        raise BufferUnavailable(f"the buffer is unreachable{doing}: {exc}") from exc
     except RuntimeError as exc:
         # A connection the server closed while the client wrote its handshake: the
         # event loop says so with a RuntimeError, not a connection error.
         if "closed" not in str(exc):
             raise
-        raise BufferUnavailable(f"{what} is unreachable: {exc}") from exc
+        raise BufferUnavailable(f"the buffer is unreachable{doing}: {exc}") from exc
 
 
 def translated(method: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:

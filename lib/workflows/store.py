@@ -15,9 +15,9 @@ from typing import Any, cast
 
 import orjson
 from redis.asyncio import Redis
-from redis.exceptions import RedisClusterException, RedisError
 
-from lib.errors import BufferUnavailable, Conflict, FlowcastError, InvalidInput, NotFound, Problem
+from lib.backend import Keys, translating
+from lib.errors import Conflict, FlowcastError, InvalidInput, NotFound, Problem
 from lib.workflows.model import Workflow
 
 log = logging.getLogger(__name__)
@@ -79,12 +79,12 @@ class WorkflowStore:
         self._redis = redis
         self._validate = validate
         self._files = dict(files or {})
-        self._prefix = prefix
+        self._keys = Keys(prefix)
         # Parsed workflows by their stored bytes: a stored definition is validated once.
         self._parsed: dict[bytes, Workflow] = {}
 
     def _key(self, tenant: str) -> str:
-        return f"{self._prefix}:workflows:{tenant}"
+        return self._keys.workflows(tenant)
 
     def _parse(self, raw: bytes) -> Workflow:
         workflow = self._parsed.get(raw)
@@ -105,17 +105,13 @@ class WorkflowStore:
                 [Problem("$.id", f"expected {workflow_id!r}, got {workflow.id!r}")],
             )
         raw = orjson.dumps(workflow.model_dump(by_alias=True, exclude_none=True, mode="json"))
-        try:
+        with translating("store the workflow"):
             created = await self._redis.hset(self._key(tenant), workflow_id, raw)
-        except (RedisError, RedisClusterException, OSError) as exc:
-            raise BufferUnavailable(f"could not store the workflow: {exc}") from exc
         return workflow, bool(created) and workflow_id not in self._files
 
     async def get(self, tenant: str, workflow_id: str) -> StoredWorkflow:
-        try:
+        with translating("read the workflow"):
             raw = cast(bytes | None, await self._redis.hget(self._key(tenant), workflow_id))
-        except (RedisError, RedisClusterException, OSError) as exc:
-            raise BufferUnavailable(f"could not read the workflow: {exc}") from exc
         if raw is not None:
             return StoredWorkflow(self._parse(raw), "api")
         if workflow_id in self._files:
@@ -123,10 +119,8 @@ class WorkflowStore:
         raise NotFound("workflow", workflow_id)
 
     async def list(self, tenant: str) -> list[StoredWorkflow]:
-        try:
+        with translating("list workflows"):
             stored = cast(dict[bytes, bytes], await self._redis.hgetall(self._key(tenant)))
-        except (RedisError, RedisClusterException, OSError) as exc:
-            raise BufferUnavailable(f"could not list workflows: {exc}") from exc
         found: dict[str, StoredWorkflow] = {
             workflow_id: StoredWorkflow(workflow, "file")
             for workflow_id, workflow in self._files.items()
@@ -143,10 +137,8 @@ class WorkflowStore:
         return [found[key] for key in sorted(found)]
 
     async def delete(self, tenant: str, workflow_id: str) -> None:
-        try:
+        with translating("delete the workflow"):
             removed = await self._redis.hdel(self._key(tenant), workflow_id)
-        except (RedisError, RedisClusterException, OSError) as exc:
-            raise BufferUnavailable(f"could not delete the workflow: {exc}") from exc
         if removed:
             return
         if workflow_id in self._files:
