@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 # A reader this far behind the live tail is cut loose; it catches up from the buffer.
 MAX_QUEUED_EVENTS = 50_000
+# How long tasks may take to stop when the process shuts down.
+STOP_SECONDS = 2.0
 
 
 class Subscription:
@@ -169,7 +171,12 @@ class Hub:
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:
+            # Bounded: a task stuck in a client library that ignores the cancel must
+            # not keep the process from exiting.
+            _done, stuck = await asyncio.wait(tasks, timeout=STOP_SECONDS)
+            if stuck:
+                log.warning("tail tasks did not stop", extra={"count": len(stuck)})
 
     def _channel(self, execution_id: str) -> Channel:
         channel = self._channels.get(execution_id)

@@ -68,6 +68,10 @@ from lib.workflows.schemas import answer_problems
 log = logging.getLogger(__name__)
 
 
+# How long the runner's tasks may take to stop once cancelled at shutdown.
+STOP_SECONDS = 2.0
+
+
 def new_execution_id() -> str:
     """An unguessable execution id (144 random bits)."""
     return "ex_" + secrets.token_urlsafe(18)
@@ -196,9 +200,16 @@ class Runner:
             local.stop("shutdown")
         if remaining := self._tasks():
             await asyncio.wait(remaining, timeout=10)
-        for task in [*self._tasks(), *self._loops]:
+        tasks = [*self._tasks(), *self._loops]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks(), *self._loops, return_exceptions=True)
+        if tasks:
+            # Bounded: a task stuck in a client library that ignores the cancel must
+            # not keep the process from exiting (its lease then expires, as on a crash).
+            _done, stuck = await asyncio.wait(tasks, timeout=STOP_SECONDS)
+            if stuck:
+                names = sorted(task.get_name() for task in stuck)
+                log.warning("tasks did not stop", extra={"tasks": names})
 
     def _tasks(self) -> list[asyncio.Task[None]]:
         return [local.task for local in self._locals.values() if local.task is not None]
