@@ -21,21 +21,31 @@ MALLORY, ALICE = "mallory-key-" + "m" * 20, "alice-key-" + "a" * 20
 CAROL = "carol-key-" + "c" * 20
 
 
+@contextlib.asynccontextmanager
+async def serving(root: Path, valkey: ValkeyServer, **env: str) -> AsyncIterator[FlowcastServer]:
+    """One Flowcast process on its own key prefix, with the given settings."""
+    server = FlowcastServer(
+        data_dir=root,
+        env={
+            "FLOWCAST_REDIS_URL": valkey.url,
+            "FLOWCAST_REDIS_PREFIX": f"hostile{uuid.uuid4().hex[:6]}",
+            **{f"FLOWCAST_{name.upper()}": value for name, value in env.items()},
+        },
+    )
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
 @pytest.fixture(scope="module")
 async def shared(
     tmp_path_factory: pytest.TempPathFactory, valkey: ValkeyServer
 ) -> AsyncIterator[FlowcastServer]:
-    server = FlowcastServer(
-        data_dir=tmp_path_factory.mktemp("hostile"),
-        env={
-            "FLOWCAST_REDIS_URL": valkey.url,
-            "FLOWCAST_REDIS_PREFIX": f"hostile{uuid.uuid4().hex[:6]}",
-            "FLOWCAST_API_KEYS": f"{MALLORY},{ALICE}",
-        },
-    )
-    await server.start()
-    yield server
-    await server.stop()
+    root = tmp_path_factory.mktemp("hostile")
+    async with serving(root, valkey, api_keys=f"{MALLORY},{ALICE}") as server:
+        yield server
 
 
 @pytest.fixture
@@ -139,18 +149,9 @@ async def test_a_pattern_that_needs_backtracking_is_refused_when_stored(
 async def impatient(
     tmp_path_factory: pytest.TempPathFactory, valkey: ValkeyServer
 ) -> AsyncIterator[FlowcastServer]:
-    server = FlowcastServer(
-        data_dir=tmp_path_factory.mktemp("impatient"),
-        env={
-            "FLOWCAST_REDIS_URL": valkey.url,
-            "FLOWCAST_REDIS_PREFIX": f"slow{uuid.uuid4().hex[:6]}",
-            "FLOWCAST_API_KEYS": MALLORY,
-            "FLOWCAST_BODY_TIMEOUT_SECONDS": "1",
-        },
-    )
-    await server.start()
-    yield server
-    await server.stop()
+    root = tmp_path_factory.mktemp("impatient")
+    async with serving(root, valkey, api_keys=MALLORY, body_timeout_seconds="1") as server:
+        yield server
 
 
 async def test_a_body_that_trickles_in_is_answered_408_and_closed(
@@ -219,19 +220,14 @@ async def test_storing_a_template_evaluates_nothing_and_formatting_is_bounded(
 async def capped(
     tmp_path_factory: pytest.TempPathFactory, valkey: ValkeyServer
 ) -> AsyncIterator[FlowcastServer]:
-    server = FlowcastServer(
-        data_dir=tmp_path_factory.mktemp("capped"),
-        env={
-            "FLOWCAST_REDIS_URL": valkey.url,
-            "FLOWCAST_REDIS_PREFIX": f"capped{uuid.uuid4().hex[:6]}",
-            "FLOWCAST_API_KEYS": f"{MALLORY},{ALICE},{CAROL}",
-            "FLOWCAST_MAX_STREAMS_PER_TENANT": "3",
-            "FLOWCAST_MAX_EXECUTIONS_PER_TENANT": "3",
-        },
-    )
-    await server.start()
-    yield server
-    await server.stop()
+    async with serving(
+        tmp_path_factory.mktemp("capped"),
+        valkey,
+        api_keys=f"{MALLORY},{ALICE},{CAROL}",
+        max_streams_per_tenant="3",
+        max_executions_per_tenant="3",
+    ) as server:
+        yield server
 
 
 async def test_open_streams_are_capped_per_tenant_and_freed_when_they_end(
