@@ -1,6 +1,7 @@
-"""``python -m stress.run [--long] [--only NAME] [--seed N] [--keep] [--expect-recovery]``:
-run the scenarios one after another, print one line per scenario, exit 1 if any
-invariant broke."""
+"""``python -m stress.run [--long] [--only NAME] [--seed N] [--keep] [--expect-recovery]
+[--include-templates]``: run the scenarios one after another, print one line per
+scenario, exit 1 if any invariant broke. ``OPT_IN`` scenarios run only when named with
+``--only`` (they are not in ``SCENARIOS``, so CI does not run them)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,21 @@ import tempfile
 from pathlib import Path
 
 from stress.harness import Report
-from stress.scenarios import SCENARIOS, SEED
+from stress.hostile import hostile_tenant
+from stress.scenarios import SCENARIOS, SEED, Scenario
+
+# Not yet in SCENARIOS: the current tree breaks one of its rules (stress/README.md).
+OPT_IN: dict[str, Scenario] = {"hostile-tenant": hostile_tenant}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m stress.run", description=__doc__)
     parser.add_argument("--long", action="store_true", help="scale every scenario by 5-10x")
     parser.add_argument(
-        "--only", action="append", choices=sorted(SCENARIOS), help="run only this scenario"
+        "--only",
+        action="append",
+        choices=sorted(SCENARIOS | OPT_IN),
+        help="run only this scenario",
     )
     parser.add_argument("--seed", type=int, default=SEED, help="seed of the random plan")
     parser.add_argument(
@@ -31,17 +39,32 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="fault-storm: a lost owner must be recovered and a SIGTERM must hand off "
         "(SPEC §7; turn on once step 11 lands)",
     )
+    parser.add_argument(
+        "--include-templates",
+        action="store_true",
+        help="hostile-tenant: also send the template bombs (turn on once the template "
+        "pool of issue 13 lands)",
+    )
     return parser.parse_args(argv)
 
 
 async def run(
-    names: list[str], *, long: bool, seed: int, root: Path, expect_recovery: bool = False
+    names: list[str],
+    *,
+    long: bool,
+    seed: int,
+    root: Path,
+    expect_recovery: bool = False,
+    include_templates: bool = False,
 ) -> list[Report]:
     reports = []
     for name in names:
         # Only the fault storm kills and stops replicas, so only it checks recovery.
         options = {"expect_recovery": True} if expect_recovery and name == "fault-storm" else {}
-        report = await SCENARIOS[name](root / name, long=long, seed=seed, **options)
+        if include_templates and name == "hostile-tenant":
+            options = {"include_templates": True}
+        scenario = SCENARIOS.get(name) or OPT_IN[name]
+        report = await scenario(root / name, long=long, seed=seed, **options)
         print(report.summary(), flush=True)
         for finding in report.listing():
             print(f"  - {finding}", flush=True)
@@ -60,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             root=root,
             expect_recovery=args.expect_recovery,
+            include_templates=args.include_templates,
         )
     )
     total = sum(report.seconds for report in reports)
