@@ -155,4 +155,6 @@ class BodyLimit:
 
 async def _answer(error: ApiError, scope: Scope, receive: Receive, send: Send) -> None:
     status, body = error_payload(error)
-    await JSON(body, status_code=status)(scope, receive, send)
+    # A body refused mid-way is never read to its end: the connection cannot be reused.
+    headers = {"Connection": "close"} if status in (408, 413) else None
+    await JSON(body, status_code=status, headers=headers)(scope, receive, send)

@@ -180,6 +180,7 @@ async def test_a_body_that_trickles_in_is_answered_408_and_closed(
         answer += await reader.read()  # the server closes the connection after it
     writer.close()
     assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert b"connection: close" in answer.lower()
     assert b"body_timeout" in answer
 
 
