@@ -143,13 +143,15 @@ class TemplatePool:
     ) -> None:
         """Answer the plain paths inside ``value``; list the templates left for a worker."""
         stack = [value]
+        seen: set[str] = set()
         while stack:
             current = stack.pop()
             if isinstance(current, dict):
                 stack.extend(current.values())
             elif isinstance(current, list):
                 stack.extend(current)
-            elif is_template(current) and current not in answers and current not in pending:
+            elif is_template(current) and current not in seen:
+                seen.add(current)
                 result = lookup(current, context, braces=True)
                 if result is NOT_SIMPLE:
                     pending.append(current)
