@@ -2,7 +2,8 @@
 
 Nothing is built at import time. ``create_app`` reads the settings; the lifespan opens
 every resource (the embedded engine when no Redis URL is set, the Redis client, the HTTP
-client for ``http`` blocks, the hub and the runner) and closes them in reverse order.
+client for ``http`` blocks, the template worker pool, the hub and the runner) and closes
+them in reverse order.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from lib.workflows.blocks import BlockTypes
 from lib.workflows.blocks.base import BlockServices
 from lib.workflows.executor import Executor
 from lib.workflows.plugins import load_plugins
+from lib.workflows.pool import TemplatePool
 from lib.workflows.runner import Runner
 from lib.workflows.store import WorkflowStore, load_directory
 from lib.workflows.templates import Templates
@@ -112,7 +114,11 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
         )
 
         block_types = BlockTypes.builtin(load_plugins(settings.plugin_modules))
-        templates = Templates()
+        # Validation only parses templates (no optimizer folds constants): in-process.
+        templates = Templates(
+            max_output_bytes=settings.template_max_bytes,
+            max_render_seconds=settings.template_timeout_ms / 1000,
+        )
         validate: Any = functools.partial(
             validate_workflow, block_types=block_types, templates=templates
         )
@@ -130,13 +136,20 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
             limits=httpx.Limits(max_connections=settings.http_max_concurrency),
         )
         stack.push_async_callback(http.aclose)
+        template_pool = await stack.enter_async_context(
+            TemplatePool(
+                size=settings.template_workers,
+                timeout_ms=settings.template_timeout_ms,
+                max_output_bytes=settings.template_max_bytes,
+            )
+        )
         executor = Executor(
             block_types,
             BlockServices(
                 http=http,
                 http_allow_private=settings.http_allow_private,
                 http_limiter=asyncio.Semaphore(settings.http_max_concurrency),
-                templates=templates,
+                templates=template_pool,
             ),
             concurrency=settings.block_concurrency,
         )

@@ -43,6 +43,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(10 * 1024 * 1024, ge=1024)
     max_streams_per_tenant: int = Field(1000, ge=0)
     body_timeout_seconds: float = Field(30.0, gt=0)
+    template_timeout_ms: int = Field(1000, ge=1)
+    template_max_bytes: int = Field(1024 * 1024, ge=1024)
+    template_workers: int = Field(2, ge=1, le=64)
     http_allow_private: bool = False
     http_max_concurrency: int = Field(64, ge=1)
     plugins: str | None = None

@@ -182,7 +182,7 @@ class _Run:
         try:
             async with asyncio.TaskGroup() as group:
                 self.group = group
-                self._settle(self._ready_at_start())
+                await self._settle(self._ready_at_start())
         except BaseExceptionGroup as group_error:
             failed = group_error.subgroup(BlockFailed)
             if failed is not None:
@@ -206,13 +206,19 @@ class _Run:
         }
         return {"input": self.input, "blocks": blocks}
 
-    def _settle(self, ready: list[str]) -> None:
-        """Start or skip each ready block; skips cascade here, in workflow order."""
+    async def _settle(self, ready: list[str]) -> None:
+        """Start or skip each ready block; skips cascade here, in workflow order.
+
+        Conditions are evaluated one block at a time, in this order, so the skips of
+        one cascade are emitted in order even when a condition waits for a worker.
+        Another block finishing meanwhile settles its own dependents; every block
+        becomes ready exactly once (its ``waiting`` count reaches zero once).
+        """
         assert self.group is not None
         queue = list(ready)
         while queue:
             block_id = queue.pop(0)
-            reason = self._skip_reason(block_id)
+            reason = await self._skip_reason(block_id)
             if reason is None:
                 self.group.create_task(self._run_block(self.blocks[block_id]))
                 continue
@@ -229,7 +235,7 @@ class _Run:
                 ready.append(target)
         return ready
 
-    def _skip_reason(self, block_id: str) -> str | None:
+    async def _skip_reason(self, block_id: str) -> str | None:
         edges = self.incoming[block_id]
         if not edges:
             return None
@@ -241,7 +247,7 @@ class _Run:
             if edge.when is None:
                 return None
             try:
-                if self.templates.condition(edge.when, context):
+                if await self.templates.condition(edge.when, context):
                     return None
             except BlockError as exc:
                 message = f"the condition on the edge from {edge.from_!r} failed: {exc.message}"
@@ -257,7 +263,7 @@ class _Run:
             self.pauses[block.id] = request  # its branch waits; the others carry on
             return
         self.outputs[block.id] = output
-        self._settle(self._release(block.id))
+        await self._settle(self._release(block.id))
 
     async def _attempts(self, block: BlockDef) -> Any:
         attempts = block.retry.attempts if block.retry else 1
@@ -310,7 +316,7 @@ class _Run:
         block_type = self.executor.block_types.get(block.type)
         if block_type is None:
             raise BlockError("unknown_type", f"unknown block type {block.type!r}", retryable=False)
-        rendered = self.templates.render(block.config, self._context(block.id))
+        rendered = await self.templates.render(block.config, self._context(block.id))
         config = block_type.parse_config(rendered)
         ctx = BlockContext(
             execution_id=self.execution_id,

@@ -8,6 +8,12 @@ huge string, list or integer before the bound is checked. Time is bounded too: e
 call, attribute and item access checks a deadline of ``max_render_seconds``, so nested
 loops that print nothing still stop (loops run over ``range`` or data, and each inner
 loop starts with a call or an access).
+
+These bounds are cooperative: a loop over a literal list, or one allocation that is
+already too big, escapes them. ``Templates`` is therefore the evaluator *inside* the
+workers of ``lib.workflows.pool``, which add hard OS limits; only ``lookup`` (a plain
+``{{ input.a[0] }}`` path over JSON data, which cannot loop or allocate) runs in the
+server's own process.
 """
 
 from __future__ import annotations
@@ -35,6 +41,87 @@ _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 def is_template(value: Any) -> bool:
     """Whether a config value is a string holding template syntax."""
     return isinstance(value, str) and any(marker in value for marker in _MARKERS)
+
+
+class _NotSimple(Exception):
+    """The expression is not a plain path, or walking it would need Jinja's rules."""
+
+
+NOT_SIMPLE: Any = object()
+"""What ``lookup`` returns for anything but a plain path it can answer exactly."""
+
+_NAME = r"[A-Za-z_][A-Za-z0-9_]*"
+_STEP = re.compile(rf"""\s*(?:\.({_NAME})|\[\s*(?:(\d+)|'([^'\\]*)'|"([^"\\]*)")\s*\])""")
+_ROOT = re.compile(r"\s*(input|blocks)\b")
+_BRACES = re.compile(r"^\s*\{\{(.*)\}\}\s*$", re.DOTALL)
+
+
+def _path(expr: str) -> tuple[str, list[str | int]] | None:
+    """``input.a['b'][0]`` as ("input", ["a", "b", 0]); None for anything else."""
+    root = _ROOT.match(expr)
+    if root is None:
+        return None
+    steps: list[str | int] = []
+    position = root.end()
+    while position < len(expr):
+        step = _STEP.match(expr, position)
+        if step is None:
+            return None if expr[position:].strip() else (root.group(1), steps)
+        name, index, single, double = step.groups()
+        if name is not None:
+            steps.append("." + name)
+        elif index is not None:
+            steps.append(int(index))
+        else:
+            steps.append(single if single is not None else double)
+        position = step.end()
+    return root.group(1), steps
+
+
+def _step(value: Any, step: str | int) -> Any:
+    """One lookup with Jinja's result on JSON data; raise _NotSimple where it differs."""
+    dotted = isinstance(step, str) and step.startswith(".")
+    key: str | int = step[1:] if isinstance(step, str) and dotted else step
+    if isinstance(value, dict) and not dotted and key in value:
+        return value[key]  # an item before an attribute, as Jinja's subscript does
+    if isinstance(key, str) and hasattr(value, key):
+        raise _NotSimple  # Jinja would find a method (``input.items``): let it decide
+    if isinstance(value, dict) and isinstance(key, str):
+        return value.get(key, jinja2.Undefined())
+    if isinstance(value, list) and isinstance(key, int):
+        return value[key] if key < len(value) else jinja2.Undefined()
+    if isinstance(value, dict | list):
+        return jinja2.Undefined()
+    raise _NotSimple
+
+
+def lookup(expr: str, context: dict[str, Any], *, braces: bool) -> Any:
+    """A plain path's value (``input.a``, ``blocks.x.output['k'][0]``), or NOT_SIMPLE.
+
+    With ``braces`` the source must be exactly ``{{ path }}``. Only dict and list lookups
+    are answered here, with the same result the sandbox gives (missing is None); those
+    cannot loop or allocate, so they are safe on the event loop.
+    """
+    if braces:
+        match = _BRACES.match(expr)
+        if match is None or _MARKERS_INSIDE.search(match.group(1)):
+            return NOT_SIMPLE
+        expr = match.group(1)
+    parsed = _path(expr)
+    if parsed is None or parsed[0] not in context:
+        return NOT_SIMPLE
+    value = context[parsed[0]]
+    try:
+        for step in parsed[1]:
+            if isinstance(value, jinja2.Undefined):
+                break
+            value = _step(value, step)
+    except _NotSimple:
+        return NOT_SIMPLE
+    return _plain(value)
+
+
+_MARKERS_INSIDE = re.compile(r"\{\{|\}\}|\{%|\{#")
 
 
 def _key_path(key: str) -> str:

@@ -304,3 +304,70 @@ async def test_paused_executions_count_toward_the_tenant_cap(
                     break
                 assert again.status_code == 429, again.text
                 await asyncio.sleep(0.05)
+
+
+NESTED_LOOPS = "{% for a in [0]*100000 %}{% for b in [0]*1000000 %}{% endfor %}{% endfor %}"
+
+
+async def finished(client: httpx.AsyncClient, execution_id: str) -> dict[str, Any]:
+    async with asyncio.timeout(20):
+        while True:
+            snapshot: dict[str, Any] = (await client.get(f"/api/executions/{execution_id}")).json()
+            if snapshot["status"] not in ("queued", "running"):
+                return snapshot
+            await asyncio.sleep(0.02)
+
+
+async def test_a_template_that_never_ends_fails_its_block_while_other_tenants_are_served(
+    shared: FlowcastServer, mallory: httpx.AsyncClient, alice: httpx.AsyncClient, unique: str
+) -> None:
+    workflow = {
+        "id": f"loops-{unique}",
+        "blocks": [{"id": "spin", "type": "transform", "config": {"value": NESTED_LOOPS}}],
+    }
+    await put(mallory, workflow)
+    before = rss_bytes(shared.pid)
+    started = await mallory.post(f"/api/workflows/loops-{unique}/execute", json={})
+    assert started.status_code == 202, started.text
+    execution_id = started.json()["executionId"]
+    # Rendered on the event loop, this template would hold every request for hours.
+    answered_meanwhile = []
+    async with asyncio.timeout(20):
+        while True:
+            other = await alice.get("/api/workflows")
+            status = (await mallory.get(f"/api/executions/{execution_id}")).json()["status"]
+            if status not in ("queued", "running"):
+                break
+            answered_meanwhile.append(other.status_code)
+    assert len(answered_meanwhile) >= 3
+    assert set(answered_meanwhile) == {200}
+    snapshot = await finished(mallory, execution_id)
+    assert snapshot["status"] == "failed", snapshot
+    assert snapshot["error"]["code"] == "template_error", snapshot
+    assert "too long" in snapshot["error"]["message"], snapshot
+    assert rss_bytes(shared.pid) - before < 100 * 1024 * 1024
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ [[0]*1000000]*1000 }}",
+        "{{ 'a'|center(200000000) }}",
+        "{{ '{:>200000000}'.format(1) }}",
+        "{{ lipsum(100, false, 100000, 100001) }}",
+    ],
+)
+async def test_a_template_that_builds_a_huge_value_fails_and_the_server_stays_small(
+    shared: FlowcastServer, mallory: httpx.AsyncClient, unique: str, source: str
+) -> None:
+    workflow = {
+        "id": f"bloat-{unique}",
+        "blocks": [{"id": "big", "type": "transform", "config": {"value": source}}],
+    }
+    await put(mallory, workflow)
+    before = rss_bytes(shared.pid)
+    started = await mallory.post(f"/api/workflows/bloat-{unique}/execute", json={})
+    snapshot = await finished(mallory, started.json()["executionId"])
+    assert snapshot["status"] == "failed", snapshot
+    assert snapshot["error"]["code"] == "template_error", snapshot
+    assert rss_bytes(shared.pid) - before < 100 * 1024 * 1024

@@ -13,6 +13,7 @@ import pytest
 from lib.workflows.blocks import BlockServices, BlockTypes, PluginHandler
 from lib.workflows.executor import Executor, RunState
 from lib.workflows.model import Workflow
+from lib.workflows.pool import TemplatePool
 from lib.workflows.templates import Templates
 
 
@@ -42,16 +43,23 @@ def templates() -> Templates:
 
 
 @pytest.fixture
+async def template_pool() -> AsyncIterator[TemplatePool]:
+    """Real worker processes, started only when a template is more than a plain path."""
+    async with TemplatePool(size=2) as pool:
+        yield pool
+
+
+@pytest.fixture
 async def http_client() -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient() as client:
         yield client
 
 
 @pytest.fixture
-def services(http_client: httpx.AsyncClient, templates: Templates) -> BlockServices:
+def services(http_client: httpx.AsyncClient, template_pool: TemplatePool) -> BlockServices:
     return BlockServices(
         http=http_client,
-        templates=templates,
+        templates=template_pool,
         http_limiter=asyncio.Semaphore(16),
         http_allow_private=True,
     )

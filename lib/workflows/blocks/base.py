@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic.alias_generators import to_camel
 
 from lib.errors import BlockError, FlowcastError, error_path
-from lib.workflows.templates import Templates, is_template
+from lib.workflows.pool import TemplatePool
+from lib.workflows.templates import is_template
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -39,7 +40,7 @@ class BlockServices:
     """
 
     http: httpx.AsyncClient
-    templates: Templates
+    templates: TemplatePool
     http_limiter: asyncio.Semaphore
     http_allow_private: bool = False
     resolve: Resolver | None = None

@@ -1,0 +1,198 @@
+"""The template pool: plain paths answered in process, everything else in bounded workers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from lib.errors import BlockError
+from lib.workflows.executor import BlockFailed
+from lib.workflows.pool import TemplatePool
+from lib.workflows.templates import NOT_SIMPLE, Templates, lookup
+from tests.workflows.conftest import RunWorkflow, workflow
+
+CONTEXT: dict[str, Any] = {
+    "input": {"name": "Ada", "n": 3, "tags": ["a", "b"], "items": 1, "odd-key": 7},
+    "blocks": {"fetch": {"output": {"status": 200, "body": {"rows": [{"id": 9}]}}}},
+}
+
+NESTED_LOOPS = "{% for a in [0]*800 %}{% for b in [0]*1000000 %}{% endfor %}{% endfor %}"
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[TemplatePool]:
+    async with TemplatePool(size=2, timeout_ms=500) as pool:
+        yield pool
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ input }}",
+        "{{input.name}}",
+        "  {{ input.tags[1] }} ",
+        "{{ blocks.fetch.output.body.rows[0].id }}",
+        "{{ blocks.fetch.output['body'][\"rows\"][0] }}",
+        "{{ input['odd-key'] }}",
+        "{{ input['items'] }}",
+        "{{ blocks.missing.output.deep }}",
+        "{{ input.tags[7] }}",
+        "{{ input.nothing.below }}",
+    ],
+)
+def test_a_plain_path_is_looked_up_exactly_as_the_sandbox_evaluates_it(source: str) -> None:
+    assert lookup(source, CONTEXT, braces=True) == Templates().render(source, CONTEXT)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ input.items }}",  # Jinja finds dict.items before the key
+        "{{ input.name.upper }}",
+        "{{ input.n + 1 }}",
+        "{{ input.tags|length }}",
+        "{{ input.tags[-1] }}",
+        "x {{ input.name }}",
+        "{{ input }}{{ input }}",
+        "{{- input -}}",
+        "{% if true %}{{ input }}{% endif %}",
+        "{{ lipsum() }}",
+    ],
+)
+def test_anything_but_a_plain_path_is_left_to_a_worker(source: str) -> None:
+    assert lookup(source, CONTEXT, braces=True) is NOT_SIMPLE
+
+
+async def test_plain_paths_and_plain_strings_never_start_a_worker(pool: TemplatePool) -> None:
+    value = {"a": "{{ input.name }}", "b": ["plain", 5, None, "{{ blocks.fetch.output.status }}"]}
+    assert await pool.render(value, CONTEXT) == {"a": "Ada", "b": ["plain", 5, None, 200]}
+    assert await pool.condition("blocks.fetch.output.status", CONTEXT) is True
+    assert await pool.condition("blocks.fetch.output.nope", CONTEXT) is False
+    assert pool.worker_pids == []
+
+
+async def test_other_templates_are_rendered_by_a_worker_process(pool: TemplatePool) -> None:
+    value = {"a": "{{ input.n + 1 }}", "b": "Hello {{ input.name }}", "c": "{{ input.name }}"}
+    assert await pool.render(value, CONTEXT) == {"a": 4, "b": "Hello Ada", "c": "Ada"}
+    assert await pool.condition("input.n > 2", CONTEXT) is True
+    assert await pool.condition("input.n > 5", CONTEXT) is False
+    (pid,) = pool.worker_pids
+    assert pid != os.getpid()
+
+
+async def test_a_template_that_runs_too_long_is_cut_off_and_the_pool_carries_on(
+    pool: TemplatePool,
+) -> None:
+    await pool.render("{{ input.n * 2 }}", CONTEXT)
+    before = pool.worker_pids
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(BlockError) as caught:
+        await pool.render({"x": NESTED_LOOPS}, CONTEXT)
+    assert loop.time() - started < 5
+    assert caught.value.code == "template_error"
+    assert caught.value.retryable is False
+    assert "too long" in caught.value.message
+    # The worker that overran was killed; a fresh one answers the next template.
+    assert await pool.render("{{ input.n * 2 }}", CONTEXT) == 6
+    assert not set(before) & set(pool.worker_pids)
+
+
+async def test_a_condition_that_runs_too_long_is_cut_off(pool: TemplatePool) -> None:
+    with pytest.raises(BlockError) as caught:
+        await pool.condition("lipsum(100, false, 100000, 100001)", CONTEXT)
+    assert "too long" in caught.value.message
+    assert await pool.condition("input.n == 3", CONTEXT) is True
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ 'a'|center(200000000) }}",
+        "{{ '{:>200000000}'.format(1) }}",
+        "{{ '%200000000s'|format(1) }}",
+        "{{ [[0]*1000000]*1000 }}",
+    ],
+)
+async def test_a_template_that_needs_too_much_memory_fails_clearly(
+    pool: TemplatePool, source: str
+) -> None:
+    with pytest.raises(BlockError) as caught:
+        await pool.render(source, CONTEXT)
+    assert caught.value.code == "template_error"
+    assert "memory" in caught.value.message or "too long" in caught.value.message
+    assert await pool.render("{{ input.tags|join(',') }}", CONTEXT) == "a,b"
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ 'x' * 1500 }}",
+        "{{ 'x' * 1000 }}{{ 'x' * 1000 }}",
+        "{% for i in range(100) %}{{ 'abcdefghijklmnopqrstuvwxyz' }}{% endfor %}",
+        "{{ range(2000)|list }}",
+    ],
+)
+async def test_output_past_the_cap_is_refused(source: str) -> None:
+    async with TemplatePool(size=1, max_output_bytes=1024) as pool:
+        with pytest.raises(BlockError) as caught:
+            await pool.render(source, CONTEXT)
+        assert caught.value.code == "template_error"
+        assert "exceeds 1024 bytes" in caught.value.message or "too large" in caught.value.message
+        assert await pool.render("{{ 'x' * 10 }}", CONTEXT) == "x" * 10
+
+
+async def test_a_plain_path_to_a_string_past_the_cap_is_refused() -> None:
+    async with TemplatePool(size=1, max_output_bytes=1024) as pool:
+        with pytest.raises(BlockError) as caught:
+            await pool.render("{{ input }}", {"input": "y" * 2000})
+        assert "exceeds 1024 bytes" in caught.value.message
+
+
+async def test_a_sandbox_refusal_comes_back_as_a_template_error(pool: TemplatePool) -> None:
+    with pytest.raises(BlockError) as caught:
+        await pool.render("{{ ''.__class__.__mro__ }}", CONTEXT)
+    assert caught.value.code == "template_error"
+    assert "not allowed" in caught.value.message or "unsafe" in caught.value.message
+
+
+async def test_a_cancelled_evaluation_kills_its_worker(pool: TemplatePool) -> None:
+    task = asyncio.create_task(pool.render(NESTED_LOOPS, CONTEXT))
+    async with asyncio.timeout(10):
+        while not pool.worker_pids:
+            await asyncio.sleep(0.01)
+    (busy,) = pool.worker_pids
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert busy not in pool.worker_pids
+    assert await pool.render("{{ input.n - 1 }}", CONTEXT) == 2
+
+
+async def test_workers_are_stopped_when_the_pool_closes() -> None:
+    async with TemplatePool(size=2) as pool:
+        await asyncio.gather(
+            pool.render("{{ input.n + 1 }}", CONTEXT), pool.render("{{ input.n + 2 }}", CONTEXT)
+        )
+        pids = pool.worker_pids
+    assert pids
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with pytest.raises(BlockError):
+        await pool.render("{{ input.n + 1 }}", CONTEXT)
+
+
+async def test_a_hostile_transform_fails_its_block_without_retry(
+    run_workflow: RunWorkflow,
+) -> None:
+    evil = {"id": "evil", "type": "transform", "retry": {"attempts": 3}}
+    definition = workflow([{**evil, "config": {"value": NESTED_LOOPS}}])
+    with pytest.raises(BlockFailed) as caught:
+        await run_workflow(definition)
+    assert caught.value.code == "template_error"
+    assert "too long" in caught.value.message
