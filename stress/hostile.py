@@ -540,7 +540,7 @@ class Polite:
 
 
 async def hostile_tenant(
-    root: Path, *, long: bool = False, seed: int = 0, include_templates: bool = False
+    root: Path, *, long: bool = False, seed: int = 0, include_templates: bool = True
 ) -> Report:
     """A hostile tenant loops over every payload of issue 13 beside a well-behaved one."""
     del seed  # the plan is fixed: every round sends every payload

@@ -1,7 +1,6 @@
-"""``python -m stress.run [--long] [--only NAME] [--seed N] [--keep] [--expect-recovery]
-[--include-templates]``: run the scenarios one after another, print one line per
-scenario, exit 1 if any invariant broke. ``OPT_IN`` scenarios run only when named with
-``--only`` (they are not in ``SCENARIOS``, so CI does not run them)."""
+"""``python -m stress.run [--long] [--only NAME] [--seed N] [--keep] [--expect-recovery]``:
+run the scenarios one after another, print one line per scenario, exit 1 if any
+invariant broke."""
 
 from __future__ import annotations
 
@@ -13,11 +12,9 @@ import tempfile
 from pathlib import Path
 
 from stress.harness import Report
-from stress.hostile import hostile_tenant
-from stress.scenarios import SCENARIOS, SEED, Scenario
+from stress.scenarios import SCENARIOS, SEED
 
 # Not yet in SCENARIOS: the current tree breaks one of its rules (stress/README.md).
-OPT_IN: dict[str, Scenario] = {"hostile-tenant": hostile_tenant}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -26,7 +23,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--only",
         action="append",
-        choices=sorted(SCENARIOS | OPT_IN),
+        choices=sorted(SCENARIOS),
         help="run only this scenario",
     )
     parser.add_argument("--seed", type=int, default=SEED, help="seed of the random plan")
@@ -39,12 +36,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="fault-storm: a lost owner must be recovered and a SIGTERM must hand off "
         "(SPEC §7; turn on once step 11 lands)",
     )
-    parser.add_argument(
-        "--include-templates",
-        action="store_true",
-        help="hostile-tenant: also send the template bombs (turn on once the template "
-        "pool of issue 13 lands)",
-    )
     return parser.parse_args(argv)
 
 
@@ -55,15 +46,12 @@ async def run(
     seed: int,
     root: Path,
     expect_recovery: bool = False,
-    include_templates: bool = False,
 ) -> list[Report]:
     reports = []
     for name in names:
         # Only the fault storm kills and stops replicas, so only it checks recovery.
         options = {"expect_recovery": True} if expect_recovery and name == "fault-storm" else {}
-        if include_templates and name == "hostile-tenant":
-            options = {"include_templates": True}
-        scenario = SCENARIOS.get(name) or OPT_IN[name]
+        scenario = SCENARIOS[name]
         report = await scenario(root / name, long=long, seed=seed, **options)
         print(report.summary(), flush=True)
         for finding in report.listing():
@@ -83,7 +71,6 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             root=root,
             expect_recovery=args.expect_recovery,
-            include_templates=args.include_templates,
         )
     )
     total = sum(report.seconds for report in reports)

@@ -40,6 +40,7 @@ from stress.harness import (
     verify,
     wait_terminal,
 )
+from stress.hostile import hostile_tenant
 from stress.workflows import approval_workflow, check_work, fan_workflow, streaming_workflow
 from tests.support.sse import Frame
 
@@ -385,4 +386,5 @@ SCENARIOS: dict[str, Scenario] = {
     "reconnect-storm": reconnect_storm,
     "redis-restart": redis_restart,
     "fault-storm": fault_storm,
+    "hostile-tenant": hostile_tenant,
 }
