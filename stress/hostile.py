@@ -11,8 +11,8 @@ What must hold, each broken rule a finding:
   ``Retry-After``; a body that trickles in gets 408; a stream token sent as ``?%74oken=``
   (and other spellings) never appears in the server log; a template that would build
   200 MB is stored within ``FAST`` seconds without growing the server, and its run fails
-  the block. With ``include_templates`` (off until the template pool lands) also loops,
-  repetition, padding, ``format`` and ``lipsum`` bombs: stored fast, run failed;
+  the block. With ``include_templates`` (the default) also loops, repetition, padding,
+  ``format`` and ``lipsum`` bombs: stored fast, run failed;
 - well-behaved: request latency p99 under 100 ms, every execution completes, every
   stream ends;
 - the server's resident memory stays under its baseline + ``RSS_ALLOWANCE`` (VmHWM,
@@ -65,8 +65,8 @@ MIB = 1024 * 1024
 PACE = 0.02
 
 FOLD = "{{ '%0200000000d' % 1 }}"  # folded at compile time, before any bound, once
-# Each one blocks an unbounded evaluator for seconds or builds hundreds of MB; behind
-# include_templates until evaluation runs in a bounded pool (issue 13).
+# Each one blocks an unbounded evaluator for seconds or builds hundreds of MB; bounded
+# now that templates run in worker processes (issue 13).
 BOMBS = (
     "{% for a in [0]*800 %}{% for b in [0]*1000000 %}{% endfor %}{% endfor %}",
     "{{ [[0]*1000000]*1000 }}",
