@@ -155,6 +155,8 @@ class BodyLimit:
 
 async def _answer(error: ApiError, scope: Scope, receive: Receive, send: Send) -> None:
     status, body = error_payload(error)
-    # A body refused mid-way is never read to its end: the connection cannot be reused.
-    headers = {"Connection": "close"} if status in (408, 413) else None
+    # A body that trickles in is never read to its end: the connection is not kept for
+    # it. (A 413 keeps it: closing while the client still sends would reset the
+    # connection before the client reads the answer.)
+    headers = {"Connection": "close"} if status == 408 else None
     await JSON(body, status_code=status, headers=headers)(scope, receive, send)

@@ -71,7 +71,12 @@ class Janitor:
         while True:
             await asyncio.sleep(self._lease_seconds / 2 * random.uniform(0.8, 1.2))
             try:
+                asked = time.monotonic()
                 store = await self._ownership.store()
+                if time.monotonic() - asked > self._lease_seconds / 3:
+                    # A stalled store (DEBUG SLEEP, a paused server): owners could
+                    # neither renew nor re-assert meanwhile; give them a lease.
+                    healthy_since = time.monotonic()
                 if store.identity != self._store_id:
                     # Another server answers (or this is the first look, while the store
                     # settles after such a change): owners re-assert what it may have
@@ -95,22 +100,28 @@ class Janitor:
                 log.warning("janitor pass failed", extra={"error": str(exc)})
 
     async def sweep(self, healthy_since: float) -> bool:
-        """One pass; False when the store answered too slowly to trust its leases."""
-        if time.monotonic() - healthy_since >= self._lease_seconds:
-            asked = time.monotonic()
-            due = await self._ownership.due_leases()
-            if time.monotonic() - asked > self._lease_seconds / 3:
-                # A stalled store: owners could not renew either, so their leases
-                # prove nothing until a lease has passed with the store answering.
-                return False
-            for execution_id, fence in due:
-                if self._is_local(execution_id):
-                    continue
-                code = await self._finish(execution_id, "takeover", fence, worker_lost)
-                if code != "lease":
-                    # Ended now by a new owner (whose own entry watches it from here
-                    # on), or settled already: this entry names nothing left to do.
-                    await self._ownership.forget_lease(execution_id, fence)
+        """One pass; False when the store answered too slowly to trust its leases.
+
+        Nothing is ended until the store has answered well for a lease: not a lease
+        (its owner could not renew), nor a pause's deadline (an owner that resumed it
+        may still have to re-assert its resume into a store that forgot it).
+        """
+        if time.monotonic() - healthy_since < self._lease_seconds:
+            return True
+        asked = time.monotonic()
+        due = await self._ownership.due_leases()
+        if time.monotonic() - asked > self._lease_seconds / 3:
+            # A stalled store: owners could not renew either, so their leases
+            # prove nothing until a lease has passed with the store answering.
+            return False
+        for execution_id, fence in due:
+            if self._is_local(execution_id):
+                continue
+            code = await self._finish(execution_id, "takeover", fence, worker_lost)
+            if code != "lease":
+                # Ended now by a new owner (whose own entry watches it from here
+                # on), or settled already: this entry names nothing left to do.
+                await self._ownership.forget_lease(execution_id, fence)
         for execution_id in await self._ownership.due_deadlines():
             code = await self._finish(execution_id, "expire", "", approval_timeout)
             if code != "notdue":
