@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from stress.fault_plan import BIG_INPUT_BYTES, GRACE_SECONDS, WORKFLOW_OF, Plan
-from stress.harness import BudgetExceeded, Report, clock
+from stress.harness import BudgetExceeded, Report, clock, counting
 from tests.support import faults
 from tests.support.logcheck import TERMINAL
 from tests.support.servers import FlowcastServer
@@ -288,10 +288,7 @@ class Replicas:
     def _client(self, server: FlowcastServer) -> httpx.AsyncClient:
         report = self._report
 
-        async def count(request: httpx.Request) -> None:
-            report.requests += 1
-            if report.requests > report.budget.requests and not report.checking:
-                raise BudgetExceeded(f"{report.name}: more than {report.budget.requests} requests")
+        count = counting(report)
 
         async def judge(response: httpx.Response) -> None:
             report.statuses[response.status_code] += 1

@@ -108,6 +108,35 @@ class Stack:
     clients: list[httpx.AsyncClient]
 
 
+def counting(report: Report) -> Callable[[httpx.Request], Awaitable[None]]:
+    """An httpx request hook: every request counts against the report's budget."""
+
+    async def count(request: httpx.Request) -> None:
+        report.requests += 1
+        if report.requests > report.budget.requests and not report.checking:
+            raise BudgetExceeded(f"{report.name}: more than {report.budget.requests} requests")
+
+    return count
+
+
+def judging(
+    report: Report, tolerate: Callable[[httpx.Response], bool] = lambda _response: False
+) -> Callable[[httpx.Response], Awaitable[None]]:
+    """An httpx response hook: statuses are tallied, and a 5xx ``tolerate`` does not
+    excuse is a finding."""
+
+    async def judge(response: httpx.Response) -> None:
+        report.statuses[response.status_code] += 1
+        if response.status_code >= 500 and not tolerate(response):
+            await response.aread()
+            report.find(
+                f"{response.status_code} from {response.request.method} "
+                f"{response.request.url.path}: {response.text[:200]}"
+            )
+
+    return judge
+
+
 @asynccontextmanager
 async def stack(
     root: Path,
@@ -125,19 +154,7 @@ async def stack(
     unless ``errors_expected``."""
     report.data_dir = root
 
-    async def count(request: httpx.Request) -> None:
-        report.requests += 1
-        if report.requests > report.budget.requests and not report.checking:
-            raise BudgetExceeded(f"{report.name}: more than {report.budget.requests} requests")
-
-    async def judge(response: httpx.Response) -> None:
-        report.statuses[response.status_code] += 1
-        if response.status_code >= 500 and not tolerate(response):
-            await response.aread()
-            report.find(
-                f"{response.status_code} from {response.request.method} "
-                f"{response.request.url.path}: {response.text[:200]}"
-            )
+    count, judge = counting(report), judging(report, tolerate)
 
     valkey = ValkeyServer(data_dir=root / "valkey")
     await valkey.start()

@@ -36,11 +36,12 @@ import httpx
 
 from stress.harness import (
     Budget,
-    BudgetExceeded,
     Report,
     View,
     bounded,
+    counting,
     follow,
+    judging,
     server_errors,
     stored_log,
     verify,
@@ -160,19 +161,7 @@ async def tenants(root: Path, report: Report) -> AsyncIterator[Tenants]:
     budget; a 5xx, an error line or a traceback in the log is a finding."""
     report.data_dir = root
 
-    async def count(request: httpx.Request) -> None:
-        report.requests += 1
-        if report.requests > report.budget.requests and not report.checking:
-            raise BudgetExceeded(f"{report.name}: more than {report.budget.requests} requests")
-
-    async def judge(response: httpx.Response) -> None:
-        report.statuses[response.status_code] += 1
-        if response.status_code >= 500:
-            await response.aread()
-            report.find(
-                f"{response.status_code} from {response.request.method} "
-                f"{response.request.url.path}: {response.text[:200]}"
-            )
+    count, judge = counting(report), judging(report)
 
     valkey = ValkeyServer(data_dir=root / "valkey")
     await valkey.start()
