@@ -21,13 +21,10 @@ import asyncio
 import logging
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
-
-import orjson
 
 from lib.backoff import Backoff
 from lib.errors import (
@@ -38,7 +35,6 @@ from lib.errors import (
     NotFound,
     ShuttingDown,
     TooBusy,
-    WriteRefused,
 )
 from lib.execution.buffer import EventBuffer, ExecutionMeta
 from lib.execution.emitter import Emitter
@@ -49,16 +45,16 @@ from lib.execution.events import (
     EXECUTION_PAUSED,
     EXECUTION_RESUMED,
     EXECUTION_STARTED,
-    Event,
     utc_timestamp,
 )
 from lib.execution.hub import Hub
 from lib.execution.offload import Compactor, OffloadPolicy
 from lib.execution.ownership import Claim, Ownership, node_of, paused_member
 from lib.execution.values import ValueStore
-from lib.execution.writer import EventWriter, batch_meta
+from lib.execution.writer import EventWriter
 from lib.metrics import Metrics
 from lib.workflows.executor import BlockFailed, Executor, Pause, Paused, RunState
+from lib.workflows.finals import Finals, SavedPause
 from lib.workflows.janitor import Ending, Janitor, cancelled
 from lib.workflows.leases import LeaseKeeper, LocalRun
 from lib.workflows.model import Workflow
@@ -86,36 +82,6 @@ class Started:
 @dataclass(frozen=True)
 class Completed:
     output: Any
-
-
-@dataclass(frozen=True)
-class Final:
-    """The last event a run here stored, kept for a while to re-assert it if the store
-    comes back without it (restarted from an older snapshot, or empty)."""
-
-    event: Event
-    fence: str
-    epoch: int
-    identity: dict[str, str]
-    pause: SavedPause | None = None
-
-
-@dataclass(frozen=True)
-class SavedPause:
-    """What a pause saved: enough to save it again into a store that lost it."""
-
-    workflow: Workflow
-    input: Any
-    run: dict[str, Any]
-    deadline_ms: int | None
-
-    def size(self) -> int:
-        return len(orjson.dumps([self.input, self.run]))
-
-
-# Finals remembered, newest last; larger events are not kept (their memory would add up).
-MAX_FINALS = 4_096
-MAX_FINAL_BYTES = 16 * 1024
 
 
 # What a run's work ends with, when it is not a block failure: its output, or a pause
@@ -158,7 +124,7 @@ class Runner:
         self._metrics = metrics
         self.node_id = node_id or secrets.token_hex(6)
         self._locals: dict[str, LocalRun] = {}
-        self._finals: OrderedDict[str, Final] = OrderedDict()
+        self._finals = Finals(buffer=buffer, ownership=ownership, states=self._states)
         self._keeper = LeaseKeeper(
             ownership=ownership,
             lease_seconds=lease_seconds,
@@ -179,7 +145,7 @@ class Runner:
             lease_seconds=self._lease_seconds,
             is_local=self._locals.__contains__,
             finish=self._claim_and_end,
-            restarted=self._reassert_finals,
+            restarted=self._finals.reassert,
         )
         self._loops = [
             asyncio.create_task(self._keeper.renew_loop(), name="lease-renewal"),
@@ -501,7 +467,7 @@ class Runner:
             or local.stop_reason == "fenced"
         )
         if writer.final_stored is not None and writer.refused is None:
-            self._remember(local, writer.final_stored)
+            self._finals.remember(local, writer.final_stored)
         if settled:
             work.append(self._ownership.release(local.execution_id, local.fence))
         else:
@@ -510,71 +476,6 @@ class Runner:
                 extra={"executionId": local.execution_id},
             )
         await self._quietly(local.execution_id, *work)
-
-    def _remember(self, local: LocalRun, event: Event) -> None:
-        pause = local.saved_pause if event.type == EXECUTION_PAUSED else None
-        if len(event.json) > MAX_FINAL_BYTES or (
-            event.type == EXECUTION_PAUSED and (pause is None or pause.size() > MAX_FINAL_BYTES)
-        ):
-            # Too large to keep in memory; a pause restored without its state would be
-            # worse than none (nobody could resume it), so it is not kept either.
-            self._finals.pop(local.execution_id, None)
-            return
-        self._finals.pop(local.execution_id, None)
-        final = Final(event, local.fence, local.epoch, local.identity, pause)
-        self._finals[local.execution_id] = final
-        while len(self._finals) > MAX_FINALS:
-            self._finals.popitem(last=False)
-
-    async def _reassert_finals(self) -> None:
-        """Another Redis server answers: store again the last events it lacks.
-
-        A store restarted from an older snapshot (or a lagging replica promoted, or an
-        empty one) may have forgotten how a run here ended. Left alone, a janitor would
-        end it a second time under ids that clients already saw. The run's own fence and
-        epoch let its last event back in (append.lua), with the ids in between recorded
-        as dropped.
-        """
-        finals = list(self._finals.items())
-        if not finals:
-            return
-        stored = await self._buffer.last_ids([execution_id for execution_id, _ in finals])
-        restored = 0
-        for (execution_id, final), last_id in zip(finals, stored, strict=True):
-            if last_id is not None and last_id >= final.event.id:
-                continue
-            try:
-                if final.pause is not None:
-                    await self._restore_pause(execution_id, final.pause)
-                await self._buffer.append(
-                    execution_id,
-                    [final.event],
-                    fence=final.fence,
-                    epoch=final.epoch,
-                    meta={**final.identity, **batch_meta([final.event])},
-                    after_drop=True,
-                    reserve=final.event.id,
-                    recreate=True,
-                )
-            except WriteRefused as exc:
-                log.warning(
-                    "could not restore a run's last event",
-                    extra={"executionId": execution_id, "reason": exc.reason},
-                )
-                continue
-            if last_id is None:
-                await self._buffer.index_again(execution_id, final.identity["tenant"])
-            restored += 1
-        if restored:
-            log.warning("restored the last events the store lost", extra={"count": restored})
-
-    async def _restore_pause(self, execution_id: str, pause: SavedPause) -> None:
-        """Save a pause's run state and deadline again, before its event is restored."""
-        version = await self._states.save_version(pause.workflow)
-        fields = {"workflow": version, "input": pause.input, "run": pause.run}
-        await self._states.save(execution_id, fields, deadline_ms=pause.deadline_ms)
-        if pause.deadline_ms is not None:
-            await self._ownership.watch_deadline(execution_id, pause.deadline_ms)
 
     async def _quietly(self, execution_id: str, *work: Awaitable[None]) -> None:
         """Best-effort cleanup: stale entries only cost a refused claim later, or expire."""
