@@ -6,8 +6,10 @@
     gap after=<n> resumeAt=<m> reason=<why>
 
 ``LiveDisplay`` (stdout is a terminal) redraws a compact block: one line per block with
-its status and duration, and the tail of the text a block is streaming. Notices
-(reconnects) go to stderr in both, so stdout stays the execution's own record.
+its status and duration, and the tail of the text a block is streaming; a block that
+runs again (a retry, a re-run after ``execution:recovered``) shows only its latest run's
+text. Notices (reconnects, gaps, recoveries) go to stderr in both, so stdout stays the
+execution's own record.
 """
 
 from __future__ import annotations
@@ -49,6 +51,19 @@ def gap_notice(gap: Gap) -> str:
     )
 
 
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
+def recovery_notice(data: dict[str, Any]) -> str:
+    """A recovery in words: ``recovered (worker_lost), 2 blocks re-run, 1 kept``."""
+    rerun, kept = data.get("rerun") or [], data.get("completed") or []
+    return (
+        f"recovered ({data.get('reason')}), {_count(len(rerun), 'block')} re-run, "
+        f"{len(kept)} kept from the checkpoint"
+    )
+
+
 def describe(event: Event) -> str:
     """The fields of one event, as the plain display prints them after id and type."""
     data = event.data
@@ -73,6 +88,13 @@ def describe(event: Event) -> str:
             return f"{block} {compact(data.get('prompt'))}"
         case "execution:resumed":
             return str(block)
+        case "execution:recovered":
+            rerun = ",".join(data.get("rerun") or []) or "-"
+            kept = ",".join(data.get("completed") or []) or "-"
+            return (
+                f"{data.get('reason')} recovery={data.get('recovery')} "
+                f"rerun={rerun} completed={kept}"
+            )
         case "execution:completed":
             return f"{data.get('durationMs')}ms"
         case "execution:failed":
@@ -94,6 +116,8 @@ class PlainDisplay:
 
     def event(self, event: Event) -> None:
         print(f"{event.id} {event.type} {describe(event)}".rstrip(), file=self.out, flush=True)
+        if event.type == "execution:recovered":
+            self.notice(recovery_notice(event.data))
 
     def gap(self, gap: Gap) -> None:
         line = f"gap after={gap.after} resumeAt={gap.resume_at} reason={gap.reason}"
@@ -141,6 +165,9 @@ class LiveDisplay:
         if block is not None and event.type == "block:started":
             block.type, block.status, block.began = str(data.get("blockType")), "running", now
             block.detail = f"attempt {data.get('attempt')}" if data.get("attempt", 1) > 1 else ""
+            # A block that runs again (a retry, a re-run after a recovery) streams its
+            # text again from the start: show this run's text, not both runs' joined.
+            block.text = ""
         elif block is not None and event.type == "block:chunk":
             block.text = (block.text + str(data.get("text", "")))[-TEXT_TAIL:]
             self.streaming = block_id
@@ -157,6 +184,13 @@ class LiveDisplay:
             self.status = "paused"
         elif event.type == "execution:resumed":
             self.status = "running"
+        elif event.type == "execution:recovered":
+            # Not an ending: the execution goes on under a new owner.
+            self.status = "running"
+            self.notice(recovery_notice(data))
+            for rerun in data.get("rerun") or []:
+                again = self.blocks.setdefault(str(rerun), _Block())
+                again.status, again.detail, again.began = "running", "re-run", now
         elif event.terminal_status:
             self.status = event.terminal_status
         self._draw(force=event.type != "block:chunk")

@@ -8,7 +8,7 @@
 const TERMINAL = new Set(["execution:completed", "execution:failed", "execution:cancelled"]);
 const EVENT_TYPES = [
   "execution:started", "block:started", "block:chunk", "block:completed", "block:failed",
-  "block:skipped", "execution:paused", "execution:resumed", ...TERMINAL,
+  "block:skipped", "execution:paused", "execution:resumed", "execution:recovered", ...TERMINAL,
 ];
 const KEY_STORAGE = "flowcast.apiKey";
 const SHOWN_VALUE_BYTES = 1024 * 1024; // a full value larger than this is shown cut short
@@ -321,7 +321,8 @@ function onEvent(run, message) {
 
 function logEvent(event) {
   const data = event.data || {};
-  const detail = data.blockId ? ` ${data.blockId}` : "";
+  let detail = data.blockId ? ` ${data.blockId}` : "";
+  if (event.type === "execution:recovered") detail = ` ${data.reason}`;
   $("events").append(
     el("li", { "data-event-id": String(event.id), "data-type": event.type },
       el("span", { class: "id", text: `#${event.id}` }),
@@ -386,11 +387,12 @@ function apply(run, event) {
       row.startedTs = Date.parse(event.ts);
       row.kind.textContent = data.blockType || "";
       row.attempt.textContent = data.attempt > 1 ? `attempt ${data.attempt}` : "";
-      if (data.attempt > 1) {
-        // A retried block streams again from the start: show the current attempt's text.
-        row.chunks.textContent = "";
-        show(row.error, false);
-      }
+      // A block that runs again (a retry, a re-run after execution:recovered) streams
+      // from the start: show this run's text, not the runs' texts joined.
+      row.chunks.textContent = "";
+      show(row.chunks, false);
+      show(row.error, false);
+      row.duration.textContent = "";
       setBlockStatus(row, "started");
       break;
     }
@@ -438,6 +440,22 @@ function apply(run, event) {
       const row = run.blocks.get(data.blockId);
       if (row) setBlockStatus(row, "resumed");
       hidePause();
+      setStatus(run, "running");
+      break;
+    }
+    case "execution:recovered": {
+      // Not an ending: another process carries the execution on from its checkpoint.
+      for (const blockId of data.rerun || []) {
+        const row = run.blocks.get(blockId);
+        if (row) setBlockStatus(row, "re-run");
+      }
+      const rerun = (data.rerun || []).length;
+      const kept = (data.completed || []).length;
+      notice(
+        `Recovered (${data.reason}): ${rerun === 1 ? "1 block" : `${rerun} blocks`} re-run, ` +
+          `${kept} kept from the checkpoint.`,
+        "info",
+      );
       setStatus(run, "running");
       break;
     }

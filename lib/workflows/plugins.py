@@ -30,7 +30,14 @@ class PluginError(FlowcastError):
 
 
 def block(name: str) -> Callable[[F], F]:
-    """Mark ``async def handler(ctx, args)`` as the plugin block ``name``."""
+    """Mark ``async def handler(ctx, args)`` as the plugin block ``name``.
+
+    ``ctx`` is the attempt's ``BlockContext``: ``emit_chunk`` streams text,
+    ``request_approval`` pauses for a human, ``attempt`` counts the runs of this block
+    (retries and re-runs after a recovery) and ``idempotency_key`` is the same on all of
+    them; handlers run at least once, so pass the key along with any side effect.
+    ``args`` is the block's rendered ``config.args``; the return value is its output.
+    """
     if not name or not isinstance(name, str):
         raise ValueError("a plugin block needs a non-empty name")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import pty
@@ -19,9 +20,10 @@ from typing import Any
 import httpx
 import pytest
 
-from app.client import sse_frames
+from app.client import Event, sse_frames
 from app.embedded import free_port
-from tests.support.api import put, streaming_workflow
+from app.progress import LiveDisplay, PlainDisplay
+from tests.support.api import flaky_workflow, put, streaming_workflow
 from tests.support.servers import FlowcastServer, ValkeyServer
 
 FLOWCAST = Path(sys.executable).with_name("flowcast")
@@ -415,3 +417,105 @@ def test_sse_frames_skip_comments_and_never_yield_a_frame_cut_off_by_a_drop() ->
     lines = [": ping", "", "id: 1", "event: a", 'data: {"x":', "data: 1}", "", "id: 2", "event: b"]
     frames = list(sse_frames(iter(lines)))
     assert [(f.id, f.event, f.data) for f in frames] == [("1", "a", ['{"x":', "1}"])]
+
+
+@pytest.fixture(scope="module")
+async def plugged(
+    tmp_path_factory: pytest.TempPathFactory, valkey: ValkeyServer
+) -> AsyncIterator[FlowcastServer]:
+    """A server with the test plugins, among them ``flaky`` (streams, then fails once)."""
+    server = FlowcastServer(
+        data_dir=tmp_path_factory.mktemp("cli-plugged"),
+        env={
+            "FLOWCAST_REDIS_URL": valkey.url,
+            "FLOWCAST_REDIS_PREFIX": f"cli{uuid.uuid4().hex[:6]}",
+            "FLOWCAST_PLUGINS": "tests.support.plugins",
+        },
+    )
+    await server.start()
+    yield server
+    await server.stop()
+
+
+async def test_a_retried_block_shows_only_its_latest_attempts_text_on_a_terminal(
+    plugged: FlowcastServer, unique: str
+) -> None:
+    async with httpx.AsyncClient(base_url=plugged.url, timeout=20) as client:
+        await put(client, flaky_workflow(f"cli-flaky-{unique}"))
+    plain = await flowcast("run", f"cli-flaky-{unique}", url=plugged.url)
+    assert plain.code == 0, plain.err
+    assert re.search(r"^\d+ block:failed talk attempt=1 retry=yes flaky: ", plain.out, re.M)
+    assert re.search(r"^\d+ block:started talk type=python attempt=2$", plain.out, re.M)
+
+    args = [str(FLOWCAST), "run", f"cli-flaky-{unique}", "--url", plugged.url]
+    code, drawn = await asyncio.wait_for(asyncio.to_thread(_run_on_a_terminal, args, 30), 40)
+    assert code == 0, drawn
+    final = drawn.rsplit("\x1b[J", 1)[1]
+    assert re.search(r"✓ talk +python +completed", final), final
+    assert "    try2-w0 try2-w1 try2-w2" in final.splitlines(), final
+    assert "try1" not in final, "the failed attempt's text is not joined to the next one's"
+
+
+def _event(id: int, type: str, **data: Any) -> Event:
+    envelope = {"id": id, "type": type, "executionId": "ex_r", "workflowId": "wf", "data": data}
+    return Event(id=id, type=type, data=data, envelope=envelope)
+
+
+RECOVERED_RUN = [
+    _event(1, "execution:started", input=None),
+    _event(2, "block:started", blockId="kept", blockType="transform", attempt=1),
+    _event(3, "block:completed", blockId="kept", output=1, durationMs=3),
+    _event(4, "block:started", blockId="talk", blockType="generate", attempt=1),
+    _event(5, "block:chunk", blockId="talk", text="lost words "),
+    _event(
+        6,
+        "execution:recovered",
+        reason="worker_lost",
+        recovery=1,
+        rerun=["talk"],
+        completed=["kept"],
+    ),
+    _event(7, "block:started", blockId="talk", blockType="generate", attempt=2),
+    _event(8, "block:chunk", blockId="talk", text="fresh words"),
+]
+
+
+def test_plain_display_prints_a_recovery_as_a_line_and_a_notice() -> None:
+    out, err = io.StringIO(), io.StringIO()
+    display = PlainDisplay(out, err)
+    for event in RECOVERED_RUN:
+        display.event(event)
+    lines = out.getvalue().splitlines()
+    assert lines[5] == "6 execution:recovered worker_lost recovery=1 rerun=talk completed=kept"
+    assert lines[6] == "7 block:started talk type=generate attempt=2"
+    assert err.getvalue() == (
+        "flowcast: recovered (worker_lost), 1 block re-run, 1 kept from the checkpoint\n"
+    )
+
+
+def test_live_display_keeps_running_through_a_recovery_and_restarts_the_rerun_text() -> None:
+    out, err = io.StringIO(), io.StringIO()
+    display = LiveDisplay(out, err)
+    display.started("ex_r", "wf")
+    for event in RECOVERED_RUN[:6]:
+        display.event(event)
+    assert display.status == "running"
+    assert (display.blocks["talk"].status, display.blocks["talk"].detail) == ("running", "re-run")
+    for event in RECOVERED_RUN[6:]:
+        display.event(event)
+    display.close()
+    final = out.getvalue().rsplit("\x1b[J", 1)[1].splitlines()
+    assert final[0].startswith("ex_r  wf  running  ")
+    assert re.fullmatch(r"  ✓ kept +transform +completed +0\.00s", final[1])
+    assert re.fullmatch(r"  … talk +generate +running +attempt 2", final[2])
+    assert final[3:] == ["    fresh words"]
+    assert err.getvalue() == (
+        "flowcast: recovered (worker_lost), 1 block re-run, 1 kept from the checkpoint\n"
+    )
+    display.event(
+        _event(9, "execution:recovered", reason="handoff", recovery=2, rerun=[], completed=[])
+    )
+    assert display.status == "running"
+    assert err.getvalue().endswith(
+        "flowcast: recovered (handoff), 0 blocks re-run, 0 kept from the checkpoint\n"
+    )

@@ -8,6 +8,7 @@ Set ``FLOWCAST_UPDATE_SCREENSHOT=1`` to write the README's ``docs/screenshot.png
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -18,9 +19,9 @@ from typing import Any
 
 import httpx
 import pytest
-from playwright.async_api import Browser, Page, Request, async_playwright, expect
+from playwright.async_api import Browser, Page, Request, Route, async_playwright, expect
 
-from tests.support.api import all_events, put, streaming_workflow, wait_finished
+from tests.support.api import all_events, flaky_workflow, put, streaming_workflow, wait_finished
 from tests.support.servers import ROOT, FlowcastServer, ValkeyServer
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -95,6 +96,24 @@ async def guarded(
             "FLOWCAST_LARGE_VALUE_BYTES": "1024",
             "FLOWCAST_EVENT_LIMIT": "60",
             "FLOWCAST_SSE_MAX_SECONDS": "1.5",
+        },
+    )
+    await server.start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture(scope="module")
+async def plugged(
+    tmp_path_factory: pytest.TempPathFactory, valkey: ValkeyServer
+) -> AsyncIterator[FlowcastServer]:
+    """A server with the test plugins, among them ``flaky`` (streams, then fails once)."""
+    server = FlowcastServer(
+        data_dir=tmp_path_factory.mktemp("page-plugged"),
+        env={
+            "FLOWCAST_REDIS_URL": valkey.url,
+            "FLOWCAST_REDIS_PREFIX": f"page{uuid.uuid4().hex[:6]}",
+            "FLOWCAST_PLUGINS": "tests.support.plugins",
         },
     )
     await server.start()
@@ -442,3 +461,108 @@ async def test_eventsource_reconnects_with_last_event_id_and_misses_nothing(
     assert "last-event-id" not in sent[0]
     cursors = [int(headers["last-event-id"]) for headers in sent[1:]]
     assert cursors == sorted(cursors) and cursors[0] > 0, cursors
+
+
+# ---------------------------------------------------------------- blocks that run again
+
+
+async def test_a_retried_block_shows_only_its_latest_attempts_text(
+    plugged: FlowcastServer, page: Page, unique: str
+) -> None:
+    async with httpx.AsyncClient(base_url=plugged.url, timeout=20) as client:
+        await put(client, flaky_workflow(f"flaky-{unique}"))
+        await page.goto(plugged.url)
+        execution_id = await start(page, f"flaky-{unique}", {})
+        await finished(page)
+        events = await all_events(client, execution_id)
+    talk = block(page, "talk")
+    await expect(talk.locator(".chunks")).to_have_text("try2-w0 try2-w1 try2-w2 ")
+    await expect(talk.locator(".attempt")).to_have_text("attempt 2")
+    await expect(talk.locator(".error")).to_be_hidden()
+    # The failed attempt's chunks are still in the log; only the block's text restarts.
+    assert [e["data"]["text"] for e in events if e["type"] == "block:chunk"] == [
+        "try1-w0 ",
+        "try1-w1 ",
+        "try1-w2 ",
+        "try2-w0 ",
+        "try2-w1 ",
+        "try2-w2 ",
+    ]
+    await expect(page.locator('#events li[data-type="block:chunk"]')).to_have_count(6)
+
+
+def sse_body(events: list[tuple[str, dict[str, Any]]], first_id: int) -> str:
+    """Stream frames for ``(type, data)`` pairs numbered from ``first_id``."""
+    frames = ["retry: 100\n\n"]
+    for offset, (kind, data) in enumerate(events):
+        event_id = first_id + offset
+        envelope = {
+            "id": event_id,
+            "type": kind,
+            "executionId": "ex_recovered",
+            "workflowId": "parallel-report",
+            "ts": f"2026-12-01T10:00:{event_id:02d}.000Z",
+            "data": data,
+        }
+        frames.append(f"id: {event_id}\nevent: {kind}\ndata: {json.dumps(envelope)}\n\n")
+    return "".join(frames)
+
+
+async def test_a_recovery_keeps_the_run_going_and_restarts_the_rerun_blocks_text(
+    server: FlowcastServer, page: Page
+) -> None:
+    # No server can be made to recover on cue here, so the page's stream is answered
+    # in the browser: the events as SPEC §4 and §7 describe a recovery, in two
+    # connections, the second held until the page has shown the first.
+    before = [
+        ("execution:started", {"input": None}),
+        ("block:started", {"blockId": "kept", "blockType": "transform", "attempt": 1}),
+        ("block:completed", {"blockId": "kept", "output": 1, "durationMs": 2}),
+        ("block:started", {"blockId": "talk", "blockType": "generate", "attempt": 1}),
+        ("block:chunk", {"blockId": "talk", "text": "lost words "}),
+        (
+            "execution:recovered",
+            {"reason": "worker_lost", "recovery": 1, "rerun": ["talk"], "completed": ["kept"]},
+        ),
+        ("block:started", {"blockId": "talk", "blockType": "generate", "attempt": 2}),
+        ("block:chunk", {"blockId": "talk", "text": "fresh "}),
+    ]
+    after = [
+        ("block:chunk", {"blockId": "talk", "text": "words"}),
+        ("block:completed", {"blockId": "talk", "output": "fresh words", "durationMs": 5}),
+        ("execution:completed", {"output": {"talk": "fresh words"}, "durationMs": 9}),
+    ]
+    release = asyncio.Event()
+    connections: list[str] = []
+
+    async def stream(route: Route) -> None:
+        connections.append(route.request.url)
+        if len(connections) == 1:
+            body = sse_body(before, 1)
+        else:
+            await release.wait()
+            body = sse_body(after, len(before) + 1)
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-store"}
+        await route.fulfill(status=200, headers=headers, body=body)
+
+    await page.route(re.compile(r"/api/executions/ex_recovered/stream"), stream)
+    try:
+        await page.goto(f"{server.url}/#ex_recovered")
+        talk = block(page, "talk")
+        await expect(talk.locator(".chunks")).to_have_text("fresh ")
+        await expect(page.locator("#run-status")).to_have_attribute("data-status", "running")
+        await expect(page.locator("#notices .notice.info")).to_have_text(
+            "Recovered (worker_lost): 1 block re-run, 1 kept from the checkpoint."
+        )
+        await expect(talk.locator(".attempt")).to_have_text("attempt 2")
+        await expect(talk.locator(".status")).to_have_text("running")
+        await expect(block(page, "kept").locator(".status")).to_have_text("completed")
+        recovered = page.locator('#events li[data-type="execution:recovered"]')
+        await expect(recovered.locator(".detail")).to_have_text("worker_lost")
+    finally:
+        release.set()
+    await finished(page)
+    await expect(block(page, "talk").locator(".chunks")).to_have_text("fresh words")
+    await expect(page.locator("#cancel")).to_be_hidden()
+    assert await event_ids(page) == list(range(1, len(before) + len(after) + 1))
+    assert len(connections) == 2, "the page reconnected once and finished"

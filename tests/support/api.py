@@ -50,6 +50,23 @@ def talking_workflow(workflow_id: str, *, words: int, tps: float) -> dict[str, A
     }
 
 
+def flaky_workflow(workflow_id: str, *, words: int = 3) -> dict[str, Any]:
+    """One ``flaky`` plugin block named talk (needs ``FLOWCAST_PLUGINS=tests.support.plugins``):
+    attempt 1 streams ``try1-w0 …`` and fails, attempt 2 streams ``try2-w0 …`` and completes."""
+    return {
+        "id": workflow_id,
+        "blocks": [
+            {
+                "id": "talk",
+                "type": "python",
+                "config": {"name": "flaky", "args": {"words": words}},
+                "retry": {"attempts": 2, "backoffMs": 0},
+            }
+        ],
+        "edges": [],
+    }
+
+
 async def put(client: httpx.AsyncClient, workflow: dict[str, Any]) -> None:
     response = await client.put(f"/api/workflows/{workflow['id']}", json=workflow)
     assert response.status_code in (200, 201), response.text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lib.errors import BlockError
 from lib.workflows.blocks.base import BlockContext
 from lib.workflows.plugins import block
 
@@ -15,3 +16,15 @@ async def shout(ctx: BlockContext, args: Any) -> dict[str, Any]:
     for word in words:
         ctx.emit_chunk(word + " ")
     return {"words": len(words), "execution": ctx.execution_id}
+
+
+@block("flaky")
+async def flaky(ctx: BlockContext, args: Any) -> dict[str, Any]:
+    """Streams ``args.words`` words naming its attempt; attempts before ``args.succeedOn``
+    (default 2) fail, retryably, after streaming them all (their message shows the key)."""
+    words = [f"try{ctx.attempt}-w{i}" for i in range(int(args.get("words", 3)))]
+    for word in words:
+        ctx.emit_chunk(word + " ")
+    if ctx.attempt < int(args.get("succeedOn", 2)):
+        raise BlockError("flaky", f"attempt {ctx.attempt} with key {ctx.idempotency_key} fails")
+    return {"attempt": ctx.attempt, "idempotencyKey": ctx.idempotency_key}

@@ -6,6 +6,7 @@ import ipaddress
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from email.utils import formatdate
@@ -20,12 +21,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from lib.workflows.blocks import BlockServices, BlockTypes
-from lib.workflows.blocks.http import (
-    MAX_REDIRECTS,
-    idempotency_key,
-    is_refused_address,
-    parse_retry_after,
-)
+from lib.workflows.blocks.base import idempotency_key
+from lib.workflows.blocks.http import MAX_REDIRECTS, is_refused_address, parse_retry_after
 from lib.workflows.executor import BlockFailed, Executor
 from lib.workflows.model import Workflow
 
@@ -64,6 +61,13 @@ def build_app(seen: Seen) -> Starlette:
             return Response(status_code=429, headers={"Retry-After": "1"})
         return JSONResponse({"attempt": count})
 
+    async def keys(request: Request) -> Response:
+        # Every Idempotency-Key header line received, so a doubled header would show.
+        count = await record(request)
+        if request.path_params["case"].startswith("flaky") and count == 1:
+            return Response("try again", status_code=503)
+        return JSONResponse({"keys": request.headers.getlist("idempotency-key")})
+
     async def broken(request: Request) -> Response:
         await record(request)
         return Response("down", status_code=503)
@@ -93,6 +97,7 @@ def build_app(seen: Seen) -> Starlette:
             Route("/echo", echo, methods=["GET", "POST"]),
             Route("/text", text),
             Route("/throttled/{case}", throttled),
+            Route("/keys/{case}", keys),
             Route("/broken", broken),
             Route("/hop/{left}", hop),
             Route("/moved/{status}", moved, methods=["GET", "POST"]),
@@ -168,6 +173,64 @@ async def test_retry_after_is_honoured_with_the_same_idempotency_key(
     assert second_at - first_at >= 0.95
     assert first_headers["idempotency-key"] == second_headers["idempotency-key"]
     assert first_headers["idempotency-key"] == idempotency_key("ex_test", "call")
+
+
+async def test_every_attempt_of_a_retried_block_sends_the_same_idempotency_key(
+    run_workflow: RunWorkflow, server: LiveServer
+) -> None:
+    path = f"/keys/flaky-{uuid.uuid4().hex}"
+    block = http_block(f"{server.url}{path}", retry={"attempts": 3, "backoffMs": 0})
+    output, recorder = await run_workflow(workflow([block]))
+    assert [started["attempt"] for started in recorder.of("block:started")] == [1, 2]
+    assert [failed["error"]["code"] for failed in recorder.of("block:failed")] == ["http_status"]
+    expected = idempotency_key("ex_test", "call")
+    assert output["call"]["body"] == {"keys": [expected]}
+    assert [headers["idempotency-key"] for _, headers, _ in server.seen.of(path)] == [
+        expected,
+        expected,
+    ]
+
+
+async def test_blocks_and_executions_send_different_idempotency_keys(
+    services: BlockServices, server: LiveServer
+) -> None:
+    case = uuid.uuid4().hex
+    blocks = [
+        {"id": name, "type": "http", "config": {"url": f"{server.url}/keys/{case}"}}
+        for name in ("first", "second")
+    ]
+    definition = Workflow.model_validate(workflow(blocks))
+    executor = Executor(BlockTypes.builtin(), services)
+    received: dict[tuple[str, str], list[str]] = {}
+    for execution_id in ("ex_one", "ex_two"):
+        output = await executor.run(
+            definition, execution_id=execution_id, input=None, emit=Recorder()
+        )
+        for name in ("first", "second"):
+            received[execution_id, name] = output[name]["body"]["keys"]
+    assert received == {
+        (execution_id, name): [idempotency_key(execution_id, name)]
+        for execution_id in ("ex_one", "ex_two")
+        for name in ("first", "second")
+    }
+    assert len({keys[0] for keys in received.values()}) == 4
+
+
+async def test_an_idempotency_key_set_in_the_config_is_sent_instead(
+    run_workflow: RunWorkflow, server: LiveServer
+) -> None:
+    path = f"/keys/flaky-{uuid.uuid4().hex}"
+    block = http_block(
+        f"{server.url}{path}",
+        headers={"idempotency-KEY": "order-{{ input.n }}"},
+        retry={"attempts": 2, "backoffMs": 0},
+    )
+    output, _ = await run_workflow(workflow([block]), input={"n": 7})
+    assert output["call"]["body"] == {"keys": ["order-7"]}
+    assert [headers["idempotency-key"] for _, headers, _ in server.seen.of(path)] == [
+        "order-7",
+        "order-7",
+    ]
 
 
 async def test_server_errors_are_retried_then_fail(

@@ -9,6 +9,7 @@ time the rendered config is validated strictly, and a failure is ``bad_config``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import ipaddress
 import json
 from abc import ABC, abstractmethod
@@ -63,9 +64,31 @@ class PauseRequested(FlowcastError):
 _UNANSWERED: Any = object()
 
 
+def idempotency_key(execution_id: str, block_id: str) -> str:
+    """The key every run of one block in one execution shares: 32 hex digits.
+
+    Derived from the ids alone (the first 128 bits of a SHA-256), so every attempt, every
+    re-run after a recovery and every process that takes the execution over computes the
+    same key, without storing it. The format is kept as it is: a key that changed would
+    make a re-run look new to a remote side that already saw the first run.
+    """
+    return hashlib.sha256(f"{execution_id}\x00{block_id}".encode()).hexdigest()[:32]
+
+
 @dataclass(frozen=True, kw_only=True)
 class BlockContext:
-    """What one attempt of one block knows about its execution."""
+    """What one attempt of one block knows about its execution.
+
+    Blocks run at least once, not exactly once: a retried attempt, and a block that was
+    in flight when its process died or handed the execution off (it runs again where
+    the execution is recovered), start again from the beginning. ``attempt`` counts the
+    runs of this block in this execution (1, 2, …; it goes on counting across a
+    recovery). ``idempotency_key`` is the same on every one of them and differs between
+    blocks and executions: send it with any side effect (``http`` blocks send it as the
+    ``Idempotency-Key`` header) so the other side can tell a repeat from a new request.
+    Chunks emitted by an attempt that failed stay in the event log; clients show a
+    block's text afresh from its next ``block:started``.
+    """
 
     execution_id: str
     workflow_id: str
@@ -75,6 +98,11 @@ class BlockContext:
     emit_chunk: Callable[[str], None]
     services: BlockServices
     answer: Any = _UNANSWERED
+
+    @property
+    def idempotency_key(self) -> str:
+        """Stable across attempts, re-runs and processes; unique per execution and block."""
+        return idempotency_key(self.execution_id, self.block_id)
 
     def request_approval(
         self, prompt: str, schema: dict[str, Any], *, timeout_seconds: int | None = None

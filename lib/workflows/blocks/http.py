@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
-import hashlib
 import ipaddress
 import json
 import socket
@@ -78,11 +77,6 @@ class HttpConfig(BlockConfig):
         if url.scheme not in ("http", "https") or not url.host:
             raise ValueError("must be an absolute http:// or https:// URL")
         return value
-
-
-def idempotency_key(execution_id: str, block_id: str) -> str:
-    """The key every attempt of one block in one execution sends."""
-    return hashlib.sha256(f"{execution_id}\x00{block_id}".encode()).hexdigest()[:32]
 
 
 def is_refused_address(address: IPAddress) -> bool:
@@ -226,8 +220,9 @@ class Http(BlockType[HttpConfig]):
 
     async def run(self, ctx: BlockContext, config: HttpConfig) -> Any:
         headers = httpx.Headers(config.headers)
-        if "idempotency-key" not in headers:
-            headers["Idempotency-Key"] = idempotency_key(ctx.execution_id, ctx.block_id)
+        # Every attempt and every re-run after a recovery sends the same key, so the
+        # remote side can deduplicate; a key the workflow sets itself wins.
+        headers.setdefault("Idempotency-Key", ctx.idempotency_key)
         send_body = "body" in config.model_fields_set
         hop = _Hop(config.method, _parse_url(config.url), headers, config.body, send_body)
         for redirects in range(MAX_REDIRECTS + 1):
