@@ -88,6 +88,10 @@ class SSEClient(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._finish(exc)
 
+    def close(self) -> None:
+        """Drop the connection (a stream given up on before its end)."""
+        self._finish()
+
     def _finish(self, exc: Exception | None = None) -> None:
         if self._transport is not None:
             self._transport.close()

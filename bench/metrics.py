@@ -18,8 +18,10 @@ import httpx
 from redis.asyncio import Redis
 
 from bench.clients import LatencyRecorder, SSEClient, http_request, open_stream
+from bench.recovery import Recovery
 from bench.report import Report, Row, ms, percentile, rate, ratio, verdict
-from bench.stack import SSE, Config, GiB, MiB, Stack, words, workflows
+from bench.rss import peak_rss
+from bench.stack import OWN_SERVER, SSE, Config, GiB, MiB, Stack, words, workflows
 from tests.support.servers import FlowcastServer
 
 # --- the bench ---------------------------------------------------------------------
@@ -37,8 +39,8 @@ class Bench:
 
     async def setup(self) -> None:
         for workflow in workflows(self.config):
-            if workflow["id"] == "bench-memory":
-                continue  # registered on the memory run's own server
+            if workflow["id"] in OWN_SERVER:
+                continue
             response = await self.http.put(f"/api/workflows/{workflow['id']}", json=workflow)
             response.raise_for_status()
 
@@ -357,6 +359,9 @@ class Bench:
                 )
             )
 
+    async def recovery(self) -> None:
+        await Recovery(self.stack, self.config, self.report, self.http).run()
+
     async def resume(self, execution_id: str) -> httpx.Response:
         response = await self.http.post(
             f"/api/executions/{execution_id}/resume", json={"input": {}}
@@ -421,10 +426,11 @@ class Bench:
                 f"{server.url}/api/workflows/bench-memory",
                 json=next(w for w in workflows(config) if w["id"] == "bench-memory"),
             )
-            execution_id = await self.start("bench-memory", {}, server=server.url)
-            snapshot = await self.wait_status(
-                execution_id, {"completed", "failed"}, timeout=480, server=server.url
-            )
+            async with peak_rss(server.pid) as rss:
+                execution_id = await self.start("bench-memory", {}, server=server.url)
+                snapshot = await self.wait_status(
+                    execution_id, {"completed", "failed"}, timeout=480, server=server.url
+                )
             elapsed = time.perf_counter() - started
         finally:
             await server.stop()
@@ -458,6 +464,26 @@ class Bench:
                 ratio(used, budget),
                 "≤ budget",
                 verdict(used <= budget and snapshot["status"] == "completed"),
+            )
+        )
+        hwm = (
+            f"VmHWM (reset before the run) {rss.hwm / MiB:.0f} MiB"
+            if rss.hwm is not None
+            else "VmHWM could not be reset: samples only"
+        )
+        self.report.notes.append(
+            f"memory: server RSS {rss.before / MiB:.0f} MiB before the execution; during it "
+            f"the highest of {rss.samples} VmRSS samples (every 50 ms) "
+            f"{rss.sampled / MiB:.0f} MiB, {hwm}."
+        )
+        self.report.add(
+            Row(
+                f"server peak RSS growth during the {output / GiB:.2f} GiB run",
+                f"{rss.growth / MiB:.0f} MiB",
+                f"output {output / MiB:,.0f} MiB",
+                ratio(rss.growth, output),
+                "< 100 MiB",
+                verdict(rss.growth < 100 * MiB and snapshot["status"] == "completed"),
             )
         )
 

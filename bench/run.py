@@ -32,7 +32,7 @@ from bench.report import Report, Row, machine, render
 from bench.stack import FULL, QUICK, Stack
 from tests.support.servers import ROOT
 
-METRICS = ("ttfe", "sl", "so", "throughput", "replay", "fanout", "memory")
+METRICS = ("ttfe", "sl", "so", "throughput", "replay", "fanout", "memory", "recovery")
 
 
 async def main(args: argparse.Namespace) -> int:
@@ -66,6 +66,7 @@ async def main(args: argparse.Namespace) -> int:
                     "replay": bench.replay,
                     "fanout": bench.fanout,
                     "memory": bench.memory,
+                    "recovery": bench.recovery,
                 }
                 for name in METRICS:
                     if name not in chosen:

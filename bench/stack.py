@@ -38,6 +38,12 @@ class Config:
     memory_output_bytes: int = GiB
     memory_budget_bytes: int = 4 * MiB
     xadd_requests: int = 200_000
+    recovery_runs: int = 3  # of each: SIGKILL, then SIGTERM
+    recovery_blocks: int = 20  # a chain of `delay` blocks (longer than the grace)...
+    recovery_block_ms: int = 500  # ...of this length each
+    recovery_signal_at: int = 4  # the signal once this block's block:started is seen
+    recovery_lease_seconds: float = 2.0
+    recovery_grace_seconds: float = 5.0
 
 
 FULL = Config()
@@ -52,7 +58,11 @@ QUICK = Config(
     memory_blocks=50,
     memory_output_bytes=100 * MiB,
     xadd_requests=50_000,
+    recovery_runs=1,
 )
+
+# Registered on the servers their metric starts, not on A.
+OWN_SERVER = frozenset({"bench-memory", "bench-recovery"})
 
 
 # --- processes ---------------------------------------------------------------------
@@ -175,5 +185,16 @@ def workflows(config: Config) -> list[dict[str, Any]]:
                 {"id": "done", "type": "transform", "config": {"value": "ok"}},
             ],
             "edges": [{"from": block["id"], "to": "done"} for block in payloads],
+        },
+        {
+            "id": "bench-recovery",
+            "blocks": [
+                {"id": f"d{index:02d}", "type": "delay", "config": {"ms": config.recovery_block_ms}}
+                for index in range(config.recovery_blocks)
+            ],
+            "edges": [
+                {"from": f"d{index - 1:02d}", "to": f"d{index:02d}"}
+                for index in range(1, config.recovery_blocks)
+            ],
         },
     ]
