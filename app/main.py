@@ -173,6 +173,7 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
                 lease_seconds=settings.lease_seconds,
                 shutdown_grace_seconds=settings.shutdown_grace_seconds,
                 max_executions_per_tenant=settings.max_executions_per_tenant,
+                max_recoveries=settings.max_recoveries,
                 metrics=metrics,
                 offload=OffloadPolicy(
                     large_value_bytes=settings.large_value_bytes,

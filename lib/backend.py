@@ -31,6 +31,7 @@ class Keys:
         self.leases = f"{prefix}:leases"  # running executions by lease end ("<eid> <fence>")
         self.deadlines = f"{prefix}:deadlines"  # paused executions by approval deadline
         self.store = f"{prefix}:store"  # which Redis server wrote the data (store.lua)
+        self.handoffs = f"{prefix}:handoffs"  # executions let go by a shutdown, for takers
 
     def events(self, execution_id: str) -> str:
         return f"{self.prefix}:{{{execution_id}}}:events"

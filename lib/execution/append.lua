@@ -4,7 +4,8 @@ append.lua: append one ordered batch of events to an execution's replay buffer.
 KEYS[1]  the execution's event stream    fc:{<eid>}:events
 KEYS[2]  the execution's metadata hash   fc:{<eid>}:meta
 KEYS[3]  the execution's dropped ranges  fc:{<eid>}:dropped  (sorted set, score = first id)
-KEYS[4]  the execution's run state       fc:{<eid>}:state    (only its TTL is set here)
+KEYS[4]  the execution's run state       fc:{<eid>}:state    (its checkpoint fields are
+                                                             set here, with their events)
 
 ARGV[1]  fencing token of the writer; must equal the hash's `owner` field
 ARGV[2]  the writer's epoch (the `epoch` its claim gave it)
@@ -23,9 +24,13 @@ ARGV[9]  the highest id the writer wants reserved (it may show ids up to the res
 ARGV[10] "1" to recreate the metadata when it is missing (the store came back empty)
 ARGV[11] n, the number of events in the batch (0: a repair that only re-asserts)
 ARGV[12] m, the number of metadata field/value pairs that follow the events
-ARGV[13 .. 12+2n]        per event: type, envelope JSON
-ARGV[13+2n .. 12+2n+2m]  metadata fields and values to set (status, output, error, …;
+ARGV[13] k, the number of checkpoint field/value pairs that follow the metadata
+ARGV[14 .. 13+2n]        per event: type, envelope JSON
+ARGV[14+2n .. 13+2n+2m]  metadata fields and values to set (status, output, error, …;
                          with ARGV[10], also the identity fields to recreate with)
+ARGV[14+2n+2m .. ]       checkpoint fields and values of the batch's events (a block's
+                         output, skip, attempt, answer), set in the run state hash in
+                         the same step as the events, so the two never disagree
 
 Returns {lastId, firstId, retainedBytes, retainedCount, reserved, cancelRequested}, or
 an error reply:
@@ -51,8 +56,8 @@ local limit, budget = tonumber(ARGV[5]), tonumber(ARGV[6])
 local retention, ttl = tonumber(ARGV[7]), tonumber(ARGV[8])
 local reserve = tonumber(ARGV[9])
 local recreate = ARGV[10] == "1"
-local n, m = tonumber(ARGV[11]), tonumber(ARGV[12])
-local base = 12
+local n, m, k = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
+local base = 13
 
 local state = redis.call("HMGET", meta, "owner", "lastId", "firstId", "bytes", "count",
   "epoch", "reserved", "cancelRequested")
@@ -143,6 +148,13 @@ if m > 0 then
 end
 redis.call("HSET", meta, "lastId", last, "firstId", first_kept, "bytes", bytes, "count", count,
   "reserved", reserved)
+if k > 0 then
+  local fields = {}
+  for i = 1, 2 * k do
+    fields[i] = ARGV[base + 2 * n + 2 * m + i]
+  end
+  redis.call("HSET", KEYS[4], unpack(fields))
+end
 for _, key in ipairs(KEYS) do
   redis.call("EXPIRE", key, ttl)
 end

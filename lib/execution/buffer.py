@@ -216,12 +216,17 @@ class EventBuffer:
             len(events),
             len(meta or {}),
         ]
+        checkpoint = [pair for event in events for pair in event.checkpoint]
+        args.append(len(checkpoint))
         for event in events:
             args.append(event.type)
             args.append(event.json)
         for field, value in (meta or {}).items():
             args.append(field)
             args.append(value)
+        for field, encoded in checkpoint:
+            args.append(field)
+            args.append(encoded)
         try:
             result = await self._append(keys=self.keys.execution(execution_id), args=args)
         except ResponseError as exc:

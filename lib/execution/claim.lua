@@ -7,12 +7,16 @@ ARGV[1]  transition:
            "resume"   paused -> running, owned by the caller (a human answered)
            "cancel"   running: flag cancelRequested for the owner and return;
                       paused -> running, owned by the caller, who writes the cancel
-           "takeover" running with an expired lease -> owned by the caller
+           "takeover" running with an expired lease, or handed off -> owned by the
+                      caller, who recovers it from its checkpoint
+           "handoff"  running, owned by the caller (its fencing token): let go of it
+                      now, for another process to take over (a shutdown)
            "expire"   paused past its approval deadline -> running, owned by the caller
 ARGV[2]  the caller's new fencing token
 ARGV[3]  lease length in milliseconds
 ARGV[4]  resume: the paused block the caller answers ("" = whichever it is);
-         takeover: the owner whose lease the caller found expired
+         takeover: the owner whose lease the caller found expired (or who handed off)
+ARGV[5]  takeover: "handoff" to take it over only if its owner handed it off
 
 Times are Redis's own (TIME), never a host's, so a replica whose clock is off can
 neither end a healthy execution nor keep a dead one.
@@ -20,14 +24,18 @@ neither end a healthy execution nor keep a dead one.
 A claim sent again (its first answer was lost) finds the caller already owning the
 execution and answers as the first run did, with the status it replaced.
 
-Returns {lastId, base, statusBefore, owner, epoch} on success: a new owner numbers its
-events from base + 1 (base is above every id the previous owner may have shown live;
-ids between lastId and base are recorded as dropped by its first batch). Error replies:
+Returns {lastId, base, statusBefore, owner, epoch, recovery, reason, crashes} on
+success: a new owner numbers its events from base + 1 (base is above every id the
+previous owner may have shown live; ids between lastId and base are recorded as dropped
+by its first batch). A takeover counts a recovery: `recovery` numbers it (1, 2, …),
+`reason` is "handoff" when the owner let go, else "worker_lost", and `crashes` counts
+the recoveries for "worker_lost" only. Error replies:
   "NOEXEC"          no such execution (or it expired)
   "STATUS <status>" the execution is not in a state this transition applies to
   "BLOCK <blockId>" resume names a block the execution is not paused at
   "LEASE"           takeover: the lease has not expired
-  "MOVED"           takeover: the execution has another owner than the one expected
+  "MOVED"           takeover or handoff: the execution has another owner than the one
+                    expected
   "NOTDUE"          expire: the deadline has not passed
 A new owner token in `owner` fences the previous owner out of append.lua.
 ]]
@@ -39,7 +47,8 @@ local time = redis.call("TIME")
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 
 local state = redis.call("HMGET", meta, "status", "lastId", "owner", "leaseUntil",
-  "pauseBlock", "pauseDeadline", "epoch", "reserved")
+  "pauseBlock", "pauseDeadline", "epoch", "reserved", "handoff", "recoveries",
+  "recoveryReason", "crashes")
 local status = state[1]
 if not status then
   return redis.error_reply("NOEXEC")
@@ -47,22 +56,35 @@ end
 local last = tonumber(state[2]) or 0
 local base = math.max(last, tonumber(state[8]) or 0)
 
-if state[3] == token then
+local recoveries = tonumber(state[10]) or 0
+local crashes = tonumber(state[12]) or 0
+
+if state[3] == token and mode ~= "handoff" then
   local before = "paused"
   if mode == "takeover" then
     before = "running"
   end
-  return {last, base, before, token, tonumber(state[7]) or 0}
+  return {last, base, before, token, tonumber(state[7]) or 0, recoveries, state[11] or "",
+    crashes}
 end
 
-local function own(keep_cancel)
+local function own(keep_cancel, reason)
   local epoch = (tonumber(state[7]) or 0) + 1
   redis.call("HSET", meta, "owner", token, "epoch", epoch, "leaseUntil", now + lease,
     "status", "running", "pauseBlock", "", "pauseDeadline", "", "reserved", base)
+  redis.call("HDEL", meta, "handoff")
   if not keep_cancel then
     redis.call("HDEL", meta, "cancelRequested")
   end
-  return {last, base, status, token, epoch}
+  if reason then
+    recoveries = recoveries + 1
+    if reason == "worker_lost" then
+      crashes = crashes + 1
+    end
+    redis.call("HSET", meta, "recoveries", recoveries, "recoveryReason", reason,
+      "crashes", crashes)
+  end
+  return {last, base, status, token, epoch, recoveries, reason or "", crashes}
 end
 
 if mode == "resume" then
@@ -76,7 +98,7 @@ if mode == "resume" then
 elseif mode == "cancel" then
   if status == "running" then
     redis.call("HSET", meta, "cancelRequested", "1")
-    return {last, base, status, state[3], tonumber(state[7]) or 0}
+    return {last, base, status, state[3], tonumber(state[7]) or 0, recoveries, "", crashes}
   end
   if status ~= "paused" then
     return redis.error_reply("STATUS " .. status)
@@ -86,6 +108,17 @@ elseif mode == "takeover" then
   if status ~= "running" then
     return redis.error_reply("STATUS " .. status)
   end
+  local handed = state[9]
+  if handed then
+    -- Let go by its owner (now ""): it names itself in `handoff`.
+    if ARGV[4] ~= "" and ARGV[4] ~= handed then
+      return redis.error_reply("MOVED")
+    end
+    return own(true, "handoff")
+  end
+  if ARGV[5] == "handoff" then
+    return redis.error_reply("LEASE")
+  end
   if ARGV[4] ~= "" and ARGV[4] ~= state[3] then
     return redis.error_reply("MOVED")
   end
@@ -93,7 +126,17 @@ elseif mode == "takeover" then
     return redis.error_reply("LEASE")
   end
   -- A cancel asked of the dead owner still holds: its ending will be the cancel.
-  return own(true)
+  return own(true, "worker_lost")
+elseif mode == "handoff" then
+  if status ~= "running" then
+    return redis.error_reply("STATUS " .. status)
+  end
+  if state[3] ~= token then
+    return redis.error_reply("MOVED")
+  end
+  -- No owner now: its writer and its renewals are fenced out (append.lua, renew.lua).
+  redis.call("HSET", meta, "owner", "", "handoff", token, "leaseUntil", 0)
+  return {last, base, status, "", tonumber(state[7]) or 0, recoveries, "handoff", crashes}
 elseif mode == "expire" then
   if status ~= "paused" then
     return redis.error_reply("STATUS " .. status)

@@ -16,7 +16,7 @@ import logging
 from collections import deque
 from typing import Any
 
-from lib.execution.events import Event, carriable
+from lib.execution.events import Checkpoint, Event, carriable
 from lib.execution.offload import Compactor
 from lib.execution.writer import EventWriter
 from lib.metrics import Metrics
@@ -62,14 +62,18 @@ class Emitter:
                 self._task.cancel()
                 await asyncio.gather(self._task, return_exceptions=True)
 
-    def emit(self, type: str, data: dict[str, Any]) -> None:
-        """Emit one event now; readers attached here may see it before it is stored."""
+    def emit(self, type: str, data: dict[str, Any], checkpoint: Checkpoint = ()) -> None:
+        """Emit one event now; readers attached here may see it before it is stored.
+
+        ``checkpoint`` fields go to the run state in the same write as the event.
+        """
         event = Event(
             id=self.last_id + 1,
             type=type,
             execution_id=self.execution_id,
             workflow_id=self.workflow_id,
             data=data,
+            checkpoint=checkpoint,
         )
         try:
             event.json  # noqa: B018 - encoded now, before the id is taken
@@ -81,6 +85,7 @@ class Emitter:
                 workflow_id=self.workflow_id,
                 data=carriable(data),
                 ts=event.ts,
+                checkpoint=checkpoint,
             )
         self.last_id = event.id
         if self._metrics is not None and type.startswith("execution:"):
@@ -123,5 +128,6 @@ class Emitter:
                     workflow_id=event.workflow_id,
                     data=data,
                     ts=event.ts,
+                    checkpoint=event.checkpoint,
                 )
             )

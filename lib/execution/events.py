@@ -21,6 +21,7 @@ BLOCK_FAILED: Final = "block:failed"
 BLOCK_SKIPPED: Final = "block:skipped"
 EXECUTION_PAUSED: Final = "execution:paused"
 EXECUTION_RESUMED: Final = "execution:resumed"
+EXECUTION_RECOVERED: Final = "execution:recovered"
 EXECUTION_COMPLETED: Final = "execution:completed"
 EXECUTION_FAILED: Final = "execution:failed"
 EXECUTION_CANCELLED: Final = "execution:cancelled"
@@ -35,6 +36,7 @@ EVENT_TYPES: Final = frozenset(
         BLOCK_SKIPPED,
         EXECUTION_PAUSED,
         EXECUTION_RESUMED,
+        EXECUTION_RECOVERED,
         EXECUTION_COMPLETED,
         EXECUTION_FAILED,
         EXECUTION_CANCELLED,
@@ -45,6 +47,7 @@ EVENT_TYPES: Final = frozenset(
 STATUS_AFTER: Final[dict[str, str]] = {
     EXECUTION_PAUSED: "paused",
     EXECUTION_RESUMED: "running",
+    EXECUTION_RECOVERED: "running",
     EXECUTION_COMPLETED: "completed",
     EXECUTION_FAILED: "failed",
     EXECUTION_CANCELLED: "cancelled",
@@ -53,6 +56,9 @@ TERMINAL_TYPES: Final = frozenset({EXECUTION_COMPLETED, EXECUTION_FAILED, EXECUT
 TERMINAL_STATUSES: Final = frozenset({"completed", "failed", "cancelled"})
 # A run's last event: shown live only once stored (see writer.py).
 FINAL_TYPES: Final = frozenset({EXECUTION_PAUSED, *TERMINAL_TYPES})
+
+# Checkpoint fields an event carries to its run state: (field, JSON value) pairs.
+Checkpoint = tuple[tuple[str, bytes], ...]
 
 _INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
 _LONG_DIGITS = re.compile(rb"[0-9]{19}")
@@ -116,6 +122,7 @@ class Event:
         "_data",
         "_frame",
         "_json",
+        "checkpoint",
         "created",
         "execution_id",
         "id",
@@ -133,6 +140,7 @@ class Event:
         workflow_id: str,
         data: dict[str, Any],
         ts: str | None = None,
+        checkpoint: Checkpoint = (),
     ) -> None:
         self.id = id
         self.type = type
@@ -144,6 +152,8 @@ class Event:
         self._frame: bytes | None = None
         # When it was emitted (monotonic), for the stream latency metric; 0 if read back.
         self.created = time.monotonic()
+        # Run state fields stored with it, in the same write (SPEC §7 "Checkpoints").
+        self.checkpoint = checkpoint
 
     @classmethod
     def stored(cls, *, id: int, type: str, raw: bytes) -> Event:
@@ -155,6 +165,7 @@ class Event:
         event._frame = None
         event._data = None
         event.created = 0.0
+        event.checkpoint = ()
         return event
 
     def _decode(self) -> None:

@@ -116,7 +116,8 @@ def _preview(value: Any) -> Any:
     return list(value)[:PREVIEW_KEYS]
 
 
-def _is_ref(value: Any) -> bool:
+def is_ref(value: Any) -> bool:
+    """True for a ref into the value store (SPEC §5)."""
     return isinstance(value, dict) and value.get("$ref") == "value"
 
 
@@ -269,12 +270,18 @@ class Compactor:
         for key in sorted(sizes, key=sizes.__getitem__, reverse=True):
             original = data[key]
             encoded = orjson.dumps(original)
-            if _is_ref(compacted[key]) or not _shrinks(original, encoded, sizes[key]):
+            if is_ref(compacted[key]) or not _shrinks(original, encoded, sizes[key]):
                 continue
             compacted[key] = await self._offload(original, encoded, required=True)
             size += len(orjson.dumps(compacted[key])) - sizes[key]
             if size <= ceiling:
                 return
+
+    async def ref_for(self, value: Any, encoded: bytes) -> dict[str, Any] | None:
+        """Store ``value`` (whose JSON is ``encoded``) whole; its ref, or None when the
+        store failed after retries. The same value is stored once per run."""
+        ref = _ref(value, encoded, hashlib.sha256(encoded).hexdigest())
+        return ref if await self._put(ref["id"], encoded) else None
 
     async def _offload(self, value: Any, encoded: bytes, *, required: bool = False) -> Any:
         ref = _ref(value, encoded, hashlib.sha256(encoded).hexdigest())

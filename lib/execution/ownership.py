@@ -10,7 +10,11 @@
     running    cancel      claim.lua   running   any process: flags cancelRequested; the
                                                  owner's next final event becomes the cancel
     paused     expire      claim.lua   running   any janitor, past the approval deadline
-    running    take over   claim.lua   running   any janitor, past the owner's lease
+    running    take over   claim.lua   running   any janitor, past the owner's lease, or
+                                                 any process once the owner handed it off;
+                                                 the new owner recovers the run
+    running    hand off    claim.lua   running   the owner, shutting down: no owner, for
+                                                 another process to take over at once
 
 A claim gives the caller a new fencing token and epoch: append.lua refuses any other
 writer, so a stalled old owner can never append after it. An owner whose epoch is above
@@ -22,7 +26,8 @@ Two watch lists tell the janitors what to look at: ``leases`` holds one member
 run can never remove the entry of the next; ``deadlines`` holds paused executions by
 approval deadline. The lease entry is written before the claim that needs it, so an
 execution is never running without a watched lease. A cancel for an execution owned by
-another process is also a message on that process's control stream.
+another process is also a message on that process's control stream, and a hand-off is
+announced on the ``handoffs`` stream that every process reads.
 """
 
 from __future__ import annotations
@@ -61,6 +66,9 @@ class Claim:
     status_before: str
     owner: str
     epoch: int
+    recovery: int = 0  # a takeover: which recovery of the execution this is (1, 2, …)
+    reason: str = ""  # a takeover: "handoff" or "worker_lost"
+    crashes: int = 0  # a takeover: recoveries for "worker_lost" so far, this one included
 
 
 def node_of(token: str) -> str:
@@ -130,14 +138,21 @@ class Ownership:
 
     @translated
     async def claim(
-        self, execution_id: str, mode: str, fence: str, *, block_id: str = "", expected: str = ""
+        self,
+        execution_id: str,
+        mode: str,
+        fence: str,
+        *,
+        block_id: str = "",
+        expected: str = "",
+        handoff_only: bool = False,
     ) -> Claim:
         """Win a transition (see claim.lua); Conflict with the status that won otherwise."""
         argument = block_id if mode == "resume" else expected
         try:
-            last, base, status, owner, epoch = await self._claim(
+            last, base, status, owner, epoch, recovery, reason, crashes = await self._claim(
                 keys=[self.keys.meta(execution_id)],
-                args=[mode, fence, self.lease_ms, argument],
+                args=[mode, fence, self.lease_ms, argument, "handoff" if handoff_only else ""],
             )
         except ResponseError as exc:
             reason, _, detail = str(exc).partition(" ")
@@ -155,7 +170,51 @@ class Ownership:
                     f"execution_{detail}", f"the execution is {detail}", status=detail
                 ) from None
             raise Conflict(reason.lower(), str(exc)) from None
-        return Claim(int(last), int(base), status.decode(), owner.decode(), int(epoch))
+        return Claim(
+            int(last),
+            int(base),
+            status.decode(),
+            owner.decode(),
+            int(epoch),
+            int(recovery),
+            reason.decode(),
+            int(crashes),
+        )
+
+    @translated
+    async def hand_off(self, execution_id: str, fence: str) -> None:
+        """Let go of a running execution now (a shutdown) and announce it, so another
+        process takes it over at once. Conflict when ``fence`` no longer owns it."""
+        await self.claim(execution_id, "handoff", fence)
+        # Due at once for every janitor, should the announcement be missed.
+        await self.redis.zadd(self.keys.leases, {lease_member(execution_id, fence): 0})
+        await self.redis.xadd(
+            self.keys.handoffs,
+            {"executionId": execution_id, "fence": fence},
+            maxlen=10_000,
+            approximate=True,
+        )
+
+    @translated
+    async def handoffs_cursor(self) -> str:
+        """The id of the newest hand-off announcement (or "0-0")."""
+        entries: Any = await self.redis.xrevrange(self.keys.handoffs, count=1)
+        return entries[0][0].decode() if entries else "0-0"
+
+    @translated
+    async def next_handoffs(
+        self, *, after: str, block_ms: int
+    ) -> tuple[str, list[tuple[str, str]]]:
+        """Block for hand-off announcements after stream id ``after``."""
+        reply: Any = await self.buffer.tail_redis.xread(
+            {self.keys.handoffs: after}, count=100, block=block_ms
+        )
+        if not reply:
+            return after, []
+        entries = reply[0][1]
+        last = entries[-1][0].decode()
+        found = [(f[b"executionId"].decode(), f[b"fence"].decode()) for _, f in entries]
+        return last, found
 
     @translated
     async def renew(self, execution_id: str, fence: str, epoch: int, tenant: str) -> bool:
@@ -178,9 +237,11 @@ class Ownership:
 
     # -- watch lists -----------------------------------------------------------------
 
-    async def _add(self, key: str, member: str, after_ms: int | None = None) -> None:
+    async def _add(
+        self, key: str, member: str, after_ms: int | None = None, *, replaces: str = ""
+    ) -> None:
         delay = self.lease_ms if after_ms is None else after_ms
-        await self._watch(keys=[key], args=["add", member, delay])
+        await self._watch(keys=[key], args=["add", member, delay, replaces])
 
     @translated
     async def hold(self, execution_id: str, fence: str) -> None:
@@ -259,11 +320,13 @@ class Ownership:
         return bool(admitted)
 
     @translated
-    async def count_paused(self, tenant: str, execution_id: str) -> None:
-        """Count a paused execution among its tenant's unfinished ones (it holds no lease;
-        its entry lasts as long as its keys would)."""
+    async def count_paused(self, tenant: str, execution_id: str, fence: str) -> None:
+        """Count a paused execution among its tenant's unfinished ones in place of the
+        ownership ``fence`` that paused it, in one step (so it never counts twice). It
+        holds no lease; its entry lasts as long as its keys would."""
         after_ms = self.buffer.active_ttl_seconds * 1000
-        await self._add(self.keys.running(tenant), paused_member(execution_id), after_ms)
+        member = paused_member(execution_id)
+        await self._add(self.keys.running(tenant), member, after_ms, replaces=fence)
 
     @translated
     async def leave(self, tenant: str, fence: str) -> None:
@@ -279,7 +342,8 @@ class Ownership:
         """Persist what a resume needs (JSON values), with the pause deadline if any."""
         encoded = {name: orjson.dumps(value) for name, value in fields.items()}
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hset(self.keys.state(execution_id), mapping=encoded)  # type: ignore[arg-type]
+            if encoded:
+                pipe.hset(self.keys.state(execution_id), mapping=encoded)  # type: ignore[arg-type]
             pipe.expire(self.keys.state(execution_id), self.buffer.active_ttl_seconds)
             if deadline_ms is not None:
                 pipe.hset(self.keys.meta(execution_id), "pauseDeadline", str(deadline_ms))

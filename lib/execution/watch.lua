@@ -4,7 +4,8 @@ the members that are due, on Redis's clock.
 
 KEYS[1]  the watch list: fc:leases ("<eid> <fence>" by lease end),
          fc:deadlines (execution ids by approval deadline) or fc:running:<tenant>
-ARGV[1]  "add": ARGV[2] member, ARGV[3] milliseconds from now; returns the score
+ARGV[1]  "add": ARGV[2] member, ARGV[3] milliseconds from now, ARGV[4] (optional) a
+                member it replaces, removed in the same step; returns the score
          "due": ARGV[2] the most members to return; returns the members whose score
                 has passed
 ]]
@@ -14,6 +15,9 @@ local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 if ARGV[1] == "add" then
   local score = now + tonumber(ARGV[3])
   redis.call("ZADD", KEYS[1], score, ARGV[2])
+  if ARGV[4] and ARGV[4] ~= "" then
+    redis.call("ZREM", KEYS[1], ARGV[4])
+  end
   return score
 end
 return redis.call("ZRANGEBYSCORE", KEYS[1], "-inf", now, "LIMIT", 0, tonumber(ARGV[2]))

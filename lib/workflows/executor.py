@@ -8,13 +8,22 @@ A block that asks for approval stops its branch; the others run on. Once nothing
 can run, ``run`` raises ``Paused`` with the state to resume from (outputs so far, the
 skipped blocks, the answers given). ``run(state=…)`` carries on from such a state; the
 block that asked runs again and gets its answer.
+
+Every event that moves the run forward carries its checkpoint fields (checkpoint.py),
+so the state a resume or a recovery starts from is the one the event log shows. Outputs
+are kept as the checkpoint keeps them (large ones as refs) and loaded again only when
+a template reads them. Once ``drain`` is set (a shutdown), no block starts any more;
+when the running ones have finished, ``run`` raises ``HandedOff`` and another process
+carries on from the checkpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,14 +38,22 @@ from lib.execution.events import (
     BLOCK_STARTED,
     carriable,
 )
+from lib.execution.offload import is_ref
 from lib.workflows.blocks import BlockTypes
 from lib.workflows.blocks.base import BlockContext, BlockServices, PauseRequested
+from lib.workflows.checkpoint import (
+    Keeper,
+    attempt_field,
+    output_field,
+    skipped_field,
+)
 from lib.workflows.model import BlockDef, Workflow
 
 log = logging.getLogger(__name__)
 
-# The caller's publish function; whatever it returns (e.g. the Event) is ignored.
-Emit = Callable[[str, dict[str, Any]], object]
+# The caller's publish function: (type, data, checkpoint fields); what it returns (e.g.
+# the Event) is ignored.
+Emit = Callable[..., object]
 
 # Waits between attempts are capped; a Retry-After beyond the cap ends the retries.
 MAX_BACKOFF_SECONDS = 900.0
@@ -58,14 +75,26 @@ class BlockFailed(FlowcastError):
 
 @dataclass
 class RunState:
-    """Where a paused execution stands: enough to resume it in any process."""
+    """Where a run stands (its checkpoint): enough to go on in any process.
+
+    ``attempts`` is the last attempt each block started. A resumed block (one with an
+    answer) carries on with its attempt; after a recovery (``recovered``) every block
+    that had not finished starts again with its next attempt.
+    """
 
     outputs: dict[str, Any] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
     answers: dict[str, Any] = field(default_factory=dict)
+    attempts: dict[str, int] = field(default_factory=dict)
+    recovered: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {"outputs": self.outputs, "skipped": self.skipped, "answers": self.answers}
+        return {
+            "outputs": self.outputs,
+            "skipped": self.skipped,
+            "answers": self.answers,
+            "attempts": self.attempts,
+        }
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> RunState:
@@ -73,7 +102,13 @@ class RunState:
             outputs=dict(raw.get("outputs", {})),
             skipped=list(raw.get("skipped", [])),
             answers=dict(raw.get("answers", {})),
+            attempts=dict(raw.get("attempts", {})),
         )
+
+    def unfinished(self) -> list[str]:
+        """Blocks that started and neither completed nor were skipped."""
+        done = {*self.outputs, *self.skipped}
+        return [block_id for block_id in self.attempts if block_id not in done]
 
 
 @dataclass(frozen=True)
@@ -93,6 +128,46 @@ class Paused(FlowcastError):
         super().__init__(f"paused at {pause.block_id!r}")
         self.pause = pause
         self.state = state
+
+
+class HandedOff(FlowcastError):
+    """The run was drained: what is left runs in another process, from the checkpoint."""
+
+    def __init__(self, deferred: list[str]) -> None:
+        super().__init__(f"handed off before {', '.join(deferred)}")
+        self.deferred = deferred
+
+
+class _Deferred(Exception):
+    """A block that may not start because the run is draining."""
+
+
+# `blocks.<id>` and `blocks['<id>']` in a template; any other use of `blocks` reads all.
+_BLOCK_READ = re.compile(
+    r"""\bblocks\s*(?:\.\s*([A-Za-z_][A-Za-z0-9_]*)|\[\s*(['"])([^'"]*)\2\s*\])"""
+)
+_BLOCKS_WORD = re.compile(r"\bblocks\b")
+
+
+def _strings(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [text for key, item in value.items() for text in (*_strings(key), *_strings(item))]
+    if isinstance(value, list):
+        return [text for item in value for text in _strings(item)]
+    return []
+
+
+def block_reads(texts: list[str]) -> set[str] | None:
+    """The block ids whose outputs these templates read; None when they may read any."""
+    reads: set[str] = set()
+    for text in texts:
+        found = list(_BLOCK_READ.finditer(text))
+        if len(found) != len(_BLOCKS_WORD.findall(text)):
+            return None
+        reads.update(match.group(1) or match.group(3) for match in found)
+    return reads
 
 
 def backoff_delay(base_ms: int, attempt: int, retry_after: float | None) -> float:
@@ -122,12 +197,24 @@ class Executor:
         input: Any,
         emit: Emit,
         state: RunState | None = None,
+        keeper: Keeper | None = None,
+        drain: asyncio.Event | None = None,
     ) -> dict[str, Any]:
-        """Run a validated workflow (from ``state`` when resuming).
+        """Run a validated workflow (from ``state`` when resuming or recovering).
 
-        Returns the sinks' outputs; raises BlockFailed, or Paused when it waits for a human.
+        Returns the sinks' outputs; raises BlockFailed, Paused when it waits for a
+        human, or HandedOff when ``drain`` stopped it.
         """
-        run = _Run(self, workflow, execution_id=execution_id, input=input, emit=emit, state=state)
+        run = _Run(
+            self,
+            workflow,
+            execution_id=execution_id,
+            input=input,
+            emit=emit,
+            state=state,
+            keeper=keeper or Keeper(execution_id=execution_id),
+            drain=drain or asyncio.Event(),
+        )
         return await run.execute()
 
 
@@ -143,6 +230,8 @@ class _Run:
         input: Any,
         emit: Emit,
         state: RunState | None,
+        keeper: Keeper,
+        drain: asyncio.Event,
     ) -> None:
         self.executor = executor
         self.workflow = workflow
@@ -159,9 +248,15 @@ class _Run:
             for block_id, edges in self.incoming.items()
         }
         state = state or RunState()
+        # Outputs as kept (large ones are refs into the value store).
         self.outputs: dict[str, Any] = dict(state.outputs)
         self.skipped: list[str] = list(state.skipped)
         self.answers: dict[str, Any] = dict(state.answers)
+        self.attempts: dict[str, int] = dict(state.attempts)
+        self.recovered = state.recovered
+        self.keeper = keeper
+        self.drain = drain
+        self.deferred: list[str] = []
         self.pauses: dict[str, PauseRequested] = {}
         self.blocks = {block.id: block for block in workflow.blocks}
         self.group: asyncio.TaskGroup | None = None
@@ -188,23 +283,61 @@ class _Run:
             if failed is not None:
                 raise _first(failed) from None
             raise
+        if self.deferred:
+            # What was left to start runs in the process that takes the run over (also
+            # an approval that asked meanwhile: it asks again there).
+            order = [block.id for block in self.workflow.blocks if block.id in self.deferred]
+            raise HandedOff(order)
         if self.pauses:
             # One approval at a time, in workflow order; the others ask again on resume.
             block_id = next(b.id for b in self.workflow.blocks if b.id in self.pauses)
             request = self.pauses[block_id]
             pause = Pause(block_id, request.prompt, request.schema, request.timeout_seconds)
-            state = RunState(self.outputs, self.skipped, self.answers)
+            state = RunState(self.outputs, self.skipped, self.answers, self.attempts)
             raise Paused(pause, state)
-        return {sink: self.outputs[sink] for sink in self.workflow.sinks() if sink in self.outputs}
+        return await self._final_output()
 
-    def _context(self, block_id: str) -> dict[str, Any]:
-        # Only upstream outputs are visible, so a template cannot depend on timing.
-        blocks = {
-            ancestor: {"output": self.outputs[ancestor]}
-            for ancestor in self.ancestors[block_id]
-            if ancestor in self.outputs
-        }
+    async def _final_output(self) -> dict[str, Any]:
+        """The sinks' outputs, loaded back where the final event carries them inline."""
+        output: dict[str, Any] = {}
+        for sink in self.workflow.sinks():
+            if sink not in self.outputs:
+                continue
+            kept = self.outputs[sink]
+            try:
+                output[sink] = await self.keeper.load(kept, up_to=self.keeper.final_inline_bytes)
+            except FlowcastError as exc:
+                # The final event then carries the ref: its value is in the store or not.
+                log.warning(
+                    "an output could not be loaded for the final output",
+                    extra={"executionId": self.execution_id, "blockId": sink, "error": str(exc)},
+                )
+                output[sink] = kept
+        return output
+
+    async def _context(self, block_id: str) -> dict[str, Any]:
+        # Only upstream outputs are visible, so a template cannot depend on timing; of
+        # those kept as refs, only the ones the block's templates read are loaded.
+        reads = self._reads(block_id)
+        blocks: dict[str, Any] = {}
+        for ancestor in self.ancestors[block_id]:
+            if ancestor not in self.outputs:
+                continue
+            output = self.outputs[ancestor]
+            if is_ref(output) and (reads is None or ancestor in reads):
+                try:
+                    output = await self.keeper.load(output)
+                except FlowcastError as exc:
+                    message = f"the output of {ancestor!r} could not be loaded: {exc}"
+                    raise BlockError("output_unavailable", message, retryable=True) from exc
+            blocks[ancestor] = {"output": output}
         return {"input": self.input, "blocks": blocks}
+
+    def _reads(self, block_id: str) -> set[str] | None:
+        block = self.blocks[block_id]
+        texts = _strings(block.config)
+        texts += [edge.when for edge in self.incoming[block_id] if edge.when is not None]
+        return block_reads(texts)
 
     async def _settle(self, ready: list[str]) -> None:
         """Start or skip each ready block; skips cascade here, in workflow order.
@@ -218,11 +351,16 @@ class _Run:
         queue = list(ready)
         while queue:
             block_id = queue.pop(0)
+            if self.drain.is_set():
+                self.deferred.append(block_id)
+                continue
             reason = await self._skip_reason(block_id)
             if reason is None:
                 self.group.create_task(self._run_block(self.blocks[block_id]))
                 continue
-            self.emit(BLOCK_SKIPPED, {"blockId": block_id, "reason": reason})
+            self.emit(
+                BLOCK_SKIPPED, {"blockId": block_id, "reason": reason}, skipped_field(block_id)
+            )
             self.skipped.append(block_id)
             queue += self._release(block_id)
 
@@ -242,7 +380,10 @@ class _Run:
         completed = [edge for edge in edges if edge.from_ in self.outputs]
         if not completed:
             return "every upstream block was skipped"
-        context = self._context(block_id)
+        try:
+            context = await self._context(block_id)
+        except BlockError as exc:
+            raise BlockFailed(block_id, exc.code, exc.message) from exc
         for edge in completed:
             if edge.when is None:
                 return None
@@ -262,22 +403,40 @@ class _Run:
         except PauseRequested as request:
             self.pauses[block.id] = request  # its branch waits; the others carry on
             return
+        except _Deferred:
+            self.deferred.append(block.id)
+            return
         self.outputs[block.id] = output
         await self._settle(self._release(block.id))
+
+    def _first_attempt(self, block_id: str) -> tuple[int, bool]:
+        """The attempt a block starts with here, and whether it was announced already.
+
+        A block resumed with its answer carries on with the attempt that asked; any
+        other starts its next one (after a recovery, the one after the attempt the
+        previous owner started).
+        """
+        started = self.attempts.get(block_id, 0)
+        if block_id in self.answers and not self.recovered:
+            return max(started, 1), True
+        return started + 1, False
 
     async def _attempts(self, block: BlockDef) -> Any:
         attempts = block.retry.attempts if block.retry else 1
         backoff_ms = block.retry.backoff_ms if block.retry else 0
-        attempt = 0
+        attempt, announced = self._first_attempt(block.id)
+        tries = 0
         while True:
-            attempt += 1
+            tries += 1
             async with self.slots:
+                if self.drain.is_set():
+                    raise _Deferred
                 try:
-                    return await self._attempt(block, attempt)
+                    return await self._attempt(block, attempt, announced)
                 except BlockError as exc:
                     error = exc
-            delay = backoff_delay(backoff_ms, attempt, error.retry_after)
-            will_retry = error.retryable and attempt < attempts and delay <= MAX_BACKOFF_SECONDS
+            delay = backoff_delay(backoff_ms, tries, error.retry_after)
+            will_retry = error.retryable and tries < attempts and delay <= MAX_BACKOFF_SECONDS
             self.emit(
                 BLOCK_FAILED,
                 {
@@ -289,14 +448,19 @@ class _Run:
             )
             if not will_retry:
                 raise BlockFailed(block.id, error.code, error.message)
-            await asyncio.sleep(delay)
+            # A drain ends the wait: the next attempt runs where the run goes on.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.drain.wait(), delay)
+            if self.drain.is_set():
+                raise _Deferred
+            attempt, announced = attempt + 1, False
 
-    async def _attempt(self, block: BlockDef, attempt: int) -> Any:
+    async def _attempt(self, block: BlockDef, attempt: int, announced: bool) -> Any:
         """One attempt: render, validate, run under the timeout; any failure is a BlockError."""
-        if block.id not in self.answers or attempt > 1:
-            # A block resumed with its answer already announced its start before pausing.
+        if not announced:
             start = {"blockId": block.id, "blockType": block.type, "attempt": attempt}
-            self.emit(BLOCK_STARTED, start)
+            self.emit(BLOCK_STARTED, start, attempt_field(block.id, attempt))
+            self.attempts[block.id] = attempt
         started = time.monotonic()
         try:
             output = await self._invoke(block, attempt)
@@ -306,17 +470,20 @@ class _Run:
             raise _unexpected(block, exc) from exc
         # What templates downstream read is what the event carries (SPEC §2).
         output = carriable(output)
+        kept, kept_json = await self.keeper.keep(output)
         duration_ms = round((time.monotonic() - started) * 1000)
         self.emit(
-            BLOCK_COMPLETED, {"blockId": block.id, "output": output, "durationMs": duration_ms}
+            BLOCK_COMPLETED,
+            {"blockId": block.id, "output": output, "durationMs": duration_ms},
+            output_field(block.id, kept_json) if kept_json is not None else (),
         )
-        return output
+        return kept
 
     async def _invoke(self, block: BlockDef, attempt: int) -> Any:
         block_type = self.executor.block_types.get(block.type)
         if block_type is None:
             raise BlockError("unknown_type", f"unknown block type {block.type!r}", retryable=False)
-        rendered = await self.templates.render(block.config, self._context(block.id))
+        rendered = await self.templates.render(block.config, await self._context(block.id))
         config = block_type.parse_config(rendered)
         ctx = BlockContext(
             execution_id=self.execution_id,

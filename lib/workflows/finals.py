@@ -23,6 +23,7 @@ from lib.execution.buffer import EventBuffer
 from lib.execution.events import EXECUTION_PAUSED, Event
 from lib.execution.ownership import Ownership
 from lib.execution.writer import batch_meta
+from lib.workflows.executor import RunState
 from lib.workflows.leases import LocalRun
 from lib.workflows.model import Workflow
 from lib.workflows.runstate import RunStates
@@ -41,11 +42,11 @@ class SavedPause:
 
     workflow: Workflow
     input: Any
-    run: dict[str, Any]
+    run: RunState  # its checkpoint, outputs as kept (large ones are refs)
     deadline_ms: int | None
 
     def size(self) -> int:
-        return len(orjson.dumps([self.input, self.run]))
+        return len(orjson.dumps([self.input, self.run.to_json()]))
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,8 @@ class Finals:
     async def _restore_pause(self, execution_id: str, pause: SavedPause) -> None:
         """Save a pause's run state and deadline again, before its event is restored."""
         version = await self._states.save_version(pause.workflow)
-        fields = {"workflow": version, "input": pause.input, "run": pause.run}
+        fields = {"workflow": version, "input": pause.input}
         await self._states.save(execution_id, fields, deadline_ms=pause.deadline_ms)
+        await self._states.save_checkpoint(execution_id, pause.run)
         if pause.deadline_ms is not None:
             await self._ownership.watch_deadline(execution_id, pause.deadline_ms)

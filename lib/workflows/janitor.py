@@ -1,11 +1,15 @@
-"""The janitor: ends the executions that nobody else will end.
+"""The janitor: carries on or ends the executions that nobody else will.
 
-Every process runs one. It ends an execution whose owner stopped renewing its lease
-with ``execution:failed`` (``worker_lost``; it becomes ``execution:cancelled`` if a
-cancel was accepted before), and a pause whose approval deadline passed with
-``execution:failed`` (``approval_timeout``). Each ending starts with a fenced claim
-(take over, expire), so of all the janitors exactly one writes it, and the old owner
-can never append after it. Times are Redis's (see ownership.py).
+Every process runs one. It takes over an execution whose owner stopped renewing its
+lease, or handed it off at a shutdown, and recovers it from its checkpoint (the runner
+ends it ``worker_lost`` once it crashed too often); and it ends a pause whose approval
+deadline passed with ``execution:failed`` (``approval_timeout``). Each starts with a
+fenced claim (take over, expire), so of all the janitors exactly one wins, and the old
+owner can never append after it. Times are Redis's (see ownership.py).
+
+Hand-offs are announced on a stream every janitor reads, so one is taken over within
+moments; a process that starts takes over the ones handed off while none was running
+at its first sweep, and the crashed ones once it has watched the store for a lease.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 
+from lib.backoff import Backoff
 from lib.errors import FlowcastError
 from lib.execution.emitter import Emitter
 from lib.execution.events import EXECUTION_CANCELLED, EXECUTION_FAILED
@@ -23,12 +28,17 @@ from lib.execution.ownership import Ownership
 
 log = logging.getLogger(__name__)
 
+HANDOFF_BLOCK_MS = 5_000
+
 # Emits the terminal event of an execution that was just claimed.
 Ending = Callable[[Emitter], None]
 # Claims an execution by a transition (takeover or expire; for a takeover, from the
 # owner named) and writes an ending. None when it did; else why the claim was refused
 # ("lease", "notdue", "moved", "execution_completed", "not_found", …).
 Finish = Callable[[str, str, str, Ending], Awaitable[str | None]]
+# Takes over an execution from the owner named (only if it handed off, when the flag
+# says so) and recovers it; None when it did, else why the claim was refused.
+Recover = Callable[[str, str, bool], Awaitable[str | None]]
 
 
 def cancelled(emitter: Emitter) -> None:
@@ -55,21 +65,30 @@ class Janitor:
         lease_seconds: float,
         is_local: Callable[[str], bool],
         finish: Finish,
+        recover: Recover,
+        accepting: Callable[[], bool] = lambda: True,
         restarted: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._ownership = ownership
         self._lease_seconds = lease_seconds
         self._is_local = is_local
         self._finish = finish
+        self._recover = recover
+        self._accepting = accepting
         # Told when another Redis server answers than before (a restart, a failover).
         self._restarted = restarted
         self._store_id: str | None = None
 
     async def run(self) -> None:
-        """Sweep every half lease (jittered) until cancelled."""
+        """Sweep at once, then every half lease (jittered), until cancelled."""
         healthy_since = time.monotonic()
+        first = True
         while True:
-            await asyncio.sleep(self._lease_seconds / 2 * random.uniform(0.8, 1.2))
+            if not first:
+                await asyncio.sleep(self._lease_seconds / 2 * random.uniform(0.8, 1.2))
+            first = False
+            if not self._accepting():
+                continue  # shutting down: this process takes nothing over any more
             try:
                 asked = time.monotonic()
                 store = await self._ownership.store()
@@ -102,12 +121,12 @@ class Janitor:
     async def sweep(self, healthy_since: float) -> bool:
         """One pass; False when the store answered too slowly to trust its leases.
 
-        Nothing is ended until the store has answered well for a lease: not a lease
-        (its owner could not renew), nor a pause's deadline (an owner that resumed it
-        may still have to re-assert its resume into a store that forgot it).
+        Nothing is taken from an owner until the store has answered well for a lease:
+        not a lease (its owner could not renew), nor a pause's deadline (an owner that
+        resumed it may still have to re-assert its resume into a store that forgot
+        it). Executions their owner handed off are taken at once.
         """
-        if time.monotonic() - healthy_since < self._lease_seconds:
-            return True
+        trusted = time.monotonic() - healthy_since >= self._lease_seconds
         asked = time.monotonic()
         due = await self._ownership.due_leases()
         if time.monotonic() - asked > self._lease_seconds / 3:
@@ -115,15 +134,40 @@ class Janitor:
             # prove nothing until a lease has passed with the store answering.
             return False
         for execution_id, fence in due:
-            if self._is_local(execution_id):
-                continue
-            code = await self._finish(execution_id, "takeover", fence, worker_lost)
-            if code != "lease":
-                # Ended now by a new owner (whose own entry watches it from here
-                # on), or settled already: this entry names nothing left to do.
-                await self._ownership.forget_lease(execution_id, fence)
+            await self.take_over(execution_id, fence, handoff_only=not trusted)
+        if not trusted:
+            return True
         for execution_id in await self._ownership.due_deadlines():
             code = await self._finish(execution_id, "expire", "", approval_timeout)
             if code != "notdue":
                 await self._ownership.forget_deadline(execution_id)
         return True
+
+    async def take_over(self, execution_id: str, fence: str, *, handoff_only: bool) -> None:
+        """Take over an execution from ``fence`` and recover it, if it is due."""
+        if self._is_local(execution_id) or not self._accepting():
+            return
+        code = await self._recover(execution_id, fence, handoff_only)
+        if code not in ("lease", "settling"):
+            # Recovered now by a new owner (whose own entry watches it from here on),
+            # or settled already: this entry names nothing left to do.
+            await self._ownership.forget_lease(execution_id, fence)
+
+    async def follow_handoffs(self) -> None:
+        """Take over the executions other processes hand off, as they announce them."""
+        cursor: str | None = None
+        backoff = Backoff(base=0.1, cap=5.0)
+        while True:
+            try:
+                if cursor is None:
+                    cursor = await self._ownership.handoffs_cursor()
+                cursor, handed = await self._ownership.next_handoffs(
+                    after=cursor, block_ms=HANDOFF_BLOCK_MS
+                )
+                for execution_id, fence in handed:
+                    await self.take_over(execution_id, fence, handoff_only=True)
+            except FlowcastError as exc:
+                log.warning("hand-off stream read failed", extra={"error": str(exc)})
+                await backoff.wait()
+                continue
+            backoff.reset()

@@ -35,13 +35,20 @@ class LocalRun:
     tenant: str
     task: asyncio.Task[None] | None = None  # the run: first event to last, then let go
     work: asyncio.Task[Any] | None = None  # the part a stop cancels: blocks, pause save
-    stop_reason: str | None = None  # why its work was cancelled: cancel, shutdown, fenced
+    stop_reason: str | None = None  # why its work was cancelled: cancel, handoff, fenced
     checked_at: float = 0.0  # when its lease was last renewed, or tried in an outage
     pending: Callable[[], int] = lambda: 0  # events emitted and not stored yet
     retained: Callable[[], int] = lambda: 0  # bytes its ring retains, as modelled
     repair: Callable[[], None] = lambda: None  # recreate what the store lost
     identity: dict[str, str] = field(default_factory=dict)  # fields to recreate it with
     saved_pause: Any = None  # what its pause saved (runner.SavedPause), once saved
+    keeper: Any = None  # keeps its outputs as the checkpoint does (checkpoint.Keeper)
+    draining: asyncio.Event = field(default_factory=asyncio.Event)  # start no more blocks
+    handoff: bool = False  # its work stopped for another process to go on with it
+
+    def drain(self) -> None:
+        """Start no more blocks: once the running ones finish, the run is handed off."""
+        self.draining.set()
 
     def stop(self, reason: str) -> None:
         """Cancel the run's work; the run itself still writes its last event.

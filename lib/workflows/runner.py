@@ -9,10 +9,17 @@ work, never the run, so the run always writes its ending, even when the stop arr
 before its work began or while a pause is being saved.
 
 Every change of ownership is a transition of ``Ownership`` (one Lua call each): any
-replica may resume a pause or cancel an execution, and the janitor of any replica ends
-executions whose owner died (``worker_lost``) or whose approval timed out. A request
-either wins its transition (202) or gets 409 with the status that won; once it won, the
-run it launched retries whatever Redis work follows, so a 202 always takes effect.
+replica may resume a pause or cancel an execution, and the janitor of any replica takes
+over executions whose owner died or handed them off, and ends those whose approval
+timed out. A request either wins its transition (202) or gets 409 with the status that
+won; once it won, the run it launched retries whatever Redis work follows, so a 202
+always takes effect.
+
+A run taken over is recovered (SPEC §7): it emits ``execution:recovered`` and carries
+on from the checkpoint, so only the blocks that had not completed run again; past
+``max_recoveries`` crashes it ends ``worker_lost`` instead. A shutdown drains: no new
+block starts, the running ones may finish within the grace, then each run hands its
+execution off (no last event) for another process to recover at once.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
+
+import orjson
 
 from lib.backoff import Backoff
 from lib.errors import (
@@ -43,6 +52,7 @@ from lib.execution.events import (
     EXECUTION_COMPLETED,
     EXECUTION_FAILED,
     EXECUTION_PAUSED,
+    EXECUTION_RECOVERED,
     EXECUTION_RESUMED,
     EXECUTION_STARTED,
     utc_timestamp,
@@ -53,9 +63,10 @@ from lib.execution.ownership import Claim, Ownership, node_of, paused_member
 from lib.execution.values import ValueStore
 from lib.execution.writer import EventWriter
 from lib.metrics import Metrics
-from lib.workflows.executor import BlockFailed, Executor, Pause, Paused, RunState
+from lib.workflows.checkpoint import Keeper, answer_field
+from lib.workflows.executor import BlockFailed, Executor, HandedOff, Pause, Paused, RunState
 from lib.workflows.finals import Finals, SavedPause
-from lib.workflows.janitor import Ending, Janitor, cancelled
+from lib.workflows.janitor import Ending, Janitor, cancelled, worker_lost
 from lib.workflows.leases import LeaseKeeper, LocalRun
 from lib.workflows.model import Workflow
 from lib.workflows.runstate import RunStates
@@ -84,8 +95,8 @@ class Completed:
     output: Any
 
 
-# What a run's work ends with, when it is not a block failure: its output, or a pause
-# whose state is saved.
+# What a run's work ends with, when it is not a block failure (or a hand-off, raised
+# as HandedOff): its output, or a pause whose state is saved.
 Outcome = Completed | Pause
 # What an execution task does between its writer opening and closing.
 Body = Callable[[LocalRun, Emitter], Awaitable[None]]
@@ -107,6 +118,7 @@ class Runner:
         lease_seconds: float = 15.0,
         shutdown_grace_seconds: float = 30.0,
         max_executions_per_tenant: int = 0,
+        max_recoveries: int = 3,
         metrics: Metrics | None = None,
         node_id: str | None = None,
     ) -> None:
@@ -121,6 +133,7 @@ class Runner:
         self._lease_seconds = lease_seconds
         self._grace = shutdown_grace_seconds
         self._per_tenant = max_executions_per_tenant
+        self._max_recoveries = max_recoveries
         self._metrics = metrics
         self.node_id = node_id or secrets.token_hex(6)
         self._locals: dict[str, LocalRun] = {}
@@ -145,25 +158,30 @@ class Runner:
             lease_seconds=self._lease_seconds,
             is_local=self._locals.__contains__,
             finish=self._claim_and_end,
+            recover=self._recover,
+            accepting=lambda: self.accepting,
             restarted=self._finals.reassert,
         )
         self._loops = [
             asyncio.create_task(self._keeper.renew_loop(), name="lease-renewal"),
             asyncio.create_task(self._keeper.cancel_loop(), name="cancel-listener"),
             asyncio.create_task(janitor.run(), name="janitor"),
+            asyncio.create_task(janitor.follow_handoffs(), name="handoff-listener"),
         ]
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        # Shutdown: start nothing new, let running executions finish within the grace
-        # period, then end the rest with execution:failed (shutdown), written.
+        # Shutdown: start nothing new, let running blocks finish within the grace
+        # period, then hand every execution still running off to another process.
         self.accepting = False
         running = self._tasks()
+        for local in list(self._locals.values()):
+            local.drain()
         if running:
             log.info("draining executions", extra={"count": len(running), "grace": self._grace})
             await asyncio.wait(running, timeout=self._grace)
         for local in list(self._locals.values()):
-            local.stop("shutdown")
+            local.stop("handoff")
         if remaining := self._tasks():
             await asyncio.wait(remaining, timeout=10)
         tasks = [*self._tasks(), *self._loops]
@@ -270,17 +288,19 @@ class Runner:
 
         async def body(local: LocalRun, emitter: Emitter) -> None:
             # First, whatever follows: the resume took effect even if a cancel stops
-            # the run before its work begins.
-            emitter.emit(EXECUTION_RESUMED, {"blockId": paused_at, "input": input})
+            # the run before its work begins. The answer goes into the checkpoint with
+            # it (as a ref when large), so a recovery after this point still has it.
+            kept, kept_json = await local.keeper.keep(input)
+            checkpoint = answer_field(paused_at, kept_json or orjson.dumps(input))
+            emitter.emit(EXECUTION_RESUMED, {"blockId": paused_at, "input": input}, checkpoint)
 
             async def work() -> Outcome:
-                state = await self._retrying(local, lambda: self._states.load(execution_id))
-                workflow = await self._retrying(
-                    local, lambda: self._states.load_version(state["workflow"])
+                version, given, run = await self._retrying(
+                    local, lambda: self._states.load(execution_id)
                 )
-                run = RunState.from_json(state.get("run") or {})
-                run.answers[paused_at] = input
-                return await self._run_workflow(local, emitter, workflow, state.get("input"), run)
+                workflow = await self._retrying(local, lambda: self._states.load_version(version))
+                run.answers[paused_at] = kept
+                return await self._run_workflow(local, emitter, workflow, given, run)
 
             await self._execute(local, emitter, work)
 
@@ -366,6 +386,58 @@ class Runner:
         self._launch(execution_id, claim, identity=_identity(meta), body=_ending(ending), meta=meta)
         return None
 
+    async def _recover(self, execution_id: str, expected: str, handoff_only: bool) -> str | None:
+        """The janitor's takeover: win the execution from ``expected`` (only if it handed
+        off, when ``handoff_only``), then carry it on from its checkpoint here."""
+        fence = self._fence()
+        try:
+            if (await self._ownership.store()).settling_seconds > 0:
+                return "settling"
+            meta = await self._buffer.meta(execution_id)
+            await self._ownership.hold(execution_id, fence)
+            claim = await self._ownership.claim(
+                execution_id, "takeover", fence, expected=expected, handoff_only=handoff_only
+            )
+        except (Conflict, NotFound) as exc:
+            await self._quietly(execution_id, self._ownership.release(execution_id, fence))
+            return exc.code
+        identity = _identity(meta)
+        extra = {
+            "executionId": execution_id,
+            "reason": claim.reason,
+            "recovery": claim.recovery,
+        }
+        if claim.reason == "worker_lost" and claim.crashes > self._max_recoveries:
+            log.warning("execution lost its owner too often; ending it", extra=extra)
+            self._launch(
+                execution_id, claim, identity=identity, body=_ending(worker_lost), meta=meta
+            )
+            return None
+        log.warning("recovering an execution", extra=extra)
+
+        async def body(local: LocalRun, emitter: Emitter) -> None:
+            async def work() -> Outcome:
+                version, given, run = await self._retrying(
+                    local, lambda: self._states.load(execution_id)
+                )
+                workflow = await self._retrying(local, lambda: self._states.load_version(version))
+                run.recovered = True
+                completed = [b.id for b in workflow.blocks if b.id in run.outputs]
+                rerun = [b.id for b in workflow.blocks if b.id in run.unfinished()]
+                data = {
+                    "reason": claim.reason,
+                    "recovery": claim.recovery,
+                    "rerun": rerun,
+                    "completed": completed,
+                }
+                emitter.emit(EXECUTION_RECOVERED, data)
+                return await self._run_workflow(local, emitter, workflow, given, run)
+
+            await self._execute(local, emitter, work)
+
+        self._launch(execution_id, claim, identity=identity, body=body, meta=meta)
+        return None
+
     # -- running -------------------------------------------------------------------
 
     def _launch(
@@ -423,6 +495,15 @@ class Runner:
         local.pending = lambda: writer.pending
         local.retained = lambda: compactor.ring.retained_bytes
         local.repair = writer.request_repair
+        local.keeper = Keeper(
+            execution_id=execution_id,
+            compactor=compactor,
+            store=self._values,
+            inline_allowance=self._offload.budget_bytes // 8,
+            final_inline_bytes=self._offload.normal_bytes,
+        )
+        if not self.accepting:
+            local.drain()  # launched as the shutdown began: handed off at once
 
         async def run() -> None:
             try:
@@ -468,7 +549,11 @@ class Runner:
         )
         if writer.final_stored is not None and writer.refused is None:
             self._finals.remember(local, writer.final_stored)
-        if settled:
+        if local.handoff and writer.refused is None:
+            # Let go for another process to take over now (its lease entry, due at
+            # once, stays watched until then). If this fails, the lease expires.
+            work.append(self._hand_off(local))
+        elif settled:
             work.append(self._ownership.release(local.execution_id, local.fence))
         else:
             log.warning(
@@ -476,6 +561,13 @@ class Runner:
                 extra={"executionId": local.execution_id},
             )
         await self._quietly(local.execution_id, *work)
+
+    async def _hand_off(self, local: LocalRun) -> None:
+        try:
+            await self._ownership.hand_off(local.execution_id, local.fence)
+        except Conflict:
+            return  # another owner took it already, or it ended: nothing to hand off
+        log.info("execution handed off", extra={"executionId": local.execution_id})
 
     async def _quietly(self, execution_id: str, *work: Awaitable[None]) -> None:
         """Best-effort cleanup: stale entries only cost a refused claim later, or expire."""
@@ -528,6 +620,9 @@ class Runner:
         # The run stops counting among its tenant's before its end can be seen, so a
         # client that saw it end may start another at once (left again when it lets
         # go); a pause goes on counting, as its own entry.
+        handed_off = (task.cancelled() and local.stop_reason == "handoff") or (
+            not task.cancelled() and isinstance(task.exception(), HandedOff)
+        )
         try:
             paused = (
                 not task.cancelled()
@@ -535,24 +630,28 @@ class Runner:
                 and isinstance(task.result(), Pause)
             )
             if paused:
-                await asyncio.wait_for(
-                    self._ownership.count_paused(local.tenant, local.execution_id), 1.0
+                counting = self._ownership.count_paused(
+                    local.tenant, local.execution_id, local.fence
                 )
-            await asyncio.wait_for(self._ownership.leave(local.tenant, local.fence), 1.0)
+            else:
+                counting = self._ownership.leave(local.tenant, local.fence)
+            await asyncio.wait_for(counting, 1.0)
         except (FlowcastError, TimeoutError) as exc:
             extra_error = {**extra, "error": str(exc) or type(exc).__name__}
             log.warning("could not stop counting the run; it will on letting go", extra=extra_error)
+        if handed_off:
+            # No last event: the process that takes over recovers the run from its
+            # checkpoint, once this one stored every event (on letting go).
+            log.info("execution to be handed off", extra=extra)
+            local.handoff = True
+            return
         if task.cancelled():
             reason = local.stop_reason
             log.info("execution stopped", extra={**extra, "reason": reason})
             if reason == "fenced":
                 log.warning("execution taken over by another process", extra=extra)
                 return  # the new owner writes the end; we may not
-            if reason == "shutdown":
-                error = {"code": "shutdown", "message": "the server shut down during the run"}
-                emitter.emit(EXECUTION_FAILED, {"error": error})
-            else:
-                emitter.emit(EXECUTION_CANCELLED, {"reason": "cancelled"})
+            emitter.emit(EXECUTION_CANCELLED, {"reason": "cancelled"})
             return
         failure = task.exception()
         if isinstance(failure, BlockFailed):
@@ -594,6 +693,8 @@ class Runner:
                 input=input,
                 emit=emitter.emit,
                 state=state,
+                keeper=local.keeper,
+                drain=local.draining,
             )
         except Paused as paused:
             await self._save_pause(local, paused, workflow, input)
@@ -609,15 +710,15 @@ class Runner:
         backoff = Backoff(base=0.05, cap=5.0, factor=4)
         for attempt in range(1, 6):
             try:
+                # The checkpoint is the run state; the pause adds its deadline and the
+                # time to live of a pause.
                 deadline = None
                 if pause.timeout_seconds:
                     deadline = await self._ownership.now_ms() + pause.timeout_seconds * 1000
-                await self._states.save(
-                    execution_id, {"run": paused.state.to_json()}, deadline_ms=deadline
-                )
+                await self._states.save(execution_id, {}, deadline_ms=deadline)
                 if deadline is not None:
                     await self._ownership.watch_deadline(execution_id, deadline)
-                local.saved_pause = SavedPause(workflow, input, paused.state.to_json(), deadline)
+                local.saved_pause = SavedPause(workflow, input, paused.state, deadline)
                 return
             except BufferUnavailable as exc:
                 if attempt == 5:

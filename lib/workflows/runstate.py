@@ -1,11 +1,12 @@
-"""What a resume needs, kept small in Redis (SPEC §7 "Redis footprint").
+"""What a resume or a recovery needs, kept small in Redis (SPEC §7 "Redis footprint").
 
-An execution's run state (its input, and once paused its outputs so far) lives in its
-``state`` hash. The workflow it runs is stored once per version, under the sha256 of
-its JSON, not once per execution; and any field whose JSON is larger than
-``inline_bytes`` goes to the value store, leaving a small ref in Redis. So whatever the
-size of the workflow, its input or its outputs, Redis holds a small constant per
-execution beside its events.
+An execution's run state lives in its ``state`` hash: the workflow version and the
+input, saved when it starts, and its checkpoint (checkpoint.py), saved with the events.
+The workflow is stored once per version, under the sha256 of its JSON, not once per
+execution; the input, when its JSON is larger than ``inline_bytes``, goes to the value
+store, and so do large outputs and answers (as the checkpoint keeps them). So whatever
+the size of the workflow, its input or its outputs, Redis holds a small constant per
+block beside the events.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from lib.backend import translated
 from lib.errors import NotFound
 from lib.execution.ownership import Ownership
 from lib.execution.values import ValueStore, value_id
+from lib.workflows.checkpoint import read_fields, write_fields
+from lib.workflows.executor import RunState
 from lib.workflows.model import Workflow
 
 INLINE_BYTES = 8 * 1024
@@ -63,13 +66,30 @@ class RunStates:
         encoded = {name: await self._encode(execution_id, value) for name, value in fields.items()}
         await self._ownership.save_state(execution_id, encoded, deadline_ms=deadline_ms)
 
-    async def load(self, execution_id: str) -> dict[str, Any]:
-        """The run state as saved; NotFound when the store has none."""
+    async def save_checkpoint(self, execution_id: str, state: RunState) -> None:
+        """Store a whole checkpoint again (into a store that lost it)."""
+        fields = write_fields(state.outputs, state.skipped, state.attempts, state.answers)
+        await self._ownership.save_state(
+            execution_id, {name: orjson.loads(value) for name, value in fields.items()}
+        )
+
+    async def load(self, execution_id: str) -> tuple[str, Any, RunState]:
+        """(workflow version, input, checkpoint) as saved; NotFound when the store has
+        none."""
         stored = await self._ownership.load_state(execution_id)
         if "workflow" not in stored:
             # Missing, or restored only in part (a store back from an older snapshot).
             raise NotFound("run state", execution_id)
-        return {name: await self._decode(execution_id, value) for name, value in stored.items()}
+        version = await self._decode(execution_id, stored["workflow"])
+        input = await self._decode(execution_id, stored["input"]) if "input" in stored else None
+        outputs, skipped, attempts, answers = read_fields(stored)
+        if "run" in stored:
+            # Saved by a pause of an earlier version, as one field.
+            legacy = RunState.from_json(await self._decode(execution_id, stored["run"]) or {})
+            outputs = {**legacy.outputs, **outputs}
+            skipped = [*legacy.skipped, *(s for s in skipped if s not in legacy.skipped)]
+            answers = {**legacy.answers, **answers}
+        return version, input, RunState(outputs, skipped, answers, attempts)
 
     async def _encode(self, execution_id: str, value: Any) -> dict[str, Any]:
         raw = orjson.dumps(value)

@@ -23,8 +23,11 @@ class Recorder:
 
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
-    def __call__(self, type: str, data: dict[str, Any]) -> None:
+    checkpoints: list[tuple[str, bytes]] = field(default_factory=list)
+
+    def __call__(self, type: str, data: dict[str, Any], checkpoint: Any = ()) -> None:
         self.events.append((type, data))
+        self.checkpoints.extend(checkpoint)
 
     def of(self, type: str, block_id: str | None = None) -> list[dict[str, Any]]:
         return [
