@@ -30,7 +30,8 @@ ARGV[14+2n .. 13+2n+2m]  metadata fields and values to set (status, output, erro
                          with ARGV[10], also the identity fields to recreate with)
 ARGV[14+2n+2m .. ]       checkpoint fields and values of the batch's events (a block's
                          output, skip, attempt, answer), set in the run state hash in
-                         the same step as the events, so the two never disagree
+                         the same step as the events, so the two never disagree; the
+                         outputs and answers count against the byte budget (`ckptBytes`)
 
 Returns {lastId, firstId, retainedBytes, retainedCount, reserved, cancelRequested}, or
 an error reply:
@@ -60,7 +61,7 @@ local n, m, k = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
 local base = 13
 
 local state = redis.call("HMGET", meta, "owner", "lastId", "firstId", "bytes", "count",
-  "epoch", "reserved", "cancelRequested")
+  "epoch", "reserved", "cancelRequested", "ckptBytes")
 if not state[1] then
   if not recreate then
     return redis.error_reply("NOEXEC")
@@ -94,6 +95,16 @@ end
 local first_kept = tonumber(state[3]) or 0
 local bytes = tonumber(state[4]) or 0
 local count = tonumber(state[5]) or 0
+-- Outputs and answers the checkpoint holds count against the budget too: the ring
+-- evicts its oldest events to make room for them (they are never evicted).
+local held = tonumber(state[9]) or 0
+for i = 1, k do
+  local field = ARGV[base + 2 * n + 2 * m + 2 * i - 1]
+  local kind = string.sub(field, 1, 2)
+  if kind == "o:" or kind == "a:" then
+    held = held + #ARGV[base + 2 * n + 2 * m + 2 * i]
+  end
+end
 
 for i = 0, n - 1 do
   local body = ARGV[base + 2 * i + 2]
@@ -107,11 +118,11 @@ if n > 0 and count == n then
 end
 
 -- Evict the oldest events while either bound is passed, keeping the newest one.
-while count > 1 and (count > limit or bytes > budget) do
+while count > 1 and (count > limit or bytes + held > budget) do
   local oldest = redis.call("XRANGE", stream, "-", "+", "COUNT", math.min(count - 1, 256))
   local evict_to = nil
   for _, entry in ipairs(oldest) do
-    if not (count > 1 and (count > limit or bytes > budget)) then
+    if not (count > 1 and (count > limit or bytes + held > budget)) then
       break
     end
     local fields = entry[2]
@@ -147,7 +158,7 @@ if m > 0 then
   redis.call("HSET", meta, unpack(fields))
 end
 redis.call("HSET", meta, "lastId", last, "firstId", first_kept, "bytes", bytes, "count", count,
-  "reserved", reserved)
+  "reserved", reserved, "ckptBytes", held)
 if k > 0 then
   local fields = {}
   for i = 1, 2 * k do

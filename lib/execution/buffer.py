@@ -39,6 +39,7 @@ class ExecutionMeta:
     tenant: str
     owner: str
     epoch: int = 0
+    checkpoint_bytes: int = 0  # outputs and answers its checkpoint holds inline
     reserved: int = 0
     inline_files: bool = False
     cancel_requested: bool = False
@@ -76,6 +77,7 @@ class ExecutionMeta:
             tenant=text("tenant"),
             owner=text("owner"),
             epoch=number("epoch"),
+            checkpoint_bytes=number("ckptBytes"),
             reserved=number("reserved"),
             inline_files=text("inlineFiles") == "1",
             cancel_requested=text("cancelRequested") == "1",

@@ -79,25 +79,37 @@ class OffloadPolicy:
 
 
 class RingModel:
-    """The retained bytes of an execution's ring, evicting as the Lua script does."""
+    """The retained bytes of an execution's ring, evicting as the Lua script does.
+
+    ``held_bytes`` are what the checkpoint holds inline (outputs, answers): they count
+    against the budget and are never evicted.
+    """
 
     def __init__(self, *, budget_bytes: int, event_limit: int) -> None:
         self._budget = budget_bytes
         self._limit = event_limit
         self._sizes: deque[int] = deque()
         self.retained_bytes = 0
+        self.held_bytes = 0
 
     def add(self, size: int) -> None:
         self._sizes.append(size)
         self.retained_bytes += size
+        self._evict()
+
+    def hold(self, size: int) -> None:
+        self.held_bytes += size
+        self._evict()
+
+    def _evict(self) -> None:
         while len(self._sizes) > 1 and (
-            len(self._sizes) > self._limit or self.retained_bytes > self._budget
+            len(self._sizes) > self._limit or self.retained_bytes + self.held_bytes > self._budget
         ):
             self.retained_bytes -= self._sizes.popleft()
 
     @property
     def under_pressure(self) -> bool:
-        return self.retained_bytes > self._budget // 2
+        return self.retained_bytes + self.held_bytes > self._budget // 2
 
 
 def is_file_value(value: Any) -> bool:
@@ -201,6 +213,8 @@ class Compactor:
             if len(encoded) > threshold:
                 return await self._offload(value, encoded), 0
             return value, len(encoded)
+        if is_ref(value):
+            return value, 0  # compacted already (a block's kept output): stays as it is
         if self._inline_files and is_file_value(value):
             return await self._walk_inline_file(value, files)
         if isinstance(value, list):
@@ -276,12 +290,6 @@ class Compactor:
             size += len(orjson.dumps(compacted[key])) - sizes[key]
             if size <= ceiling:
                 return
-
-    async def ref_for(self, value: Any, encoded: bytes) -> dict[str, Any] | None:
-        """Store ``value`` (whose JSON is ``encoded``) whole; its ref, or None when the
-        store failed after retries. The same value is stored once per run."""
-        ref = _ref(value, encoded, hashlib.sha256(encoded).hexdigest())
-        return ref if await self._put(ref["id"], encoded) else None
 
     async def _offload(self, value: Any, encoded: bytes, *, required: bool = False) -> Any:
         ref = _ref(value, encoded, hashlib.sha256(encoded).hexdigest())

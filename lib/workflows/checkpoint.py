@@ -14,13 +14,13 @@ the event, so the checkpoint and the event log never disagree:
 A pause saves nothing else, and a recovery (another process taking over after the
 owner died or handed off) or a resume reads the same fields back.
 
-Outputs are *kept*, in the checkpoint and in the executor's memory alike: inline while
-the run's inline outputs add up to at most an allowance (an eighth of the event budget:
-a short run never pays for offloading), else as one ref into the value store (the
-same ref its event carries, when the event offloaded it too). So a run that produces a
-gibibyte of output holds refs, not the gibibyte, Redis holds at most the allowance
-beside the ring, and a value is loaded again only when a template reads it or it is
-part of the final output.
+Outputs are *kept* as their events carry them: compacted by the run's compactor (large
+values as refs into the value store, more eagerly once the ring is under pressure), in
+the checkpoint and in the executor's memory alike. What the checkpoint holds inline
+counts against the execution's byte budget (append.lua, ``RingModel.hold``), so Redis
+holds the budget plus a small constant per block, whatever the outputs; a short run
+never pays for offloading; and a run that produces a gibibyte holds refs, not the
+gibibyte, loading a value again only when a template reads it.
 """
 
 from __future__ import annotations
@@ -33,9 +33,6 @@ import orjson
 from lib.execution.events import Checkpoint
 from lib.execution.offload import Compactor, is_ref
 from lib.execution.values import ValueStore
-
-# Values this small always stay inline: a ref would not be smaller.
-SMALL_BYTES = 1024
 
 OUTPUT, SKIPPED, ATTEMPT, ANSWER = "o:", "s:", "t:", "a:"
 
@@ -100,55 +97,40 @@ class Keeper:
         execution_id: str,
         compactor: Compactor | None = None,
         store: ValueStore | None = None,
-        inline_allowance: int | None = None,
-        final_inline_bytes: int | None = None,
     ) -> None:
         self._execution_id = execution_id
         self._compactor = compactor
         self._store = store
-        # Bytes of inline values the run may keep in all (None: no limit).
-        self._allowance = inline_allowance
-        self._inline = 0
-        # Refs above this stay refs in the final output: its event would carry them so.
-        self.final_inline_bytes = final_inline_bytes
 
-    async def keep(self, value: Any) -> tuple[Any, bytes | None]:
-        """``value`` as the run keeps it, and that form's JSON for the checkpoint.
+    async def keep(self, value: Any) -> tuple[Any, bytes]:
+        """``value`` as the run keeps it (as its event would carry it), and that form's
+        JSON for the checkpoint."""
+        if self._compactor is None:
+            return value, orjson.dumps(value)
+        kept = (await self._compactor.compact({"value": value}))["value"]
+        encoded = orjson.dumps(kept)
+        self._compactor.ring.hold(len(encoded))
+        return kept, encoded
 
-        The JSON is None when a large value could not be stored: the run then keeps
-        the value itself, and the checkpoint goes without it (a recovery runs the
-        block again).
-        """
-        encoded = orjson.dumps(value)
-        size = len(encoded)
-        if (
-            size <= SMALL_BYTES
-            or self._compactor is None
-            or self._allowance is None
-            or self._inline + size <= self._allowance
-        ):
-            self._inline += size
-            return value, encoded
-        ref = await self._compactor.ref_for(value, encoded)
-        if ref is None:
-            return value, None
-        return ref, orjson.dumps(ref)
-
-    async def load(self, value: Any, *, up_to: int | None = None) -> Any:
-        """``value`` with the refs in it replaced by what they stand for (those of at
-        most ``up_to`` bytes, if given). FlowcastError when the store cannot give one
-        back (unreachable, or the value is gone)."""
+    async def load(self, value: Any) -> Any:
+        """``value`` with the refs in it replaced by what they stand for. FlowcastError
+        when the store cannot give one back (unreachable, or the value is gone)."""
         if is_ref(value):
-            size = value.get("size")
-            if self._store is None or (up_to is not None and (size or 0) > up_to):
-                return value
-            if value.get("available") is False:
+            if self._store is None or value.get("available") is False:
                 return value
             ident = str(value.get("id"))
             chunks = [chunk async for chunk in self._store.read(self._execution_id, ident)]
             return orjson.loads(b"".join(chunks))
         if isinstance(value, dict):
-            return {key: await self.load(item, up_to=up_to) for key, item in value.items()}
+            return {key: await self.load(item) for key, item in value.items()}
         if isinstance(value, list):
-            return [await self.load(item, up_to=up_to) for item in value]
+            return [await self.load(item) for item in value]
         return value
+
+
+def holds_refs(encoded: bytes) -> bool:
+    """True when a kept value's JSON has a ref in it (it must be loaded to be read)."""
+    return REF_MARK in encoded
+
+
+REF_MARK = b'"$ref":"value"'

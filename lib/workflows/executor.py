@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from lib.errors import BlockError, FlowcastError
 from lib.execution.events import (
     BLOCK_CHUNK,
@@ -38,12 +40,12 @@ from lib.execution.events import (
     BLOCK_STARTED,
     carriable,
 )
-from lib.execution.offload import is_ref
 from lib.workflows.blocks import BlockTypes
 from lib.workflows.blocks.base import BlockContext, BlockServices, PauseRequested
 from lib.workflows.checkpoint import (
     Keeper,
     attempt_field,
+    holds_refs,
     output_field,
     skipped_field,
 )
@@ -255,6 +257,10 @@ class _Run:
         self.attempts: dict[str, int] = dict(state.attempts)
         self.recovered = state.recovered
         self.keeper = keeper
+        # Blocks whose kept output has refs in it: loaded when a template reads them.
+        self.with_refs = {
+            block_id for block_id, kept in self.outputs.items() if holds_refs(orjson.dumps(kept))
+        }
         self.drain = drain
         self.deferred: list[str] = []
         self.pauses: dict[str, PauseRequested] = {}
@@ -295,25 +301,8 @@ class _Run:
             pause = Pause(block_id, request.prompt, request.schema, request.timeout_seconds)
             state = RunState(self.outputs, self.skipped, self.answers, self.attempts)
             raise Paused(pause, state)
-        return await self._final_output()
-
-    async def _final_output(self) -> dict[str, Any]:
-        """The sinks' outputs, loaded back where the final event carries them inline."""
-        output: dict[str, Any] = {}
-        for sink in self.workflow.sinks():
-            if sink not in self.outputs:
-                continue
-            kept = self.outputs[sink]
-            try:
-                output[sink] = await self.keeper.load(kept, up_to=self.keeper.final_inline_bytes)
-            except FlowcastError as exc:
-                # The final event then carries the ref: its value is in the store or not.
-                log.warning(
-                    "an output could not be loaded for the final output",
-                    extra={"executionId": self.execution_id, "blockId": sink, "error": str(exc)},
-                )
-                output[sink] = kept
-        return output
+        # As kept: the final event carries each sink's output as its own event did.
+        return {sink: self.outputs[sink] for sink in self.workflow.sinks() if sink in self.outputs}
 
     async def _context(self, block_id: str) -> dict[str, Any]:
         # Only upstream outputs are visible, so a template cannot depend on timing; of
@@ -324,7 +313,7 @@ class _Run:
             if ancestor not in self.outputs:
                 continue
             output = self.outputs[ancestor]
-            if is_ref(output) and (reads is None or ancestor in reads):
+            if ancestor in self.with_refs and (reads is None or ancestor in reads):
                 try:
                     output = await self.keeper.load(output)
                 except FlowcastError as exc:
@@ -469,13 +458,16 @@ class _Run:
         except Exception as exc:
             raise _unexpected(block, exc) from exc
         # What templates downstream read is what the event carries (SPEC §2).
-        output = carriable(output)
-        kept, kept_json = await self.keeper.keep(output)
+        # The event carries the output as kept (large values as refs), so the event,
+        # the checkpoint and what templates downstream read are one value.
+        kept, kept_json = await self.keeper.keep(carriable(output))
+        if holds_refs(kept_json):
+            self.with_refs.add(block.id)
         duration_ms = round((time.monotonic() - started) * 1000)
         self.emit(
             BLOCK_COMPLETED,
-            {"blockId": block.id, "output": output, "durationMs": duration_ms},
-            output_field(block.id, kept_json) if kept_json is not None else (),
+            {"blockId": block.id, "output": kept, "durationMs": duration_ms},
+            output_field(block.id, kept_json),
         )
         return kept
 

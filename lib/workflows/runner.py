@@ -33,8 +33,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import orjson
-
 from lib.backoff import Backoff
 from lib.errors import (
     BufferUnavailable,
@@ -291,8 +289,8 @@ class Runner:
             # the run before its work begins. The answer goes into the checkpoint with
             # it (as a ref when large), so a recovery after this point still has it.
             kept, kept_json = await local.keeper.keep(input)
-            checkpoint = answer_field(paused_at, kept_json or orjson.dumps(input))
-            emitter.emit(EXECUTION_RESUMED, {"blockId": paused_at, "input": input}, checkpoint)
+            checkpoint = answer_field(paused_at, kept_json)
+            emitter.emit(EXECUTION_RESUMED, {"blockId": paused_at, "input": kept}, checkpoint)
 
             async def work() -> Outcome:
                 version, given, run = await self._retrying(
@@ -482,7 +480,9 @@ class Runner:
             inline_files=bool(identity.get("inlineFiles")),
             metrics=self._metrics,
         )
-        compactor.stored(meta.retained_bytes if meta is not None else 0)
+        if meta is not None:
+            compactor.stored(meta.retained_bytes)
+            compactor.ring.hold(meta.checkpoint_bytes)
         emitter = Emitter(
             execution_id=execution_id,
             workflow_id=identity["workflowId"],
@@ -499,8 +499,6 @@ class Runner:
             execution_id=execution_id,
             compactor=compactor,
             store=self._values,
-            inline_allowance=self._offload.budget_bytes // 8,
-            final_inline_bytes=self._offload.normal_bytes,
         )
         if not self.accepting:
             local.drain()  # launched as the shutdown began: handed off at once
