@@ -25,13 +25,13 @@ gibibyte, loading a value again only when a template reads it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import orjson
 
 from lib.execution.events import Checkpoint
-from lib.execution.offload import Compactor, is_ref
+from lib.execution.offload import is_ref
 from lib.execution.values import ValueStore
 
 OUTPUT, SKIPPED, ATTEMPT, ANSWER = "o:", "s:", "t:", "a:"
@@ -89,28 +89,25 @@ def write_fields(
 
 
 class Keeper:
-    """Keeps one run's outputs small (refs into the value store) and loads them back."""
+    """Keeps one run's outputs as their events carry them, and loads them back."""
 
     def __init__(
         self,
         *,
         execution_id: str,
-        compactor: Compactor | None = None,
+        compact: Callable[[Any], Awaitable[tuple[Any, bytes]]] | None = None,
         store: ValueStore | None = None,
     ) -> None:
         self._execution_id = execution_id
-        self._compactor = compactor
+        self._compact = compact  # the execution log's keep
         self._store = store
 
     async def keep(self, value: Any) -> tuple[Any, bytes]:
-        """``value`` as the run keeps it (as its event would carry it), and that form's
+        """``value`` as the run keeps it (as its event will carry it), and that form's
         JSON for the checkpoint."""
-        if self._compactor is None:
+        if self._compact is None:
             return value, orjson.dumps(value)
-        kept = (await self._compactor.compact({"value": value}))["value"]
-        encoded = orjson.dumps(kept)
-        self._compactor.ring.hold(len(encoded))
-        return kept, encoded
+        return await self._compact(value)
 
     async def load(self, value: Any) -> Any:
         """``value`` with the refs in it replaced by what they stand for. FlowcastError

@@ -22,8 +22,8 @@ from collections.abc import Awaitable, Callable
 
 from lib.backoff import Backoff
 from lib.errors import FlowcastError
-from lib.execution.emitter import Emitter
 from lib.execution.events import EXECUTION_CANCELLED, EXECUTION_FAILED
+from lib.execution.log import ExecutionLog
 from lib.execution.ownership import Ownership
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 HANDOFF_BLOCK_MS = 5_000
 
 # Emits the terminal event of an execution that was just claimed.
-Ending = Callable[[Emitter], None]
+Ending = Callable[[ExecutionLog], None]
 # Claims an execution by a transition (takeover or expire; for a takeover, from the
 # owner named) and writes an ending. None when it did; else why the claim was refused
 # ("lease", "notdue", "moved", "execution_completed", "not_found", …).
@@ -41,16 +41,16 @@ Finish = Callable[[str, str, str, Ending], Awaitable[str | None]]
 Recover = Callable[[str, str, bool], Awaitable[str | None]]
 
 
-def cancelled(emitter: Emitter) -> None:
+def cancelled(emitter: ExecutionLog) -> None:
     emitter.emit(EXECUTION_CANCELLED, {"reason": "cancelled"})
 
 
-def worker_lost(emitter: Emitter) -> None:
+def worker_lost(emitter: ExecutionLog) -> None:
     error = {"code": "worker_lost", "message": "the process running the execution stopped"}
     emitter.emit(EXECUTION_FAILED, {"error": error})
 
 
-def approval_timeout(emitter: Emitter) -> None:
+def approval_timeout(emitter: ExecutionLog) -> None:
     error = {"code": "approval_timeout", "message": "nobody answered the approval in time"}
     emitter.emit(EXECUTION_FAILED, {"error": error})
 

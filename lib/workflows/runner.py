@@ -44,7 +44,6 @@ from lib.errors import (
     TooBusy,
 )
 from lib.execution.buffer import EventBuffer, ExecutionMeta
-from lib.execution.emitter import Emitter
 from lib.execution.events import (
     EXECUTION_CANCELLED,
     EXECUTION_COMPLETED,
@@ -56,10 +55,10 @@ from lib.execution.events import (
     utc_timestamp,
 )
 from lib.execution.hub import Hub
-from lib.execution.offload import Compactor, OffloadPolicy
+from lib.execution.log import ExecutionLog
+from lib.execution.offload import OffloadPolicy
 from lib.execution.ownership import Claim, Ownership, node_of, paused_member
 from lib.execution.values import ValueStore
-from lib.execution.writer import EventWriter
 from lib.metrics import Metrics
 from lib.workflows.checkpoint import Keeper, answer_field
 from lib.workflows.executor import BlockFailed, Executor, HandedOff, Pause, Paused, RunState
@@ -96,8 +95,8 @@ class Completed:
 # What a run's work ends with, when it is not a block failure (or a hand-off, raised
 # as HandedOff): its output, or a pause whose state is saved.
 Outcome = Completed | Pause
-# What an execution task does between its writer opening and closing.
-Body = Callable[[LocalRun, Emitter], Awaitable[None]]
+# What an execution task does between its log opening and closing.
+Body = Callable[[LocalRun, ExecutionLog], Awaitable[None]]
 
 
 class Runner:
@@ -243,7 +242,7 @@ class Runner:
             await self._quietly(execution_id, self._ownership.leave(tenant, fence))
             raise
 
-        async def body(local: LocalRun, emitter: Emitter) -> None:
+        async def body(local: LocalRun, emitter: ExecutionLog) -> None:
             emitter.emit(EXECUTION_STARTED, {"input": input})
 
             async def work() -> Outcome:
@@ -284,7 +283,7 @@ class Runner:
         await self._admit(tenant, fence, replaces=paused_member(execution_id))
         claim = await self._claim(execution_id, "resume", fence, tenant, block_id=paused_at)
 
-        async def body(local: LocalRun, emitter: Emitter) -> None:
+        async def body(local: LocalRun, emitter: ExecutionLog) -> None:
             # First, whatever follows: the resume took effect even if a cancel stops
             # the run before its work begins. The answer goes into the checkpoint with
             # it (as a ref when large), so a recovery after this point still has it.
@@ -413,7 +412,7 @@ class Runner:
             return None
         log.warning("recovering an execution", extra=extra)
 
-        async def body(local: LocalRun, emitter: Emitter) -> None:
+        async def body(local: LocalRun, emitter: ExecutionLog) -> None:
             async def work() -> Outcome:
                 version, given, run = await self._retrying(
                     local, lambda: self._states.load(execution_id)
@@ -452,66 +451,40 @@ class Runner:
         local = LocalRun(
             execution_id, claim.owner, claim.epoch, tenant, checked_at=time.monotonic()
         )
-        writer = EventWriter(
+        events = ExecutionLog(
             buffer=self._buffer,
+            hub=self._hub,
+            values=self._values,
+            policy=self._offload,
             execution_id=execution_id,
+            identity=identity,
             fence=claim.owner,
             epoch=claim.epoch,
             stored_id=claim.last_id,
             base_id=claim.base,
+            retained_bytes=meta.retained_bytes if meta is not None else 0,
+            checkpoint_bytes=meta.checkpoint_bytes if meta is not None else 0,
+            live_for_seconds=self._lease_seconds,
+            renewed_at=lambda: local.checked_at,
             on_cancel=lambda: local.stop("cancel"),
             on_lost=lambda: self._rewatch(execution_id, local),
-            identity={k: v for k, v in identity.items() if v},
             max_pending=self._max_pending,
             metrics=self._metrics,
         )
-        # Attached before the task runs, so a reader arriving now already finds it local.
-        publisher = self._hub.attach_local(
-            execution_id,
-            last_id=claim.base,
-            unstored=writer.unstored,
-            gate=lambda: time.monotonic() - local.checked_at < self._lease_seconds,
-        )
-        writer.show_to(publisher.publish)
-        compactor = Compactor(
-            store=self._values,
-            execution_id=execution_id,
-            policy=self._offload,
-            inline_files=bool(identity.get("inlineFiles")),
-            metrics=self._metrics,
-        )
-        if meta is not None:
-            compactor.stored(meta.retained_bytes)
-            compactor.ring.hold(meta.checkpoint_bytes)
-        emitter = Emitter(
-            execution_id=execution_id,
-            workflow_id=identity["workflowId"],
-            writer=writer,
-            compactor=compactor,
-            metrics=self._metrics,
-            last_id=claim.base,
-        )
         local.identity = identity
-        local.pending = lambda: writer.pending
-        local.retained = lambda: compactor.ring.retained_bytes
-        local.repair = writer.request_repair
-        local.keeper = Keeper(
-            execution_id=execution_id,
-            compactor=compactor,
-            store=self._values,
-        )
+        local.pending = lambda: events.pending
+        local.retained = lambda: events.retained_bytes
+        local.repair = events.repair
+        local.keeper = Keeper(execution_id=execution_id, compact=events.keep, store=self._values)
         if not self.accepting:
             local.drain()  # launched as the shutdown began: handed off at once
 
         async def run() -> None:
             try:
-                # Exits in order: the emitter finishes compacting, then the writer stores
-                # the last event, then live readers here switch to following the buffer.
-                async with writer, emitter:
-                    await body(local, emitter)
+                async with events:
+                    await body(local, events)
             finally:
-                publisher.detach()
-                await self._let_go(local, writer)
+                await self._let_go(local, events)
 
         def forget(_task: asyncio.Task[None]) -> None:
             # A resume or cancel here may already have launched the next run of this
@@ -528,7 +501,7 @@ class Runner:
         await self._ownership.hold(execution_id, local.fence)
         await self._buffer.index_again(execution_id, local.tenant)
 
-    async def _let_go(self, local: LocalRun, writer: EventWriter) -> None:
+    async def _let_go(self, local: LocalRun, writer: ExecutionLog) -> None:
         """Leave the tenant's running set; stop watching the lease once it is settled.
 
         A run whose last event was not stored (and that was not fenced out) keeps its
@@ -600,7 +573,10 @@ class Runner:
                 await backoff.wait()
 
     async def _execute(
-        self, local: LocalRun, emitter: Emitter, work: Callable[[], Coroutine[Any, Any, Outcome]]
+        self,
+        local: LocalRun,
+        emitter: ExecutionLog,
+        work: Callable[[], Coroutine[Any, Any, Outcome]],
     ) -> None:
         """Run ``work`` as the cancellable part of the run; then emit its last event."""
         started = time.monotonic()
@@ -678,7 +654,7 @@ class Runner:
     async def _run_workflow(
         self,
         local: LocalRun,
-        emitter: Emitter,
+        emitter: ExecutionLog,
         workflow: Workflow,
         input: Any,
         state: RunState | None,
@@ -727,7 +703,7 @@ class Runner:
 
 
 def _ending(ending: Ending) -> Body:
-    async def body(local: LocalRun, emitter: Emitter) -> None:
+    async def body(local: LocalRun, emitter: ExecutionLog) -> None:
         ending(emitter)
 
     return body
