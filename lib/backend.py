@@ -31,7 +31,9 @@ class Keys:
         self.leases = f"{prefix}:leases"  # running executions by lease end ("<eid> <fence>")
         self.deadlines = f"{prefix}:deadlines"  # paused executions by approval deadline
         self.store = f"{prefix}:store"  # which Redis server wrote the data (store.lua)
-        self.handoffs = f"{prefix}:handoffs"  # executions let go by a shutdown, for takers
+        # Executions let go by a shutdown, for any process to take over; read in one
+        # blocking read with each process's control stream (same hash tag).
+        self.handoffs = f"{prefix}:{{control}}:handoffs"
 
     def events(self, execution_id: str) -> str:
         return f"{self.prefix}:{{{execution_id}}}:events"
@@ -61,7 +63,7 @@ class Keys:
         return f"{self.prefix}:running:{tenant}"
 
     def control(self, node: str) -> str:
-        return f"{self.prefix}:control:{node}"
+        return f"{self.prefix}:{{control}}:{node}"
 
     def workflows(self, tenant: str) -> str:
         return f"{self.prefix}:workflows:{tenant}"

@@ -196,27 +196,6 @@ class Ownership:
         )
 
     @translated
-    async def handoffs_cursor(self) -> str:
-        """The id of the newest hand-off announcement (or "0-0")."""
-        entries: Any = await self.redis.xrevrange(self.keys.handoffs, count=1)
-        return entries[0][0].decode() if entries else "0-0"
-
-    @translated
-    async def next_handoffs(
-        self, *, after: str, block_ms: int
-    ) -> tuple[str, list[tuple[str, str]]]:
-        """Block for hand-off announcements after stream id ``after``."""
-        reply: Any = await self.buffer.tail_redis.xread(
-            {self.keys.handoffs: after}, count=100, block=block_ms
-        )
-        if not reply:
-            return after, []
-        entries = reply[0][1]
-        last = entries[-1][0].decode()
-        found = [(f[b"executionId"].decode(), f[b"fence"].decode()) for _, f in entries]
-        return last, found
-
-    @translated
     async def renew(self, execution_id: str, fence: str, epoch: int, tenant: str) -> bool:
         """Extend the lease; True when a cancel was requested.
 
@@ -364,19 +343,31 @@ class Ownership:
         )
 
     @translated
-    async def next_cancels(self, node: str, *, after: str, block_ms: int) -> tuple[str, list[str]]:
-        """Block for cancel messages to ``node`` after stream id ``after``."""
-        reply: Any = await self.buffer.tail_redis.xread(
-            {self.keys.control(node): after}, count=100, block=block_ms
-        )
-        if not reply:
-            return after, []
-        entries = reply[0][1]
-        last = entries[-1][0].decode()
-        return last, [fields[b"cancel"].decode() for _, fields in entries]
+    async def control_cursors(self, node: str) -> dict[str, str]:
+        """Where ``node`` starts reading its control stream and the hand-offs: after
+        the newest message of each."""
+        cursors = {}
+        for key in (self.keys.control(node), self.keys.handoffs):
+            entries: Any = await self.redis.xrevrange(key, count=1)
+            cursors[key] = entries[0][0].decode() if entries else "0-0"
+        return cursors
 
     @translated
-    async def control_cursor(self, node: str) -> str:
-        """The id of the newest control message for ``node`` (or "0-0")."""
-        entries: Any = await self.redis.xrevrange(self.keys.control(node), count=1)
-        return entries[0][0].decode() if entries else "0-0"
+    async def next_control(
+        self, cursors: dict[str, str], *, block_ms: int
+    ) -> tuple[list[str], list[tuple[str, str]]]:
+        """Block for cancels to this node and hand-offs after ``cursors`` (advanced in
+        place): (execution ids to cancel, (execution id, fence) handed off)."""
+        streams: Any = cursors
+        reply: Any = await self.buffer.tail_redis.xread(streams, count=100, block=block_ms)
+        cancels: list[str] = []
+        handed: list[tuple[str, str]] = []
+        for stream, entries in reply or []:
+            key = stream.decode()
+            cursors[key] = entries[-1][0].decode()
+            for _, fields in entries:
+                if key == self.keys.handoffs:
+                    handed.append((fields[b"executionId"].decode(), fields[b"fence"].decode()))
+                else:
+                    cancels.append(fields[b"cancel"].decode())
+        return cancels, handed

@@ -7,8 +7,8 @@ deadline passed with ``execution:failed`` (``approval_timeout``). Each starts wi
 fenced claim (take over, expire), so of all the janitors exactly one wins, and the old
 owner can never append after it. Times are Redis's (see ownership.py).
 
-Hand-offs are announced on a stream every janitor reads, so one is taken over within
-moments; a process that starts takes over the ones handed off while none was running
+Hand-offs are announced on a stream every process reads (leases.py), so one is taken
+over within moments; a process that starts takes over the ones handed off while none was running
 at its first sweep, and the crashed ones once it has watched the store for a lease.
 """
 
@@ -20,7 +20,6 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 
-from lib.backoff import Backoff
 from lib.errors import FlowcastError
 from lib.execution.events import EXECUTION_CANCELLED, EXECUTION_FAILED
 from lib.execution.log import ExecutionLog
@@ -28,7 +27,6 @@ from lib.execution.ownership import Ownership
 
 log = logging.getLogger(__name__)
 
-HANDOFF_BLOCK_MS = 5_000
 
 # Emits the terminal event of an execution that was just claimed.
 Ending = Callable[[ExecutionLog], None]
@@ -152,22 +150,3 @@ class Janitor:
             # Recovered now by a new owner (whose own entry watches it from here on),
             # or settled already: this entry names nothing left to do.
             await self._ownership.forget_lease(execution_id, fence)
-
-    async def follow_handoffs(self) -> None:
-        """Take over the executions other processes hand off, as they announce them."""
-        cursor: str | None = None
-        backoff = Backoff(base=0.1, cap=5.0)
-        while True:
-            try:
-                if cursor is None:
-                    cursor = await self._ownership.handoffs_cursor()
-                cursor, handed = await self._ownership.next_handoffs(
-                    after=cursor, block_ms=HANDOFF_BLOCK_MS
-                )
-                for execution_id, fence in handed:
-                    await self.take_over(execution_id, fence, handoff_only=True)
-            except FlowcastError as exc:
-                log.warning("hand-off stream read failed", extra={"error": str(exc)})
-                await backoff.wait()
-                continue
-            backoff.reset()

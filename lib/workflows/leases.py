@@ -4,7 +4,8 @@ Each execution running here is a ``LocalRun``. Its lease is renewed every third 
 lease period (a refusal means another process fenced it out: the run stops at once; a
 store that lost the execution gets it recreated by the run's writer), and the time of
 the last check opens or closes the run's live gate. Cancels for runs here arrive on
-this process's control stream, read with a blocking read, and with every renewal.
+this process's control stream, read with a blocking read (with the hand-offs every
+process may take over), and with every renewal.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,22 +113,26 @@ class LeaseKeeper:
         if cancel_requested:
             run.stop("cancel")
 
-    async def cancel_loop(self) -> None:
-        cursor: str | None = None
+    async def control_loop(self, on_handoff: Callable[[str, str], Awaitable[None]]) -> None:
+        """Deliver cancels for the runs here, and hand-offs to ``on_handoff``, as they
+        arrive (one blocking read on both streams)."""
+        cursors: dict[str, str] | None = None
         backoff = Backoff(base=0.1, cap=5.0)
         while True:
             try:
-                if cursor is None:
-                    cursor = await self._ownership.control_cursor(self._node_id)
-                cursor, cancels = await self._ownership.next_cancels(
-                    self._node_id, after=cursor, block_ms=CONTROL_BLOCK_MS
+                if cursors is None:
+                    cursors = await self._ownership.control_cursors(self._node_id)
+                cancels, handed = await self._ownership.next_control(
+                    cursors, block_ms=CONTROL_BLOCK_MS
                 )
+                for execution_id in cancels:
+                    run = self._runs.get(execution_id)
+                    if run is not None:
+                        run.stop("cancel")
+                for execution_id, fence in handed:
+                    await on_handoff(execution_id, fence)
             except FlowcastError as exc:
                 log.warning("control stream read failed", extra={"error": str(exc)})
                 await backoff.wait()
                 continue
             backoff.reset()
-            for execution_id in cancels:
-                run = self._runs.get(execution_id)
-                if run is not None:
-                    run.stop("cancel")

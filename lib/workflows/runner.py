@@ -161,9 +161,13 @@ class Runner:
         )
         self._loops = [
             asyncio.create_task(self._keeper.renew_loop(), name="lease-renewal"),
-            asyncio.create_task(self._keeper.cancel_loop(), name="cancel-listener"),
+            asyncio.create_task(
+                self._keeper.control_loop(
+                    lambda eid, fence: janitor.take_over(eid, fence, handoff_only=True)
+                ),
+                name="control-listener",
+            ),
             asyncio.create_task(janitor.run(), name="janitor"),
-            asyncio.create_task(janitor.follow_handoffs(), name="handoff-listener"),
         ]
         return self
 
