@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 
-from app import errors, logs
+from app import errors, logs, memory
 from app.auth import ApiKeys, LoopbackOnly
 from app.connections import connect
 from app.embedded import EmbeddedValkey
@@ -55,6 +55,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the Flowcast app; resources open when the app's lifespan starts."""
     settings = settings or Settings()
     logs.configure(settings.log_level)
+    memory.pin_mmap_threshold()
     app = FastAPI(
         title="Flowcast",
         version="0.1.0",
