@@ -194,7 +194,12 @@ class Runner:
             _done, stuck = await asyncio.wait(tasks, timeout=STOP_SECONDS)
             if stuck:
                 names = sorted(task.get_name() for task in stuck)
-                log.warning("tasks did not stop", extra={"tasks": names})
+                where = [
+                    f"{frame.f_code.co_filename}:{frame.f_lineno}"
+                    for task in stuck
+                    for frame in task.get_stack()
+                ]
+                log.warning("tasks did not stop", extra={"tasks": names, "where": where})
 
     def _tasks(self) -> list[asyncio.Task[None]]:
         return [local.task for local in self._locals.values() if local.task is not None]

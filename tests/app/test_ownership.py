@@ -333,7 +333,7 @@ async def _logged(server: FlowcastServer, execution_id: str, message: str) -> bo
 # -- SIGTERM ---------------------------------------------------------------------------
 
 
-async def test_sigterm_lets_an_execution_that_fits_the_grace_period_finish(
+async def test_sigterm_lets_the_running_block_finish_and_hands_the_rest_off(
     valkey: ValkeyServer, tmp_path: Path, unique: str
 ) -> None:
     a, b = servers(valkey, tmp_path, FLOWCAST_SHUTDOWN_GRACE_SECONDS="2")
@@ -358,6 +358,13 @@ async def test_sigterm_lets_an_execution_that_fits_the_grace_period_finish(
         assert stored[-1]["type"] == "execution:completed"
         assert stored[-1]["data"]["output"] == {"bye": 2}
         assert check_view(frames) == stored
+        # think, running at the signal, finished on A within the grace; no new block
+        # started there: bye ran on B, after the hand-off.
+        (recovered,) = recovered_events(stored)
+        assert recovered["data"]["reason"] == "handoff"
+        assert recovered["data"]["rerun"] == []
+        assert recovered["data"]["completed"] == ["hello", "think"]
+        assert completions(stored) == ["hello", "think", "bye"]
 
 
 async def test_sigterm_hands_an_execution_longer_than_the_grace_off_to_another_process(
