@@ -42,7 +42,7 @@ class LocalRun:
     retained: Callable[[], int] = lambda: 0  # bytes its ring retains, as modelled
     repair: Callable[[], None] = lambda: None  # recreate what the store lost
     identity: dict[str, str] = field(default_factory=dict)  # fields to recreate it with
-    saved_pause: Any = None  # what its pause saved (runner.SavedPause), once saved
+    saved_pause: Any = None  # what its pause saved (finals.SavedPause), once saved
     keeper: Any = None  # keeps its outputs as the checkpoint does (checkpoint.Keeper)
     draining: asyncio.Event = field(default_factory=asyncio.Event)  # start no more blocks
     handoff: bool = False  # its work stopped for another process to go on with it

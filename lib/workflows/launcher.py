@@ -1,0 +1,366 @@
+"""Runs executions in this process: one task per ownership, from its first event to
+letting go.
+
+``launch`` runs a body (start, resume, recovery, or an ending) as the owner a claim made
+this process, through one execution log (log.py). The body emits its first event, lets
+its work (the executor, and the saving of a pause) run as a separate task, then emits
+exactly one last event — ``execution:paused`` or a terminal one — or, when a shutdown
+drained it, none: the run is handed off. A stop (cancel, hand-off, fencing) cancels only
+the work, never the run, so the run always ends properly, even when the stop arrives
+before its work began or while a pause is being saved. Letting go settles the lease:
+released once the last event is stored, handed off, or left to expire (and be taken
+over) when nothing could be stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from lib.backoff import Backoff
+from lib.errors import BufferUnavailable, Conflict, FlowcastError, NotFound
+from lib.execution.buffer import EventBuffer, ExecutionMeta
+from lib.execution.events import (
+    EXECUTION_CANCELLED,
+    EXECUTION_COMPLETED,
+    EXECUTION_FAILED,
+    EXECUTION_PAUSED,
+)
+from lib.execution.hub import Hub
+from lib.execution.log import ExecutionLog
+from lib.execution.offload import OffloadPolicy
+from lib.execution.ownership import Claim, Ownership, paused_member
+from lib.execution.values import ValueStore
+from lib.metrics import Metrics
+from lib.workflows.checkpoint import Keeper
+from lib.workflows.executor import BlockFailed, Executor, HandedOff, Pause, Paused, RunState
+from lib.workflows.finals import Finals, SavedPause
+from lib.workflows.janitor import Ending
+from lib.workflows.leases import LocalRun
+from lib.workflows.model import Workflow
+from lib.workflows.runstate import RunStates
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Completed:
+    output: Any
+
+
+# What a run's work ends with, when it is not a block failure (or a hand-off, raised
+# as HandedOff): its output, or a pause whose state is saved.
+Outcome = Completed | Pause
+# What an execution task does between its log opening and closing.
+Body = Callable[[LocalRun, ExecutionLog], Awaitable[None]]
+
+
+class Launcher:
+    """Launches and runs the executions this process owns (``runs``, by id)."""
+
+    def __init__(
+        self,
+        *,
+        buffer: EventBuffer,
+        hub: Hub,
+        executor: Executor,
+        values: ValueStore,
+        ownership: Ownership,
+        states: RunStates,
+        finals: Finals,
+        runs: dict[str, LocalRun],
+        accepting: Callable[[], bool],
+        offload: OffloadPolicy,
+        max_pending_events: int,
+        lease_seconds: float,
+        metrics: Metrics | None,
+    ) -> None:
+        self._buffer = buffer
+        self._hub = hub
+        self._executor = executor
+        self._values = values
+        self._ownership = ownership
+        self._states = states
+        self._finals = finals
+        self._locals = runs
+        self._accepting = accepting
+        self._offload = offload
+        self._max_pending = max_pending_events
+        self._lease_seconds = lease_seconds
+        self._metrics = metrics
+
+    def launch(
+        self,
+        execution_id: str,
+        claim: Claim,
+        *,
+        identity: dict[str, str],
+        body: Body,
+        meta: ExecutionMeta | None = None,
+    ) -> None:
+        """Run ``body`` here as the owner ``claim`` made this process."""
+        tenant = identity["tenant"]
+        local = LocalRun(
+            execution_id, claim.owner, claim.epoch, tenant, checked_at=time.monotonic()
+        )
+        events = ExecutionLog(
+            buffer=self._buffer,
+            hub=self._hub,
+            values=self._values,
+            policy=self._offload,
+            execution_id=execution_id,
+            identity=identity,
+            fence=claim.owner,
+            epoch=claim.epoch,
+            stored_id=claim.last_id,
+            base_id=claim.base,
+            retained_bytes=meta.retained_bytes if meta is not None else 0,
+            checkpoint_bytes=meta.checkpoint_bytes if meta is not None else 0,
+            live_for_seconds=self._lease_seconds,
+            renewed_at=lambda: local.checked_at,
+            on_cancel=lambda: local.stop("cancel"),
+            on_lost=lambda: self._rewatch(execution_id, local),
+            max_pending=self._max_pending,
+            metrics=self._metrics,
+        )
+        local.identity = identity
+        local.pending = lambda: events.pending
+        local.retained = lambda: events.retained_bytes
+        local.repair = events.repair
+        local.keeper = Keeper(execution_id=execution_id, compact=events.keep, store=self._values)
+        if not self._accepting():
+            local.drain()  # launched as the shutdown began: handed off at once
+
+        async def run() -> None:
+            try:
+                async with events:
+                    await body(local, events)
+            finally:
+                await self._let_go(local, events)
+
+        def forget(_task: asyncio.Task[None]) -> None:
+            # A resume or cancel here may already have launched the next run of this
+            # execution (its pause was stored before this task let go): keep that one.
+            if self._locals.get(execution_id) is local:
+                del self._locals[execution_id]
+
+        local.task = asyncio.create_task(run(), name=f"execution:{execution_id}")
+        self._locals[execution_id] = local
+        local.task.add_done_callback(forget)
+
+    async def _rewatch(self, execution_id: str, local: LocalRun) -> None:
+        """The store lost a running execution: watch its lease and list it again."""
+        await self._ownership.hold(execution_id, local.fence)
+        await self._buffer.index_again(execution_id, local.tenant)
+
+    async def _let_go(self, local: LocalRun, writer: ExecutionLog) -> None:
+        """Leave the tenant's running set; stop watching the lease once it is settled.
+
+        A run whose last event was not stored (and that was not fenced out) keeps its
+        lease entry: the lease expires and a janitor ends the execution, so it is never
+        left running with nobody watching.
+        """
+        work = [self._ownership.leave(local.tenant, local.fence)]
+        final = writer.final_stored
+        if final is not None and final.type != EXECUTION_PAUSED:
+            # Ended, also when a cancel won over its pause: it no longer counts at all.
+            work.append(self._ownership.leave(local.tenant, paused_member(local.execution_id)))
+        settled = (
+            writer.final_stored is not None
+            or writer.refused is not None
+            or local.stop_reason == "fenced"
+        )
+        if writer.final_stored is not None and writer.refused is None:
+            self._finals.remember(local, writer.final_stored)
+        if local.handoff and writer.refused is None:
+            # Let go for another process to take over now (its lease entry, due at
+            # once, stays watched until then). If this fails, the lease expires.
+            work.append(self._hand_off(local))
+        elif settled:
+            work.append(self._ownership.release(local.execution_id, local.fence))
+        else:
+            log.warning(
+                "a run ended without storing its last event; its lease will expire",
+                extra={"executionId": local.execution_id},
+            )
+        await self.quietly(local.execution_id, *work)
+
+    async def _hand_off(self, local: LocalRun) -> None:
+        try:
+            await self._ownership.hand_off(local.execution_id, local.fence)
+        except Conflict:
+            return  # another owner took it already, or it ended: nothing to hand off
+        log.info("execution handed off", extra={"executionId": local.execution_id})
+
+    async def quietly(self, execution_id: str, *work: Awaitable[None]) -> None:
+        """Best-effort cleanup: stale entries only cost a refused claim later, or expire."""
+        for step in work:
+            try:
+                await step
+            except FlowcastError as exc:
+                log.warning(
+                    "cleanup step failed", extra={"executionId": execution_id, "error": str(exc)}
+                )
+
+    async def retrying(self, local: LocalRun, step: Callable[[], Awaitable[Any]]) -> Any:
+        """Run a Redis step of a run's work until it succeeds (a stop cancels it)."""
+        backoff = Backoff(base=0.05, cap=2.0)
+        while True:
+            try:
+                return await step()
+            except BufferUnavailable as exc:
+                log.warning(
+                    "run state step failed; will retry",
+                    extra={"executionId": local.execution_id, "error": str(exc)},
+                )
+                await backoff.wait()
+
+    async def execute(
+        self,
+        local: LocalRun,
+        emitter: ExecutionLog,
+        work: Callable[[], Coroutine[Any, Any, Outcome]],
+    ) -> None:
+        """Run ``work`` as the cancellable part of the run; then emit its last event."""
+        started = time.monotonic()
+        extra = {"executionId": emitter.execution_id, "workflowId": emitter.workflow_id}
+        task: asyncio.Task[Outcome] = asyncio.create_task(work(), name="work")
+        local.work = task
+        if local.stop_reason is not None:
+            task.cancel(local.stop_reason)
+        try:
+            await asyncio.wait({task})
+        finally:
+            if not task.done():  # the run itself is being torn down
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        # The run stops counting among its tenant's before its end can be seen, so a
+        # client that saw it end may start another at once (left again when it lets
+        # go); a pause goes on counting, as its own entry.
+        handed_off = (task.cancelled() and local.stop_reason == "handoff") or (
+            not task.cancelled() and isinstance(task.exception(), HandedOff)
+        )
+        try:
+            paused = (
+                not task.cancelled()
+                and task.exception() is None
+                and isinstance(task.result(), Pause)
+            )
+            if paused:
+                counting = self._ownership.count_paused(
+                    local.tenant, local.execution_id, local.fence
+                )
+            else:
+                counting = self._ownership.leave(local.tenant, local.fence)
+            await asyncio.wait_for(counting, 1.0)
+        except (FlowcastError, TimeoutError) as exc:
+            extra_error = {**extra, "error": str(exc) or type(exc).__name__}
+            log.warning("could not stop counting the run; it will on letting go", extra=extra_error)
+        if handed_off:
+            # No last event: the process that takes over recovers the run from its
+            # checkpoint, once this one stored every event (on letting go).
+            log.info("execution to be handed off", extra=extra)
+            local.handoff = True
+            return
+        if task.cancelled():
+            reason = local.stop_reason
+            log.info("execution stopped", extra={**extra, "reason": reason})
+            if reason == "fenced":
+                log.warning("execution taken over by another process", extra=extra)
+                return  # the new owner writes the end; we may not
+            emitter.emit(EXECUTION_CANCELLED, {"reason": "cancelled"})
+            return
+        failure = task.exception()
+        if isinstance(failure, BlockFailed):
+            log.info("execution failed", extra={**extra, "blockId": failure.block_id})
+            emitter.emit(EXECUTION_FAILED, {"error": failure.as_error()})
+        elif isinstance(failure, NotFound):
+            log.error("execution state lost", extra={**extra, "error": str(failure)})
+            error = {"code": "state_lost", "message": f"the run state was lost: {failure}"}
+            emitter.emit(EXECUTION_FAILED, {"error": error})
+        elif failure is not None:
+            log.error("execution crashed", extra=extra, exc_info=failure)
+            message = f"{type(failure).__name__}: {failure}"
+            emitter.emit(
+                EXECUTION_FAILED, {"error": {"code": "internal_error", "message": message}}
+            )
+        else:
+            outcome = task.result()
+            if isinstance(outcome, Pause):
+                data = {"blockId": outcome.block_id, "prompt": outcome.prompt}
+                emitter.emit(EXECUTION_PAUSED, {**data, "schema": outcome.schema})
+                return
+            duration_ms = round((time.monotonic() - started) * 1000)
+            emitter.emit(EXECUTION_COMPLETED, {"output": outcome.output, "durationMs": duration_ms})
+            log.info("execution completed", extra={**extra, "durationMs": duration_ms})
+
+    async def run_workflow(
+        self,
+        local: LocalRun,
+        emitter: ExecutionLog,
+        workflow: Workflow,
+        input: Any,
+        state: RunState | None,
+    ) -> Outcome:
+        """The executor's run; a pause is saved (with its deadline) before it is returned."""
+        try:
+            output = await self._executor.run(
+                workflow,
+                execution_id=emitter.execution_id,
+                input=input,
+                emit=emitter.emit,
+                state=state,
+                keeper=local.keeper,
+                drain=local.draining,
+            )
+        except Paused as paused:
+            await self._save_pause(local, paused, workflow, input)
+            return paused.pause
+        return Completed(output)
+
+    async def _save_pause(
+        self, local: LocalRun, paused: Paused, workflow: Workflow, input: Any
+    ) -> None:
+        """Persist the run state, so a paused status always has state to resume from."""
+        execution_id = local.execution_id
+        pause = paused.pause
+        backoff = Backoff(base=0.05, cap=5.0, factor=4)
+        for attempt in range(1, 6):
+            try:
+                # The checkpoint is the run state; the pause adds its deadline and the
+                # time to live of a pause.
+                deadline = None
+                if pause.timeout_seconds:
+                    deadline = await self._ownership.now_ms() + pause.timeout_seconds * 1000
+                await self._states.save(execution_id, {}, deadline_ms=deadline)
+                if deadline is not None:
+                    await self._ownership.watch_deadline(execution_id, deadline)
+                local.saved_pause = SavedPause(workflow, input, paused.state, deadline)
+                return
+            except BufferUnavailable as exc:
+                if attempt == 5:
+                    log.error("pause state not saved", extra={"executionId": execution_id})
+                    message = f"the pause could not be saved: {exc}"
+                    raise BlockFailed(pause.block_id, "pause_not_saved", message) from exc
+                await backoff.wait()
+
+
+def ending_body(ending: Ending) -> Body:
+    async def body(local: LocalRun, emitter: ExecutionLog) -> None:
+        ending(emitter)
+
+    return body
+
+
+def identity_of(meta: ExecutionMeta) -> dict[str, str]:
+    """The fields a writer recreates the metadata with if the store loses it."""
+    return {
+        "workflowId": meta.workflow_id,
+        "tenant": meta.tenant,
+        "createdAt": meta.created_at,
+        "inlineFiles": "1" if meta.inline_files else "",
+    }
