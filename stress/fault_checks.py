@@ -21,12 +21,20 @@ failure is reported once per kind with its count and one concrete example. The r
   or cancel took effect (the log has that ``execution:resumed`` input, or ends
   ``execution:cancelled``), and of concurrent resumes of one confirmed pause exactly one
   got a 202 (never more than one);
-- ``failed, not recovered``, ``failed by a shutdown`` (only with ``expect_recovery``,
-  off until step 11 builds SPEC §7 "Recovery" and "Shutdown hands work off"): an owner
-  that died or stalled past its lease is recovered (``execution:recovered``, and the run
-  carries on) until ``FLOWCAST_MAX_RECOVERIES`` (3) recoveries, and a SIGTERM hands work
-  off instead of failing it. Without it, ``execution:failed`` with ``worker_lost`` or
-  ``shutdown`` is a valid ending like any other single terminal event;
+- ``failed, not recovered``, ``failed by a shutdown``: an owner that died or stalled
+  past its lease is recovered (``execution:recovered``, and the run carries on) until
+  ``FLOWCAST_MAX_RECOVERIES`` (3) recoveries, and a SIGTERM hands work off instead of
+  failing it (SPEC §7 "Recovery", "Shutdown hands work off");
+- ``owner lost``, ``not recovered``, ``no handoff``: every execution running on the
+  replica that was SIGKILLed or SIGTERMed (the storm picks the one that runs the most)
+  ends ``completed``, unless a cancel was sent to it, its approval timed out, it crashed
+  past the recoveries allowed, or a restart of Valkey that lost data took its state or
+  the execution itself; one that did not end before the signal has an
+  ``execution:recovered`` after it, a ``handoff`` for a SIGTERM (unless a Valkey fault
+  was on while the replica drained);
+- ``recovery``: each ``execution:recovered`` is consistent (``stress/recoveries.py``):
+  numbered 1, 2, … in order, its ``completed`` the blocks stored completed before it,
+  none of which starts again;
 - ``footprint``: the sum of ``MEMORY USAGE`` over an execution's keys stays under the
   budget plus 64 KiB, sampled every second and at the end;
 - ``5xx``: no 5xx except a 503 while Valkey is down, paused or asleep (and a little
@@ -42,8 +50,9 @@ from datetime import datetime
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
-from stress.fault_plan import BUDGET_BYTES, VALKEY_FAULTS
+from stress.fault_plan import BUDGET_BYTES, LEASE_SECONDS, VALKEY_FAULTS
 from stress.fault_records import Answer, Fault, Reader, Run
+from stress.recoveries import recoveries, recovery_problems
 from tests.support.logcheck import TERMINAL, check_lossy_log, check_view
 
 if TYPE_CHECKING:
@@ -72,10 +81,8 @@ class Findings:
         ]
 
 
-def judge(storm: Storm, *, expect_recovery: bool = False) -> None:
-    """Check every rule on the collected storm; findings go to the storm's report.
-    ``expect_recovery`` adds the rules of step 11: a lost owner is recovered, a SIGTERM
-    hands off."""
+def judge(storm: Storm) -> None:
+    """Check every rule on the collected storm; findings go to the storm's report."""
     found = Findings()
     for problem in storm.start_problems:
         found.add("execute refused", problem)
@@ -84,8 +91,10 @@ def judge(storm: Storm, *, expect_recovery: bool = False) -> None:
     for run in storm.accepted:
         outcomes[outcome(run)] += 1
         check_run(storm, run, found, excused)
-        if expect_recovery:
-            check_ending(storm, run, found)
+        check_ending(storm, run, found)
+        check_recoveries(run, found)
+    for fault in storm.faults:
+        check_owner_lost(storm, fault, found)
     check_errors(storm, found)
     for server in storm.live.servers:
         check_logs(server, found)
@@ -95,7 +104,14 @@ def judge(storm: Storm, *, expect_recovery: bool = False) -> None:
     report.views = len(readers)
     report.figures.update(
         planned=len(storm.runs),
-        recovery="checked" if expect_recovery else "not checked (step 11)",
+        owned_at_replica_faults=[len(fault.owned) for fault in storm.faults if fault.detail],
+        recovered=dict(
+            Counter(
+                event["data"].get("reason")
+                for run in storm.accepted
+                for event in recoveries(run.log or run.log_before_loss or [])
+            )
+        ),
         outcomes=dict(sorted(outcomes.items())),
         faults=len(storm.faults),
         peak_kib=round(max((peak for peak, _ in storm.peaks.values()), default=0) / 1024),
@@ -211,6 +227,91 @@ def check_ending(storm: Storm, run: Run, found: Findings) -> None:
             "failed by a shutdown",
             f"{where} execution:failed shutdown (last fault: {last}); expected a handoff",
         )
+
+
+def check_recoveries(run: Run, found: Findings) -> None:
+    """Each ``execution:recovered`` kept what the log had completed, and only that."""
+    for source, log in (("", run.log), (", as stored before a restart", run.log_before_loss)):
+        problems = recovery_problems(log or [])
+        if problems:
+            example = f"{problems[0]} ({len(problems)} problems)"
+            found.add("recovery", f"{run.execution_id} ({run.plan.kind}){source}: {example}")
+
+
+def check_owner_lost(storm: Storm, fault: Fault, found: Findings) -> None:
+    """Every execution running on a replica when it was SIGKILLed or SIGTERMed ends
+    ``completed``, carried on elsewhere (a handoff for a SIGTERM) unless it ended first."""
+    if fault.kind not in ("replica-kill", "replica-term"):
+        return
+    runs = {run.execution_id: run for run in storm.accepted}
+    for execution_id in fault.owned:
+        run = runs[execution_id]
+        log = run.log or run.log_before_loss
+        if not log or log[-1]["type"] not in TERMINAL:
+            continue  # reported as gone or as not terminal
+        end = log[-1]
+        plan = f"{run.plan.kind}, {run.plan.action}"
+        where = f"{execution_id} ({plan}), {fault.kind} of {fault.detail}"
+        if end["type"] != "execution:completed":
+            if not excused(storm, run, end):
+                error = end["data"].get("error", {})
+                found.add(
+                    "owner lost",
+                    f"{where}: ended {end['id']} {end['type']} {error.get('code', '')} "
+                    f"{stamp(end) - fault.began_wall:.1f} s after the signal",
+                )
+            continue  # a cancel, or a state a restart of Valkey took, ends it unrecovered
+        if stamp(end) <= fault.began_wall:
+            continue  # it ended before the signal
+        before = [event for event in log if stamp(event) <= fault.began_wall]
+        if before and before[-1]["type"] == "execution:paused":
+            continue  # it paused right before the signal: a resume moves it, not a recovery
+        moved = [event for event in recoveries(log) if stamp(event) > fault.began_wall]
+        whole = [event["id"] for event in log] == list(range(1, len(log) + 1))
+        if not moved and not whole:
+            continue  # the store lost events: a recovery may be among them
+        if not moved:
+            if fault.kind == "replica-term" and stamp(end) <= fault.ended_wall:
+                continue  # it ended on the replica while it drained
+            found.add(
+                "not recovered",
+                f"{where}: no execution:recovered after the signal, yet it ended "
+                f"{stamp(end) - fault.began_wall:.1f} s after it ({end['type']})",
+            )
+        elif fault.kind == "replica-term" and moved[0]["data"].get("reason") != "handoff":
+            drained = (fault.began_wall, fault.ended_wall + LEASE_SECONDS)
+            if not any(overlaps_wall(other, *drained) for other in storm.faults):
+                found.add(
+                    "no handoff",
+                    f"{where}: recovered {moved[0]['data']} "
+                    f"{stamp(moved[0]) - fault.began_wall:.1f} s after the SIGTERM",
+                )
+
+
+def excused(storm: Storm, run: Run, end: dict[str, Any]) -> bool:
+    """An ending other than ``completed`` that the run's plan or a fault explains."""
+    if end["type"] == "execution:cancelled":
+        return any(answer.kind == "cancel" for answer in run.answers)
+    code = end["data"].get("error", {}).get("code")
+    if code in ("worker_lost", "shutdown"):
+        return True  # judged by check_ending
+    if code == "approval_timeout":
+        return run.plan.kind == "ask-timeout"
+    if code == "state_lost":
+        return any(
+            fault.lost_since_wall is not None and run.sent_wall <= fault.began_wall <= stamp(end)
+            for fault in storm.faults
+        )
+    return False
+
+
+def overlaps_wall(fault: Fault, low: float, high: float) -> bool:
+    """A Valkey fault in effect at some point between ``low`` and ``high`` (wall clock)."""
+    return (
+        fault.kind in VALKEY_FAULTS
+        and fault.began_wall <= high
+        and (fault.ended_wall or float("inf")) >= low
+    )
 
 
 def check_ids(run: Run, found: Findings) -> None:

@@ -41,6 +41,7 @@ class Fault:
     ended_wall: float = 0.0
     lost_since_wall: float | None = None  # a data-losing restart: writes after this are gone
     detail: str = ""
+    owned: list[str] = field(default_factory=list)  # a replica fault: what its target ran
 
 
 @dataclass
@@ -156,7 +157,7 @@ class Reader:
                     if status != 200:
                         await response.aread()
                         return True
-                    run.accept(response.headers["x-execution-id"], sent)
+                    run.accept(response.headers["x-execution-id"], sent, slot.server.port)
                 if status in (204, 404):
                     self.end(str(status))
                     return False
@@ -210,6 +211,7 @@ class Run:
     execution_id: str = ""
     sent_wall: float = 0.0
     accepted_wall: float = 0.0
+    port: int = 0  # of the process that accepted it
     readers: list[Reader] = field(default_factory=list)
     answers: list[Answer] = field(default_factory=list)
     started: asyncio.Event = field(default_factory=asyncio.Event)
@@ -232,8 +234,9 @@ class Run:
             return {"n": self.plan.number, "blob": "b" * BIG_INPUT_BYTES}
         return {"n": self.plan.number}
 
-    def accept(self, execution_id: str, sent_wall: float) -> None:
+    def accept(self, execution_id: str, sent_wall: float, port: int) -> None:
         self.execution_id, self.sent_wall, self.accepted_wall = execution_id, sent_wall, time.time()
+        self.port = port
         self.started.set()
 
     def saw(self, frame: Frame) -> None:
@@ -275,6 +278,7 @@ class Replicas:
         self.clients: list[httpx.AsyncClient] = []
         self.errors: list[ServerError] = []
         self.draining_ports: set[int] = set()
+        self.exited: dict[int, float] = {}  # port: when its process was gone (wall clock)
 
     async def start(self, count: int = 2) -> None:
         servers = [
@@ -324,6 +328,7 @@ class Replicas:
         slot = self.slots[index]
         slot.state = "down"
         await faults.kill_replica(slot.server)
+        self.exited[slot.server.port] = time.time()
         await asyncio.sleep(pause)
         await self._replace(slot)
 
@@ -332,6 +337,7 @@ class Replicas:
         slot.state = "draining"
         self.draining_ports.add(slot.server.port)
         await faults.terminate_replica(slot.server, timeout=GRACE_SECONDS + 15)
+        self.exited[slot.server.port] = time.time()
         slot.state = "down"
         await self._replace(slot)
 

@@ -1,4 +1,4 @@
-"""``python -m stress.run [--long] [--only NAME] [--seed N] [--keep] [--expect-recovery]``:
+"""``python -m stress.run [--long] [--only NAME] [--seed N] [--keep]``:
 run the scenarios one after another, print one line per scenario, exit 1 if any
 invariant broke."""
 
@@ -14,8 +14,6 @@ from pathlib import Path
 from stress.harness import Report
 from stress.scenarios import SCENARIOS, SEED
 
-# Not yet in SCENARIOS: the current tree breaks one of its rules (stress/README.md).
-
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m stress.run", description=__doc__)
@@ -30,29 +28,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--keep", action="store_true", help="keep the data directories (always kept on findings)"
     )
-    parser.add_argument(
-        "--expect-recovery",
-        action="store_true",
-        help="fault-storm: a lost owner must be recovered and a SIGTERM must hand off "
-        "(SPEC §7; turn on once step 11 lands)",
-    )
     return parser.parse_args(argv)
 
 
-async def run(
-    names: list[str],
-    *,
-    long: bool,
-    seed: int,
-    root: Path,
-    expect_recovery: bool = False,
-) -> list[Report]:
+async def run(names: list[str], *, long: bool, seed: int, root: Path) -> list[Report]:
     reports = []
     for name in names:
-        # Only the fault storm kills and stops replicas, so only it checks recovery.
-        options = {"expect_recovery": True} if expect_recovery and name == "fault-storm" else {}
-        scenario = SCENARIOS[name]
-        report = await scenario(root / name, long=long, seed=seed, **options)
+        report = await SCENARIOS[name](root / name, long=long, seed=seed)
         print(report.summary(), flush=True)
         for finding in report.listing():
             print(f"  - {finding}", flush=True)
@@ -64,15 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     names = args.only or list(SCENARIOS)
     root = Path(tempfile.mkdtemp(prefix="flowcast-stress-"))
-    reports = asyncio.run(
-        run(
-            names,
-            long=args.long,
-            seed=args.seed,
-            root=root,
-            expect_recovery=args.expect_recovery,
-        )
-    )
+    reports = asyncio.run(run(names, long=args.long, seed=args.seed, root=root))
     total = sum(report.seconds for report in reports)
     failed = [report.name for report in reports if not report.ok]
     print(f"{len(reports)} scenarios in {total:.1f}s: " + (f"FAILED {failed}" if failed else "ok"))

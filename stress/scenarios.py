@@ -10,7 +10,10 @@ returns a :class:`Report`; ``long=True`` scales the load by 5-10x.
   mid-run and started again on the same port (AOF).
 
 ``SCENARIOS`` also names the fault storm (``stress/fault_storm.py``): resumes, cancels,
-Valkey and replica faults interleaved with a mixed load, checked by ``stress/fault_checks.py``.
+Valkey and replica faults interleaved with a mixed load, checked by ``stress/fault_checks.py``;
+the hostile tenant (``stress/hostile.py``); and the recovery storm
+(``stress/recovery_storm.py``): owners SIGKILLed and a rolling restart under a steady
+load, every execution ending ``completed``.
 
 The random source is seeded, so a failing run can be replayed with the same plan.
 """
@@ -41,6 +44,7 @@ from stress.harness import (
     wait_terminal,
 )
 from stress.hostile import hostile_tenant
+from stress.recovery_storm import recovery_storm
 from stress.workflows import approval_workflow, check_work, fan_workflow, streaming_workflow
 from tests.support.sse import Frame
 
@@ -387,4 +391,5 @@ SCENARIOS: dict[str, Scenario] = {
     "redis-restart": redis_restart,
     "fault-storm": fault_storm,
     "hostile-tenant": hostile_tenant,
+    "recovery-storm": recovery_storm,
 }
