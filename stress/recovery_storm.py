@@ -355,7 +355,10 @@ class RecoveryStorm:
         server, frames = slot.server, len(view.frames)
 
         def started(frame: Frame) -> None:
-            if request is not None and not execution.started.is_set():
+            # The streaming execute that created it may have been cut before its first
+            # event (its replica killed): the execution still began, and its first
+            # event arrives on a later connection.
+            if view.execution_id and not execution.started.is_set():
                 execution.execution_id, execution.port = view.execution_id, server.port
                 execution.started.set()
 

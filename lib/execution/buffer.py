@@ -40,6 +40,8 @@ class ExecutionMeta:
     owner: str
     epoch: int = 0
     checkpoint_bytes: int = 0  # outputs and answers its checkpoint holds inline
+    recoveries: int = 0  # execution:recovered events stored
+    crashes: int = 0  # takeovers after an owner died
     reserved: int = 0
     inline_files: bool = False
     cancel_requested: bool = False
@@ -78,6 +80,8 @@ class ExecutionMeta:
             owner=text("owner"),
             epoch=number("epoch"),
             checkpoint_bytes=number("ckptBytes"),
+            recoveries=number("recoveries"),
+            crashes=number("crashes"),
             reserved=number("reserved"),
             inline_files=text("inlineFiles") == "1",
             cancel_requested=text("cancelRequested") == "1",
@@ -162,20 +166,23 @@ class EventBuffer:
         created_ms: int,
         lease_ms: int = 15_000,
         extra: Mapping[str, str] | None = None,
+        state: Mapping[str, bytes] | None = None,
     ) -> None:
-        """Create a new execution's metadata, owned by ``owner`` at epoch 1, and list it in
-        its tenant's index (start.lua; the lease is on Redis's clock)."""
+        """Create a new execution's metadata, owned by ``owner`` at epoch 1, with its run
+        state fields ``state``, and list it in its tenant's index (start.lua; the lease
+        is on Redis's clock)."""
         fields: list[Any] = [
             "workflowId", workflow_id, "tenant", tenant,
             "createdAt", created_at, "updatedAt", created_at,
         ]  # fmt: skip
         for name, value in (extra or {}).items():
             fields += [name, value]
+        pairs: list[Any] = [item for pair in (state or {}).items() for item in pair]
         # The index is another key (another slot on a cluster): written beside it.
         await asyncio.gather(
             self._start(
-                keys=[self.keys.meta(execution_id)],
-                args=[owner, lease_ms, self.active_ttl_seconds, *fields],
+                keys=[self.keys.meta(execution_id), self.keys.state(execution_id)],
+                args=[owner, lease_ms, self.active_ttl_seconds, len(pairs) // 2, *pairs, *fields],
             ),
             self.redis.zadd(self.keys.index(tenant), {execution_id: created_ms}),
         )
@@ -198,6 +205,7 @@ class EventBuffer:
         after_drop: bool = False,
         reserve: int = 0,
         recreate: bool = False,
+        checkpoint: Mapping[str, bytes] | None = None,
     ) -> AppendResult:
         """Append one batch atomically (append.lua); WriteRefused if refused on purpose,
         BufferUnavailable if down. An empty batch only re-asserts the writer's ownership
@@ -218,15 +226,19 @@ class EventBuffer:
             len(events),
             len(meta or {}),
         ]
-        checkpoint = [pair for event in events for pair in event.checkpoint]
-        args.append(len(checkpoint))
+        # The checkpoint fields the batch's events carry (after ``checkpoint``: the
+        # whole checkpoint written back, when the store lost some of it).
+        pairs = {**(checkpoint or {})}
+        for event in events:
+            pairs.update(event.checkpoint)
+        args.append(len(pairs))
         for event in events:
             args.append(event.type)
             args.append(event.json)
         for field, value in (meta or {}).items():
             args.append(field)
             args.append(value)
-        for field, encoded in checkpoint:
+        for field, encoded in pairs.items():
             args.append(field)
             args.append(encoded)
         try:

@@ -27,9 +27,9 @@ execution and answers as the first run did, with the status it replaced.
 Returns {lastId, base, statusBefore, owner, epoch, recovery, reason, crashes} on
 success: a new owner numbers its events from base + 1 (base is above every id the
 previous owner may have shown live; ids between lastId and base are recorded as dropped
-by its first batch). A takeover counts a recovery: `recovery` numbers it (1, 2, …),
-`reason` is "handoff" when the owner let go, else "worker_lost", and `crashes` counts
-the recoveries for "worker_lost" only. Error replies:
+by its first batch). A takeover is a recovery: `recovery` numbers it (the recovered
+events stored so far, plus one), `reason` is "handoff" when the owner let go, else
+"worker_lost", and `crashes` counts the takeovers for "worker_lost". Error replies:
   "NOEXEC"          no such execution (or it expired)
   "STATUS <status>" the execution is not in a state this transition applies to
   "BLOCK <blockId>" resume names a block the execution is not paused at
@@ -64,7 +64,11 @@ if state[3] == token and mode ~= "handoff" then
   if mode == "takeover" then
     before = "running"
   end
-  return {last, base, before, token, tonumber(state[7]) or 0, recoveries, state[11] or "",
+  local recovery = recoveries
+  if mode == "takeover" then
+    recovery = recoveries + 1
+  end
+  return {last, base, before, token, tonumber(state[7]) or 0, recovery, state[11] or "",
     crashes}
 end
 
@@ -77,14 +81,16 @@ local function own(keep_cancel, reason)
     redis.call("HDEL", meta, "cancelRequested")
   end
   if reason then
-    recoveries = recoveries + 1
+    -- `recoveries` counts the execution:recovered events stored (append.lua); this
+    -- one is the next, whether or not an earlier taker lived to store its own. A
+    -- crash counts as soon as the execution is claimed after it.
     if reason == "worker_lost" then
       crashes = crashes + 1
     end
-    redis.call("HSET", meta, "recoveries", recoveries, "recoveryReason", reason,
-      "crashes", crashes)
+    redis.call("HSET", meta, "recoveryReason", reason, "crashes", crashes)
+    return {last, base, status, token, epoch, recoveries + 1, reason, crashes}
   end
-  return {last, base, status, token, epoch, recoveries, reason or "", crashes}
+  return {last, base, status, token, epoch, recoveries, "", crashes}
 end
 
 if mode == "resume" then

@@ -128,6 +128,11 @@ class ExecutionLog:
         self._compactor.ring.hold(len(encoded))
         return kept, encoded
 
+    def remember(self, fields: Mapping[str, bytes]) -> None:
+        """Run state fields saved outside the events, to write back with the
+        checkpoint if the store loses them."""
+        self._writer.remember(fields)
+
     def repair(self) -> None:
         """The store lost the execution: recreate it now, even if idle."""
         self._writer.request_repair()

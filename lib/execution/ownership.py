@@ -121,8 +121,10 @@ class Ownership:
         created_at: str,
         created_ms: int,
         extra: dict[str, str] | None = None,
+        state: dict[str, bytes] | None = None,
     ) -> Claim:
-        """Create an execution, running and owned by ``fence`` (watched first)."""
+        """Create an execution, running and owned by ``fence`` (watched first), with its
+        run state fields ``state``."""
         await self.hold(execution_id, fence)
         await self.buffer.create(
             execution_id,
@@ -133,6 +135,7 @@ class Ownership:
             created_ms=created_ms,
             lease_ms=self.lease_ms,
             extra=extra,
+            state=state,
         )
         return Claim(0, 0, "", fence, 1)
 
@@ -211,7 +214,9 @@ class Ownership:
                 raise NotFound("execution", execution_id) from None
             raise Conflict("fenced", f"this process no longer owns {execution_id}") from None
         await self._add(self.keys.leases, lease_member(execution_id, fence))
-        await self._add(self.keys.running(tenant), fence)
+        # Only while still counted: a renewal racing the run's pause or end must not
+        # count it again (the tenant would be refused for a lease).
+        await self._watch(keys=[self.keys.running(tenant)], args=["refresh", fence, self.lease_ms])
         return bool(requested == b"1")
 
     # -- watch lists -----------------------------------------------------------------
@@ -308,6 +313,12 @@ class Ownership:
         await self._add(self.keys.running(tenant), member, after_ms, replaces=fence)
 
     @translated
+    async def count(self, tenant: str, fence: str) -> None:
+        """Count an ownership among its tenant's unfinished executions, past any cap (it
+        took over an execution that was counted already)."""
+        await self._add(self.keys.running(tenant), fence)
+
+    @translated
     async def leave(self, tenant: str, fence: str) -> None:
         """The ownership ``fence`` stopped running (finished, paused or moved on)."""
         await self.redis.zrem(self.keys.running(tenant), fence)
@@ -368,6 +379,11 @@ class Ownership:
             for _, fields in entries:
                 if key == self.keys.handoffs:
                     handed.append((fields[b"executionId"].decode(), fields[b"fence"].decode()))
-                else:
+                elif b"cancel" in fields:
                     cancels.append(fields[b"cancel"].decode())
         return cancels, handed
+
+    @translated
+    async def wake_control(self, node: str) -> None:
+        """End ``node``'s blocking control read now (it is stopping)."""
+        await self.redis.xadd(self.keys.control(node), {"wake": "1"}, maxlen=1000, approximate=True)

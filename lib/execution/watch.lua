@@ -6,15 +6,21 @@ KEYS[1]  the watch list: fc:leases ("<eid> <fence>" by lease end),
          fc:deadlines (execution ids by approval deadline) or fc:running:<tenant>
 ARGV[1]  "add": ARGV[2] member, ARGV[3] milliseconds from now, ARGV[4] (optional) a
                 member it replaces, removed in the same step; returns the score
+         "refresh": the same, but only for a member still listed (a renewal that
+                arrives after its run left must not list it again)
          "due": ARGV[2] the most members to return; returns the members whose score
                 has passed
 ]]
 
 local time = redis.call("TIME")
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-if ARGV[1] == "add" then
+if ARGV[1] == "add" or ARGV[1] == "refresh" then
   local score = now + tonumber(ARGV[3])
-  redis.call("ZADD", KEYS[1], score, ARGV[2])
+  if ARGV[1] == "refresh" then
+    redis.call("ZADD", KEYS[1], "XX", score, ARGV[2])
+  else
+    redis.call("ZADD", KEYS[1], score, ARGV[2])
+  end
   if ARGV[4] and ARGV[4] ~= "" then
     redis.call("ZREM", KEYS[1], ARGV[4])
   end

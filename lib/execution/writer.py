@@ -45,6 +45,7 @@ from lib.execution.events import (
     EXECUTION_COMPLETED,
     EXECUTION_FAILED,
     EXECUTION_PAUSED,
+    EXECUTION_RECOVERED,
     FINAL_TYPES,
     STATUS_AFTER,
     Event,
@@ -80,6 +81,8 @@ def batch_meta(batch: list[Event]) -> dict[str, str]:
         elif event.type == EXECUTION_PAUSED:
             _outcome(meta, "pause", event.data, event.id)
             meta["pauseBlock"] = str(event.data.get("blockId", ""))
+        elif event.type == EXECUTION_RECOVERED:
+            meta["recoveries"] = str(event.data.get("recovery", 0))
     return meta
 
 
@@ -118,10 +121,13 @@ class EventWriter:
         self._epoch = epoch
         self._publish = publish
         self._on_cancel = on_cancel
-        # Called before the metadata is recreated: the owner watches its lease again
-        # first, so a recreated execution is never running with nobody watching.
+        # Called when the store lost writes of this run, before they are written back:
+        # the owner watches its lease again first (so a recreated execution is never
+        # running with nobody watching) and saves what lives outside the execution's
+        # keys (its workflow version).
         self._on_lost = on_lost
-        # Fields to recreate the metadata with if the store comes back empty.
+        # Fields to recreate the metadata with if the store comes back empty, written
+        # again whenever it lost writes (recovery counts among them).
         self._identity = dict(identity or {})
         self._max_pending = max_pending
         self._metrics = metrics
@@ -146,6 +152,10 @@ class EventWriter:
         self._ahead = 0
         self._outage = False
         self._recreate = False
+        # The store lost writes of this run: the next batch writes back the identity
+        # and the whole checkpoint as stored so far (and the run state's other fields).
+        self._reassert = False
+        self._mirror: dict[str, bytes] = {}
         self._repair = False
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
@@ -266,7 +276,7 @@ class EventWriter:
             # by the batch that follows it.
             after_drop = self._last_dropped > self.stored_id and first > self.stored_id + 1
             meta = batch_meta(batch)
-            if self._recreate:
+            if self._recreate or self._reassert:
                 meta = {**self._identity, **meta}
             try:
                 result = await self._buffer.append(
@@ -279,11 +289,12 @@ class EventWriter:
                     after_drop=after_drop,
                     reserve=self._emitted + self._ahead,
                     recreate=self._recreate,
+                    checkpoint=self._mirror if self._reassert else None,
                 )
             except WriteRefused as exc:
                 if self._refused_but_handled(exc, batch, first):
                     backoff.reset()
-                    if exc.reason == "gone" and self._on_lost is not None:
+                    if self._reassert and self._on_lost is not None:
                         try:
                             await self._on_lost()
                         except BufferUnavailable as lost:
@@ -306,7 +317,7 @@ class EventWriter:
                         "toId": first - 1,
                     },
                 )
-            self._recreate = self._repair = self._outage = False
+            self._recreate = self._repair = self._outage = self._reassert = False
             waiting = len(self._waiting)
             self._ahead = min(waiting, self._max_pending) if waiting >= BURST_EVENTS else 0
             self.reserved = max(self.reserved, result.reserved)
@@ -358,6 +369,7 @@ class EventWriter:
         return False
 
     def _lose_down_to(self, last: int, first: int) -> None:
+        self._reassert = True
         self.stored_id = min(self.stored_id, last)
         self._last_dropped = max(self._last_dropped, first - 1)
 
@@ -378,7 +390,14 @@ class EventWriter:
             self._outage = True
             self._show()
 
+    def remember(self, fields: Mapping[str, bytes]) -> None:
+        """Run state fields saved outside the events (the workflow version, the input),
+        written back with the checkpoint if the store loses them."""
+        self._mirror.update(fields)
+
     def _stored(self, batch: list[Event], first: int) -> None:
+        for event in batch:
+            self._mirror.update(event.checkpoint)
         self._in_flight = []
         self.stored_id = batch[-1].id if batch else first - 1
         if batch and batch[-1].type in FINAL_TYPES:

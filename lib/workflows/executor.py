@@ -413,10 +413,10 @@ class _Run:
     async def _attempts(self, block: BlockDef) -> Any:
         attempts = block.retry.attempts if block.retry else 1
         backoff_ms = block.retry.backoff_ms if block.retry else 0
+        # Attempts are numbered across recoveries, and the retry budget counts them all:
+        # a recovered block gets what its earlier attempts left (and always one run).
         attempt, announced = self._first_attempt(block.id)
-        tries = 0
         while True:
-            tries += 1
             async with self.slots:
                 if self.drain.is_set():
                     raise _Deferred
@@ -424,8 +424,8 @@ class _Run:
                     return await self._attempt(block, attempt, announced)
                 except BlockError as exc:
                     error = exc
-            delay = backoff_delay(backoff_ms, tries, error.retry_after)
-            will_retry = error.retryable and tries < attempts and delay <= MAX_BACKOFF_SECONDS
+            delay = backoff_delay(backoff_ms, attempt, error.retry_after)
+            will_retry = error.retryable and attempt < attempts and delay <= MAX_BACKOFF_SECONDS
             self.emit(
                 BLOCK_FAILED,
                 {

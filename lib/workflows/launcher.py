@@ -153,9 +153,12 @@ class Launcher:
         local.task.add_done_callback(forget)
 
     async def _rewatch(self, execution_id: str, local: LocalRun) -> None:
-        """The store lost a running execution: watch its lease and list it again."""
+        """The store lost writes of a running execution: watch its lease and list it
+        again, and save its workflow version again (the writer writes the rest back)."""
         await self._ownership.hold(execution_id, local.fence)
         await self._buffer.index_again(execution_id, local.tenant)
+        if local.workflow is not None:
+            await self._states.save_version(local.workflow)
 
     async def _let_go(self, local: LocalRun, writer: ExecutionLog) -> None:
         """Leave the tenant's running set; stop watching the lease once it is settled.
@@ -363,4 +366,6 @@ def identity_of(meta: ExecutionMeta) -> dict[str, str]:
         "tenant": meta.tenant,
         "createdAt": meta.created_at,
         "inlineFiles": "1" if meta.inline_files else "",
+        "recoveries": str(meta.recoveries),
+        "crashes": str(meta.crashes),
     }

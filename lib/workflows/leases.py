@@ -44,6 +44,7 @@ class LocalRun:
     identity: dict[str, str] = field(default_factory=dict)  # fields to recreate it with
     saved_pause: Any = None  # what its pause saved (finals.SavedPause), once saved
     keeper: Any = None  # keeps its outputs as the checkpoint does (checkpoint.Keeper)
+    workflow: Any = None  # the workflow it runs, once known (model.Workflow)
     draining: asyncio.Event = field(default_factory=asyncio.Event)  # start no more blocks
     handoff: bool = False  # its work stopped for another process to go on with it
 
@@ -78,6 +79,7 @@ class LeaseKeeper:
         self._lease_seconds = lease_seconds
         self._node_id = node_id
         self._runs = runs
+        self._stopping = False
 
     async def renew_loop(self) -> None:
         while True:
@@ -118,7 +120,7 @@ class LeaseKeeper:
         arrive (one blocking read on both streams)."""
         cursors: dict[str, str] | None = None
         backoff = Backoff(base=0.1, cap=5.0)
-        while True:
+        while not self._stopping:
             try:
                 if cursors is None:
                     cursors = await self._ownership.control_cursors(self._node_id)
@@ -136,3 +138,9 @@ class LeaseKeeper:
                 await backoff.wait()
                 continue
             backoff.reset()
+
+    async def stop_listening(self) -> None:
+        """End the control loop: a message to this node ends its blocking read (a
+        cancelled read may not end at once: the client retries it)."""
+        self._stopping = True
+        await self._ownership.wake_control(self._node_id)

@@ -20,6 +20,7 @@ execution off (no last event) for another process to recover at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 from dataclasses import dataclass
@@ -150,14 +151,15 @@ class Runner:
             accepting=lambda: self.accepting,
             restarted=self._finals.reassert,
         )
+        control = asyncio.create_task(
+            self._keeper.control_loop(
+                lambda eid, fence: janitor.take_over(eid, fence, handoff_only=True)
+            ),
+            name="control-listener",
+        )
         self._loops = [
             asyncio.create_task(self._keeper.renew_loop(), name="lease-renewal"),
-            asyncio.create_task(
-                self._keeper.control_loop(
-                    lambda eid, fence: janitor.take_over(eid, fence, handoff_only=True)
-                ),
-                name="control-listener",
-            ),
+            control,
             asyncio.create_task(janitor.run(), name="janitor"),
         ]
         return self
@@ -176,6 +178,12 @@ class Runner:
             local.stop("handoff")
         if remaining := self._tasks():
             await asyncio.wait(remaining, timeout=10)
+        control = next(task for task in self._loops if task.get_name() == "control-listener")
+        # The control loop ends on a wake-up message: a blocking read, once cancelled,
+        # may be retried by the client and hold the shutdown up.
+        with contextlib.suppress(FlowcastError, TimeoutError):
+            await asyncio.wait_for(self._keeper.stop_listening(), STOP_SECONDS)
+            await asyncio.wait([control], timeout=STOP_SECONDS)
         tasks = [*self._tasks(), *self._loops]
         for task in tasks:
             task.cancel()
@@ -229,6 +237,10 @@ class Runner:
             "inlineFiles": "1" if inline_files else "",
         }
         try:
+            # What a resume or a recovery needs is there from the start, in the same
+            # write that creates the execution: a process may die right after the 202.
+            version = await self._states.save_version(workflow)
+            saved = await self._states.encode(execution_id, {"workflow": version, "input": input})
             claim = await self._ownership.start(
                 execution_id,
                 fence=fence,
@@ -237,6 +249,7 @@ class Runner:
                 created_at=identity["createdAt"],
                 created_ms=int(now.timestamp() * 1000),
                 extra={"inlineFiles": identity["inlineFiles"]},
+                state=saved,
             )
         except FlowcastError:
             await self._launcher.quietly(execution_id, self._ownership.leave(tenant, fence))
@@ -244,16 +257,10 @@ class Runner:
 
         async def body(local: LocalRun, emitter: ExecutionLog) -> None:
             emitter.emit(EXECUTION_STARTED, {"input": input})
+            emitter.remember(saved)
+            local.workflow = workflow
 
             async def work() -> Outcome:
-                # What a resume (or, later, a recovery) needs, saved off the start path.
-                version = await self._launcher.retrying(
-                    local, lambda: self._states.save_version(workflow)
-                )
-                await self._launcher.retrying(
-                    local,
-                    lambda: self._states.save(execution_id, {"workflow": version, "input": input}),
-                )
                 return await self._launcher.run_workflow(local, emitter, workflow, input, None)
 
             await self._launcher.execute(local, emitter, work)
@@ -294,12 +301,14 @@ class Runner:
             emitter.emit(EXECUTION_RESUMED, {"blockId": paused_at, "input": kept}, checkpoint)
 
             async def work() -> Outcome:
-                version, given, run = await self._launcher.retrying(
+                version, given, run, saved = await self._launcher.retrying(
                     local, lambda: self._states.load(execution_id)
                 )
+                emitter.remember(saved)
                 workflow = await self._launcher.retrying(
                     local, lambda: self._states.load_version(version)
                 )
+                local.workflow = workflow
                 run.answers[paused_at] = kept
                 return await self._launcher.run_workflow(local, emitter, workflow, given, run)
 
@@ -408,7 +417,14 @@ class Runner:
         except (Conflict, NotFound) as exc:
             await self._launcher.quietly(execution_id, self._ownership.release(execution_id, fence))
             return exc.code
-        identity = identity_of(meta)
+        await self._launcher.quietly(execution_id, self._ownership.count(meta.tenant, fence))
+        # Written back with the metadata should the store lose it: this recovery's
+        # number and the crashes so far are part of what it must not forget.
+        identity = {
+            **identity_of(meta),
+            "recoveries": str(claim.recovery),
+            "crashes": str(claim.crashes),
+        }
         extra = {
             "executionId": execution_id,
             "reason": claim.reason,
@@ -424,13 +440,19 @@ class Runner:
 
         async def body(local: LocalRun, emitter: ExecutionLog) -> None:
             async def work() -> Outcome:
-                version, given, run = await self._launcher.retrying(
+                version, given, run, saved = await self._launcher.retrying(
                     local, lambda: self._states.load(execution_id)
                 )
+                emitter.remember(saved)
                 workflow = await self._launcher.retrying(
                     local, lambda: self._states.load_version(version)
                 )
+                local.workflow = workflow
                 run.recovered = True
+                if claim.base == 0:
+                    # Its owner died before anything was stored or shown, even its first
+                    # event: the log starts as every log does.
+                    emitter.emit(EXECUTION_STARTED, {"input": given})
                 completed = [b.id for b in workflow.blocks if b.id in run.outputs]
                 rerun = [b.id for b in workflow.blocks if b.id in run.unfinished()]
                 data = {

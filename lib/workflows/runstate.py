@@ -61,10 +61,17 @@ class RunStates:
 
     async def save(
         self, execution_id: str, fields: dict[str, Any], *, deadline_ms: int | None = None
-    ) -> None:
-        """Persist fields of the run state; large ones as refs into the value store."""
+    ) -> dict[str, bytes]:
+        """Persist fields of the run state; large ones as refs into the value store.
+        Returns the fields as stored (to write back if the store loses them)."""
         encoded = {name: await self._encode(execution_id, value) for name, value in fields.items()}
         await self._ownership.save_state(execution_id, encoded, deadline_ms=deadline_ms)
+        return {name: orjson.dumps(value) for name, value in encoded.items()}
+
+    async def encode(self, execution_id: str, fields: dict[str, Any]) -> dict[str, bytes]:
+        """Fields of the run state as they are stored (large ones as refs)."""
+        encoded = {name: await self._encode(execution_id, value) for name, value in fields.items()}
+        return {name: orjson.dumps(value) for name, value in encoded.items()}
 
     async def save_checkpoint(self, execution_id: str, state: RunState) -> None:
         """Store a whole checkpoint again (into a store that lost it)."""
@@ -73,9 +80,9 @@ class RunStates:
             execution_id, {name: orjson.loads(value) for name, value in fields.items()}
         )
 
-    async def load(self, execution_id: str) -> tuple[str, Any, RunState]:
-        """(workflow version, input, checkpoint) as saved; NotFound when the store has
-        none."""
+    async def load(self, execution_id: str) -> tuple[str, Any, RunState, dict[str, bytes]]:
+        """(workflow version, input, checkpoint, the version and input fields as stored)
+        as saved; NotFound when the store has none."""
         stored = await self._ownership.load_state(execution_id)
         if "workflow" not in stored:
             # Missing, or restored only in part (a store back from an older snapshot).
@@ -89,7 +96,11 @@ class RunStates:
             outputs = {**legacy.outputs, **outputs}
             skipped = [*legacy.skipped, *(s for s in skipped if s not in legacy.skipped)]
             answers = {**legacy.answers, **answers}
-        return version, input, RunState(outputs, skipped, answers, attempts)
+        base: dict[str, bytes] = {}
+        for name in ("workflow", "input"):
+            if name in stored:
+                base[name] = orjson.dumps(stored[name])
+        return version, input, RunState(outputs, skipped, answers, attempts), base
 
     async def _encode(self, execution_id: str, value: Any) -> dict[str, Any]:
         raw = orjson.dumps(value)
