@@ -49,7 +49,7 @@ from lib.execution.ownership import Claim, Ownership, node_of, paused_member
 from lib.execution.values import ValueStore
 from lib.metrics import Metrics
 from lib.workflows.checkpoint import answer_field
-from lib.workflows.executor import Executor
+from lib.workflows.executor import Executor, RunState
 from lib.workflows.finals import Finals
 from lib.workflows.janitor import Ending, Janitor, cancelled, worker_lost
 from lib.workflows.launcher import Launcher, Outcome, ending_body, identity_of
@@ -301,14 +301,7 @@ class Runner:
             emitter.emit(EXECUTION_RESUMED, {"blockId": paused_at, "input": kept}, checkpoint)
 
             async def work() -> Outcome:
-                version, given, run, saved = await self._launcher.retrying(
-                    local, lambda: self._states.load(execution_id)
-                )
-                emitter.remember(saved)
-                workflow = await self._launcher.retrying(
-                    local, lambda: self._states.load_version(version)
-                )
-                local.workflow = workflow
+                workflow, given, run = await self._load_run(local, emitter)
                 run.answers[paused_at] = kept
                 return await self._launcher.run_workflow(local, emitter, workflow, given, run)
 
@@ -347,6 +340,22 @@ class Runner:
                 execution_id, self._ownership.send_cancel(node_of(claim.owner), execution_id)
             )
         return Started(execution_id, "cancelling")
+
+    async def _load_run(
+        self, local: LocalRun, emitter: ExecutionLog
+    ) -> tuple[Workflow, Any, RunState]:
+        """The workflow, input and checkpoint a resumed or recovered run goes on from
+        (retried while the buffer is down; NotFound when the store lost them)."""
+        execution_id = local.execution_id
+        version, given, run, saved = await self._launcher.retrying(
+            local, lambda: self._states.load(execution_id)
+        )
+        emitter.remember(saved)
+        workflow: Workflow = await self._launcher.retrying(
+            local, lambda: self._states.load_version(version)
+        )
+        local.workflow = workflow
+        return workflow, given, run
 
     async def _owned(self, execution_id: str, tenant: str) -> ExecutionMeta:
         meta = await self._buffer.meta(execution_id)
@@ -440,14 +449,7 @@ class Runner:
 
         async def body(local: LocalRun, emitter: ExecutionLog) -> None:
             async def work() -> Outcome:
-                version, given, run, saved = await self._launcher.retrying(
-                    local, lambda: self._states.load(execution_id)
-                )
-                emitter.remember(saved)
-                workflow = await self._launcher.retrying(
-                    local, lambda: self._states.load_version(version)
-                )
-                local.workflow = workflow
+                workflow, given, run = await self._load_run(local, emitter)
                 run.recovered = True
                 if claim.base == 0:
                     # Its owner died before anything was stored or shown, even its first

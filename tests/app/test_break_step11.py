@@ -21,12 +21,14 @@ from redis.asyncio import Redis
 
 from tests.support.api import all_events, put
 from tests.support.faults import (
+    LEASE_SECONDS,
     FaultyValkey,
     crash_and_restore,
     crash_and_wipe,
     fresh_replica,
     kill_replica,
     pause_writes,
+    replica,
     take_snapshot,
     terminate_replica,
 )
@@ -36,7 +38,6 @@ from tests.support.sse import Frame, events
 
 pytestmark = pytest.mark.timeout(150)
 
-LEASE_SECONDS = 1.0
 DEADLINE = 40.0
 
 
@@ -65,19 +66,6 @@ async def settled(valkey: FaultyValkey) -> AsyncIterator[None]:
     finally:
         await redis.aclose()
     yield
-
-
-def replica(valkey: FaultyValkey, root: Path, name: str, **env: str) -> FlowcastServer:
-    return FlowcastServer(
-        data_dir=root / name,
-        env={
-            "FLOWCAST_REDIS_URL": valkey.url,
-            "FLOWCAST_LEASE_SECONDS": str(LEASE_SECONDS),
-            "FLOWCAST_SSE_PING_SECONDS": "0.5",
-            "FLOWCAST_SHUTDOWN_GRACE_SECONDS": "1",
-            **env,
-        },
-    )
 
 
 @contextlib.asynccontextmanager

@@ -26,13 +26,13 @@ from tests.support.faults import (
     crash_and_restore,
     crash_and_wipe,
     pause_writes,
+    replica,
     take_snapshot,
 )
 from tests.support.logcheck import TERMINAL, check_view
 from tests.support.servers import FlowcastServer
 from tests.support.sse import Frame, events
 
-LEASE_SECONDS = 1.0
 TERMINAL_STATUSES = ("completed", "failed", "cancelled")
 # Every stream on an execution ends within about a lease plus the grace: far below this.
 STREAM_DEADLINE = 20.0
@@ -44,19 +44,6 @@ async def valkey(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Faul
     await server.start()
     yield server
     await server.stop()
-
-
-def replica(valkey: FaultyValkey, root: Path, name: str, **env: str) -> FlowcastServer:
-    return FlowcastServer(
-        data_dir=root / name,
-        env={
-            "FLOWCAST_REDIS_URL": valkey.url,
-            "FLOWCAST_LEASE_SECONDS": str(LEASE_SECONDS),
-            "FLOWCAST_SSE_PING_SECONDS": "0.5",
-            "FLOWCAST_SHUTDOWN_GRACE_SECONDS": "1",
-            **env,
-        },
-    )
 
 
 @pytest.fixture(autouse=True)

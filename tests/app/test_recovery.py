@@ -30,27 +30,17 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from tests.support.api import all_events, delay_workflow, put
-from tests.support.faults import fresh_replica, kill_replica, terminate_replica
+from tests.support.faults import (
+    fresh_replica,
+    kill_replica,
+    replica,
+    terminate_replica,
+)
 from tests.support.logcheck import check_log, check_view
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import Frame, events
 
 pytestmark = pytest.mark.timeout(120)
-
-LEASE_SECONDS = 1.0
-
-
-def replica(valkey: ValkeyServer, root: Path, name: str, **env: str) -> FlowcastServer:
-    return FlowcastServer(
-        data_dir=root / name,
-        env={
-            "FLOWCAST_REDIS_URL": valkey.url,
-            "FLOWCAST_LEASE_SECONDS": str(LEASE_SECONDS),
-            "FLOWCAST_SSE_PING_SECONDS": "0.5",
-            "FLOWCAST_SHUTDOWN_GRACE_SECONDS": "1",
-            **env,
-        },
-    )
 
 
 @contextlib.asynccontextmanager

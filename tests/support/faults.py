@@ -12,7 +12,8 @@ ones that heal, once it is over). Valkey faults:
 - ``crash_and_wipe``: kill -9, then start empty.
 
 Flowcast faults: ``kill_replica`` (SIGKILL), ``terminate_replica`` (SIGTERM, waits
-for the drain), and ``fresh_replica`` (the same configuration on a new port).
+for the drain), and ``fresh_replica`` (the same configuration on a new port); ``replica``
+configures one for fault tests (a 1 s lease, a 1 s grace).
 """
 
 from __future__ import annotations
@@ -35,6 +36,25 @@ AOF_DIR = "appendonlydir"
 MANIFEST = (
     "file appendonly.aof.1.base.rdb seq 1 type b\nfile appendonly.aof.1.incr.aof seq 1 type i\n"
 )
+
+
+# Fault tests run replicas with a short lease: a dead owner is noticed within seconds.
+LEASE_SECONDS = 1.0
+
+
+def replica(valkey: ValkeyServer, root: Path, name: str, **env: str) -> FlowcastServer:
+    """A Flowcast process on ``valkey`` (not started) with a 1 s lease and grace, and its
+    own data directory ``root/name``."""
+    return FlowcastServer(
+        data_dir=root / name,
+        env={
+            "FLOWCAST_REDIS_URL": valkey.url,
+            "FLOWCAST_LEASE_SECONDS": str(LEASE_SECONDS),
+            "FLOWCAST_SSE_PING_SECONDS": "0.5",
+            "FLOWCAST_SHUTDOWN_GRACE_SECONDS": "1",
+            **env,
+        },
+    )
 
 
 class FaultyValkey(ValkeyServer):
