@@ -161,11 +161,12 @@ class Launcher:
             await self._states.save_version(local.workflow)
 
     async def _let_go(self, local: LocalRun, writer: ExecutionLog) -> None:
-        """Leave the tenant's running set; stop watching the lease once it is settled.
+        """Leave the tenant's running set; hand the execution off, or stop watching the
+        lease once it is settled.
 
         A run whose last event was not stored (and that was not fenced out) keeps its
-        lease entry: the lease expires and a janitor ends the execution, so it is never
-        left running with nobody watching.
+        lease entry: the lease expires and a janitor takes the execution over, so it is
+        never left running with nobody watching.
         """
         work = [self._ownership.leave(local.tenant, local.fence)]
         final = writer.final_stored

@@ -323,7 +323,8 @@ async def test_blocks_completed_after_an_older_snapshot_are_not_run_again_after_
     block whose completion clients saw (SPEC §7: completed blocks are not run again)."""
     a, b = replica(valkey, tmp_path, "a"), replica(valkey, tmp_path, "b")
     async with running(a, b), httpx.AsyncClient(timeout=30) as http:
-        wf = chain("older", blocks=10, ms=300)
+        # Long enough to be running still when A is stopped, after the store settled.
+        wf = chain("older", blocks=16, ms=500)
         await put(http_for(http, a), wf)
         eid = await execute(http_for(http, a), "older")
         live = asyncio.create_task(follow(httpx.AsyncClient(base_url=a.url, timeout=30), eid))
