@@ -24,8 +24,9 @@ events are dropped; the next batch that reaches Redis records their id range ato
 with itself, so replay reports it as a ``dropped`` gap and the terminal event still
 lands after everything before it. A store that comes back behind (restarted from an
 older snapshot, a lagging replica promoted) or empty is told so by the next batch: the
-writer records the ids it lost as dropped, recreates the metadata if needed, and
-carries on above every id it handed out. No id is ever given to two events.
+writer records the ids it lost as dropped, recreates the metadata if needed, writes the
+run's checkpoint back as it had stored it (with the batch, atomically), and carries on
+above every id it handed out. No id is ever given to two events.
 """
 
 from __future__ import annotations
