@@ -10,16 +10,19 @@ ARGV[2]  its lease length in milliseconds
 ARGV[3]  the most unfinished executions the tenant may have (0 = no limit)
 ARGV[4]  a member the new run replaces ("paused:<eid>" for a resume; "" for none): it
          does not count, so a tenant at its cap can still resume its own pause
+ARGV[5]  how long (ms) an entry goes on counting after its lease ended
 
 Returns 1 when admitted (or already in), 0 when the tenant is at its limit. Entries
-whose lease ended (on Redis's clock) are dropped first, so runs of a dead process stop
-counting when their lease runs out, without anyone cleaning up after it.
+whose lease ended (on Redis's clock) longer than ARGV[5] ago are dropped first. A run
+of a dead process goes on counting until a janitor takes its execution over (the new
+owner counts instead, and the dead one's entry is removed then); past that grace it
+stops counting even if nobody did, so a tenant is never refused for good.
 ]]
 
 local key = KEYS[1]
 local time = redis.call("TIME")
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-redis.call("ZREMRANGEBYSCORE", key, "-inf", now)
+redis.call("ZREMRANGEBYSCORE", key, "-inf", now - tonumber(ARGV[5]))
 local limit = tonumber(ARGV[3])
 local count = redis.call("ZCARD", key)
 if ARGV[4] ~= "" and redis.call("ZSCORE", key, ARGV[4]) then

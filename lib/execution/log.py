@@ -143,6 +143,11 @@ class ExecutionLog:
         return self._writer.pending
 
     @property
+    def stored_id(self) -> int:
+        """The last id stored by this log's writer."""
+        return self._writer.stored_id
+
+    @property
     def retained_bytes(self) -> int:
         """Bytes the ring retains, as the compactor models it."""
         return self._compactor.ring.retained_bytes

@@ -43,6 +43,10 @@ from lib.backend import load_script, translated
 from lib.errors import BufferUnavailable, Conflict, NotFound
 from lib.execution.buffer import EventBuffer
 
+# How many leases a dead owner's run goes on counting for its tenant, waiting for a
+# janitor to take it over (admit.lua).
+COUNTED_LEASES = 10
+
 
 @dataclass(frozen=True)
 class Store:
@@ -199,7 +203,9 @@ class Ownership:
         )
 
     @translated
-    async def renew(self, execution_id: str, fence: str, epoch: int, tenant: str) -> bool:
+    async def renew(
+        self, execution_id: str, fence: str, epoch: int, tenant: str, stored_id: int = 0
+    ) -> bool:
         """Extend the lease; True when a cancel was requested.
 
         Conflict("fenced") when another owner holds it; NotFound when the store lost it
@@ -207,10 +213,11 @@ class Ownership:
         """
         try:
             requested, _until = await self._renew(
-                keys=[self.keys.meta(execution_id)], args=[fence, epoch, self.lease_ms]
+                keys=[self.keys.meta(execution_id)], args=[fence, epoch, self.lease_ms, stored_id]
             )
         except ResponseError as exc:
-            if str(exc).startswith("GONE"):
+            if str(exc).startswith(("GONE", "BEHIND")):
+                # Lost by the store, whole or in part: the owner's writer repairs it.
                 raise NotFound("execution", execution_id) from None
             raise Conflict("fenced", f"this process no longer owns {execution_id}") from None
         await self._add(self.keys.leases, lease_member(execution_id, fence))
@@ -299,7 +306,8 @@ class Ownership:
         """Count an ownership among its tenant's unfinished executions, if under ``limit``
         (``replaces``, e.g. the pause it resumes, does not count)."""
         admitted = await self._admit(
-            keys=[self.keys.running(tenant)], args=[fence, self.lease_ms, limit, replaces]
+            keys=[self.keys.running(tenant)],
+            args=[fence, self.lease_ms, limit, replaces, COUNTED_LEASES * self.lease_ms],
         )
         return bool(admitted)
 

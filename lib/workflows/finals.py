@@ -98,7 +98,8 @@ class Finals:
                 continue
             try:
                 if final.pause is not None:
-                    await self._restore_pause(execution_id, final.pause)
+                    tenant = final.identity["tenant"]
+                    await self._restore_pause(execution_id, tenant, final.pause)
                 await self._buffer.append(
                     execution_id,
                     [final.event],
@@ -121,11 +122,13 @@ class Finals:
         if restored:
             log.warning("restored the last events the store lost", extra={"count": restored})
 
-    async def _restore_pause(self, execution_id: str, pause: SavedPause) -> None:
+    async def _restore_pause(self, execution_id: str, tenant: str, pause: SavedPause) -> None:
         """Save a pause's run state and deadline again, before its event is restored."""
         version = await self._states.save_version(pause.workflow)
         fields = {"workflow": version, "input": pause.input}
         await self._states.save(execution_id, fields, deadline_ms=pause.deadline_ms)
         await self._states.save_checkpoint(execution_id, pause.run)
+        # It counts for its tenant again, as a pause does.
+        await self._ownership.count_paused(tenant, execution_id, "")
         if pause.deadline_ms is not None:
             await self._ownership.watch_deadline(execution_id, pause.deadline_ms)

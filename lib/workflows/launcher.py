@@ -129,6 +129,7 @@ class Launcher:
         )
         local.identity = identity
         local.pending = lambda: events.pending
+        local.stored = lambda: events.stored_id
         local.retained = lambda: events.retained_bytes
         local.repair = events.repair
         local.keeper = Keeper(execution_id=execution_id, compact=events.keep, store=self._values)
@@ -153,10 +154,12 @@ class Launcher:
         local.task.add_done_callback(forget)
 
     async def _rewatch(self, execution_id: str, local: LocalRun) -> None:
-        """The store lost writes of a running execution: watch its lease and list it
-        again, and save its workflow version again (the writer writes the rest back)."""
+        """The store lost writes of a running execution: watch its lease, list it and
+        count it for its tenant again, and save its workflow version again (the writer
+        writes the rest back)."""
         await self._ownership.hold(execution_id, local.fence)
         await self._buffer.index_again(execution_id, local.tenant)
+        await self._ownership.count(local.tenant, local.fence)
         if local.workflow is not None:
             await self._states.save_version(local.workflow)
 

@@ -39,6 +39,7 @@ class LocalRun:
     stop_reason: str | None = None  # why its work was cancelled: cancel, handoff, fenced
     checked_at: float = 0.0  # when its lease was last renewed, or tried in an outage
     pending: Callable[[], int] = lambda: 0  # events emitted and not stored yet
+    stored: Callable[[], int] = lambda: 0  # the last id its writer stored
     retained: Callable[[], int] = lambda: 0  # bytes its ring retains, as modelled
     repair: Callable[[], None] = lambda: None  # recreate what the store lost
     identity: dict[str, str] = field(default_factory=dict)  # fields to recreate it with
@@ -90,14 +91,15 @@ class LeaseKeeper:
         started = time.monotonic()
         try:
             cancel_requested = await self._ownership.renew(
-                run.execution_id, run.fence, run.epoch, run.tenant
+                run.execution_id, run.fence, run.epoch, run.tenant, run.stored()
             )
         except Conflict:
             run.stop("fenced")
             return
         except NotFound:
             log.warning(
-                "the buffer lost a running execution", extra={"executionId": run.execution_id}
+                "the buffer lost a running execution, or some of its events",
+                extra={"executionId": run.execution_id},
             )
             run.checked_at = started
             run.repair()

@@ -426,7 +426,12 @@ class Runner:
         except (Conflict, NotFound) as exc:
             await self._launcher.quietly(execution_id, self._ownership.release(execution_id, fence))
             return exc.code
-        await self._launcher.quietly(execution_id, self._ownership.count(meta.tenant, fence))
+        # The new owner counts for the tenant in place of the one it took over from.
+        await self._launcher.quietly(
+            execution_id,
+            self._ownership.count(meta.tenant, fence),
+            self._ownership.leave(meta.tenant, expected),
+        )
         # Written back with the metadata should the store lose it: this recovery's
         # number and the crashes so far are part of what it must not forget.
         identity = {

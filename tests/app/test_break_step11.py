@@ -303,12 +303,19 @@ async def test_a_handoff_after_redis_came_back_empty_does_not_fail_the_execution
 
 
 async def settled_store(valkey: FaultyValkey) -> bool:
+    """The server answering now was noticed (fc:store names its run id) and the settle
+    window after the change is over: owners had their time to re-assert."""
     redis = Redis.from_url(valkey.url)
     try:
         with contextlib.suppress(Exception):
-            until_ms = await redis.hget("fc:store", "settleUntil")
+            info = await redis.info("server")
+            run_id, until_ms = await redis.hmget("fc:store", ["runId", "settleUntil"])
             seconds, micros = await redis.time()
-            return until_ms is None or int(until_ms) <= seconds * 1000 + micros // 1000
+            return (
+                run_id is not None
+                and run_id.decode() == str(info["run_id"])
+                and int(until_ms or 0) <= seconds * 1000 + micros // 1000
+            )
         return False
     finally:
         await redis.aclose()
