@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import logging
 import random
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +49,7 @@ from lib.workflows.checkpoint import (
     skipped_field,
 )
 from lib.workflows.model import BlockDef, Workflow
+from lib.workflows.templates import block_reads, template_strings
 
 log = logging.getLogger(__name__)
 
@@ -144,34 +144,6 @@ class _Deferred(Exception):
     """A block that may not start because the run is draining."""
 
 
-# `blocks.<id>` and `blocks['<id>']` in a template; any other use of `blocks` reads all.
-_BLOCK_READ = re.compile(
-    r"""\bblocks\s*(?:\.\s*([A-Za-z_][A-Za-z0-9_]*)|\[\s*(['"])([^'"]*)\2\s*\])"""
-)
-_BLOCKS_WORD = re.compile(r"\bblocks\b")
-
-
-def _strings(value: Any) -> list[str]:
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, dict):
-        return [text for key, item in value.items() for text in (*_strings(key), *_strings(item))]
-    if isinstance(value, list):
-        return [text for item in value for text in _strings(item)]
-    return []
-
-
-def block_reads(texts: list[str]) -> set[str] | None:
-    """The block ids whose outputs these templates read; None when they may read any."""
-    reads: set[str] = set()
-    for text in texts:
-        found = list(_BLOCK_READ.finditer(text))
-        if len(found) != len(_BLOCKS_WORD.findall(text)):
-            return None
-        reads.update(match.group(1) or match.group(3) for match in found)
-    return reads
-
-
 def backoff_delay(base_ms: int, attempt: int, retry_after: float | None) -> float:
     """Seconds to wait after failed ``attempt``: exponential, jittered, >= retry_after."""
     delay = base_ms / 1000 * 2.0 ** (attempt - 1)
@@ -263,6 +235,7 @@ class _Run:
         }
         self.drain = drain
         self.deferred: list[str] = []
+        self.reads: dict[str, set[str] | None] = {}  # block → the outputs its templates read
         self.pauses: dict[str, PauseRequested] = {}
         self.blocks = {block.id: block for block in workflow.blocks}
         self.group: asyncio.TaskGroup | None = None
@@ -323,10 +296,11 @@ class _Run:
         return {"input": self.input, "blocks": blocks}
 
     def _reads(self, block_id: str) -> set[str] | None:
-        block = self.blocks[block_id]
-        texts = _strings(block.config)
-        texts += [edge.when for edge in self.incoming[block_id] if edge.when is not None]
-        return block_reads(texts)
+        if block_id not in self.reads:
+            block = self.blocks[block_id]
+            texts = [edge.when for edge in self.incoming[block_id] if edge.when is not None]
+            self.reads[block_id] = block_reads([*template_strings(block.config), *texts])
+        return self.reads[block_id]
 
     async def _settle(self, ready: list[str]) -> None:
         """Start or skip each ready block; skips cascade here, in workflow order.

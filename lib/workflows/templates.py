@@ -332,3 +332,36 @@ class Templates:
             compiled = self._env.compile_expression(expr, undefined_to_none=True)
             self._expressions[expr] = compiled
         return compiled
+
+
+# `blocks.<id>` and `blocks['<id>']` in a template; any other use of `blocks` reads all.
+_BLOCK_READ = re.compile(
+    r"""\bblocks\s*(?:\.\s*([A-Za-z_][A-Za-z0-9_]*)|\[\s*(['"])([^'"]*)\2\s*\])"""
+)
+_BLOCKS_WORD = re.compile(r"\bblocks\b")
+
+
+def template_strings(value: Any) -> list[str]:
+    """Every string in a config (keys too): where its templates are."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [
+            text
+            for key, item in value.items()
+            for text in (*template_strings(key), *template_strings(item))
+        ]
+    if isinstance(value, list):
+        return [text for item in value for text in template_strings(item)]
+    return []
+
+
+def block_reads(texts: list[str]) -> set[str] | None:
+    """The block ids whose outputs these templates read; None when they may read any."""
+    reads: set[str] = set()
+    for text in texts:
+        found = list(_BLOCK_READ.finditer(text))
+        if len(found) != len(_BLOCKS_WORD.findall(text)):
+            return None
+        reads.update(match.group(1) or match.group(3) for match in found)
+    return reads

@@ -11,8 +11,9 @@ import pytest
 from lib.errors import BlockError
 from lib.workflows.blocks import BlockContext, BlockTypes
 from lib.workflows.blocks.base import BlockServices
-from lib.workflows.executor import BlockFailed, Executor, HandedOff, RunState, block_reads
+from lib.workflows.executor import BlockFailed, Executor, HandedOff, RunState
 from lib.workflows.model import Workflow
+from lib.workflows.templates import block_reads
 
 from .conftest import Recorder, workflow
 
