@@ -31,6 +31,7 @@ from tests.support.faults import (
     replica,
     take_snapshot,
     terminate_replica,
+    wait_store_settled,
 )
 from tests.support.logcheck import check_log, check_lossy_log, check_view
 from tests.support.servers import FlowcastServer
@@ -50,22 +51,10 @@ async def valkey(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Faul
 
 
 @pytest.fixture(autouse=True)
-async def settled(valkey: FaultyValkey) -> AsyncIterator[None]:
+async def settled(valkey: FaultyValkey) -> None:
     """Start each test on a settled store, and with no leftover ownership from an
     earlier test (its replicas are dead: their executions must not be recovered here)."""
-    redis = Redis.from_url(valkey.url)
-    try:
-        await redis.flushall()
-        async with asyncio.timeout(DEADLINE):
-            while True:
-                until = await redis.hget("fc:store", "settleUntil")
-                seconds, micros = await redis.time()
-                if until is None or int(until) <= seconds * 1000 + micros // 1000:
-                    break
-                await asyncio.sleep(0.1)
-    finally:
-        await redis.aclose()
-    yield
+    await wait_store_settled(valkey, timeout=DEADLINE, flush=True)
 
 
 @contextlib.asynccontextmanager

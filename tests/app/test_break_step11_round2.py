@@ -47,6 +47,7 @@ from tests.support.faults import (
     replica,
     take_snapshot,
     terminate_replica,
+    wait_store_settled,
 )
 from tests.support.logcheck import check_log, check_lossy_log, check_view
 from tests.support.servers import FlowcastServer
@@ -64,23 +65,11 @@ async def valkey(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Faul
 
 
 @pytest.fixture(autouse=True)
-async def settled(valkey: FaultyValkey) -> AsyncIterator[None]:
+async def settled(valkey: FaultyValkey) -> None:
     """Each test on a running, empty, settled store."""
     if valkey._process is None:  # a test left it down
         await valkey.start()
-    redis = Redis.from_url(valkey.url)
-    try:
-        await redis.flushall()
-        async with asyncio.timeout(DEADLINE):
-            while True:
-                until_ms = await redis.hget("fc:store", "settleUntil")
-                seconds, micros = await redis.time()
-                if until_ms is None or int(until_ms) <= seconds * 1000 + micros // 1000:
-                    break
-                await asyncio.sleep(0.1)
-    finally:
-        await redis.aclose()
-    yield
+    await wait_store_settled(valkey, timeout=DEADLINE, flush=True)
 
 
 async def meta_field(valkey: FaultyValkey, eid: str, field: str) -> bytes | None:

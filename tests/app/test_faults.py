@@ -28,6 +28,7 @@ from tests.support.faults import (
     pause_writes,
     replica,
     take_snapshot,
+    wait_store_settled,
 )
 from tests.support.logcheck import TERMINAL, check_view
 from tests.support.servers import FlowcastServer
@@ -50,17 +51,7 @@ async def valkey(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Faul
 async def settled(valkey: FaultyValkey) -> None:
     """Each test starts on a settled store: right after an earlier test restarted it,
     claims answer 503 for two leases by design (see ownership.py)."""
-    redis = Redis.from_url(valkey.url)
-    try:
-        async with asyncio.timeout(STREAM_DEADLINE):
-            while True:
-                until = await redis.hget("fc:store", "settleUntil")
-                seconds, micros = await redis.time()
-                if until is None or int(until) <= seconds * 1000 + micros // 1000:
-                    break
-                await asyncio.sleep(0.1)
-    finally:
-        await redis.aclose()
+    await wait_store_settled(valkey, timeout=STREAM_DEADLINE)
 
 
 @pytest.fixture(scope="module")

@@ -149,3 +149,21 @@ async def fresh_replica(server: FlowcastServer) -> FlowcastServer:
     replacement.access_log = server.access_log
     await replacement.start()
     return replacement
+
+
+async def wait_store_settled(valkey: ValkeyServer, *, timeout: float, flush: bool = False) -> None:
+    """Wait until the store's settling period after a new server is over (claims answer
+    503 until then, by design: see ownership.py); with ``flush``, empty it first."""
+    redis = Redis.from_url(valkey.url)
+    try:
+        if flush:
+            await redis.flushall()
+        async with asyncio.timeout(timeout):
+            while True:
+                until = await redis.hget("fc:store", "settleUntil")
+                seconds, micros = await redis.time()
+                if until is None or int(until) <= seconds * 1000 + micros // 1000:
+                    return
+                await asyncio.sleep(0.1)
+    finally:
+        await redis.aclose()
