@@ -30,9 +30,8 @@ log = logging.getLogger(__name__)
 
 # Emits the terminal event of an execution that was just claimed.
 Ending = Callable[[ExecutionLog], None]
-# Claims an execution by a transition (takeover or expire; for a takeover, from the
-# owner named) and writes an ending. None when it did; else why the claim was refused
-# ("lease", "notdue", "moved", "execution_completed", "not_found", …).
+# Claims an execution by a transition (expire) and writes an ending. None when it did;
+# else why the claim was refused ("notdue", "execution_completed", "not_found", …).
 Finish = Callable[[str, str, str, Ending], Awaitable[str | None]]
 # Takes over an execution from the owner named (only if it handed off, when the flag
 # says so) and recovers it; None when it did, else why the claim was refused.

@@ -396,7 +396,8 @@ class Runner:
     async def _claim_and_end(
         self, execution_id: str, mode: str, expected: str, ending: Ending
     ) -> str | None:
-        """The janitor's transitions: take over or expire, then write ``ending``."""
+        """The janitor's endings (a pause past its deadline: ``expire``): win the
+        transition, then write ``ending``."""
         fence = self._fence()
         try:
             meta = await self._buffer.meta(execution_id)
