@@ -336,7 +336,15 @@ async def test_a_resumed_run_stays_counted_after_the_paused_run_lets_go(
 ) -> None:
     workflow = approval_workflow(f"count-{unique}")
     workflow["blocks"][2] = {"id": "after", "type": "delay", "config": {"ms": 1500}}
-    server = replica(valkey, tmp_path, "capped", FLOWCAST_MAX_EXECUTIONS_PER_TENANT="1")
+    # Its own key prefix: runs of earlier tests' killed replicas go on counting for the
+    # tenant until taken over (up to ten leases), and would fill a cap of one.
+    server = replica(
+        valkey,
+        tmp_path,
+        "capped",
+        FLOWCAST_MAX_EXECUTIONS_PER_TENANT="1",
+        FLOWCAST_REDIS_PREFIX=f"count{unique}",
+    )
     await server.start()
     try:
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
