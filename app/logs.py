@@ -1,8 +1,9 @@
 """Structured logs: one JSON object per line, with the record's ``extra`` fields.
 
 No secret reaches a log line: stream tokens in query strings are redacted wherever a
-message carries a URL (uvicorn's access log does), and keys never enter a record
-(tenants are named by a hash of their key).
+message carries a URL (uvicorn's access log does), keys never enter a record (tenants
+are named by a hash of their key), and every tenant secret value this process has
+revealed to a run is masked as ``***`` (``mask_with``), tracebacks included.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import urllib.parse
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -37,9 +39,19 @@ def _redacted(match: re.Match[str]) -> str:
     return match.group(0)
 
 
+_masks: list[Callable[[str], str]] = []
+
+
+def mask_with(mask: Callable[[str], str] | None) -> None:
+    """Apply ``mask`` (e.g. ``SecretStore.redact_text``) to every line; None removes it."""
+    _masks[:] = [mask] if mask is not None else []
+
+
 def redact(text: str) -> str:
     """``text`` with the value of every ``token`` query parameter replaced, however its
-    name is spelled."""
+    name is spelled, and every revealed secret masked."""
+    for mask in _masks:
+        text = mask(text)
     return _PARAMETER.sub(_redacted, text) if "=" in text else text
 
 

@@ -24,7 +24,7 @@ from app.connections import connect
 from app.embedded import EmbeddedValkey
 from app.idempotency import Idempotency
 from app.limits import BodyLimit, StreamSlots
-from app.routes import executions, health, page, streams, values, workflows
+from app.routes import executions, health, page, secrets, streams, values, workflows
 from app.services import Services
 from app.settings import Settings
 from app.tokens import StreamTokens, load_secret
@@ -40,7 +40,10 @@ from lib.workflows.blocks.base import BlockServices
 from lib.workflows.executor import Executor
 from lib.workflows.plugins import load_plugins
 from lib.workflows.pool import TemplatePool
+from lib.workflows.providers import Providers, parse_providers, unknown_providers
 from lib.workflows.runner import Runner
+from lib.workflows.secrets import SecretStore
+from lib.workflows.slots import Slots
 from lib.workflows.store import WorkflowStore, load_directory
 from lib.workflows.templates import Templates
 from lib.workflows.validation import validate_workflow
@@ -70,7 +73,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     if not settings.api_keys:
         app.add_middleware(LoopbackOnly)
-    for module in (health, workflows, executions, streams, values, page):
+    for module in (health, workflows, executions, streams, values, secrets, page):
         app.include_router(module.router)
     return app
 
@@ -114,6 +117,9 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
             Sweeper(store=values, buffer=buffer, interval_seconds=settings.sweep_seconds)
         )
 
+        llm_providers = parse_providers(
+            settings.llm_providers, settings.llm_base_url, settings.llm_api_key
+        )
         block_types = BlockTypes.builtin(load_plugins(settings.plugin_modules))
         # Validation only parses templates (no optimizer folds constants): in-process.
         templates = Templates(
@@ -128,6 +134,13 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
             log.error(
                 "workflow file skipped", extra={"file": str(problem.path), "error": problem.message}
             )
+        for workflow in files.values():
+            for missing in unknown_providers(workflow, llm_providers):
+                # Loaded all the same: executing it answers 422 with this message.
+                log.warning(
+                    "workflow needs an llm provider",
+                    extra={"workflowId": workflow.id, "error": missing.message},
+                )
         log.info(
             "workflows loaded", extra={"count": len(files), "dir": str(settings.workflows_dir)}
         )
@@ -137,6 +150,22 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
             limits=httpx.Limits(max_connections=settings.http_max_concurrency),
         )
         stack.push_async_callback(http.aclose)
+        # Model calls stream for long: a client of their own, so they never wait for
+        # (or hold) the http blocks' connections.
+        llm_http = httpx.AsyncClient(follow_redirects=False)
+        stack.push_async_callback(llm_http.aclose)
+        slots = Slots(
+            redis=redis,
+            tail_redis=tail_redis,
+            prefix=settings.redis_prefix,
+            lease_seconds=settings.lease_seconds,
+        )
+        stack.push_async_callback(slots.close)
+        providers = Providers(llm_providers, http=llm_http, slots=slots)
+        secret_key = load_secret(settings.secret_key, settings.data_dir)
+        secrets = SecretStore(redis=redis, key=secret_key, prefix=settings.redis_prefix)
+        logs.mask_with(secrets.redact_text)
+        stack.callback(logs.mask_with, None)
         template_pool = await stack.enter_async_context(
             TemplatePool(
                 size=settings.template_workers,
@@ -151,8 +180,10 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
                 http_allow_private=settings.http_allow_private,
                 http_limiter=asyncio.Semaphore(settings.http_max_concurrency),
                 templates=template_pool,
+                llm=providers,
             ),
             concurrency=settings.block_concurrency,
+            secrets=secrets,
         )
 
         metrics = Metrics()
@@ -196,12 +227,15 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
             hub=hub,
             runner=runner,
             workflows=WorkflowStore(
-                redis=redis, validate=validate, files=files, prefix=settings.redis_prefix
+                redis=redis,
+                validate=validate,
+                files=files,
+                prefix=settings.redis_prefix,
+                admit=providers.problems,
             ),
-            tokens=StreamTokens(
-                secret=load_secret(settings.secret_key, settings.data_dir),
-                lifetime_seconds=settings.stream_token_seconds,
-            ),
+            tokens=StreamTokens(secret=secret_key, lifetime_seconds=settings.stream_token_seconds),
+            secrets=secrets,
+            providers=providers,
             values=values,
             metrics=metrics,
             keys=ApiKeys(settings.api_keys),

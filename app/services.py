@@ -15,7 +15,9 @@ from lib.execution.buffer import EventBuffer
 from lib.execution.hub import Hub
 from lib.execution.values import ValueStore
 from lib.metrics import Metrics
+from lib.workflows.providers import Providers
 from lib.workflows.runner import Runner
+from lib.workflows.secrets import SecretStore
 from lib.workflows.store import WorkflowStore
 
 
@@ -32,6 +34,8 @@ class Services:
     metrics: Metrics
     keys: ApiKeys
     streams: StreamSlots
+    secrets: SecretStore
+    providers: Providers
 
 
 def services(request: Request) -> Services:

@@ -50,9 +50,21 @@ class Settings(BaseSettings):
     http_allow_private: bool = False
     http_max_concurrency: int = Field(64, ge=1)
     plugins: str | None = None
+    llm_base_url: str | None = None
+    llm_api_key: str | None = None
+    llm_providers: str | None = None
     log_level: str = "info"
 
-    @field_validator("redis_url", "s3_bucket", "s3_endpoint_url", "api_keys", "plugins")
+    @field_validator(
+        "redis_url",
+        "s3_bucket",
+        "s3_endpoint_url",
+        "api_keys",
+        "plugins",
+        "llm_base_url",
+        "llm_api_key",
+        "llm_providers",
+    )
     @classmethod
     def _empty_is_unset(cls, value: str | None) -> str | None:
         return value or None

@@ -74,6 +74,17 @@ class Keys:
     def idempotency(self, tenant: str, operation: str, name: str) -> str:
         return f"{self.prefix}:idem:{tenant}:{operation}:{name}"
 
+    def secrets(self, tenant: str) -> str:
+        return f"{self.prefix}:secrets:{tenant}"
+
+    def slots(self, provider: str) -> list[str]:
+        """One model provider's concurrency slots (slots.lua), under one hash tag."""
+        base = f"{self.prefix}:{{llm:{provider}}}"
+        return [
+            f"{base}:{name}"
+            for name in ("holders", "queue", "waiters", "tickets", "freed", "pause")
+        ]
+
 
 @contextmanager
 def translating(action: str = "") -> Iterator[None]:

@@ -136,6 +136,11 @@ async def execute(
 
     async def start() -> Run:
         stored = await svc.workflows.get(tenant_id, workflow_id)
+        missing = svc.providers.problems(stored.workflow)
+        if missing:
+            refused = InvalidInput("the workflow needs an llm provider this server lacks", missing)
+            refused.code = "llm_provider_unknown"
+            raise refused
         return await svc.runner.start(
             stored.workflow,
             input=request_body.input,

@@ -30,7 +30,7 @@ from typing import Any
 
 import orjson
 
-from lib.errors import BlockError, FlowcastError
+from lib.errors import BlockError, BufferUnavailable, FlowcastError
 from lib.execution.events import (
     BLOCK_CHUNK,
     BLOCK_COMPLETED,
@@ -49,7 +49,8 @@ from lib.workflows.checkpoint import (
     skipped_field,
 )
 from lib.workflows.model import BlockDef, Workflow
-from lib.workflows.templates import block_reads, template_strings
+from lib.workflows.secrets import Redactor, SecretStore
+from lib.workflows.templates import block_reads, secret_names, template_strings
 
 log = logging.getLogger(__name__)
 
@@ -155,13 +156,19 @@ class Executor:
     """Runs workflows with the given block types and services."""
 
     def __init__(
-        self, block_types: BlockTypes, services: BlockServices, concurrency: int = 8
+        self,
+        block_types: BlockTypes,
+        services: BlockServices,
+        concurrency: int = 8,
+        *,
+        secrets: SecretStore | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         self.block_types = block_types
         self.services = services
         self.concurrency = concurrency
+        self.secrets = secrets
 
     async def run(
         self,
@@ -173,11 +180,13 @@ class Executor:
         state: RunState | None = None,
         keeper: Keeper | None = None,
         drain: asyncio.Event | None = None,
+        tenant: str | None = None,
     ) -> dict[str, Any]:
         """Run a validated workflow (from ``state`` when resuming or recovering).
 
         Returns the sinks' outputs; raises BlockFailed, Paused when it waits for a
-        human, or HandedOff when ``drain`` stopped it.
+        human, or HandedOff when ``drain`` stopped it. Templates read the secrets of
+        ``tenant`` (none without one).
         """
         run = _Run(
             self,
@@ -188,6 +197,7 @@ class Executor:
             state=state,
             keeper=keeper or Keeper(execution_id=execution_id),
             drain=drain or asyncio.Event(),
+            tenant=tenant,
         )
         return await run.execute()
 
@@ -206,6 +216,7 @@ class _Run:
         state: RunState | None,
         keeper: Keeper,
         drain: asyncio.Event,
+        tenant: str | None,
     ) -> None:
         self.executor = executor
         self.workflow = workflow
@@ -234,6 +245,10 @@ class _Run:
             block_id for block_id, kept in self.outputs.items() if holds_refs(orjson.dumps(kept))
         }
         self.drain = drain
+        self.tenant = tenant
+        # Every secret value this run read: masked in outputs, chunks and errors, so
+        # no event, checkpoint or log line carries one.
+        self.redactor = Redactor()
         self.deferred: list[str] = []
         self.reads: dict[str, set[str] | None] = {}  # block → the outputs its templates read
         self.pauses: dict[str, PauseRequested] = {}
@@ -276,6 +291,21 @@ class _Run:
             raise Paused(pause, state)
         # As kept: the final event carries each sink's output as its own event did.
         return {sink: self.outputs[sink] for sink in self.workflow.sinks() if sink in self.outputs}
+
+    async def _secrets(self, block: BlockDef) -> dict[str, str]:
+        """The secrets ``block``'s templates read, revealed now (and masked from now on)."""
+        names = secret_names(block.config)
+        if not names:
+            return {}
+        store = self.executor.secrets
+        if store is None or self.tenant is None:
+            raise BlockError("secret_missing", "secrets are not available here", retryable=False)
+        try:
+            values = await store.reveal(self.tenant, names)
+        except BufferUnavailable as exc:
+            raise BlockError("secret_unavailable", f"secrets could not be read: {exc}") from exc
+        self.redactor.add(values.values())
+        return values
 
     async def _context(self, block_id: str) -> dict[str, Any]:
         # Only upstream outputs are visible, so a template cannot depend on timing; of
@@ -400,17 +430,18 @@ class _Run:
                     error = exc
             delay = backoff_delay(backoff_ms, attempt, error.retry_after)
             will_retry = error.retryable and attempt < attempts and delay <= MAX_BACKOFF_SECONDS
+            message = self.redactor.text(error.message)
             self.emit(
                 BLOCK_FAILED,
                 {
                     "blockId": block.id,
-                    "error": {"code": error.code, "message": error.message},
+                    "error": {"code": error.code, "message": message},
                     "attempt": attempt,
                     "willRetry": will_retry,
                 },
             )
             if not will_retry:
-                raise BlockFailed(block.id, error.code, error.message)
+                raise BlockFailed(block.id, error.code, message)
             # A drain ends the wait: the next attempt runs where the run goes on.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.drain.wait(), delay)
@@ -434,7 +465,7 @@ class _Run:
         # What templates downstream read is what the event carries (SPEC §2).
         # The event carries the output as kept (large values as refs), so the event,
         # the checkpoint and what templates downstream read are one value.
-        kept, kept_json = await self.keeper.keep(carriable(output))
+        kept, kept_json = await self.keeper.keep(carriable(self.redactor.value(output)))
         if holds_refs(kept_json):
             self.with_refs.add(block.id)
         duration_ms = round((time.monotonic() - started) * 1000)
@@ -449,27 +480,40 @@ class _Run:
         block_type = self.executor.block_types.get(block.type)
         if block_type is None:
             raise BlockError("unknown_type", f"unknown block type {block.type!r}", retryable=False)
-        rendered = await self.templates.render(block.config, await self._context(block.id))
+        context = await self._context(block.id)
+        secrets = await self._secrets(block)
+        if secrets:
+            context["secrets"] = secrets
+        rendered = await self.templates.render(block.config, context)
         config = block_type.parse_config(rendered)
+        # A secret split over two chunks is masked too: the chunker holds back an end
+        # that could begin one until the next chunk (or the end of the attempt).
+        chunker = self.redactor.stream()
         ctx = BlockContext(
             execution_id=self.execution_id,
             workflow_id=self.workflow.id,
             block_id=block.id,
             attempt=attempt,
             input=self.input,
-            emit_chunk=lambda text: self._chunk(block.id, text),
+            emit_chunk=lambda text: self._chunk(block.id, chunker.feed(text)),
             services=self.executor.services,
             **({"answer": self.answers[block.id]} if block.id in self.answers else {}),
         )
         timeout = block.timeout_ms / 1000 if block.timeout_ms else None
         try:
             async with asyncio.timeout(timeout) as deadline:
-                return await block_type.run(ctx, config)
+                output = await block_type.run(ctx, config)
         except TimeoutError as exc:
+            self._chunk(block.id, chunker.flush())
             if not deadline.expired():
                 raise  # the block's own TimeoutError: reported as unexpected by the caller
             message = f"the attempt took longer than {block.timeout_ms} ms"
             raise BlockError("timeout", message, retryable=True) from exc
+        except Exception:
+            self._chunk(block.id, chunker.flush())
+            raise
+        self._chunk(block.id, chunker.flush())
+        return output
 
     def _chunk(self, block_id: str, text: str) -> None:
         if text:
@@ -478,6 +522,8 @@ class _Run:
 
 def _unexpected(block: BlockDef, exc: BaseException) -> BlockError:
     """A block raised something other than BlockError: a bug, logged with its traceback."""
+    # The message may carry a secret: the run masks it before any event, and the log
+    # formatter masks every value this process revealed.
     log.exception("block %r (%s) raised unexpectedly", block.id, block.type, exc_info=exc)
     return BlockError("block_error", f"{type(exc).__name__}: {exc}", retryable=True)
 

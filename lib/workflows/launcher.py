@@ -323,6 +323,7 @@ class Launcher:
                 state=state,
                 keeper=local.keeper,
                 drain=local.draining,
+                tenant=local.tenant,
             )
         except Paused as paused:
             await self._save_pause(local, paused, workflow, input)

@@ -17,12 +17,15 @@ import orjson
 from redis.asyncio import Redis
 
 from lib.backend import Keys, translating
-from lib.errors import Conflict, FlowcastError, InvalidInput, NotFound, Problem
+from lib.errors import Conflict, FlowcastError, InvalidInput, NotFound, Problem, WorkflowInvalid
 from lib.workflows.model import Workflow
 
 log = logging.getLogger(__name__)
 
 Validate = Callable[[Any], Workflow]
+# Problems a workflow has only against this server's configuration (an llm provider
+# it names is not configured): refused when stored, not when read back.
+Admit = Callable[[Workflow], list[Problem]]
 
 
 @dataclass(frozen=True)
@@ -75,9 +78,11 @@ class WorkflowStore:
         validate: Validate,
         files: dict[str, Workflow] | None = None,
         prefix: str = "fc",
+        admit: Admit | None = None,
     ) -> None:
         self._redis = redis
         self._validate = validate
+        self._admit = admit
         self._files = dict(files or {})
         self._keys = Keys(prefix)
         # Parsed workflows by their stored bytes: a stored definition is validated once.
@@ -99,6 +104,9 @@ class WorkflowStore:
         if isinstance(body, dict) and "id" not in body:
             body = {**body, "id": workflow_id}
         workflow = self._validate(body)
+        problems = self._admit(workflow) if self._admit else []
+        if problems:
+            raise WorkflowInvalid(problems)
         if workflow.id != workflow_id:
             raise InvalidInput(
                 "the workflow's id does not match the URL",

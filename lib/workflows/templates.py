@@ -18,12 +18,14 @@ server's own process.
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jinja2
+from jinja2 import nodes
 from jinja2.environment import TemplateExpression
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from jinja2.runtime import Context
@@ -254,6 +256,34 @@ class Templates:
             return f"unparsable expression: {exc.message}"
         return None
 
+    def secret_reads(self, value: Any) -> tuple[set[str], list[tuple[str, str]]]:
+        """The secret names a config's templates read, and any read not by plain name.
+
+        ``secrets`` may only be read as ``secrets.NAME`` or ``secrets['NAME']``, so the
+        server knows which values a block needs (and loads no others); anything else
+        (``secrets | list``, ``secrets[input.k]``, a loop over it) is a problem.
+        """
+        names: set[str] = set()
+        problems: list[tuple[str, str]] = []
+        for path, source in _template_paths(value, ""):
+            try:
+                tree = self._env.parse(source)
+            except TemplateSyntaxError:
+                continue  # reported by ``check``
+            found, bad = _secret_names(tree)
+            names |= found
+            if bad:
+                problems.append((path, "read a secret by its name only: {{ secrets.NAME }}"))
+        return names, problems
+
+    def expression_reads_secrets(self, expr: str) -> bool:
+        """Whether a bare expression (an edge's ``when``) mentions ``secrets`` at all."""
+        try:
+            tree = self._env.parse("{{ " + expr + " }}")
+        except TemplateSyntaxError:
+            return False
+        return any(node.name == "secrets" for node in tree.find_all(nodes.Name))
+
     def _syntax_problem(self, source: str) -> str | None:
         try:
             match = _SINGLE_EXPRESSION.match(source)
@@ -339,6 +369,59 @@ _BLOCK_READ = re.compile(
     r"""\bblocks\s*(?:\.\s*([A-Za-z_][A-Za-z0-9_]*)|\[\s*(['"])([^'"]*)\2\s*\])"""
 )
 _BLOCKS_WORD = re.compile(r"\bblocks\b")
+
+
+def _template_paths(value: Any, path: str) -> list[tuple[str, str]]:
+    """(path suffix, source) of every template string inside a config value."""
+    if isinstance(value, str):
+        return [(path, value)] if is_template(value) else []
+    if isinstance(value, dict):
+        return [
+            found
+            for key, item in value.items()
+            for found in _template_paths(item, path + _key_path(str(key)))
+        ]
+    if isinstance(value, list):
+        return [
+            found
+            for index, item in enumerate(value)
+            for found in _template_paths(item, f"{path}[{index}]")
+        ]
+    return []
+
+
+@functools.cache
+def _parser() -> jinja2.Environment:
+    return jinja2.Environment(autoescape=False)
+
+
+def secret_names(config: Any) -> set[str]:
+    """The secrets a (validated) config's templates read by name; parsing only."""
+    names: set[str] = set()
+    for _, source in _template_paths(config, ""):
+        if "secrets" in source:
+            names |= _secret_names(_parser().parse(source))[0]
+    return names
+
+
+def _secret_names(tree: nodes.Template) -> tuple[set[str], bool]:
+    """Names read as ``secrets.NAME``/``secrets['NAME']``, and whether any other use exists."""
+    names: set[str] = set()
+    plain = 0
+    for node in tree.find_all((nodes.Getattr, nodes.Getitem)):
+        target = getattr(node, "node", None)
+        if not (isinstance(target, nodes.Name) and target.name == "secrets"):
+            continue
+        if isinstance(node, nodes.Getattr):
+            key: Any = node.attr
+        else:
+            arg = getattr(node, "arg", None)
+            key = arg.value if isinstance(arg, nodes.Const) else None
+        if isinstance(key, str) and _IDENTIFIER.match(key) and len(key) <= 64:
+            names.add(key)
+            plain += 1
+    uses = sum(1 for node in tree.find_all(nodes.Name) if node.name == "secrets")
+    return names, uses != plain
 
 
 def template_strings(value: Any) -> list[str]:

@@ -88,8 +88,14 @@ def _check_blocks(
         if not isinstance(config, dict):
             continue
         type_name = block.get("type")
+        block_type = block_types.get(type_name) if isinstance(type_name, str) else None
+        secret_names, secret_problems = templates.secret_reads(config)
+        for suffix, message in secret_problems:
+            problems.append(Problem(f"{where}.config{suffix}", message))
+        if secret_names and block_type is not None and not block_type.reads_secrets:
+            message = f"only {', '.join(block_types.secret_readers())} blocks may read secrets"
+            problems.append(Problem(f"{where}.config", message))
         if isinstance(type_name, str):
-            block_type = block_types.get(type_name)
             if block_type is None:
                 known = ", ".join(block_types.names())
                 message = f"unknown block type {type_name!r} (known: {known})"
@@ -123,6 +129,8 @@ def _check_edges(
             message = templates.check_expression(when)
             if message:
                 problems.append(Problem(f"{where}.when", message))
+            elif templates.expression_reads_secrets(when):
+                problems.append(Problem(f"{where}.when", "a condition may not read secrets"))
         if not (isinstance(source, str) and isinstance(target, str) and known):
             continue
         if source == target:

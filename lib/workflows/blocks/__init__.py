@@ -18,6 +18,7 @@ from lib.workflows.blocks.fail import Fail
 from lib.workflows.blocks.file import File
 from lib.workflows.blocks.generate import Generate
 from lib.workflows.blocks.http import Http
+from lib.workflows.blocks.llm import Llm
 from lib.workflows.blocks.payload import Payload
 from lib.workflows.blocks.python import Python
 from lib.workflows.blocks.transform import Transform
@@ -51,6 +52,7 @@ class BlockTypes:
                 Delay(),
                 Generate(),
                 Http(),
+                Llm(),
                 Payload(),
                 File(),
                 Fail(),
@@ -66,6 +68,10 @@ class BlockTypes:
     def names(self) -> list[str]:
         """Every registered type name, sorted."""
         return sorted(self._types)
+
+    def secret_readers(self) -> list[str]:
+        """The types whose templates may read ``{{ secrets.NAME }}``, sorted."""
+        return [name for name in self.names() if self._types[name].reads_secrets]
 
     def __contains__(self, name: object) -> bool:
         return name in self._types

@@ -15,7 +15,7 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import httpx
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -24,6 +24,9 @@ from pydantic.alias_generators import to_camel
 from lib.errors import BlockError, FlowcastError, error_path
 from lib.workflows.pool import TemplatePool
 from lib.workflows.templates import is_template
+
+if TYPE_CHECKING:
+    from lib.workflows.providers import Providers
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -37,7 +40,8 @@ class BlockServices:
 
     ``resolve`` is how ``http`` blocks look up host names before checking and pinning
     the address; ``None`` means the system resolver (``loop.getaddrinfo``). Tests set it
-    to answer chosen addresses without DNS.
+    to answer chosen addresses without DNS. ``llm`` holds the model providers ``llm``
+    blocks may call (None: none is configured).
     """
 
     http: httpx.AsyncClient
@@ -45,6 +49,7 @@ class BlockServices:
     http_limiter: asyncio.Semaphore
     http_allow_private: bool = False
     resolve: Resolver | None = None
+    llm: Providers | None = None
 
 
 class PauseRequested(FlowcastError):
@@ -164,6 +169,8 @@ class BlockType(ABC, Generic[C]):
 
     name: ClassVar[str]
     config_model: type[C]
+    # Whether its templates may read ``{{ secrets.NAME }}`` (blocks that call out).
+    reads_secrets: ClassVar[bool] = False
 
     def check_config(self, raw: dict[str, Any]) -> list[tuple[str, str]]:
         """Registration-time problems of a raw (unrendered) config, as (path, message)."""

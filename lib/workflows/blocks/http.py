@@ -217,6 +217,7 @@ class Http(BlockType[HttpConfig]):
 
     name = "http"
     config_model = HttpConfig
+    reads_secrets = True
 
     async def run(self, ctx: BlockContext, config: HttpConfig) -> Any:
         headers = httpx.Headers(config.headers)

@@ -1,0 +1,239 @@
+"""Tenants' secrets: encrypted at rest, readable only by the runs of their own tenant.
+
+A secret is stored in its tenant's Redis hash, encrypted with AES-256-GCM (the
+``cryptography`` package) under a key derived by HKDF-SHA256 from the server's secret
+key. The tenant and the name are the associated data, so a value copied to another
+tenant's hash or under another name does not decrypt. No route ever returns a value:
+only ``reveal`` does, for a run of the same tenant whose templates read it.
+
+Wherever a revealed value could come back out (a block's output, its streamed chunks,
+an error message, a log line), ``Redactor`` puts ``***`` in its place. Every value
+this process revealed is also remembered (boundedly) for ``redact_text``, which the
+log formatter applies to every line.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import re
+import secrets
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, cast
+
+import orjson
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from redis.asyncio import Redis
+
+from lib.backend import Keys, translating
+from lib.errors import BlockError, InvalidInput, NotFound, Problem
+
+MASK = "***"
+NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+MAX_VALUE_BYTES = 64 * 1024
+MAX_SECRETS = 1000
+_REMEMBERED = 10_000
+
+
+@dataclass(frozen=True)
+class SecretInfo:
+    name: str
+    updated_at: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"name": self.name, "updatedAt": self.updated_at}
+
+
+def check_name(name: str) -> None:
+    """InvalidInput unless ``name`` can be read as ``{{ secrets.NAME }}``."""
+    if not NAME.match(name):
+        raise InvalidInput(
+            "invalid secret name",
+            [Problem("name", "1-64 letters, digits or '_', not starting with a digit")],
+        )
+
+
+class SecretStore:
+    """Put, list, delete and (for runs only) reveal one tenant's secrets."""
+
+    def __init__(self, *, redis: Redis, key: bytes, prefix: str = "fc") -> None:
+        derived = HKDF(
+            algorithm=hashes.SHA256(), length=32, salt=None, info=b"flowcast secrets v1"
+        ).derive(key)
+        self._aead = AESGCM(derived)
+        self._redis = redis
+        self._keys = Keys(prefix)
+        self._revealed: OrderedDict[str, None] = OrderedDict()
+
+    async def put(self, tenant: str, name: str, value: str) -> tuple[SecretInfo, bool]:
+        """Store ``value`` as ``name``; the secret's listing, and whether it is new."""
+        check_name(name)
+        plain = value.encode("utf-8", "surrogatepass")
+        if not plain:
+            raise InvalidInput("empty secret", [Problem("$.value", "a secret cannot be empty")])
+        if len(plain) > MAX_VALUE_BYTES:
+            raise InvalidInput(
+                "secret too large",
+                [Problem("$.value", f"a secret is at most {MAX_VALUE_BYTES} bytes")],
+            )
+        nonce = secrets.token_bytes(12)
+        sealed = self._aead.encrypt(nonce, plain, _aad(tenant, name))
+        now = datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds")
+        info = SecretInfo(name, now.replace("+00:00", "Z"))
+        stored = orjson.dumps(
+            {"at": info.updated_at, "sealed": base64.b64encode(nonce + sealed).decode()}
+        )
+        key = self._keys.secrets(tenant)
+        with translating("store the secret"):
+            full = await self._redis.hlen(key) >= MAX_SECRETS
+            if full and not await self._redis.hexists(key, name):
+                raise InvalidInput(
+                    "too many secrets",
+                    [Problem("name", f"a tenant may keep at most {MAX_SECRETS} secrets")],
+                )
+            created = bool(await self._redis.hset(key, name, stored))
+        return info, created
+
+    async def list(self, tenant: str) -> list[SecretInfo]:
+        """Names and update times, never values."""
+        with translating("list secrets"):
+            stored = cast(dict[bytes, bytes], await self._redis.hgetall(self._keys.secrets(tenant)))
+        found = [
+            SecretInfo(name.decode(), str(orjson.loads(raw).get("at", "")))
+            for name, raw in stored.items()
+        ]
+        return sorted(found, key=lambda info: info.name)
+
+    async def delete(self, tenant: str, name: str) -> None:
+        with translating("delete the secret"):
+            removed = await self._redis.hdel(self._keys.secrets(tenant), name)
+        if not removed:
+            raise NotFound("secret", name)
+
+    async def reveal(self, tenant: str, names: set[str]) -> dict[str, str]:
+        """The values of ``names`` for a run of ``tenant``; a BlockError for a missing one."""
+        ordered = sorted(names)
+        if not ordered:
+            return {}
+        with translating("read secrets"):
+            stored = cast(
+                list[bytes | None], await self._redis.hmget(self._keys.secrets(tenant), ordered)
+            )
+        values: dict[str, str] = {}
+        for name, raw in zip(ordered, stored, strict=True):
+            if raw is None:
+                raise BlockError(
+                    "secret_missing",
+                    f"secret {name!r} is not set: PUT /api/secrets/{name} first",
+                    retryable=False,
+                )
+            values[name] = self._open(tenant, name, raw)
+        for value in values.values():
+            self._remember(value)
+        return values
+
+    def _open(self, tenant: str, name: str, raw: bytes) -> str:
+        try:
+            blob = base64.b64decode(orjson.loads(raw)["sealed"])
+            plain = self._aead.decrypt(blob[:12], blob[12:], _aad(tenant, name))
+        except (InvalidTag, KeyError, ValueError, TypeError) as exc:
+            raise BlockError(
+                "secret_unreadable",
+                f"secret {name!r} cannot be decrypted: was FLOWCAST_SECRET_KEY changed?",
+                retryable=False,
+            ) from exc
+        return plain.decode("utf-8", "surrogatepass")
+
+    def _remember(self, value: str) -> None:
+        self._revealed[value] = None
+        self._revealed.move_to_end(value)
+        while len(self._revealed) > _REMEMBERED:
+            self._revealed.popitem(last=False)
+
+    def redact_text(self, text: str) -> str:
+        """``text`` with every value this process revealed replaced by ``***``."""
+        if not self._revealed:
+            return text
+        return Redactor(self._revealed).text(text)
+
+
+def _aad(tenant: str, name: str) -> bytes:
+    return f"{tenant}\x00{name}".encode()
+
+
+class Redactor:
+    """Replaces known secret values in text, JSON values and streamed chunks."""
+
+    def __init__(self, values: Any = ()) -> None:
+        self._values: set[str] = set()
+        self._pattern: re.Pattern[str] | None = None
+        self.add(values)
+
+    def __bool__(self) -> bool:
+        return bool(self._values)
+
+    def add(self, values: Any) -> None:
+        fresh = {value for value in values if value and value not in self._values}
+        if fresh:
+            self._values |= fresh
+            # Longest first, so a value that contains another is masked whole.
+            ordered = sorted(self._values, key=len, reverse=True)
+            self._pattern = re.compile("|".join(re.escape(value) for value in ordered))
+
+    def text(self, text: str) -> str:
+        if self._pattern is None:
+            return text
+        return self._pattern.sub(MASK, text)
+
+    def value(self, value: Any) -> Any:
+        """A JSON value with secrets masked in every string (keys included)."""
+        if self._pattern is None:
+            return value
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, dict):
+            return {self.text(str(k)): self.value(item) for k, item in value.items()}
+        if isinstance(value, list):
+            return [self.value(item) for item in value]
+        return value
+
+    def stream(self) -> ChunkRedactor:
+        return ChunkRedactor(self)
+
+
+class ChunkRedactor:
+    """Masks secrets in a stream of chunks, also when one is split across chunks.
+
+    The end of a chunk that could be the start of a secret is held back until the next
+    chunk shows whether it is; ``flush`` gives what is left when the stream ends.
+    """
+
+    def __init__(self, redactor: Redactor) -> None:
+        self._redactor = redactor
+        self._held = ""
+
+    def feed(self, chunk: str) -> str:
+        if not self._redactor:
+            return chunk
+        text = self._redactor.text(self._held + chunk)
+        keep = self._prefix_tail(text)
+        self._held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep] if keep else text
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return self._redactor.text(held)
+
+    def _prefix_tail(self, text: str) -> int:
+        """The length of the longest end of ``text`` that begins some secret."""
+        longest = 0
+        for value in self._redactor._values:
+            for size in range(min(len(value) - 1, len(text)), longest, -1):
+                if value.startswith(text[len(text) - size :]):
+                    longest = size
+                    break
+        return longest

@@ -1,0 +1,122 @@
+--[[
+slots.lua: one provider's concurrency slots, shared by every process (a lease-based,
+first-come-first-served semaphore on Redis's clock).
+
+KEYS[1]  holders: zset token -> lease end (ms)        fc:{llm:<provider>}:holders
+KEYS[2]  queue:   zset token -> ticket (arrival order) fc:{llm:<provider>}:queue
+KEYS[3]  waiters: zset token -> alive until (ms)       fc:{llm:<provider>}:waiters
+KEYS[4]  tickets: the counter that numbers arrivals    fc:{llm:<provider>}:tickets
+KEYS[5]  freed:   a stream, one entry per freed slot   fc:{llm:<provider>}:freed
+KEYS[6]  pause:   set while the provider asked to wait fc:{llm:<provider>}:pause
+ARGV[1]  operation: "acquire", "renew", "release" or "pause"
+ARGV[2]  the caller's token
+ARGV[3]  acquire: the cap; pause: how long to pause (ms)
+ARGV[4]  lease length in milliseconds
+
+Returns
+  acquire  {1, 0, ""} when the caller now holds a slot, else
+           {0, wait, freed}: try again within `wait` ms (a holder's lease ends, the
+           pause ends, or the caller must show it is still waiting), or as soon as
+           the freed stream has an entry after id `freed` ("0-0" when it is empty)
+  renew    1 (the holder's lease is extended; a holder the store forgot is counted
+           again, since its call is in flight whatever the store remembers)
+  release  1 when a slot was freed, else 0
+  pause    the pause left, in ms (the longer of the one asked and the one set)
+
+Holders whose lease ended (a crashed process) and waiters that stopped asking are
+dropped on every acquire, so a dead process never keeps a slot or a place in line.
+Every key expires a while after the provider was last used.
+]]
+
+local holders, queue, waiters, tickets, freed, pause = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local op, token = ARGV[1], ARGV[2]
+local lease = tonumber(ARGV[4])
+local time = redis.call("TIME")
+local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local keep = lease * 4 + 60000
+
+local function touch()
+  for _, key in ipairs({holders, queue, waiters, tickets, freed}) do
+    redis.call("PEXPIRE", key, keep)
+  end
+end
+
+local function last_freed()
+  local last = redis.call("XREVRANGE", freed, "+", "-", "COUNT", 1)
+  if #last == 0 then
+    return "0-0"
+  end
+  return last[1][1]
+end
+
+local function announce()
+  redis.call("XADD", freed, "MAXLEN", "~", 64, "*", "t", token)
+end
+
+if op == "renew" then
+  redis.call("ZADD", holders, now + lease, token)
+  touch()
+  return 1
+end
+
+if op == "release" then
+  local freed_slot = redis.call("ZREM", holders, token)
+  redis.call("ZREM", queue, token)
+  redis.call("ZREM", waiters, token)
+  if freed_slot == 1 then
+    announce()
+  end
+  touch()
+  return freed_slot
+end
+
+if op == "pause" then
+  local ask = tonumber(ARGV[3])
+  local left = redis.call("PTTL", pause)
+  if left < ask then
+    redis.call("SET", pause, "1", "PX", ask)
+    left = ask
+  end
+  return left
+end
+
+-- acquire
+local cap = tonumber(ARGV[3])
+local expired = redis.call("ZRANGEBYSCORE", holders, "-inf", now)
+if #expired > 0 then
+  redis.call("ZREMRANGEBYSCORE", holders, "-inf", now)
+  announce()
+end
+for _, gone in ipairs(redis.call("ZRANGEBYSCORE", waiters, "-inf", now)) do
+  redis.call("ZREM", queue, gone)
+  redis.call("ZREM", waiters, gone)
+end
+if redis.call("ZSCORE", holders, token) then
+  -- The caller holds a slot already (its earlier acquire's reply was lost).
+  redis.call("ZADD", holders, now + lease, token)
+  touch()
+  return {1, 0, ""}
+end
+if not redis.call("ZSCORE", queue, token) then
+  redis.call("ZADD", queue, redis.call("INCR", tickets), token)
+end
+redis.call("ZADD", waiters, now + lease, token)
+touch()
+-- Ask again before the waiter entry ends, so a live waiter keeps its place.
+local wait = math.max(math.floor(lease / 3), 1)
+local paused = redis.call("PTTL", pause)
+if paused > 0 then
+  return {0, math.min(wait, paused), last_freed()}
+end
+local free = cap - redis.call("ZCARD", holders)
+if free > 0 and redis.call("ZRANK", queue, token) < free then
+  redis.call("ZREM", queue, token)
+  redis.call("ZREM", waiters, token)
+  redis.call("ZADD", holders, now + lease, token)
+  return {1, 0, ""}
+end
+local first = redis.call("ZRANGE", holders, 0, 0, "WITHSCORES")
+if #first > 0 then
+  wait = math.max(math.min(wait, tonumber(first[2]) - now + 1), 1)
+end
+return {0, wait, last_freed()}
