@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import base64
 import datetime
+import json
 import re
 import secrets
+import urllib.parse
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, cast
@@ -177,7 +179,14 @@ class Redactor:
         return bool(self._values)
 
     def add(self, values: Any) -> None:
-        fresh = {value for value in values if value and value not in self._values}
+        """Mask these values from now on, also in the spellings a request gives them."""
+        fresh = {
+            spelling
+            for value in values
+            if value
+            for spelling in _spellings(value)
+            if spelling not in self._values
+        }
         if fresh:
             self._values |= fresh
             # Longest first, so a value that contains another is masked whole.
@@ -203,6 +212,22 @@ class Redactor:
 
     def stream(self) -> ChunkRedactor:
         return ChunkRedactor(self)
+
+
+def _spellings(value: str) -> set[str]:
+    """``value`` as it may come back: as is, percent-encoded (a URL, a form), escaped
+    in JSON text, in base64. Other transformations cannot be recognized."""
+    spellings = {
+        value,
+        urllib.parse.quote(value, safe=""),
+        urllib.parse.quote(value, safe="/:@!$&'()*+,;=?~"),
+        urllib.parse.quote_plus(value),
+        json.dumps(value, ensure_ascii=False)[1:-1],
+        json.dumps(value)[1:-1],
+        base64.b64encode(value.encode("utf-8", "surrogatepass")).decode(),
+    }
+    # Too short to mask without masking everything else too.
+    return {spelling for spelling in spellings if len(spelling) >= min(4, len(value))}
 
 
 class ChunkRedactor:

@@ -13,7 +13,7 @@ import json
 import os
 import re
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import pytest
 from playwright.async_api import Browser, Page, Request, Route, async_playwright, expect
 
 from tests.support.api import all_events, flaky_workflow, put, streaming_workflow, wait_finished
+from tests.support.llm import FakeLLM, Reply
 from tests.support.servers import ROOT, FlowcastServer, ValkeyServer
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -46,6 +47,7 @@ CHROMIUM_FLAGS = [
 ]
 SETTLE_MS = 30_000  # how long expect() waits for a run to reach a state
 API_KEY = "page-key-" + "p" * 24
+LLM_KEY = "sk-page-model-key"
 
 
 @pytest.fixture(scope="module")
@@ -104,16 +106,27 @@ async def guarded(
 
 
 @pytest.fixture(scope="module")
+def llm() -> Iterator[FakeLLM]:
+    """A fake OpenAI-compatible model on 127.0.0.1, the ``plugged`` server's provider."""
+    with FakeLLM(api_key=LLM_KEY) as fake:
+        yield fake
+
+
+@pytest.fixture(scope="module")
 async def plugged(
-    tmp_path_factory: pytest.TempPathFactory, valkey: ValkeyServer
+    tmp_path_factory: pytest.TempPathFactory, valkey: ValkeyServer, llm: FakeLLM
 ) -> AsyncIterator[FlowcastServer]:
-    """A server with the test plugins, among them ``flaky`` (streams, then fails once)."""
+    """A server with the test plugins, among them ``flaky`` (streams, then fails once),
+    and the fake model as its default ``llm`` provider."""
     server = FlowcastServer(
         data_dir=tmp_path_factory.mktemp("page-plugged"),
         env={
             "FLOWCAST_REDIS_URL": valkey.url,
             "FLOWCAST_REDIS_PREFIX": f"page{uuid.uuid4().hex[:6]}",
             "FLOWCAST_PLUGINS": "tests.support.plugins",
+            "FLOWCAST_LLM_PROVIDERS": json.dumps(
+                {"default": {"baseUrl": llm.url, "apiKey": LLM_KEY}}
+            ),
         },
     )
     await server.start()
@@ -566,3 +579,77 @@ async def test_a_recovery_keeps_the_run_going_and_restarts_the_rerun_blocks_text
     await expect(page.locator("#cancel")).to_be_hidden()
     assert await event_ids(page) == list(range(1, len(before) + len(after) + 1))
     assert len(connections) == 2, "the page reconnected once and finished"
+
+
+# ---------------------------------------------------------------- an llm block
+
+
+# The block's text while it still streams: longer than ``before`` and not yet all of it,
+# read in the same frame as the run's and the block's status, both still "running".
+PARTIAL_TEXT = """({ blockId, before, full }) => {
+  const row = document.querySelector(`#timeline li.block[data-block-id="${blockId}"]`);
+  if (!row) return null;
+  const text = row.querySelector("pre.chunks").textContent;
+  const running = document.querySelector("#run-status").dataset.status === "running"
+    && row.dataset.status === "running";
+  return running && text.length > before.length && text !== full ? text : null;
+}"""
+
+
+async def partial_text(page: Page, block_id: str, before: str, full: str) -> str:
+    """Wait for the block's text to grow past ``before`` while the run is running."""
+    handle = await page.wait_for_function(
+        PARTIAL_TEXT,
+        arg={"blockId": block_id, "before": before, "full": full},
+        polling=20,
+        timeout=SETTLE_MS,
+    )
+    text: str = await handle.json_value()
+    return text
+
+
+async def test_an_llm_blocks_tokens_show_as_live_text(
+    plugged: FlowcastServer, page: Page, llm: FakeLLM, unique: str
+) -> None:
+    pieces = ["Tokens ", "arrive ", "one ", "by ", "one, ", "live."]
+    full = "".join(pieces)
+    llm.reset()
+    llm.script(Reply(pieces=pieces, piece_delay=0.2))
+    workflow = {
+        "id": f"llm-{unique}",
+        "blocks": [
+            {
+                "id": "draft",
+                "type": "llm",
+                "config": {
+                    "model": "fake-1",
+                    "messages": [{"role": "user", "content": "Say {{ input.what }}"}],
+                },
+            }
+        ],
+        "edges": [],
+    }
+    async with httpx.AsyncClient(base_url=plugged.url, timeout=20) as client:
+        await put(client, workflow)
+        await page.goto(plugged.url)
+        execution_id = await start(page, f"llm-{unique}", {"what": "something slowly"})
+
+        # Seen twice mid-stream, each time a longer prefix, before the block completes.
+        first = await partial_text(page, "draft", "", full)
+        second = await partial_text(page, "draft", first, full)
+        assert full.startswith(first) and full.startswith(second), (first, second)
+        assert 0 < len(first) < len(second) < len(full), (first, second)
+
+        await finished(page)
+        snapshot = await wait_finished(client, execution_id)
+        events = await all_events(client, execution_id)
+    draft = block(page, "draft")
+    await expect(draft.locator(".chunks")).to_have_text(full)
+    await expect(draft.locator(".status")).to_have_text("completed")
+    await expect(draft.locator(".kind")).to_have_text("llm")
+    await expect(page.locator('#events li[data-type="block:chunk"]')).to_have_count(len(pieces))
+    assert [e["data"]["text"] for e in events if e["type"] == "block:chunk"] == pieces
+    assert snapshot["status"] == "completed"
+    assert snapshot["output"]["draft"]["text"] == full
+    (seen,) = llm.requests
+    assert seen.body["messages"] == [{"role": "user", "content": "Say something slowly"}]

@@ -1,0 +1,341 @@
+"""Provider slots (lib/workflows/slots.py + slots.lua) on a real Valkey server.
+
+Two ``Slots`` objects on one prefix behave as two replicas: each has its own line of
+waiters and its own clients, and they share the provider's keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+from redis.asyncio import Redis
+
+from app.embedded import free_port
+from lib.backend import Keys
+from lib.workflows.slots import Slots
+from tests.support.servers import ValkeyServer
+
+PROVIDER = "p"
+
+Replica = Callable[..., Slots]
+
+
+@pytest.fixture
+def prefix(unique: str) -> str:
+    return f"slots-{unique}"
+
+
+@pytest.fixture
+def keys(prefix: str) -> list[str]:
+    """holders, queue, waiters, tickets, freed, pause (the order slots.lua takes them)."""
+    return Keys(prefix).slots(PROVIDER)
+
+
+@pytest.fixture
+async def replica(valkey: ValkeyServer, prefix: str, unique: str) -> AsyncIterator[Replica]:
+    """Builds Slots objects on the test's prefix, each with clients of its own."""
+    made: list[Slots] = []
+    clients: list[Redis] = []
+
+    def build(lease_seconds: float = 15.0) -> Slots:
+        redis = Redis.from_url(valkey.url, client_name=f"slots-{unique}")
+        tail = Redis.from_url(valkey.url)
+        clients.extend((redis, tail))
+        slots = Slots(redis=redis, tail_redis=tail, prefix=prefix, lease_seconds=lease_seconds)
+        made.append(slots)
+        return slots
+
+    yield build
+    for slots in made:
+        await slots.close()
+    for client in clients:
+        await client.aclose()
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 5.0) -> None:
+    """Poll ``check`` until it holds."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout}s"
+        await asyncio.sleep(0.01)
+
+
+async def queued(redis: Redis, keys: list[str], count: int) -> None:
+    """Wait until ``count`` waiters stand in the provider's line in Redis."""
+
+    async def check() -> bool:
+        return int(await redis.zcard(keys[1])) == count
+
+    await eventually(check, f"{count} waiters in line")
+
+
+async def holding(slots: Slots, cap: int, release: asyncio.Event, held: asyncio.Event) -> None:
+    """Hold a slot until ``release`` is set."""
+    async with slots.hold(PROVIDER, cap):
+        held.set()
+        await release.wait()
+
+
+async def test_holders_on_two_replicas_never_exceed_the_cap(replica: Replica) -> None:
+    first, second = replica(), replica()
+    in_flight = peak = finished = 0
+
+    async def call(slots: Slots) -> None:
+        nonlocal in_flight, peak, finished
+        async with slots.hold(PROVIDER, 3):
+            in_flight += 1
+            peak = max(peak, in_flight)
+            await asyncio.sleep(0.005)  # the provider call's work, not a readiness wait
+            in_flight -= 1
+        finished += 1
+
+    async with asyncio.TaskGroup() as group:
+        for n in range(30):
+            group.create_task(call(first if n % 2 else second))
+
+    assert finished == 30
+    assert 1 <= peak <= 3
+
+
+async def test_waiters_on_two_replicas_are_served_in_arrival_order(
+    replica: Replica, redis: Redis, keys: list[str]
+) -> None:
+    # Each replica also caps itself locally at ``cap``, so the cap is 3 (not 1) to let
+    # three waiters of each replica stand in the shared line; three slots taken by
+    # tokens that never renew (a 30 s lease outlives the test) leave one to pass along.
+    cap = 3
+    first, second = replica(lease_seconds=30), replica(lease_seconds=30)
+    for n in range(cap):
+        granted, _, _ = await first._call(PROVIDER, "acquire", f"taken-{n}", cap)
+        assert granted == 1
+    served: list[int] = []
+
+    async def wait(n: int, slots: Slots) -> None:
+        async with slots.hold(PROVIDER, cap):
+            served.append(n)
+
+    waiters = []
+    for n in range(6):
+        waiters.append(asyncio.create_task(wait(n, (first, second)[n % 2])))
+        await queued(redis, keys, n + 1)
+
+    assert await first._call(PROVIDER, "release", "taken-0", 0) == 1
+    await asyncio.wait_for(asyncio.gather(*waiters), 10)
+
+    assert served == [0, 1, 2, 3, 4, 5]
+
+
+async def test_a_dead_holder_stops_counting_when_its_lease_ends(
+    replica: Replica, redis: Redis, keys: list[str]
+) -> None:
+    slots = replica(lease_seconds=1)
+    started = time.monotonic()
+    granted, _, _ = await slots._call(PROVIDER, "acquire", "ghost", 1)  # never renewed
+    assert granted == 1
+
+    async def wait() -> float:
+        async with slots.hold(PROVIDER, 1):
+            return time.monotonic()
+
+    served_at = await asyncio.wait_for(wait(), 5)
+
+    assert served_at - started >= 0.9  # not before the ghost's lease ended
+    assert await redis.zscore(keys[0], "ghost") is None
+
+
+async def test_a_waiter_that_stops_asking_loses_its_place_after_a_lease(
+    replica: Replica, redis: Redis, keys: list[str]
+) -> None:
+    first, second = replica(lease_seconds=1), replica(lease_seconds=1)
+    release, held = asyncio.Event(), asyncio.Event()
+    holder = asyncio.create_task(holding(first, 1, release, held))
+    await asyncio.wait_for(held.wait(), 5)
+    granted, _, _ = await first._call(PROVIDER, "acquire", "gone-waiter", 1)  # asks once
+    assert granted == 0
+
+    async def wait() -> None:
+        async with second.hold(PROVIDER, 1):
+            pass
+
+    waiter = asyncio.create_task(wait())
+    await queued(redis, keys, 2)
+    assert (await redis.zrange(keys[1], 0, 0)) == [b"gone-waiter"]
+
+    release.set()
+    await asyncio.wait_for(asyncio.gather(holder, waiter), 5)
+
+    assert await redis.zscore(keys[1], "gone-waiter") is None
+    assert await redis.zscore(keys[0], "gone-waiter") is None
+
+
+async def test_a_release_wakes_a_waiter_on_another_replica_through_the_freed_stream(
+    replica: Replica, redis: Redis, keys: list[str]
+) -> None:
+    # A 30 s lease: a waiter asking on its own timer would ask again only after 10 s.
+    first, second = replica(lease_seconds=30), replica(lease_seconds=30)
+    release, held = asyncio.Event(), asyncio.Event()
+    holder = asyncio.create_task(holding(first, 1, release, held))
+    await asyncio.wait_for(held.wait(), 5)
+    served = asyncio.Event()
+
+    async def wait() -> None:
+        async with second.hold(PROVIDER, 1):
+            served.set()
+
+    waiter = asyncio.create_task(wait())
+    await queued(redis, keys, 1)
+    assert not served.is_set()
+
+    release.set()
+    await asyncio.wait_for(served.wait(), 2)
+    await asyncio.gather(holder, waiter)
+
+
+async def test_a_pause_holds_every_replica_until_it_passes_and_a_shorter_one_does_not_cut_it(
+    replica: Replica, redis: Redis, keys: list[str]
+) -> None:
+    first, second = replica(lease_seconds=3), replica(lease_seconds=3)
+    started = time.monotonic()
+    await first.pause(PROVIDER, 1.0)
+    await first.pause(PROVIDER, 0.1)
+    assert await redis.pttl(keys[5]) > 500
+    paused_when_served: list[int] = []
+
+    async def wait() -> float:
+        async with second.hold(PROVIDER, 1):
+            paused_when_served.append(await redis.exists(keys[5]))
+            return time.monotonic()
+
+    waiter = asyncio.create_task(wait())
+    await queued(redis, keys, 1)
+    assert await redis.pttl(keys[5]) > 0
+    assert not waiter.done()
+
+    served_at = await asyncio.wait_for(waiter, 5)
+
+    assert served_at - started >= 0.9
+    assert paused_when_served == [0]
+
+
+async def test_without_redis_a_hold_goes_ahead_under_the_process_cap(
+    caplog: pytest.LogCaptureFixture, unique: str
+) -> None:
+    down = Redis.from_url(f"redis://127.0.0.1:{free_port()}", socket_connect_timeout=0.2)
+    slots = Slots(redis=down, tail_redis=down, prefix=f"slots-{unique}", lease_seconds=1)
+    in_flight = peak = finished = 0
+    two_in = asyncio.Event()
+
+    async def call() -> None:
+        nonlocal in_flight, peak, finished
+        async with slots.hold(PROVIDER, 2):
+            in_flight += 1
+            peak = max(peak, in_flight)
+            if in_flight == 2:
+                two_in.set()
+            # The first two stay until both are in; the third enters after them.
+            await asyncio.wait_for(two_in.wait(), 5)
+            in_flight -= 1
+        finished += 1
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="lib.workflows.slots"):
+            async with asyncio.TaskGroup() as group:
+                for _ in range(3):
+                    group.create_task(call())
+    finally:
+        await slots.close()
+        await down.aclose()
+
+    assert finished == 3
+    assert peak == 2
+    assert "provider slots unreachable: this process's cap only" in caplog.messages
+
+
+async def test_a_providers_keys_share_one_hash_tag_and_expire(
+    replica: Replica, redis: Redis, prefix: str
+) -> None:
+    keys = Keys(prefix).slots(PROVIDER)
+    assert all(f"{{llm:{PROVIDER}}}" in key for key in keys)
+    slots = replica(lease_seconds=1)
+
+    # A holder that dies before its first renew must not leave a key for ever.
+    granted, _, _ = await slots._call(PROVIDER, "acquire", "ghost", 1)
+    assert granted == 1
+    assert await redis.pttl(keys[0]) > 0
+
+    granted, _, _ = await slots._call(PROVIDER, "acquire", "gone-waiter", 1)
+    assert granted == 0
+    assert await slots._call(PROVIDER, "release", "ghost", 0) == 1
+    await slots.pause(PROVIDER, 1.0)
+    for key in keys[1:]:
+        assert await redis.pttl(key) > 0, key
+
+
+async def test_a_waiter_cancelled_in_line_gives_up_its_place_at_once(
+    replica: Replica, redis: Redis, keys: list[str]
+) -> None:
+    # A 30 s lease: a place kept until the line drops it would hold the next waiter 30 s.
+    first, second, third = (replica(lease_seconds=30) for _ in range(3))
+    release, held = asyncio.Event(), asyncio.Event()
+    holder = asyncio.create_task(holding(first, 1, release, held))
+    await asyncio.wait_for(held.wait(), 5)
+    cancelled = asyncio.create_task(holding(second, 1, asyncio.Event(), asyncio.Event()))
+    await queued(redis, keys, 1)
+
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    await queued(redis, keys, 0)
+
+    served = asyncio.Event()
+    waiter = asyncio.create_task(holding(third, 1, asyncio.Event(), served))
+    await queued(redis, keys, 1)
+    release.set()
+    await asyncio.wait_for(served.wait(), 2)
+    waiter.cancel()
+    await asyncio.gather(holder, waiter, return_exceptions=True)
+
+
+async def test_a_waiter_does_not_spin_after_the_freed_stream_expired(
+    replica: Replica, redis: Redis, keys: list[str], unique: str
+) -> None:
+    # A line that has seen a freed slot remembers its id; when the provider sat idle
+    # long enough for its keys to expire, the stream starts again from empty.
+    slots = replica(lease_seconds=3)
+    granted, _, _ = await slots._call(PROVIDER, "acquire", "earlier", 1)
+    assert granted == 1
+    release, held = asyncio.Event(), asyncio.Event()
+    earlier = asyncio.create_task(holding(slots, 1, release, held))
+    await queued(redis, keys, 1)
+    assert await slots._call(PROVIDER, "release", "earlier", 0) == 1
+    await asyncio.wait_for(held.wait(), 5)
+    release.set()
+    await earlier
+    await redis.pexpire(keys[4], 1)
+
+    async def stream_gone() -> bool:
+        return int(await redis.exists(keys[4])) == 0
+
+    await eventually(stream_gone, "the freed stream expired")
+
+    async def commands() -> int:
+        clients = await redis.client_list()
+        return sum(int(c["tot-cmds"]) for c in clients if c["name"] == f"slots-{unique}")
+
+    granted, _, _ = await slots._call(PROVIDER, "acquire", "ghost", 1)  # renews nothing
+    assert granted == 1
+    waiter = asyncio.create_task(holding(slots, 1, asyncio.Event(), asyncio.Event()))
+    await queued(redis, keys, 1)
+    before = await commands()
+    done, _ = await asyncio.wait([waiter], timeout=0.5)  # a window to count asks in
+    asked = await commands() - before
+    waiter.cancel()
+    await asyncio.gather(waiter, return_exceptions=True)
+
+    assert not done
+    # The waiter asks again once a second (a third of its lease), not in a loop.
+    assert asked <= 5
