@@ -70,6 +70,7 @@ class SecretStore:
         self._redis = redis
         self._keys = Keys(prefix)
         self._revealed: OrderedDict[str, None] = OrderedDict()
+        self._mask = Redactor()
 
     async def put(self, tenant: str, name: str, value: str) -> tuple[SecretInfo, bool]:
         """Store ``value`` as ``name``; the secret's listing, and whether it is new."""
@@ -151,16 +152,19 @@ class SecretStore:
         return plain.decode("utf-8", "surrogatepass")
 
     def _remember(self, value: str) -> None:
+        fresh = value not in self._revealed
         self._revealed[value] = None
         self._revealed.move_to_end(value)
-        while len(self._revealed) > _REMEMBERED:
-            self._revealed.popitem(last=False)
+        if len(self._revealed) > _REMEMBERED:
+            while len(self._revealed) > _REMEMBERED:
+                self._revealed.popitem(last=False)
+            self._mask = Redactor(self._revealed)
+        elif fresh:
+            self._mask.add([value])
 
     def redact_text(self, text: str) -> str:
         """``text`` with every value this process revealed replaced by ``***``."""
-        if not self._revealed:
-            return text
-        return Redactor(self._revealed).text(text)
+        return self._mask.text(text)
 
 
 def _aad(tenant: str, name: str) -> bytes:
@@ -177,6 +181,11 @@ class Redactor:
 
     def __bool__(self) -> bool:
         return bool(self._values)
+
+    @property
+    def values(self) -> frozenset[str]:
+        """Every spelling masked."""
+        return frozenset(self._values)
 
     def add(self, values: Any) -> None:
         """Mask these values from now on, also in the spellings a request gives them."""
@@ -256,7 +265,7 @@ class ChunkRedactor:
     def _prefix_tail(self, text: str) -> int:
         """The length of the longest end of ``text`` that begins some secret."""
         longest = 0
-        for value in self._redactor._values:
+        for value in self._redactor.values:
             for size in range(min(len(value) - 1, len(text)), longest, -1):
                 if value.startswith(text[len(text) - size :]):
                     longest = size

@@ -113,6 +113,7 @@ if free > 0 and redis.call("ZRANK", queue, token) < free then
   redis.call("ZREM", queue, token)
   redis.call("ZREM", waiters, token)
   redis.call("ZADD", holders, now + lease, token)
+  touch()  -- holders may be new: one that dies before renewing must not keep it for ever
   return {1, 0, ""}
 end
 local first = redis.call("ZRANGE", holders, 0, 0, "WITHSCORES")

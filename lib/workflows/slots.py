@@ -37,11 +37,6 @@ log = logging.getLogger(__name__)
 _BLOCK_MS = 5_000
 
 
-def _stream_id(raw: str) -> tuple[int, int]:
-    ms, _, seq = raw.partition("-")
-    return int(ms), int(seq or 0)
-
-
 class _Line:
     """One provider's waiters in this process and the reader that wakes them."""
 
@@ -84,7 +79,13 @@ class Slots:
             line = self._lines[provider] = _Line(cap)
         token = secrets.token_hex(8)
         async with line.local:
-            shared = await self._acquire(provider, line, token)
+            try:
+                shared = await self._acquire(provider, line, token)
+            except BaseException:
+                # Cancelled in line (or with the grant's reply on its way): give up the
+                # place or the slot now, not a lease later, so the calls behind go on.
+                await asyncio.shield(self._release(provider, token))
+                raise
             renewing = asyncio.create_task(self._renew(provider, token)) if shared else None
             try:
                 yield
@@ -116,6 +117,7 @@ class Slots:
         line.waiting += 1
         try:
             while True:
+                asked = line.seen
                 try:
                     granted, wait_ms, freed = await self._call(provider, "acquire", token, line.cap)
                 except BufferUnavailable as exc:
@@ -126,15 +128,17 @@ class Slots:
                     return False
                 if int(granted):
                     return True
-                after = _stream_id(freed.decode() if isinstance(freed, bytes) else str(freed))
+                end = freed.decode() if isinstance(freed, bytes) else str(freed)
                 async with line.changed:
                     if line.reader is None:
-                        if after > _stream_id(line.seen):
-                            line.seen = "{}-{}".format(*after)
+                        # Start where the script saw the stream end, even before ``seen``:
+                        # a stream that expired (or was lost) begins again from "0-0".
+                        line.seen = asked = end
                         line.reader = asyncio.create_task(self._read(provider, line))
-                    # The reader has read up to ``seen``: anything past what the script
-                    # saw is a slot freed since, so ask again at once.
-                    if _stream_id(line.seen) <= after:
+                    # The reader has read an entry since we asked: maybe a slot freed
+                    # after the script looked, so ask again at once. (Comparing ids
+                    # instead would spin for as long as a lost stream stays behind them.)
+                    if line.seen == asked:
                         with contextlib.suppress(TimeoutError):
                             await asyncio.wait_for(line.changed.wait(), int(wait_ms) / 1000)
         finally:
