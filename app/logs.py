@@ -50,9 +50,12 @@ def mask_with(mask: Callable[[str], str] | None) -> None:
 def redact(text: str) -> str:
     """``text`` with the value of every ``token`` query parameter replaced, however its
     name is spelled, and every revealed secret masked."""
+    # Tokens first: a secret that happens to look like "token" or "=" must not hide the
+    # parameter's name from its own redaction.
+    text = _PARAMETER.sub(_redacted, text) if "=" in text else text
     for mask in _masks:
         text = mask(text)
-    return _PARAMETER.sub(_redacted, text) if "=" in text else text
+    return text
 
 
 class JsonFormatter(logging.Formatter):
@@ -86,3 +89,6 @@ def configure(level: str) -> None:
         logger = logging.getLogger(name)
         logger.handlers.clear()
         logger.propagate = True
+    # httpx logs every outbound request's URL at INFO: block calls are already events,
+    # and such a URL may carry a secret.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, root.level))

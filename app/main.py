@@ -246,6 +246,11 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
         )
         if not settings.api_keys:
             log.warning("no FLOWCAST_API_KEYS set: the API is open, so serve it on loopback only")
+        if settings.redis_url and not settings.secret_key:
+            log.warning(
+                "no FLOWCAST_SECRET_KEY set: this process uses a key of its own, so stream "
+                "tokens and secrets work only where it runs; give every replica the same key"
+            )
         yield
 
 

@@ -21,9 +21,11 @@ import re
 import secrets
 import urllib.parse
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+import httpx
 import orjson
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -38,7 +40,12 @@ MASK = "***"
 NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 MAX_VALUE_BYTES = 64 * 1024
 MAX_SECRETS = 1000
-_REMEMBERED = 10_000
+MAX_SECRETS_PER_WORKFLOW = 64
+# How many values a process masks in its log lines: the most recently revealed.
+_REMEMBERED = 1_000
+_HEAD = 4
+_DIRECT = 32
+_PIECES_UP_TO = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -135,8 +142,7 @@ class SecretStore:
                     retryable=False,
                 )
             values[name] = self._open(tenant, name, raw)
-        for value in values.values():
-            self._remember(value)
+        self._remember(list(values.values()))
         return values
 
     def _open(self, tenant: str, name: str, raw: bytes) -> str:
@@ -151,16 +157,17 @@ class SecretStore:
             ) from exc
         return plain.decode("utf-8", "surrogatepass")
 
-    def _remember(self, value: str) -> None:
-        fresh = value not in self._revealed
-        self._revealed[value] = None
-        self._revealed.move_to_end(value)
+    def _remember(self, values: Sequence[str]) -> None:
+        fresh = [value for value in values if value not in self._revealed]
+        for value in values:
+            self._revealed[value] = None
+            self._revealed.move_to_end(value)
         if len(self._revealed) > _REMEMBERED:
             while len(self._revealed) > _REMEMBERED:
                 self._revealed.popitem(last=False)
             self._mask = Redactor(self._revealed)
         elif fresh:
-            self._mask.add([value])
+            self._mask.add(fresh)
 
     def redact_text(self, text: str) -> str:
         """``text`` with every value this process revealed replaced by ``***``."""
@@ -172,11 +179,19 @@ def _aad(tenant: str, name: str) -> bytes:
 
 
 class Redactor:
-    """Replaces known secret values in text, JSON values and streamed chunks."""
+    """Replaces known secret values in text, JSON values and streamed chunks.
+
+    No regular expression: each text is searched for the spellings it may hold. With
+    many spellings, a short text (a log line, a chunk) is first cut into the 4-character
+    pieces a spelling can start with, so masking costs about the text's length, not
+    the number of secrets a process ever revealed.
+    """
 
     def __init__(self, values: Any = ()) -> None:
         self._values: set[str] = set()
-        self._pattern: re.Pattern[str] | None = None
+        self._ordered: list[str] = []  # longest first: a value holding another goes whole
+        self._heads: dict[str, list[str]] = {}
+        self._short: list[str] = []
         self.add(values)
 
     def __bool__(self) -> bool:
@@ -196,20 +211,35 @@ class Redactor:
             for spelling in _spellings(value)
             if spelling not in self._values
         }
-        if fresh:
-            self._values |= fresh
-            # Longest first, so a value that contains another is masked whole.
-            ordered = sorted(self._values, key=len, reverse=True)
-            self._pattern = re.compile("|".join(re.escape(value) for value in ordered))
+        if not fresh:
+            return
+        self._values |= fresh
+        self._ordered = sorted(self._values, key=len, reverse=True)
+        self._heads = {}
+        self._short = []
+        for spelling in self._ordered:
+            if len(spelling) < _HEAD:
+                self._short.append(spelling)
+            else:
+                self._heads.setdefault(spelling[:_HEAD], []).append(spelling)
 
     def text(self, text: str) -> str:
-        if self._pattern is None:
+        if not self._ordered:
             return text
-        return self._pattern.sub(MASK, text)
+        if len(self._ordered) <= _DIRECT or len(text) > _PIECES_UP_TO:
+            candidates = self._ordered
+        else:
+            pieces = {text[i : i + _HEAD] for i in range(len(text) - _HEAD + 1)}
+            found = [s for head in pieces & self._heads.keys() for s in self._heads[head]]
+            candidates = sorted([*found, *self._short], key=len, reverse=True)
+        for spelling in candidates:
+            if len(spelling) <= len(text) and spelling in text:
+                text = text.replace(spelling, MASK)
+        return text
 
     def value(self, value: Any) -> Any:
         """A JSON value with secrets masked in every string (keys included)."""
-        if self._pattern is None:
+        if not self._ordered:
             return value
         if isinstance(value, str):
             return self.text(value)
@@ -234,9 +264,24 @@ def _spellings(value: str) -> set[str]:
         json.dumps(value, ensure_ascii=False)[1:-1],
         json.dumps(value)[1:-1],
         base64.b64encode(value.encode("utf-8", "surrogatepass")).decode(),
+        *_in_url(value),
     }
     # Too short to mask without masking everything else too.
     return {spelling for spelling in spellings if len(spelling) >= min(4, len(value))}
+
+
+def _in_url(value: str) -> set[str]:
+    """``value`` as httpx writes it into a URL's path and query (it leaves some
+    characters as they are that urllib would encode, and encodes others)."""
+    found: set[str] = set()
+    try:
+        url = httpx.URL("http://h/p" + value + "?q=" + value)
+    except (httpx.InvalidURL, UnicodeError, ValueError):
+        return found
+    path, _, query = url.raw_path.decode("ascii", "replace").partition("?")
+    found.add(path.removeprefix("/p"))
+    found.add(query.removeprefix("q="))
+    return found
 
 
 class ChunkRedactor:

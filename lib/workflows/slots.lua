@@ -14,10 +14,11 @@ ARGV[3]  acquire: the cap; pause: how long to pause (ms)
 ARGV[4]  lease length in milliseconds
 
 Returns
-  acquire  {1, 0, ""} when the caller now holds a slot, else
-           {0, wait, freed}: try again within `wait` ms (a holder's lease ends, the
-           pause ends, or the caller must show it is still waiting), or as soon as
-           the freed stream has an entry after id `freed` ("0-0" when it is empty)
+  acquire  {1, 0, "", 0} when the caller now holds a slot, else
+           {0, wait, freed, paused}: try again within `wait` ms (a holder's lease
+           ends, the pause ends, or the caller must show it is still waiting), or as
+           soon as the freed stream has an entry after id `freed` ("0-0" when it is
+           empty); `paused` is the provider's pause left in ms (0 when none)
   renew    1 (the holder's lease is extended; a holder the store forgot is counted
            again, since its call is in flight whatever the store remembers)
   release  1 when a slot was freed, else 0
@@ -95,7 +96,7 @@ if redis.call("ZSCORE", holders, token) then
   -- The caller holds a slot already (its earlier acquire's reply was lost).
   redis.call("ZADD", holders, now + lease, token)
   touch()
-  return {1, 0, ""}
+  return {1, 0, "", 0}
 end
 if not redis.call("ZSCORE", queue, token) then
   redis.call("ZADD", queue, redis.call("INCR", tickets), token)
@@ -106,7 +107,7 @@ touch()
 local wait = math.max(math.floor(lease / 3), 1)
 local paused = redis.call("PTTL", pause)
 if paused > 0 then
-  return {0, math.min(wait, paused), last_freed()}
+  return {0, math.min(wait, paused), last_freed(), paused}
 end
 local free = cap - redis.call("ZCARD", holders)
 if free > 0 and redis.call("ZRANK", queue, token) < free then
@@ -114,10 +115,10 @@ if free > 0 and redis.call("ZRANK", queue, token) < free then
   redis.call("ZREM", waiters, token)
   redis.call("ZADD", holders, now + lease, token)
   touch()  -- holders may be new: one that dies before renewing must not keep it for ever
-  return {1, 0, ""}
+  return {1, 0, "", 0}
 end
 local first = redis.call("ZRANGE", holders, 0, 0, "WITHSCORES")
 if #first > 0 then
   wait = math.max(math.min(wait, tonumber(first[2]) - now + 1), 1)
 end
-return {0, wait, last_freed()}
+return {0, wait, last_freed(), 0}

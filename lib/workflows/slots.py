@@ -11,7 +11,10 @@ one task per provider and process reads it (a blocking XREAD, only while some ca
 this process waits) and wakes its waiters, who then ask again in their order.
 
 When a provider answers 429, ``pause`` makes every replica hold its calls to that
-provider until the wait it asked for has passed, so retries do not feed a storm.
+provider until the wait it asked for has passed (at most ``MAX_PAUSE_SECONDS``), so
+retries do not feed a storm. A call waits out a pause of up to ``WAIT_PAUSE_SECONDS``
+in line; a longer one ends the wait with ``ProviderPaused``, so the call fails visibly
+(and is retried after the pause, if its budget allows) instead of hanging unseen.
 
 If Redis cannot be reached, calls go ahead under this process's own cap (logged): a
 buffer outage never stalls the work (SPEC §5), at the cost of the cross-replica cap
@@ -30,11 +33,26 @@ from typing import Any, cast
 from redis.asyncio import Redis
 
 from lib.backend import Keys, load_script, translated
-from lib.errors import BufferUnavailable
+from lib.errors import BufferUnavailable, FlowcastError
 
 log = logging.getLogger(__name__)
 
 _BLOCK_MS = 5_000
+MAX_PAUSE_SECONDS = 900.0
+WAIT_PAUSE_SECONDS = 30.0
+
+
+class ProviderPaused(FlowcastError):
+    """The provider asked every caller to wait longer than a call waits in line."""
+
+    code = "provider_paused"
+
+    def __init__(self, provider: str, seconds: float) -> None:
+        super().__init__(
+            f"provider {provider!r} asked every caller to wait {seconds:.0f} s (a 429)"
+        )
+        self.provider = provider
+        self.seconds = seconds
 
 
 class _Line:
@@ -99,6 +117,7 @@ class Slots:
 
     async def pause(self, provider: str, seconds: float) -> None:
         """Hold every replica's next calls to ``provider`` for ``seconds`` (a 429's ask)."""
+        seconds = min(seconds, MAX_PAUSE_SECONDS)
         try:
             await self._call(provider, "pause", "", max(int(seconds * 1000), 1))
         except BufferUnavailable as exc:
@@ -119,7 +138,9 @@ class Slots:
             while True:
                 asked = line.seen
                 try:
-                    granted, wait_ms, freed = await self._call(provider, "acquire", token, line.cap)
+                    granted, wait_ms, freed, paused_ms = await self._call(
+                        provider, "acquire", token, line.cap
+                    )
                 except BufferUnavailable as exc:
                     log.warning(
                         "provider slots unreachable: this process's cap only",
@@ -128,6 +149,8 @@ class Slots:
                     return False
                 if int(granted):
                     return True
+                if int(paused_ms) > WAIT_PAUSE_SECONDS * 1000:
+                    raise ProviderPaused(provider, int(paused_ms) / 1000)
                 end = freed.decode() if isinstance(freed, bytes) else str(freed)
                 async with line.changed:
                     if line.reader is None:

@@ -379,7 +379,10 @@ def _template_paths(value: Any, path: str) -> list[tuple[str, str]]:
         return [
             found
             for key, item in value.items()
-            for found in _template_paths(item, path + _key_path(str(key)))
+            for found in (
+                *_template_paths(key, path + _key_path(str(key))),
+                *_template_paths(item, path + _key_path(str(key))),
+            )
         ]
     if isinstance(value, list):
         return [

@@ -17,6 +17,7 @@ from lib.workflows.blocks import BlockTypes
 from lib.workflows.blocks.base import error_message
 from lib.workflows.limits import MAX_DEPTH, MAX_TEMPLATE_CHARS, long_templates, too_deep
 from lib.workflows.model import Workflow
+from lib.workflows.secrets import MAX_SECRETS_PER_WORKFLOW
 from lib.workflows.templates import Templates
 
 
@@ -73,6 +74,7 @@ def _check_blocks(
 ) -> dict[str, int]:
     """Check types, configs, templates and ids; return the index of each block id."""
     ids: dict[str, int] = {}
+    read: set[str] = set()
     for index, block in enumerate(blocks):
         if not isinstance(block, dict):
             continue
@@ -90,6 +92,7 @@ def _check_blocks(
         type_name = block.get("type")
         block_type = block_types.get(type_name) if isinstance(type_name, str) else None
         secret_names, secret_problems = templates.secret_reads(config)
+        read |= secret_names
         for suffix, message in secret_problems:
             problems.append(Problem(f"{where}.config{suffix}", message))
         if secret_names and block_type is not None and not block_type.reads_secrets:
@@ -105,6 +108,9 @@ def _check_blocks(
                     problems.append(Problem(f"{where}.config{suffix}", message))
         for suffix, message in templates.check(config):
             problems.append(Problem(f"{where}.config{suffix}", message))
+    if len(read) > MAX_SECRETS_PER_WORKFLOW:
+        message = f"a workflow may read at most {MAX_SECRETS_PER_WORKFLOW} secrets"
+        problems.append(Problem("$.blocks", message))
     return ids
 
 

@@ -110,7 +110,7 @@ async def test_waiters_on_two_replicas_are_served_in_arrival_order(
     cap = 3
     first, second = replica(lease_seconds=30), replica(lease_seconds=30)
     for n in range(cap):
-        granted, _, _ = await first._call(PROVIDER, "acquire", f"taken-{n}", cap)
+        granted, *_ = await first._call(PROVIDER, "acquire", f"taken-{n}", cap)
         assert granted == 1
     served: list[int] = []
 
@@ -134,7 +134,7 @@ async def test_a_dead_holder_stops_counting_when_its_lease_ends(
 ) -> None:
     slots = replica(lease_seconds=1)
     started = time.monotonic()
-    granted, _, _ = await slots._call(PROVIDER, "acquire", "ghost", 1)  # never renewed
+    granted, *_ = await slots._call(PROVIDER, "acquire", "ghost", 1)  # never renewed
     assert granted == 1
 
     async def wait() -> float:
@@ -154,7 +154,7 @@ async def test_a_waiter_that_stops_asking_loses_its_place_after_a_lease(
     release, held = asyncio.Event(), asyncio.Event()
     holder = asyncio.create_task(holding(first, 1, release, held))
     await asyncio.wait_for(held.wait(), 5)
-    granted, _, _ = await first._call(PROVIDER, "acquire", "gone-waiter", 1)  # asks once
+    granted, *_ = await first._call(PROVIDER, "acquire", "gone-waiter", 1)  # asks once
     assert granted == 0
 
     async def wait() -> None:
@@ -263,11 +263,11 @@ async def test_a_providers_keys_share_one_hash_tag_and_expire(
     slots = replica(lease_seconds=1)
 
     # A holder that dies before its first renew must not leave a key for ever.
-    granted, _, _ = await slots._call(PROVIDER, "acquire", "ghost", 1)
+    granted, *_ = await slots._call(PROVIDER, "acquire", "ghost", 1)
     assert granted == 1
     assert await redis.pttl(keys[0]) > 0
 
-    granted, _, _ = await slots._call(PROVIDER, "acquire", "gone-waiter", 1)
+    granted, *_ = await slots._call(PROVIDER, "acquire", "gone-waiter", 1)
     assert granted == 0
     assert await slots._call(PROVIDER, "release", "ghost", 0) == 1
     await slots.pause(PROVIDER, 1.0)
@@ -306,7 +306,7 @@ async def test_a_waiter_does_not_spin_after_the_freed_stream_expired(
     # A line that has seen a freed slot remembers its id; when the provider sat idle
     # long enough for its keys to expire, the stream starts again from empty.
     slots = replica(lease_seconds=3)
-    granted, _, _ = await slots._call(PROVIDER, "acquire", "earlier", 1)
+    granted, *_ = await slots._call(PROVIDER, "acquire", "earlier", 1)
     assert granted == 1
     release, held = asyncio.Event(), asyncio.Event()
     earlier = asyncio.create_task(holding(slots, 1, release, held))
@@ -326,7 +326,7 @@ async def test_a_waiter_does_not_spin_after_the_freed_stream_expired(
         clients = await redis.client_list()
         return sum(int(c["tot-cmds"]) for c in clients if c["name"] == f"slots-{unique}")
 
-    granted, _, _ = await slots._call(PROVIDER, "acquire", "ghost", 1)  # renews nothing
+    granted, *_ = await slots._call(PROVIDER, "acquire", "ghost", 1)  # renews nothing
     assert granted == 1
     waiter = asyncio.create_task(holding(slots, 1, asyncio.Event(), asyncio.Event()))
     await queued(redis, keys, 1)

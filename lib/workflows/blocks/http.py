@@ -232,6 +232,10 @@ class Http(BlockType[HttpConfig]):
                 response, content = await _send(ctx.services, hop, config.timeout_ms / 1000)
             except httpx.TimeoutException as exc:
                 raise BlockError("http_timeout", f"{label} timed out") from exc
+            except UnicodeEncodeError as exc:
+                # Its message would show the character and where it is (maybe a secret's).
+                message = "a header name or value has characters HTTP headers cannot carry"
+                raise BlockError("bad_config", message, retryable=False) from exc
             except httpx.HTTPError as exc:
                 raise BlockError("http_error", f"{label} failed: {exc}") from exc
             location = response.headers.get("location")

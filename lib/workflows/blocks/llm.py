@@ -17,6 +17,8 @@ provider's slots (``maxConcurrency`` across all replicas) while it runs.
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from typing import Any, Literal
 
@@ -26,9 +28,11 @@ from httpx_sse import EventSource, SSEError
 from pydantic import Field, field_validator
 
 from lib.errors import BlockError
+from lib.execution.events import carriable
 from lib.workflows.blocks.base import BlockConfig, BlockContext, BlockType, as_text
 from lib.workflows.blocks.http import parse_retry_after
 from lib.workflows.providers import DEFAULT_PROVIDER, Provider, Providers
+from lib.workflows.slots import ProviderPaused
 from lib.workflows.templates import is_template
 
 MAX_ERROR_BODY = 64 * 1024
@@ -37,6 +41,8 @@ _RETRYABLE_STATUSES = frozenset({408, 409, 429})
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 _FENCED = re.compile(r"^\s*```[a-zA-Z]*\s*\n(.*)\n\s*```\s*$", re.DOTALL)
+# A wait longer than any retry may wait: the attempt then fails for good.
+_LONGEST_WAIT = 10.0**9
 
 
 class Message(BlockConfig):
@@ -62,13 +68,20 @@ def parse_duration(value: str | None) -> float | None:
         return None
     value = value.strip()
     try:
-        return max(0.0, float(value))
+        return _seconds(float(value))
     except ValueError:
         pass
     parts = _DURATION.findall(value)
     if not parts or "".join(n + u for n, u in parts) != value:
         return None
-    return sum(float(number) * _UNITS[unit] for number, unit in parts)
+    return _seconds(sum(float(number) * _UNITS[unit] for number, unit in parts))
+
+
+def _seconds(value: float) -> float | None:
+    """A wait as a finite number of seconds (an endless one as the longest)."""
+    if math.isnan(value):
+        return None
+    return min(max(0.0, value), _LONGEST_WAIT)
 
 
 def wait_asked(headers: httpx.Headers) -> float | None:
@@ -76,9 +89,11 @@ def wait_asked(headers: httpx.Headers) -> float | None:
     reset of the rate limit that ran out (the longest reset if none says so)."""
     if "retry-after-ms" in headers:
         try:
-            return max(0.0, float(headers["retry-after-ms"]) / 1000)
+            waited = _seconds(float(headers["retry-after-ms"]) / 1000)
         except ValueError:
-            pass
+            waited = None
+        if waited is not None:
+            return waited
     asked = parse_retry_after(headers.get("retry-after"))
     if asked is not None:
         return asked
@@ -118,8 +133,13 @@ class Llm(BlockType[LlmConfig]):
         if providers.slots is None:
             reply = await _complete(providers, provider, config, ctx)
         else:
-            async with providers.slots.hold(provider.name, provider.max_concurrency):
-                reply = await _complete(providers, provider, config, ctx)
+            try:
+                async with providers.slots.hold(provider.name, provider.max_concurrency):
+                    reply = await _complete(providers, provider, config, ctx)
+            except ProviderPaused as paused:
+                raise BlockError(
+                    "llm_rate_limited", paused.message, retry_after=paused.seconds
+                ) from paused
         if config.response_format == "json":
             reply["json"] = _parsed(reply["text"])
         return reply
@@ -167,12 +187,16 @@ class _Reply:
                 "promptTokens": _count(usage.get("prompt_tokens")),
                 "completionTokens": _count(usage.get("completion_tokens")),
             }
-        for choice in chunk.get("choices") or []:
+        choices = chunk.get("choices") or []
+        if not isinstance(choices, list):
+            raise BlockError("llm_bad_reply", "the provider sent choices that are not a list")
+        for choice in choices:
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
             delta = choice.get("delta") or choice.get("message") or {}
             text = delta.get("content") if isinstance(delta, dict) else None
             if isinstance(text, str) and text:
+                text = carriable(text)
                 self.size += len(text)
                 if self.size > MAX_REPLY_CHARS:
                     raise BlockError(
@@ -197,6 +221,23 @@ class _Reply:
 async def _complete(
     providers: Providers, provider: Provider, config: LlmConfig, ctx: BlockContext
 ) -> dict[str, Any]:
+    """One call; an error's message never shows the provider's key (a proxy may quote
+    the key it got in its error body)."""
+    try:
+        return await _call(providers, provider, config, ctx)
+    except BlockError as exc:
+        key = provider.api_key
+        if not key or key not in exc.message:
+            raise
+        masked = exc.message.replace(key, "***")
+        raise BlockError(
+            exc.code, masked, retryable=exc.retryable, retry_after=exc.retry_after
+        ) from None
+
+
+async def _call(
+    providers: Providers, provider: Provider, config: LlmConfig, ctx: BlockContext
+) -> dict[str, Any]:
     headers = {"Accept": "text/event-stream", "Idempotency-Key": ctx.idempotency_key}
     if provider.api_key:
         headers["Authorization"] = f"Bearer {provider.api_key}"
@@ -216,7 +257,7 @@ async def _complete(
             media_type = response.headers.get("content-type", "").split(";")[0].strip().lower()
             if media_type == "application/json":
                 # A server that ignored "stream": the whole reply at once.
-                reply.take(orjson.loads(await response.aread()), ctx)
+                reply.take(_loads(await response.aread()), ctx)
                 reply.done = reply.finish is not None
             else:
                 async for event in EventSource(response).aiter_sse():
@@ -224,13 +265,13 @@ async def _complete(
                         reply.done = True
                         break
                     if event.data:
-                        reply.take(orjson.loads(event.data), ctx)
+                        reply.take(_loads(event.data), ctx)
     except httpx.TimeoutException as exc:
         raise BlockError("llm_timeout", f"{where} did not answer in time") from exc
     except (httpx.HTTPError, SSEError) as exc:
         started = "broke off mid-reply" if reply.parts else "could not be reached"
         raise BlockError("llm_unreachable", f"{where} {started}: {exc}") from exc
-    except orjson.JSONDecodeError as exc:
+    except ValueError as exc:
         raise BlockError("llm_bad_reply", f"{where} sent a chunk that is not JSON") from exc
     if not reply.done and reply.finish is None:
         raise BlockError("llm_unreachable", f"{where} ended the reply before it finished")
@@ -264,6 +305,15 @@ def _parsed(text: str) -> Any:
         return orjson.loads(fenced.group(1) if fenced else text)
     except orjson.JSONDecodeError as exc:
         raise BlockError("llm_bad_json", f"the reply is not valid JSON: {exc}") from exc
+
+
+def _loads(data: str | bytes) -> Any:
+    """A chunk's JSON; the standard parser takes the escaped lone surrogates orjson
+    refuses (the text is made carriable when it becomes an event)."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
 
 
 def _json_or_none(body: bytes) -> Any:
