@@ -29,10 +29,13 @@ def http_request(
     port: int,
     headers: dict[str, str] | None = None,
     json: Any = None,
+    keep_alive: bool = False,
 ) -> bytes:
-    """The bytes of one HTTP/1.1 request that closes its connection when answered."""
+    """The bytes of one HTTP/1.1 request that closes its connection when answered
+    (or, with ``keep_alive``, leaves it open for the next request)."""
     body = b"" if json is None else orjson.dumps(json)
-    lines = [f"{method} {path} HTTP/1.1", f"Host: {HOST}:{port}", "Connection: close"]
+    connection = "keep-alive" if keep_alive else "close"
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {HOST}:{port}", f"Connection: {connection}"]
     if json is not None:
         lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
     elif method in ("POST", "PUT"):
@@ -47,7 +50,8 @@ class SSEClient(asyncio.Protocol):
     ``on_frames(frames, received_at)`` gets every batch of complete frames with the wall
     clock time (``time.time()``) of the read that completed them. ``frames`` counts them
     all (heartbeat comments included); ``first_frame_at``/``last_frame_at`` are
-    ``time.perf_counter()`` values.
+    ``time.perf_counter()`` values, ``head_at`` the wall clock time the response's
+    headers were complete.
     """
 
     def __init__(self, request: bytes, on_frames: FrameHandler | None = None) -> None:
@@ -67,6 +71,7 @@ class SSEClient(asyncio.Protocol):
         self.bytes = 0
         self.first_frame_at: float | None = None
         self.last_frame_at: float | None = None
+        self.head_at: float | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio.Transport, but have its methods.
@@ -113,6 +118,7 @@ class SSEClient(asyncio.Protocol):
             self.headers[name.strip().lower()] = value.strip()
         self._chunked = self.headers.get("transfer-encoding", "").lower() == "chunked"
         self._head_done = True
+        self.head_at = time.time()
         return True
 
     def _take_all(self) -> bytes:

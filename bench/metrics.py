@@ -21,6 +21,7 @@ from bench.clients import LatencyRecorder, SSEClient, http_request, open_stream
 from bench.recovery import Recovery
 from bench.report import Report, Row, ms, percentile, rate, ratio, verdict
 from bench.rss import peak_rss
+from bench.scale import Scale
 from bench.stack import OWN_SERVER, SSE, Config, GiB, MiB, Stack, words, workflows
 from tests.support.servers import FlowcastServer
 
@@ -361,6 +362,20 @@ class Bench:
 
     async def recovery(self) -> None:
         await Recovery(self.stack, self.config, self.report, self.http).run()
+
+    async def starts(self) -> None:
+        scale = Scale(self.stack, self.config, self.report)
+        try:
+            await scale.starts()
+        finally:
+            await scale.close()
+
+    async def streams(self) -> None:
+        scale = Scale(self.stack, self.config, self.report)
+        try:
+            await scale.streams()
+        finally:
+            await scale.close()
 
     async def resume(self, execution_id: str) -> httpx.Response:
         response = await self.http.post(

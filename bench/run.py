@@ -32,7 +32,18 @@ from bench.report import Report, Row, machine, render
 from bench.stack import FULL, QUICK, Stack
 from tests.support.servers import ROOT
 
-METRICS = ("ttfe", "sl", "so", "throughput", "replay", "fanout", "memory", "recovery")
+METRICS = (
+    "ttfe",
+    "sl",
+    "so",
+    "throughput",
+    "replay",
+    "fanout",
+    "memory",
+    "recovery",
+    "starts",
+    "streams",
+)
 
 
 async def main(args: argparse.Namespace) -> int:
@@ -67,6 +78,8 @@ async def main(args: argparse.Namespace) -> int:
                     "fanout": bench.fanout,
                     "memory": bench.memory,
                     "recovery": bench.recovery,
+                    "starts": bench.starts,
+                    "streams": bench.streams,
                 }
                 for name in METRICS:
                     if name not in chosen:

@@ -44,6 +44,16 @@ class Config:
     recovery_signal_at: int = 4  # the signal once this block's block:started is seen
     recovery_lease_seconds: float = 2.0
     recovery_grace_seconds: float = 5.0
+    starts_clients: tuple[int, int] = (64, 256)  # concurrent loops: the base, then more
+    starts_seconds: float = 10.0  # the measured window of each case...
+    starts_warmup: float = 2.0  # ...after this much of the same load
+    starts_workers: int = 1  # client processes
+    streams_executions: int = 1_000  # running, 1 event/s each
+    streams_open: int = 5_000  # SSE clients opened at once...
+    streams_total: int = 10_000  # ...then grown to this many
+    streams_window: float = 10.0  # delivery latency measured for this long, each size...
+    streams_settle: float = 5.0  # ...this long after the opens
+    streams_workers: int = 4  # client processes holding the streams
 
 
 FULL = Config()
@@ -59,10 +69,18 @@ QUICK = Config(
     memory_output_bytes=100 * MiB,
     xadd_requests=50_000,
     recovery_runs=1,
+    starts_seconds=4.0,
+    starts_warmup=1.0,
+    streams_executions=200,
+    streams_open=1_000,
+    streams_total=2_000,
+    streams_window=4.0,
+    streams_settle=2.0,
+    streams_workers=2,
 )
 
 # Registered on the servers their metric starts, not on A.
-OWN_SERVER = frozenset({"bench-memory", "bench-recovery"})
+OWN_SERVER = frozenset({"bench-memory", "bench-recovery", "bench-starts", "bench-streams"})
 
 
 # --- processes ---------------------------------------------------------------------
@@ -197,4 +215,10 @@ def workflows(config: Config) -> list[dict[str, Any]]:
                 for index in range(1, config.recovery_blocks)
             ],
         },
+        {
+            "id": "bench-starts",
+            "blocks": [{"id": "only", "type": "transform", "config": {"value": 1}}],
+        },
+        # 1 chunk per second for as many seconds as the input has words.
+        {"id": "bench-streams", "blocks": [generate_block(1)]},
     ]

@@ -49,7 +49,8 @@ from lib.workflows.checkpoint import (
     skipped_field,
 )
 from lib.workflows.model import BlockDef, Workflow
-from lib.workflows.secrets import Redactor, SecretStore
+from lib.workflows.redact import Redactor
+from lib.workflows.secrets import SecretStore
 from lib.workflows.templates import block_reads, secret_names, template_strings
 
 log = logging.getLogger(__name__)
@@ -267,7 +268,25 @@ class _Run:
             if block.id not in finished and self.waiting[block.id] == 0
         ]
 
+    async def _mask_from_the_start(self) -> None:
+        """Mask every secret the workflow reads (and the value each replaced) before any
+        block runs: a block that reads none may echo one an earlier run read (before a
+        pause, a recovery or a hand-off), or one a remote side kept."""
+        store = self.executor.secrets
+        names = {name for block in self.workflow.blocks for name in secret_names(block.config)}
+        if not names or store is None or self.tenant is None:
+            return
+        try:
+            self.redactor.add(await store.masks(self.tenant, names))
+        except BufferUnavailable as exc:
+            # The blocks that read secrets cannot run either until it is back.
+            log.warning(
+                "secrets to mask not read",
+                extra={"executionId": self.execution_id, "error": str(exc)},
+            )
+
     async def execute(self) -> dict[str, Any]:
+        await self._mask_from_the_start()
         try:
             async with asyncio.TaskGroup() as group:
                 self.group = group

@@ -6,7 +6,8 @@ import pytest
 from redis.asyncio import Redis
 
 from lib.errors import BlockError
-from lib.workflows.secrets import Redactor, SecretStore
+from lib.workflows.redact import Redactor
+from lib.workflows.secrets import SecretStore
 
 
 @pytest.fixture

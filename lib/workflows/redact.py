@@ -1,0 +1,217 @@
+"""Masking secret values as ``***`` wherever they would come back out.
+
+A value is searched for in every spelling it may come back in (as is, percent-encoded
+as urllib and as httpx write it, escaped in JSON text, in base64); other
+transformations cannot be recognized. No regular expression: each text is searched for
+the spellings it may hold, and the ranges found are masked together, so two secrets
+that overlap are both masked whole. With many spellings, a short text (a log line, a
+chunk) is first cut into the 4-character pieces a spelling can start with, so masking
+costs about the text's length rather than the number of values known.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import json
+import urllib.parse
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+import httpx
+
+MASK = "***"
+_HEAD = 4
+_DIRECT = 32
+_PIECES_UP_TO = 64 * 1024
+
+Spans = list[tuple[int, int]]
+
+
+@functools.lru_cache(maxsize=256)
+def spellings(value: str) -> frozenset[str]:
+    """``value`` as it may come back: as is, percent-encoded (a URL, a form), escaped
+    in JSON text, in base64."""
+    found = {
+        value,
+        urllib.parse.quote(value, safe=""),
+        urllib.parse.quote(value, safe="/:@!$&'()*+,;=?~"),
+        urllib.parse.quote_plus(value),
+        json.dumps(value, ensure_ascii=False)[1:-1],
+        json.dumps(value)[1:-1],
+        base64.b64encode(value.encode("utf-8", "surrogatepass")).decode(),
+        *_in_url(value),
+    }
+    # Too short to mask without masking everything else too.
+    return frozenset(s for s in found if len(s) >= min(_HEAD, len(value)))
+
+
+def _in_url(value: str) -> set[str]:
+    """``value`` as httpx writes it into a URL's path and into its query (it leaves some
+    characters as they are that urllib would encode, and encodes others)."""
+    found: set[str] = set()
+    for before, prefix in (("http://h/p", "/p"), ("http://h/?q=", "/?q=")):
+        try:
+            raw = httpx.URL(before + value).raw_path.decode("ascii", "replace")
+        except (httpx.InvalidURL, UnicodeError, ValueError):
+            continue
+        found.add(raw.removeprefix(prefix))
+    return found
+
+
+class Redactor:
+    """Masks known values in text, JSON values and (``stream``) chunks."""
+
+    def __init__(self, values: Iterable[str] = ()) -> None:
+        self._spellings: dict[str, frozenset[str]] = {}  # each value's spellings
+        self._counts: Counter[str] = Counter()  # how many values give each spelling
+        self._index: tuple[list[str], dict[str, list[str]], list[str]] | None = None
+        self.add(values)
+
+    def __bool__(self) -> bool:
+        return bool(self._counts)
+
+    def add(self, values: Iterable[str]) -> None:
+        """Mask these values from now on (a value already known costs nothing)."""
+        for value in values:
+            if value and value not in self._spellings:
+                found = self._spellings[value] = spellings(value)
+                self._counts.update(found)
+                self._index = None
+
+    def remove(self, values: Iterable[str]) -> None:
+        """Stop masking these values (spellings another value shares stay masked)."""
+        for value in values:
+            for spelling in self._spellings.pop(value, ()):
+                self._counts[spelling] -= 1
+                if self._counts[spelling] <= 0:
+                    del self._counts[spelling]
+                self._index = None
+
+    def _built(self) -> tuple[list[str], dict[str, list[str]], list[str]]:
+        if self._index is None:
+            ordered = sorted(self._counts, key=len, reverse=True)
+            heads: dict[str, list[str]] = {}
+            short = []
+            for spelling in ordered:
+                if len(spelling) < _HEAD:
+                    short.append(spelling)
+                else:
+                    heads.setdefault(spelling[:_HEAD], []).append(spelling)
+            self._index = (ordered, heads, short)
+        return self._index
+
+    def ordered(self) -> list[str]:
+        """Every spelling, longest first."""
+        return self._built()[0]
+
+    def spans(self, text: str) -> Spans:
+        """The ranges of ``text`` that hold a known spelling, merged, in order."""
+        if not self._counts:
+            return []
+        ordered, heads, short = self._built()
+        if len(ordered) <= _DIRECT or len(text) > _PIECES_UP_TO:
+            candidates: Iterable[str] = ordered
+        else:
+            pieces = {text[i : i + _HEAD] for i in range(len(text) - _HEAD + 1)}
+            candidates = [s for head in pieces & heads.keys() for s in heads[head]] + short
+        found: Spans = []
+        for spelling in candidates:
+            start = text.find(spelling)
+            while start != -1:
+                found.append((start, start + len(spelling)))
+                start = text.find(spelling, start + 1)
+        if not found:
+            return []
+        found.sort()
+        merged = [found[0]]
+        for start, end in found[1:]:
+            if start < merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+            else:
+                merged.append((start, end))
+        return merged
+
+    def text(self, text: str) -> str:
+        return _masked(text, self.spans(text))
+
+    def value(self, value: Any) -> Any:
+        """A JSON value with secrets masked in every string (keys included)."""
+        if not self._counts:
+            return value
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, dict):
+            return {self.text(str(k)): self.value(item) for k, item in value.items()}
+        if isinstance(value, list):
+            return [self.value(item) for item in value]
+        return value
+
+    def stream(self) -> ChunkRedactor:
+        return ChunkRedactor(self)
+
+
+def _masked(text: str, spans: Spans) -> str:
+    if not spans:
+        return text
+    parts = []
+    at = 0
+    for start, end in spans:
+        parts += [text[at:start], MASK]
+        at = end
+    parts.append(text[at:])
+    return "".join(parts)
+
+
+class ChunkRedactor:
+    """Masks secrets in a stream of chunks, also when one is split across chunks.
+
+    The end of what arrived that could be the start of a secret is held back until the
+    next chunk shows whether it is (so is a whole match that reaches into that end, for
+    an overlapping secret); ``flush`` gives what is left when the stream ends. Text
+    without any secret in it is never held back.
+    """
+
+    def __init__(self, redactor: Redactor) -> None:
+        self._redactor = redactor
+        self._held = ""
+
+    def feed(self, chunk: str) -> str:
+        if not self._redactor:
+            return chunk
+        raw = self._held + chunk
+        spans = self._redactor.spans(raw)
+        cut = len(raw) - self._prefix_tail(raw)
+        for start, end in reversed(spans):
+            if start < cut < end:
+                cut = start
+        self._held = raw[cut:]
+        return _masked(raw[:cut], [(s, e) for s, e in spans if e <= cut])
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return self._redactor.text(held)
+
+    def _prefix_tail(self, text: str) -> int:
+        """The length of the longest end of ``text`` that begins (and is not) a spelling."""
+        longest = 0
+        size = len(text)
+        for spelling in self._redactor.ordered():
+            limit = min(len(spelling) - 1, size)
+            if limit <= longest:
+                continue
+            # Ends of up to three characters are checked directly; longer ones must
+            # start with the spelling's first four, found by a fast search.
+            for short in range(min(limit, _HEAD - 1), longest, -1):
+                if spelling.startswith(text[size - short :]):
+                    longest = short
+                    break
+            head = spelling[:_HEAD]
+            start = text.find(head, size - limit)
+            while start != -1 and size - start > longest:
+                if spelling.startswith(text[start:]):
+                    longest = size - start
+                    break
+                start = text.find(head, start + 1)
+        return longest
