@@ -4,7 +4,8 @@ httpx costs tens of microseconds per chunk, which would make a single client pro
 bottleneck when it holds 1,000 streams or reads 100,000 frames. This client is an
 ``asyncio.Protocol``: it stamps each read the moment the loop hands it over, undoes
 HTTP/1.1 chunked encoding and splits SSE frames on the blank line, and leaves any
-further parsing to the caller. One request per connection (``Connection: close``).
+further parsing to the caller. One request per connection (``Connection: close``);
+``bench/scale_client.py`` reuses it on keep-alive connections (``keep_alive=True``).
 """
 
 from __future__ import annotations

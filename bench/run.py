@@ -108,7 +108,7 @@ async def main(args: argparse.Namespace) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller counts (under 2 minutes)")
+    parser.add_argument("--quick", action="store_true", help="smaller counts (about 3 minutes)")
     parser.add_argument(
         "--only",
         action="append",
@@ -117,7 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--profile", action="store_true", help="add py-spy hot spots of server A")
     parser.add_argument("--output", default=str(ROOT / "bench" / "RESULTS.md"))
-    parser.add_argument("--timeout", type=float, default=900, help="stop everything after this")
+    parser.add_argument("--timeout", type=float, default=1500, help="stop everything after this")
     return parser.parse_args(argv)
 
 
