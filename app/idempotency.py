@@ -114,11 +114,13 @@ class Idempotency:
             started = await action()
             return Outcome(202, {"executionId": started.execution_id, "status": started.status})
 
+        key = request.headers.get("idempotency-key")
         return await self.run(
             tenant=tenant,
             operation=operation,
-            key=request.headers.get("idempotency-key"),
-            fingerprint=fingerprint(scope, await request.body()),
+            key=key,
+            # Only a keyed request is compared with its repeats.
+            fingerprint=fingerprint(scope, await request.body()) if key is not None else b"",
             action=accepted,
         )
 

@@ -51,7 +51,9 @@ from lib.workflows.validation import validate_workflow
 log = logging.getLogger("flowcast")
 
 TAIL_BLOCK_MS = 5_000
-MAX_TAIL_CONNECTIONS = 10_000
+# Blocking reads only: the hub's notify subscription, the control streams, and a
+# provider's freed-slot reader while a call waits.
+MAX_TAIL_CONNECTIONS = 64
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -94,8 +96,8 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
             max_connections=settings.redis_max_connections,
         )
         stack.push_async_callback(redis.aclose)
-        # Live tails hold a connection each in a blocking read: a pool of their own, so
-        # many followed executions never starve the requests of connections.
+        # Blocking reads hold their connection: a pool of their own, so they never
+        # starve the requests of connections.
         tail_redis = connect(
             redis_url,
             socket_timeout=TAIL_BLOCK_MS / 1000 + 10,

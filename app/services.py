@@ -38,18 +38,23 @@ class Services:
     providers: Providers
 
 
-def services(request: Request) -> Services:
+# The dependencies are ``async`` so FastAPI calls them on the loop: a plain ``def`` one
+# is run in a worker thread on every request.
+
+
+async def services(request: Request) -> Services:
     """The process's services (a FastAPI dependency)."""
     found: Services = request.app.state.services
     return found
 
 
-def tenant(request: Request) -> str:
+async def tenant(request: Request) -> str:
     """The caller's tenant (a FastAPI dependency); ``default`` until API keys are set."""
-    return authenticate(request, services(request).keys)
+    svc: Services = request.app.state.services
+    return authenticate(request, svc.keys)
 
 
-def reader(request: Request, execution_id: str) -> Caller:
+async def reader(request: Request, execution_id: str) -> Caller:
     """The caller of a stream or values route: an API key or a stream token."""
-    svc = services(request)
+    svc: Services = request.app.state.services
     return authenticate_reader(request, svc.keys, svc.tokens, execution_id)

@@ -17,7 +17,7 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     redis_url: str | None = None
     redis_prefix: str = "fc"
-    redis_max_connections: int = Field(200, ge=4)
+    redis_max_connections: int = Field(24, ge=4)
     s3_bucket: str | None = None
     s3_endpoint_url: str | None = None
     s3_prefix: str = ""

@@ -34,6 +34,9 @@ class Keys:
         # Executions let go by a shutdown, for any process to take over; read in one
         # blocking read with each process's control stream (same hash tag).
         self.handoffs = f"{prefix}:{{control}}:handoffs"
+        # A pub/sub channel, not a key: append.lua publishes each execution id it
+        # stored events of, and every process's readers wake on it.
+        self.notify = f"{prefix}:notify"
 
     def events(self, execution_id: str) -> str:
         return f"{self.prefix}:{{{execution_id}}}:events"

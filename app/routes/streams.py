@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import re
 from collections.abc import AsyncIterator, Callable
-from typing import Annotated
+from typing import Annotated, cast
 
 import anyio
 from fastapi import APIRouter, Depends, Request, Response
@@ -47,22 +46,27 @@ def _ping() -> ServerSentEvent:
     return ServerSentEvent(comment="ping", sep="\n")
 
 
-async def _until_shutdown(
-    reader: StreamReader, shutdown: anyio.Event, release: Callable[[], None]
-) -> AsyncIterator[bytes]:
-    """The reader's frames; on shutdown it ends at a frame boundary, so the response
-    closes cleanly and EventSource reconnects (to another replica) with Last-Event-ID."""
+class _CloseOnShutdown:
+    """What sse-starlette sets when the server shuts down: it ends the reader at a frame
+    boundary, so the response closes cleanly and EventSource reconnects (to another
+    replica) with Last-Event-ID. Closing the reader directly spares a task per stream
+    that would only wait for that moment."""
 
-    async def watch() -> None:
-        await shutdown.wait()
-        reader.close()
+    __slots__ = ("_reader",)
 
-    watcher = asyncio.create_task(watch())
+    def __init__(self, reader: StreamReader) -> None:
+        self._reader = reader
+
+    def set(self) -> None:
+        self._reader.close()
+
+
+async def _frames(reader: StreamReader, release: Callable[[], None]) -> AsyncIterator[bytes]:
+    """The reader's frames; the tenant's stream slot is given back when they end."""
     try:
         async for chunk in reader.frames():
             yield chunk
     finally:
-        watcher.cancel()
         release()
 
 
@@ -80,14 +84,14 @@ def sse_response(
         cursor=cursor,
         max_seconds=svc.settings.sse_max_seconds,
     )
-    shutdown = anyio.Event()
     return EventSourceResponse(
-        _until_shutdown(reader, shutdown, functools.partial(svc.streams.give_back, tenant)),
+        _frames(reader, functools.partial(svc.streams.give_back, tenant)),
         headers={"Cache-Control": "no-cache", "X-Execution-Id": execution_id},
         ping=svc.settings.sse_ping_seconds,
         ping_message_factory=_ping,
         sep="\n",
-        shutdown_event=shutdown,
+        # sse-starlette only ever calls ``set()`` on it (its ``shutdown_event`` contract).
+        shutdown_event=cast(anyio.Event, _CloseOnShutdown(reader)),
         shutdown_grace_period=SHUTDOWN_GRACE_SECONDS,
     )
 

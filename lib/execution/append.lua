@@ -33,6 +33,8 @@ ARGV[14+2n+2m .. ]       checkpoint fields and values of the batch's events (a b
                          the same step as the events, so the two never disagree; the
                          outputs and answers count against the byte budget (`ckptBytes`)
 
+Publishes the execution id on "<prefix>:notify" (the readers' wake-up).
+
 Returns {lastId, firstId, retainedBytes, retainedCount, reserved, cancelRequested}, or
 an error reply:
   "NOEXEC"          the metadata hash does not exist (and ARGV[10] is not "1")
@@ -169,4 +171,8 @@ end
 for _, key in ipairs(KEYS) do
   redis.call("EXPIRE", key, ttl)
 end
+-- Wake the readers following this execution in every process: "<prefix>:notify" gets
+-- the execution id (a channel is no key, so this also works on Redis Cluster).
+local prefix, eid = string.match(stream, "^(.*):{(.*)}:events$")
+redis.call("PUBLISH", prefix .. ":notify", eid)
 return {last, first_kept, bytes, count, reserved, cancel_requested}

@@ -285,13 +285,11 @@ class EventBuffer:
         )
 
     @translated
-    async def tail(self, execution_id: str, *, after: int, block_ms: int) -> list[Event]:
-        """Block until events with ids above ``after`` are stored (or ``block_ms`` passes)."""
+    async def after(self, execution_id: str, *, after: int, count: int = 1000) -> list[Event]:
+        """The stored events with ids above ``after`` (at most ``count``), without waiting."""
         key = self.keys.events(execution_id)
-        reply: Any = await self.tail_redis.xread({key: f"{after}-0"}, count=1000, block=block_ms)
-        if not reply:
-            return []
-        return [_entry_event(entry) for entry in reply[0][1]]
+        reply: Any = await self.redis.xrange(key, min=f"({after}-0", count=count)
+        return [_entry_event(entry) for entry in reply]
 
     @translated
     async def recent_metas(

@@ -7,8 +7,12 @@ sources:
   it is emitted, before it is stored. A reader that attaches now also gets the events
   the writer has not stored yet, from memory (they are not in Redis yet).
 - remote: another process runs it (or nobody does, while it is paused); one tail task
-  per channel blocks on the Redis stream (``XREAD BLOCK``) and publishes what arrives.
-  No polling: the task wakes when an event is written.
+  per channel reads what was stored after its last event and publishes it, then waits
+  to be woken. No polling and no Redis connection per tail: every batch stored
+  publishes its execution id on the ``notify`` channel (append.lua), one pub/sub
+  connection per process listens, and wakes the tail of that execution here. When
+  that connection is lost and back, every tail reads again (a message sent meanwhile
+  is lost, a stored event is not).
 
 A reader may see an event twice at a seam (replay, memory, live); it drops every id it
 has already sent. A reader that sees a hole in the ids fills it from Redis. A tail
@@ -20,6 +24,7 @@ empty and nobody recreated it) ends its readers' streams instead of waiting fore
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -89,6 +94,7 @@ class Channel:
         self.last_published = 0
         self.finished = False
         self.tail_task: asyncio.Task[None] | None = None
+        self.wake = asyncio.Event()
 
     def publish(self, event: Event) -> None:
         if event.id <= self.last_published:
@@ -164,6 +170,9 @@ class Hub:
         self._closed = False
 
     async def __aenter__(self) -> Hub:
+        listener = asyncio.create_task(self._listen(), name="hub:notify")
+        self._tasks.add(listener)
+        listener.add_done_callback(self._tasks.discard)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -254,18 +263,58 @@ class Hub:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def _listen(self) -> None:
+        """Wake the tail of every execution whose events were just stored."""
+        backoff = Backoff(base=0.05, cap=5.0)
+        while not self._closed:
+            pubsub = self.buffer.tail_redis.pubsub()
+            try:
+                await pubsub.subscribe(self.buffer.keys.notify)
+                # (Re)subscribed: whatever was stored while no message could arrive
+                # is read now.
+                self._wake_all()
+                backoff.reset()
+                while not self._closed:
+                    message = await pubsub.get_message(
+                        ignore_subscribe_messages=True, timeout=self.tail_block_ms / 1000
+                    )
+                    if message is None:
+                        continue
+                    channel = self._channels.get(_text(message["data"]))
+                    if channel is not None:
+                        channel.wake.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("notify listener lost; reconnecting", extra={"error": str(exc)})
+                await backoff.wait()
+            finally:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(pubsub.aclose())  # type: ignore[no-untyped-call]
+
+    def _wake_all(self) -> None:
+        for channel in self._channels.values():
+            channel.wake.set()
+
     async def _tail(self, channel: Channel) -> None:
         backoff = Backoff(base=0.05, cap=5.0)
         missing_since: float | None = None
         while channel.subscribers and not channel.local:
             try:
-                events = await self.buffer.tail(
-                    channel.execution_id, after=channel.last_published, block_ms=self.tail_block_ms
-                )
+                # Cleared before reading: a wake-up during the read means "read again".
+                channel.wake.clear()
+                events = await self.buffer.after(channel.execution_id, after=channel.last_published)
                 if not events:
+                    try:
+                        await asyncio.wait_for(channel.wake.wait(), self.tail_block_ms / 1000)
+                        continue
+                    except TimeoutError:
+                        pass
                     missing_since = await self._check_gone(channel, missing_since)
                     if channel.finished:
                         break
+                    continue
+                missing_since = None
             except Exception as exc:
                 # A buffer outage is expected and retried; anything else is a bug, logged
                 # with its traceback, and retried too so readers are not left hanging.
@@ -299,3 +348,7 @@ class Hub:
             for subscriber in list(channel.subscribers):
                 subscriber.close()
         return missing_since
+
+
+def _text(data: bytes | str) -> str:
+    return data.decode() if isinstance(data, bytes) else data

@@ -249,7 +249,7 @@ async def test_an_unreachable_cluster_is_buffer_unavailable_not_a_foreign_error(
         with pytest.raises(BufferUnavailable):
             await buffer.meta("ex_nowhere")
         with pytest.raises(BufferUnavailable):
-            await buffer.tail("ex_nowhere", after=0, block_ms=100)
+            await buffer.after("ex_nowhere", after=0)
         with pytest.raises(BufferUnavailable):
             await WorkflowStore(redis=redis, validate=lambda body: body).list("default")
     finally:

@@ -281,8 +281,8 @@ async def test_calls_never_exceed_the_cap_across_two_replicas_and_every_run_comp
     }
     replicas = [FlowcastServer(data_dir=tmp_path / name, env=env) for name in ("a", "b")]
     await asyncio.gather(*(replica.start() for replica in replicas))
+    clients = [httpx.AsyncClient(base_url=r.url, timeout=60) for r in replicas]
     try:
-        clients = [httpx.AsyncClient(base_url=r.url, timeout=60) for r in replicas]
         workflow = llm_workflow("capped")
         await put(clients[0], workflow)
         started = await asyncio.gather(
@@ -296,9 +296,9 @@ async def test_calls_never_exceed_the_cap_across_two_replicas_and_every_run_comp
         assert {snapshot["status"] for snapshot in endings} == {"completed"}
         assert len(llm.requests) == 24
         assert llm.max_in_flight == 3  # the cap was reached, never passed
+    finally:
         for client in clients:
             await client.aclose()
-    finally:
         await asyncio.gather(*(replica.stop() for replica in replicas))
 
 

@@ -265,7 +265,7 @@ async def test_past_max_recoveries_a_crashing_execution_ends_worker_lost(
     spare: FlowcastServer | None = None
     try:
         async with replicas(a, b), httpx.AsyncClient(base_url=b.url, timeout=20) as on_b:
-            await put(on_b, chain_workflow(f"crashy-{unique}", blocks=4, ms=1_500))
+            await put(on_b, chain_workflow(f"crashy-{unique}", blocks=10, ms=1_500))
             async with httpx.AsyncClient(base_url=a.url, timeout=20) as on_a:
                 execution_id = await start(on_a, f"crashy-{unique}")
             await until(lambda: _has(on_b, execution_id, "block:started"), "started on A")

@@ -239,11 +239,28 @@ class FakeLLM:
         with self._lock:
             self._in_flight += 1
             self._max_in_flight = max(self._max_in_flight, self._in_flight)
+        counted = True
+
+        def done() -> None:
+            nonlocal counted
+            if counted:
+                counted = False
+                with self._lock:
+                    self._in_flight -= 1
+
+        async def sending(message: Any) -> None:
+            # No longer in flight *before* the client can see the end ([DONE], or the
+            # last of a body): a client that moves on at once must never find it counted.
+            if message["type"] == "http.response.body":
+                body = message.get("body", b"")
+                if b"[DONE]" in body or not message.get("more_body", False):
+                    done()
+            await send(message)
+
         try:
-            await self._app(scope, receive, send)
+            await self._app(scope, receive, sending)
         finally:
-            with self._lock:
-                self._in_flight -= 1
+            done()
 
     async def _completions(self, request: Request) -> Response:
         at = time.monotonic()
