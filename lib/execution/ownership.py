@@ -327,9 +327,10 @@ class Ownership:
         await self._add(self.keys.running(tenant), fence)
 
     @translated
-    async def leave(self, tenant: str, fence: str) -> None:
-        """The ownership ``fence`` stopped running (finished, paused or moved on)."""
-        await self.redis.zrem(self.keys.running(tenant), fence)
+    async def leave(self, tenant: str, *members: str) -> None:
+        """The ownership ``fence`` stopped running (finished, paused or moved on); also
+        any other member given (a pause's entry), in the same command."""
+        await self.redis.zrem(self.keys.running(tenant), *members)
 
     # -- run state -------------------------------------------------------------------
 

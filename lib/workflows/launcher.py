@@ -171,11 +171,12 @@ class Launcher:
         lease entry: the lease expires and a janitor takes the execution over, so it is
         never left running with nobody watching.
         """
-        work = [self._ownership.leave(local.tenant, local.fence)]
+        members = [local.fence]
         final = writer.final_stored
         if final is not None and final.type != EXECUTION_PAUSED:
             # Ended, also when a cancel won over its pause: it no longer counts at all.
-            work.append(self._ownership.leave(local.tenant, paused_member(local.execution_id)))
+            members.append(paused_member(local.execution_id))
+        work = [self._ownership.leave(local.tenant, *members)]
         settled = (
             writer.final_stored is not None
             or writer.refused is not None

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints
 
 SLUG_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
 
@@ -49,6 +51,7 @@ class Workflow(_Model):
     description: str = ""
     blocks: list[BlockDef] = Field(min_length=1, max_length=500)
     edges: list[Edge] = Field(default_factory=list, max_length=2000)
+    _canonical: tuple[bytes, str] | None = PrivateAttr(default=None)
 
     def block(self, block_id: str) -> BlockDef:
         """The block with this id (KeyError if there is none)."""
@@ -107,3 +110,12 @@ class Workflow(_Model):
     def to_json(self) -> dict[str, Any]:
         """The workflow as JSON, with the spec's field names."""
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+    def canonical(self) -> tuple[bytes, str]:
+        """Its JSON with sorted keys and that JSON's SHA-256 (the version's digest),
+        worked out once: a workflow is not changed after it is validated, and every
+        execution of it asks."""
+        if self._canonical is None:
+            raw = orjson.dumps(self.to_json(), option=orjson.OPT_SORT_KEYS)
+            self._canonical = (raw, hashlib.sha256(raw).hexdigest())
+        return self._canonical

@@ -43,8 +43,7 @@ class RunStates:
     @translated
     async def save_version(self, workflow: Workflow) -> str:
         """Store a workflow definition once per version; returns its digest."""
-        raw = orjson.dumps(workflow.to_json(), option=orjson.OPT_SORT_KEYS)
-        digest = hashlib.sha256(raw).hexdigest()
+        raw, digest = workflow.canonical()
         key = self._keys.workflow_version(digest)
         # Sent whole only when the store does not have it; else its TTL is refreshed,
         # so a version lives as long as the newest execution that runs it.
