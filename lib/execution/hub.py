@@ -264,21 +264,44 @@ class Hub:
         task.add_done_callback(self._tasks.discard)
 
     async def _listen(self) -> None:
-        """Wake the tail of every execution whose events were just stored."""
+        """Wake the tail of every execution whose events were just stored.
+
+        Every (re)connection of the subscription wakes every tail, also one the client
+        library makes by itself inside a read: a message published while it was away
+        is lost, a stored event is not. A subscription that has been silent for a
+        while is asked for a PONG; one that does not answer in time (a connection
+        dropped without a word, behind a NAT or a proxy) is replaced.
+        """
         backoff = Backoff(base=0.05, cap=5.0)
+        quiet = self.tail_block_ms / 1000
+        loop = asyncio.get_running_loop()
         while not self._closed:
             pubsub = self.buffer.tail_redis.pubsub()
             try:
                 await pubsub.subscribe(self.buffer.keys.notify)
-                # (Re)subscribed: whatever was stored while no message could arrive
-                # is read now.
+                connection = getattr(pubsub, "connection", None)
+                if connection is not None:
+                    connection.register_connect_callback(self._reconnected)
+                # Subscribed: whatever was stored before a message could arrive is
+                # read now.
                 self._wake_all()
                 backoff.reset()
+                heard = loop.time()
+                asked: float | None = None
                 while not self._closed:
                     message = await pubsub.get_message(
-                        ignore_subscribe_messages=True, timeout=self.tail_block_ms / 1000
+                        ignore_subscribe_messages=True, timeout=min(quiet, 1.0)
                     )
+                    now = loop.time()
                     if message is None:
+                        if asked is not None and now - asked > quiet:
+                            raise TimeoutError(f"no PONG within {quiet:.1f} s")
+                        if asked is None and now - heard > quiet:
+                            asked = now
+                            await pubsub.ping()
+                        continue
+                    heard, asked = now, None
+                    if message["type"] != "message":
                         continue
                     channel = self._channels.get(_text(message["data"]))
                     if channel is not None:
@@ -291,6 +314,10 @@ class Hub:
             finally:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(pubsub.aclose())  # type: ignore[no-untyped-call]
+
+    def _reconnected(self, _connection: object) -> None:
+        # A bound method: the client keeps connect callbacks by weak reference.
+        self._wake_all()
 
     def _wake_all(self) -> None:
         for channel in self._channels.values():

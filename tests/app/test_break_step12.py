@@ -101,10 +101,10 @@ def one_block(workflow_id: str, block: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- secrets
 
 
-async def test_a_tenant_secret_spelled_like_query_syntax_unmasks_other_tenants_stream_tokens(
+async def test_a_tenant_secret_spelled_like_query_syntax_leaves_stream_tokens_redacted(
     valkey: ValkeyServer, tmp_path: Path
 ) -> None:
-    """Break: tenant A stores the secret value ``token`` (or ``=``, ``?``, ``&``) and runs
+    """Was a break: tenant A stores the secret value ``token`` (or ``=``, ``?``, ``&``) and runs
     one http block reading it. From then on the log formatter masks that value *before*
     it redacts ``?token=`` query parameters, so ``?token=<streamToken>`` in the access
     log becomes ``?***=<streamToken>``: tenant B's stream token reaches the log
@@ -155,10 +155,10 @@ async def test_a_tenant_secret_spelled_like_query_syntax_unmasks_other_tenants_s
         await server.stop()
 
 
-async def test_a_secret_in_an_http_url_leaks_in_the_spelling_httpx_gives_it(
+async def test_a_secret_in_an_http_url_is_masked_in_the_spelling_httpx_gives_it(
     valkey: ValkeyServer, tmp_path: Path
 ) -> None:
-    """Break: httpx percent-encodes a URL its own way (it keeps ``|``, ``[``, ``]``,
+    """Was a break: httpx percent-encodes a URL its own way (it keeps ``|``, ``[``, ``]``,
     ``^`` and a ``%`` that starts no escape as they are, but encodes a space), which
     matches none of the spellings the Redactor knows (urllib's ``quote`` with two safe
     sets, ``quote_plus``). The http block's error message carries the URL, so the secret
@@ -255,7 +255,7 @@ async def test_a_huge_retry_after_fails_later_calls_clearly_instead_of_holding_t
 async def test_an_infinite_rate_limit_wait_is_a_clear_llm_error(
     valkey: ValkeyServer, llm: FakeLLM, tmp_path: Path, headers: dict[str, str]
 ) -> None:
-    """Break: ``wait_asked`` turns ``retry-after-ms: inf`` (or a reset of ``1e400``) into
+    """Was a break: ``wait_asked`` turns ``retry-after-ms: inf`` (or a reset of ``1e400``) into
     ``inf`` seconds and ``Slots.pause`` does ``int(inf * 1000)``: OverflowError, so the
     block fails as an unexpected bug (``block_error``, a traceback in the log) and is
     retried, instead of a clear ``llm_rate_limited`` failure."""
@@ -290,7 +290,7 @@ def slow_reply(pieces: int = 10, every: float = 0.2) -> Reply:
 async def test_cancelling_a_call_waiting_for_a_slot_gives_its_place_up_at_once(
     valkey: ValkeyServer, llm: FakeLLM, tmp_path: Path
 ) -> None:
-    """Break: a call cancelled while it waits in line in Redis (``Slots._acquire``, so a
+    """Was a break: a call cancelled while it waits in line in Redis (``Slots._acquire``, so a
     call of another replica than the holder's) leaves its ticket in the provider's queue
     and its waiter entry alive for a whole lease: when the holder finishes, the next
     live waiter (behind the dead ticket at rank 0) is not granted the slot until that
@@ -337,7 +337,7 @@ async def test_cancelling_a_call_waiting_for_a_slot_gives_its_place_up_at_once(
 async def test_a_waiter_does_not_spin_on_redis_after_it_came_back_empty(
     llm: FakeLLM, tmp_path: Path
 ) -> None:
-    """Break: after Redis restarts empty (or the ``freed`` stream expires after an idle
+    """Was a break: after Redis restarts empty (or the ``freed`` stream expires after an idle
     minute) the acquire script answers ``freed = "0-0"``, which is below the ``seen``
     id the process remembered, so ``Slots._acquire`` never waits (``seen <= after`` is
     false) and asks again at once, in a hot loop (thousands of EVALSHA a second) for as
@@ -421,10 +421,10 @@ class _EchoKey(BaseHTTPRequestHandler):
         pass
 
 
-async def test_the_providers_api_key_echoed_in_an_error_reaches_the_tenants_events(
+async def test_the_providers_api_key_echoed_in_an_error_is_masked(
     valkey: ValkeyServer, tmp_path: Path
 ) -> None:
-    """Break: the provider's ``apiKey`` is server configuration a tenant must never see,
+    """Was a break: the provider's ``apiKey`` is server configuration a tenant must never see,
     but ``_status_error`` (llm.py) copies the provider's error message into the block's
     error verbatim and the run's Redactor only knows tenant secrets, so a provider (or
     proxy) that quotes the key it was sent puts the server's key into block:failed,
@@ -546,7 +546,7 @@ class _OddChunks(BaseHTTPRequestHandler):
 async def test_a_chunk_whose_choices_is_not_a_list_is_a_clear_bad_reply(
     valkey: ValkeyServer, tmp_path: Path
 ) -> None:
-    """Break (minor): ``_Reply.take`` iterates ``chunk.get("choices") or []`` without
+    """Was a break (minor): ``_Reply.take`` iterates ``chunk.get("choices") or []`` without
     checking it is a list, so ``"choices": 5`` raises TypeError: the block fails as an
     unexpected bug (``block_error``, a traceback logged, retried as if transient) instead
     of ``llm_bad_reply`` like every other malformed chunk."""

@@ -50,10 +50,10 @@ def fresh(llm: FakeLLM) -> None:
 # --------------------------------------------------------------------------- cost
 
 
-async def test_one_big_reply_chunk_with_large_secrets_freezes_every_tenant(
+async def test_one_big_reply_chunk_with_large_secrets_does_not_stall_other_tenants(
     valkey: ValkeyServer, llm: FakeLLM, tmp_path: Path
 ) -> None:
-    """Break (SPEC §8, no tenant can slow another): ``ChunkRedactor._prefix_tail`` tries,
+    """Was a break (SPEC §8, no tenant can slow another): ``ChunkRedactor._prefix_tail`` tries,
     for every spelling of every secret the run read, every tail length up to
     ``min(len(spelling) - 1, len(text))``, slicing the text each time: O(spellings x
     min(L, T)^2) per chunk, on the event loop. A provider that sends a long reply in one
@@ -164,10 +164,10 @@ def _store_workflow(workflow_id: str, url: str, pause: bool) -> dict[str, Any]:
     return {"id": workflow_id, "blocks": blocks, "edges": edges}
 
 
-async def test_a_secret_the_run_read_is_no_longer_masked_after_a_resume(
+async def test_a_secret_the_run_read_stays_masked_after_a_resume(
     valkey: ValkeyServer, tmp_path: Path
 ) -> None:
-    """Break (SPEC §2.1: a secret's value never appears in an event): the run's
+    """Was a break (SPEC §2.1: a secret's value never appears in an event): the run's
     Redactor holds the values the run read, so a later block whose output echoes one
     (here an API that gives back what the first block stored with the secret) shows
     ``***``. But a resume (or a recovery, or a hand-off) builds a new ``_Run`` with an
@@ -305,10 +305,10 @@ async def test_a_streaming_call_cut_by_sigterm_runs_again_elsewhere_and_complete
 # --------------------------------------------------------------------------- the Redactor
 
 
-async def test_two_overlapping_secrets_leave_the_rest_of_one_visible(
+async def test_two_overlapping_secrets_are_both_masked_whole(
     valkey: ValkeyServer, llm: FakeLLM, tmp_path: Path
 ) -> None:
-    """Break (minor; SPEC §2.1 a secret's value never appears): ``Redactor.text``
+    """Was a break (minor; SPEC §2.1 a secret's value never appears): ``Redactor.text``
     replaces spellings one after the other, longest first (secrets.py, the loop at the
     end of ``text``). When two secrets overlap in a text (the end of one is the start of
     the other), replacing the first destroys the second's occurrence, so the part of the
@@ -344,10 +344,10 @@ async def test_two_overlapping_secrets_leave_the_rest_of_one_visible(
         await server.stop()
 
 
-async def test_a_long_secret_in_an_http_url_leaks_in_the_spelling_httpx_gives_it(
+async def test_a_long_secret_in_an_http_url_is_masked_in_the_spelling_httpx_gives_it(
     valkey: ValkeyServer, tmp_path: Path
 ) -> None:
-    """Break: ``_in_url`` (secrets.py) learns httpx's spelling by parsing one URL that
+    """Was a break: ``_in_url`` (secrets.py) learns httpx's spelling by parsing one URL that
     holds the value twice (``"http://h/p" + value + "?q=" + value``). httpx refuses URLs
     over 65,536 characters, so for a value over ~32 K characters the parse fails and the
     httpx spelling is silently dropped, while a real URL holding the value once is
@@ -387,10 +387,10 @@ async def test_a_long_secret_in_an_http_url_leaks_in_the_spelling_httpx_gives_it
         await server.stop()
 
 
-async def test_reading_large_secrets_stalls_other_tenants_on_every_attempt(
+async def test_reading_large_secrets_does_not_stall_other_tenants(
     valkey: ValkeyServer, tmp_path: Path
 ) -> None:
-    """Break (SPEC §8, no tenant can slow another): every attempt of a block that reads
+    """Was a break (SPEC §8, no tenant can slow another): every attempt of a block that reads
     secrets calls ``Redactor.add`` on a fresh per-run Redactor, which computes every
     spelling of every value (``_spellings``: three ``urllib.parse.quote`` passes,
     JSON, base64, httpx) on the event loop, ~8 ms per 64 KiB value. A workflow reading
