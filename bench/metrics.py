@@ -20,7 +20,7 @@ from redis.asyncio import Redis
 from bench.clients import LatencyRecorder, SSEClient, http_request, open_stream
 from bench.recovery import Recovery
 from bench.report import Report, Row, ms, percentile, rate, ratio, verdict
-from bench.rss import peak_rss
+from bench.rss import peak_rss, status_bytes
 from bench.scale import Scale
 from bench.stack import OWN_SERVER, SSE, Config, GiB, MiB, Stack, words, workflows
 from tests.support.servers import FlowcastServer
@@ -447,6 +447,7 @@ class Bench:
                     execution_id, {"completed", "failed"}, timeout=480, server=server.url
                 )
             elapsed = time.perf_counter() - started
+            settled, settled_after = await settle_rss(server.pid, rss.before)
         finally:
             await server.stop()
         async with Redis.from_url(self.stack.valkey.url) as redis:
@@ -491,6 +492,17 @@ class Bench:
             f"the highest of {rss.samples} VmRSS samples (every 50 ms) "
             f"{rss.sampled / MiB:.0f} MiB, {hwm}."
         )
+        back = settled - rss.before
+        self.report.add(
+            Row(
+                f"server RSS after the {output / GiB:.2f} GiB run ends, over its start",
+                f"{back / MiB:+.0f} MiB after {settled_after:.1f} s",
+                f"before {rss.before / MiB:.0f} MiB",
+                ratio(settled, rss.before),
+                f"within {SETTLED_BYTES // MiB} MiB in {SETTLE_SECONDS:.0f} s",
+                verdict(back <= SETTLED_BYTES),
+            )
+        )
         self.report.add(
             Row(
                 f"server peak RSS growth during the {output / GiB:.2f} GiB run",
@@ -501,6 +513,22 @@ class Bench:
                 verdict(rss.growth < 100 * MiB and snapshot["status"] == "completed"),
             )
         )
+
+
+SETTLE_SECONDS = 5.0
+SETTLED_BYTES = 32 * MiB
+
+
+async def settle_rss(pid: int, baseline: int) -> tuple[int, float]:
+    """VmRSS once it is back within ``SETTLED_BYTES`` of ``baseline`` (or after
+    ``SETTLE_SECONDS``), and how long after the run's end that was."""
+    began = time.perf_counter()
+    while True:
+        now = status_bytes(pid, "VmRSS")
+        waited = time.perf_counter() - began
+        if now - baseline <= SETTLED_BYTES or waited >= SETTLE_SECONDS:
+            return now, waited
+        await asyncio.sleep(0.05)
 
 
 def burst_rate(client: SSEClient) -> float:
