@@ -306,10 +306,12 @@ async def test_a_silently_dead_notify_connection_is_replaced(
                 async with asyncio.timeout(10):
                     while proxy.subscriptions < 1:
                         await asyncio.sleep(0.05)
+                before = proxy.subscriptions
                 proxy.blackhole_subscribers()
-                # Longer than any socket timeout B has (15 s): a live listener would
-                # have replaced the connection by now.
-                await asyncio.sleep(16)
+                # B finds its subscription silent, gets no PONG, and subscribes again.
+                async with asyncio.timeout(20):
+                    while proxy.subscriptions <= before:
+                        await asyncio.sleep(0.05)
                 execution_id = await execute(on_a, "quiet")
                 reader = Reader(on_b, execution_id)
                 await asyncio.wait_for(reader.task, timeout=10)

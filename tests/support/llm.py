@@ -114,6 +114,9 @@ class FakeLLM:
         self._requests: list[Seen] = []
         self._in_flight = 0
         self._max_in_flight = 0
+        # Bumped by reset(): a request from before (one a test left hanging, e.g. a slow
+        # reply its client gave up on) no longer counts in the next test's figures.
+        self._generation = 0
         self._app = Starlette(
             routes=[Route("/v1/chat/completions", self._completions, methods=["POST"])]
         )
@@ -183,12 +186,14 @@ class FakeLLM:
             self._script.extend(replies)
 
     def reset(self) -> None:
-        """Forget scripts, requests and the in-flight peak, and restore the default reply."""
+        """Forget scripts, requests and in-flight counts (a request still being answered
+        no longer counts), and restore the default reply."""
         with self._lock:
             self._script.clear()
             self._requests.clear()
-            # Requests still being answered stay counted, or the counter would go negative.
-            self._max_in_flight = self._in_flight
+            self._generation += 1
+            self._in_flight = 0
+            self._max_in_flight = 0
             self.default = self._initial_default
 
     @property
@@ -239,6 +244,7 @@ class FakeLLM:
         with self._lock:
             self._in_flight += 1
             self._max_in_flight = max(self._max_in_flight, self._in_flight)
+            generation = self._generation
         counted = True
 
         def done() -> None:
@@ -246,7 +252,8 @@ class FakeLLM:
             if counted:
                 counted = False
                 with self._lock:
-                    self._in_flight -= 1
+                    if generation == self._generation:
+                        self._in_flight -= 1
 
         async def sending(message: Any) -> None:
             # No longer in flight *before* the client can see the end ([DONE], or the
