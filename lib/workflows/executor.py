@@ -30,7 +30,7 @@ from typing import Any
 
 import orjson
 
-from lib.errors import BlockError, BufferUnavailable, FlowcastError
+from lib.errors import BlockError, FlowcastError
 from lib.execution.events import (
     BLOCK_CHUNK,
     BLOCK_COMPLETED,
@@ -49,9 +49,8 @@ from lib.workflows.checkpoint import (
     skipped_field,
 )
 from lib.workflows.model import BlockDef, Workflow
-from lib.workflows.redact import Redactor
-from lib.workflows.secrets import SecretStore
-from lib.workflows.templates import block_reads, secret_names, template_strings
+from lib.workflows.secrets import RunSecrets, SecretStore
+from lib.workflows.templates import block_reads, template_strings
 
 log = logging.getLogger(__name__)
 
@@ -246,10 +245,14 @@ class _Run:
             block_id for block_id, kept in self.outputs.items() if holds_refs(orjson.dumps(kept))
         }
         self.drain = drain
-        self.tenant = tenant
-        # Every secret value this run read: masked in outputs, chunks and errors, so
+        self.secrets = RunSecrets(
+            store=executor.secrets,
+            tenant=tenant,
+            configs={block.id: block.config for block in workflow.blocks},
+        )
+        # Every secret value this run may meet: masked in outputs, chunks and errors, so
         # no event, checkpoint or log line carries one.
-        self.redactor = Redactor()
+        self.redactor = self.secrets.redactor
         self.deferred: list[str] = []
         self.reads: dict[str, set[str] | None] = {}  # block → the outputs its templates read
         self.pauses: dict[str, PauseRequested] = {}
@@ -268,25 +271,8 @@ class _Run:
             if block.id not in finished and self.waiting[block.id] == 0
         ]
 
-    async def _mask_from_the_start(self) -> None:
-        """Mask every secret the workflow reads (and the value each replaced) before any
-        block runs: a block that reads none may echo one an earlier run read (before a
-        pause, a recovery or a hand-off), or one a remote side kept."""
-        store = self.executor.secrets
-        names = {name for block in self.workflow.blocks for name in secret_names(block.config)}
-        if not names or store is None or self.tenant is None:
-            return
-        try:
-            self.redactor.add(await store.masks(self.tenant, names))
-        except BufferUnavailable as exc:
-            # The blocks that read secrets cannot run either until it is back.
-            log.warning(
-                "secrets to mask not read",
-                extra={"executionId": self.execution_id, "error": str(exc)},
-            )
-
     async def execute(self) -> dict[str, Any]:
-        await self._mask_from_the_start()
+        await self.secrets.mask_from_the_start(self.execution_id)
         try:
             async with asyncio.TaskGroup() as group:
                 self.group = group
@@ -310,21 +296,6 @@ class _Run:
             raise Paused(pause, state)
         # As kept: the final event carries each sink's output as its own event did.
         return {sink: self.outputs[sink] for sink in self.workflow.sinks() if sink in self.outputs}
-
-    async def _secrets(self, block: BlockDef) -> dict[str, str]:
-        """The secrets ``block``'s templates read, revealed now (and masked from now on)."""
-        names = secret_names(block.config)
-        if not names:
-            return {}
-        store = self.executor.secrets
-        if store is None or self.tenant is None:
-            raise BlockError("secret_missing", "secrets are not available here", retryable=False)
-        try:
-            values = await store.reveal(self.tenant, names)
-        except BufferUnavailable as exc:
-            raise BlockError("secret_unavailable", f"secrets could not be read: {exc}") from exc
-        self.redactor.add(values.values())
-        return values
 
     async def _context(self, block_id: str) -> dict[str, Any]:
         # Only upstream outputs are visible, so a template cannot depend on timing; of
@@ -500,7 +471,7 @@ class _Run:
         if block_type is None:
             raise BlockError("unknown_type", f"unknown block type {block.type!r}", retryable=False)
         context = await self._context(block.id)
-        secrets = await self._secrets(block)
+        secrets = await self.secrets.reveal(block.id)
         if secrets:
             context["secrets"] = secrets
         rendered = await self.templates.render(block.config, context)
@@ -522,15 +493,12 @@ class _Run:
         try:
             async with asyncio.timeout(timeout) as deadline:
                 output = await block_type.run(ctx, config)
-        except TimeoutError as exc:
-            self._chunk(block.id, chunker.flush())
-            if not deadline.expired():
-                raise  # the block's own TimeoutError: reported as unexpected by the caller
-            message = f"the attempt took longer than {block.timeout_ms} ms"
-            raise BlockError("timeout", message, retryable=True) from exc
-        except Exception:
-            self._chunk(block.id, chunker.flush())
-            raise
+        except Exception as exc:
+            self._chunk(block.id, chunker.flush())  # not on a cancel: that attempt is gone
+            if isinstance(exc, TimeoutError) and deadline.expired():
+                message = f"the attempt took longer than {block.timeout_ms} ms"
+                raise BlockError("timeout", message, retryable=True) from exc
+            raise  # (a block's own TimeoutError is reported as unexpected by the caller)
         self._chunk(block.id, chunker.flush())
         return output
 

@@ -21,6 +21,7 @@ import base64
 import builtins
 import contextlib
 import datetime
+import logging
 import re
 import secrets
 from collections import OrderedDict
@@ -36,10 +37,13 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from redis.asyncio import Redis
 
 from lib.backend import Keys, translating
-from lib.errors import BlockError, InvalidInput, NotFound, Problem
+from lib.errors import BlockError, BufferUnavailable, InvalidInput, NotFound, Problem
 from lib.workflows.redact import Redactor
+from lib.workflows.templates import secret_names
 
 NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+log = logging.getLogger(__name__)
+
 MAX_VALUE_BYTES = 8 * 1024
 MAX_SECRETS = 1000
 MAX_SECRETS_PER_WORKFLOW = 64
@@ -198,3 +202,46 @@ class SecretStore:
 
 def _aad(tenant: str, name: str) -> bytes:
     return f"{tenant}\x00{name}".encode()
+
+
+class RunSecrets:
+    """One run's view of its tenant's secrets: which each block reads (worked out once
+    per run, not per attempt), their values when a block runs, and the redactor that
+    masks every one of them in what the run emits."""
+
+    def __init__(
+        self, *, store: SecretStore | None, tenant: str | None, configs: dict[str, Any]
+    ) -> None:
+        self._store = store
+        self._tenant = tenant
+        self._names = {block_id: secret_names(config) for block_id, config in configs.items()}
+        self.redactor = Redactor()
+
+    async def mask_from_the_start(self, execution_id: str) -> None:
+        """Mask every secret the workflow reads (and the value each replaced) before any
+        block runs: a block that reads none may echo one an earlier run read (before a
+        pause, a recovery or a hand-off), or one a remote side kept."""
+        names = set().union(*self._names.values())
+        if not names or self._store is None or self._tenant is None:
+            return
+        try:
+            self.redactor.add(await self._store.masks(self._tenant, names))
+        except BufferUnavailable as exc:
+            # The blocks that read secrets cannot run either until it is back.
+            log.warning(
+                "secrets to mask not read", extra={"executionId": execution_id, "error": str(exc)}
+            )
+
+    async def reveal(self, block_id: str) -> dict[str, str]:
+        """The secrets ``block_id``'s templates read, revealed now (and masked from now on)."""
+        names = self._names.get(block_id)
+        if not names:
+            return {}
+        if self._store is None or self._tenant is None:
+            raise BlockError("secret_missing", "secrets are not available here", retryable=False)
+        try:
+            values = await self._store.reveal(self._tenant, names)
+        except BufferUnavailable as exc:
+            raise BlockError("secret_unavailable", f"secrets could not be read: {exc}") from exc
+        self.redactor.add(values.values())
+        return values
