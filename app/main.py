@@ -27,6 +27,7 @@ from app.limits import BodyLimit, StreamSlots
 from app.routes import executions, health, page, secrets, streams, values, workflows
 from app.services import Services
 from app.settings import Settings
+from app.sse import OpenStreams
 from app.tokens import StreamTokens, load_secret
 from lib.execution.buffer import EventBuffer
 from lib.execution.hub import Hub
@@ -218,6 +219,9 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
                 max_pending_events=settings.max_pending_events,
             )
         )
+        open_streams = await stack.enter_async_context(
+            OpenStreams(ping_seconds=settings.sse_ping_seconds)
+        )
         metrics.watch(
             pending=runner.pending_events,
             sse_clients=hub.subscriber_count,
@@ -242,6 +246,7 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
             metrics=metrics,
             keys=ApiKeys(settings.api_keys),
             streams=StreamSlots(settings.max_streams_per_tenant),
+            open_streams=open_streams,
             idempotency=Idempotency(
                 redis=redis, prefix=settings.redis_prefix, ttl_seconds=settings.idempotency_seconds
             ),

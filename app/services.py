@@ -10,6 +10,7 @@ from app.auth import ApiKeys, Caller, authenticate, authenticate_reader
 from app.idempotency import Idempotency
 from app.limits import StreamSlots
 from app.settings import Settings
+from app.sse import OpenStreams
 from app.tokens import StreamTokens
 from lib.execution.buffer import EventBuffer
 from lib.execution.hub import Hub
@@ -34,6 +35,7 @@ class Services:
     metrics: Metrics
     keys: ApiKeys
     streams: StreamSlots
+    open_streams: OpenStreams
     secrets: SecretStore
     providers: Providers
 

@@ -4,23 +4,20 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import AsyncIterator, Callable
-from typing import Annotated, cast
+from typing import Annotated
 
-import anyio
 from fastapi import APIRouter, Depends, Request, Response
-from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from app.auth import Caller
 from app.errors import ApiError
 from app.schemas import API_ERRORS, SSE, STREAM_TOKEN, errors, header, query
 from app.services import Services, reader, services
+from app.sse import EventStream
 from lib.errors import NotFound
 from lib.execution.stream import StreamReader
 
 router = APIRouter(prefix="/api/executions", tags=["executions"])
 
-SHUTDOWN_GRACE_SECONDS = 2.0
 _CURSOR = re.compile(r"^[0-9]{1,18}$")
 # The buffer's Lua adds one to the cursor and prints it with "%.14g": from 10**14 on
 # that is "1e+14", which Redis refuses as a stream id (a 503 instead of a 400).
@@ -42,37 +39,9 @@ def parse_cursor(value: str | None, name: str) -> int:
     return number
 
 
-def _ping() -> ServerSentEvent:
-    return ServerSentEvent(comment="ping", sep="\n")
-
-
-class _CloseOnShutdown:
-    """What sse-starlette sets when the server shuts down: it ends the reader at a frame
-    boundary, so the response closes cleanly and EventSource reconnects (to another
-    replica) with Last-Event-ID. Closing the reader directly spares a task per stream
-    that would only wait for that moment."""
-
-    __slots__ = ("_reader",)
-
-    def __init__(self, reader: StreamReader) -> None:
-        self._reader = reader
-
-    def set(self) -> None:
-        self._reader.close()
-
-
-async def _frames(reader: StreamReader, release: Callable[[], None]) -> AsyncIterator[bytes]:
-    """The reader's frames; the tenant's stream slot is given back when they end."""
-    try:
-        async for chunk in reader.frames():
-            yield chunk
-    finally:
-        release()
-
-
 def sse_response(
     svc: Services, execution_id: str, *, cursor: int, tenant: str, slot_taken: bool = False
-) -> EventSourceResponse:
+) -> EventStream:
     """The SSE response for one execution from ``cursor`` on, counted among the tenant's
     open streams (429 past the cap) until it ends."""
     if not slot_taken:
@@ -84,22 +53,18 @@ def sse_response(
         cursor=cursor,
         max_seconds=svc.settings.sse_max_seconds,
     )
-    return EventSourceResponse(
-        _frames(reader, functools.partial(svc.streams.give_back, tenant)),
-        headers={"Cache-Control": "no-cache", "X-Execution-Id": execution_id},
-        ping=svc.settings.sse_ping_seconds,
-        ping_message_factory=_ping,
-        sep="\n",
-        # sse-starlette only ever calls ``set()`` on it (its ``shutdown_event`` contract).
-        shutdown_event=cast(anyio.Event, _CloseOnShutdown(reader)),
-        shutdown_grace_period=SHUTDOWN_GRACE_SECONDS,
+    return EventStream(
+        reader,
+        streams=svc.open_streams,
+        release=functools.partial(svc.streams.give_back, tenant),
+        execution_id=execution_id,
     )
 
 
 @router.get(
     "/{execution_id}/stream",
     response_model=None,
-    response_class=EventSourceResponse,  # for the docs: the 200 is text/event-stream only
+    response_class=EventStream,  # for the docs: the 200 is text/event-stream only
     responses={
         200: {"content": SSE, "description": "Replay after the cursor, then live"},
         204: {"description": "The execution is finished and the cursor is at its end"},

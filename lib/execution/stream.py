@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 
 import orjson
 
@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 REPLAY_PAGE = 1_000
 GAP_EVENT = "replay:gap"
+PING_FRAME = b": ping\n\n"
 
 
 def gap_frame(after: int, resume_at: int, reason: str, metrics: Metrics | None = None) -> bytes:
@@ -66,12 +67,18 @@ class StreamReader:
         self._deadline = None if max_seconds is None else time.monotonic() + max_seconds
 
     def close(self) -> None:
-        """End the stream at the next frame boundary (the server is shutting down)."""
+        """End the stream at the next frame boundary (the server is shutting down, or
+        the client left)."""
         self.closed = True
         if self._subscription is not None:
             self._subscription.close()
 
-    async def frames(self) -> AsyncIterator[bytes]:
+    def poke(self) -> None:
+        """Send a heartbeat comment if the stream is waiting for live events."""
+        if self._subscription is not None:
+            self._subscription.poke()
+
+    async def frames(self) -> AsyncGenerator[bytes]:
         """SSE frames until the terminal event (or the connection's time cap, or close)."""
         timer = None
         if self._deadline is not None:
@@ -139,6 +146,9 @@ class StreamReader:
             batch = await self._wait(subscription)
             if batch is None:
                 return
+            if not batch and not subscription.overflowed:
+                yield PING_FRAME  # poked: nothing new for a while
+                continue
             chunk = await self._accept_live(batch)
             if chunk:
                 yield chunk

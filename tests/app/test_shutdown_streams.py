@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
+import time
 import uuid
 from pathlib import Path
 
@@ -43,3 +45,47 @@ async def test_a_server_shutting_down_closes_open_streams_cleanly(
     check_view(frames)
     assert 5 <= len(frames) < 400
     assert "without completing response" not in server.logs()
+
+
+async def test_a_client_that_stopped_reading_is_cut_after_the_grace(
+    tmp_path: Path, valkey: ValkeyServer
+) -> None:
+    """Its stream waits on a full socket; two seconds after the exit signal the server
+    stops writing to it and frees what it held. (The socket itself closes once uvicorn's
+    ``--timeout-graceful-shutdown`` runs out, or here, when the client goes.)"""
+    server = FlowcastServer(
+        data_dir=tmp_path,
+        env={
+            "FLOWCAST_REDIS_URL": valkey.url,
+            "FLOWCAST_REDIS_PREFIX": f"sr{uuid.uuid4().hex[:6]}",
+        },
+    )
+    await server.start()
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+        await put(client, streaming_workflow("big", words=10))
+        # More than the kernel's socket buffers hold (4 MiB here): the write waits.
+        body = {"input": {"name": "x", "blob": "x" * 6_000_000}}
+        started = (await client.post("/api/workflows/big/execute", json=body)).json()
+        execution_id = started["executionId"]
+        while (await client.get(f"/api/executions/{execution_id}")).json()["status"] == "running":
+            await asyncio.sleep(0.05)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    try:
+        await loop.sock_connect(sock, ("127.0.0.1", server.port))
+        request = f"GET {started['streamUrl']} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+        await loop.sock_sendall(sock, request.encode())
+        head = await loop.sock_recv(sock, 1024)  # the headers and a little; then no more
+        assert head.startswith(b"HTTP/1.1 200")
+        stopping = asyncio.create_task(server.stop(signal.SIGTERM, timeout=20))
+        began = time.monotonic()
+        while "without completing response" not in server.logs():
+            assert time.monotonic() - began < 8, server.logs()[-2000:]
+            await asyncio.sleep(0.1)
+        assert "ending the open streams" in server.logs()
+        assert not stopping.done()  # uvicorn still waits for the socket
+    finally:
+        sock.close()
+    await stopping

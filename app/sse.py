@@ -1,0 +1,201 @@
+"""The SSE response: a stream reader's frames, written to one client.
+
+The frames are encoded once, when the event is emitted, and every client gets the same
+bytes. What a stream costs beyond that is kept to one coroutine (the request's own
+task, writing frames) and one task waiting for the client to leave. The timers every
+stream would otherwise need are one ticker per process (:class:`OpenStreams`): it pokes
+idle streams for their heartbeat and, once uvicorn is told to exit, ends every stream at
+a frame boundary so EventSource reconnects (to another replica) with Last-Event-ID; a
+stream still open ``grace_seconds`` later (its client stopped reading, so a write waits)
+is cancelled, so shutdown never waits on a client.
+
+sse-starlette's ``EventSourceResponse`` runs four tasks per stream and a cancel scope
+around every write; at thousands of streams that was most of the server's CPU and
+memory per client (``bench/`` row "streams").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+from sse_starlette.sse import AppStatus
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from lib.execution.stream import StreamReader
+
+log = logging.getLogger(__name__)
+
+TICK_SECONDS = 0.5
+GRACE_SECONDS = 2.0
+_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"connection", b"keep-alive"),
+    (b"x-accel-buffering", b"no"),
+]
+_END = {"type": "http.response.body", "body": b"", "more_body": False}
+
+
+def server_exiting() -> bool:
+    """Whether uvicorn was told to exit (a signal, or ``should_exit`` set on it)."""
+    if AppStatus.should_exit:  # sse-starlette's hook on uvicorn's exit handler
+        return True
+    handler = signal.getsignal(signal.SIGTERM)
+    server = getattr(handler, "__self__", None)
+    return bool(getattr(server, "should_exit", False))
+
+
+class EventStream(Response):
+    """``text/event-stream`` with a reader's frames, until the reader ends or the client
+    leaves; ``release`` runs once, however it ends."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        reader: StreamReader,
+        *,
+        streams: OpenStreams,
+        release: Callable[[], None],
+        execution_id: str,
+    ) -> None:
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [*_HEADERS, (b"x-execution-id", execution_id.encode())]
+        self.reader = reader
+        self.sent_at = 0.0
+        self._streams = streams
+        self._release = release
+        self._task: asyncio.Task[Any] | None = None
+        self._forced = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            if scope.get("method") == "HEAD":
+                await send(_END)
+                return
+            loop = asyncio.get_running_loop()
+            self._task = asyncio.current_task()
+            leaving = loop.create_task(self._watch(receive))
+            self._streams.add(self)
+            try:
+                async with contextlib.aclosing(self.reader.frames()) as frames:
+                    async for chunk in frames:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        self.sent_at = loop.time()
+                await send(_END)
+            except asyncio.CancelledError:
+                if not self._forced or self._task is None:
+                    raise
+                # Ours (see force): the connection is left unfinished and uvicorn closes it.
+                self._task.uncancel()
+            finally:
+                self._streams.discard(self)
+                leaving.cancel()
+        finally:
+            self._release()
+
+    def force(self) -> None:
+        """Stop now, mid-write if need be (the server's shutdown grace ran out)."""
+        if self._task is not None and not self._forced:
+            self._forced = True
+            self._task.cancel()
+
+    async def _watch(self, receive: Receive) -> None:
+        # The request body was read before the response began: what comes now is the
+        # disconnect (or, once the response is complete, the same message).
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.reader.close()
+
+
+class OpenStreams:
+    """The process's open SSE streams, and the one ticker that keeps them: a heartbeat
+    on each stream idle for ``ping_seconds``, and the end of all of them once the server
+    is exiting (``exiting`` is asked every tick)."""
+
+    def __init__(
+        self,
+        *,
+        ping_seconds: float,
+        tick_seconds: float = TICK_SECONDS,
+        grace_seconds: float = GRACE_SECONDS,
+        exiting: Callable[[], bool] = server_exiting,
+    ) -> None:
+        self.ping_seconds = ping_seconds
+        self._tick = min(tick_seconds, ping_seconds / 2)
+        self._exiting = exiting
+        self._open: set[EventStream] = set()
+        self.closing = False
+        self._closed_at = 0.0
+        self.grace_seconds = grace_seconds
+        self._task: asyncio.Task[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def add(self, stream: EventStream) -> None:
+        if self.closing:
+            stream.reader.close()  # opened while the server drains: ends at once
+        stream.sent_at = asyncio.get_running_loop().time()
+        self._open.add(stream)
+
+    def discard(self, stream: EventStream) -> None:
+        self._open.discard(stream)
+
+    def close_all(self) -> None:
+        """End every stream at its next frame boundary, and any opened from now on."""
+        if not self.closing:
+            self.closing = True
+            self._closed_at = asyncio.get_running_loop().time()
+        for stream in self._open:
+            stream.reader.close()
+
+    async def __aenter__(self) -> OpenStreams:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close_all()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self._tick)
+            try:
+                self.tick(loop.time())
+            except Exception:  # the ticker must outlive any one stream's trouble
+                log.exception("the SSE ticker failed a tick")
+
+    def tick(self, now: float) -> None:
+        """One tick: end everything when exiting, else poke the idle streams."""
+        if not self.closing and self._exiting():
+            log.info("server exiting: ending the open streams", extra={"streams": len(self)})
+            self.close_all()
+        if self.closing:
+            if now - self._closed_at >= self.grace_seconds:
+                for stream in list(self._open):
+                    stream.force()
+            return
+        idle_since = now - self.ping_seconds
+        for stream in self._open:
+            if stream.sent_at <= idle_since:
+                stream.sent_at = now  # once per interval, whether or not it is waiting
+                stream.reader.poke()
