@@ -101,6 +101,7 @@ class EventStream(Response):
                 self._streams.discard(self)
                 leaving.cancel()
         finally:
+            self.reader.detach()
             self._release()
 
     def force(self) -> None:

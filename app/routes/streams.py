@@ -40,24 +40,39 @@ def parse_cursor(value: str | None, name: str) -> int:
 
 
 def sse_response(
-    svc: Services, execution_id: str, *, cursor: int, tenant: str, slot_taken: bool = False
+    svc: Services,
+    execution_id: str,
+    *,
+    cursor: int,
+    tenant: str,
+    slot_taken: bool = False,
+    reader: StreamReader | None = None,
 ) -> EventStream:
-    """The SSE response for one execution from ``cursor`` on, counted among the tenant's
-    open streams (429 past the cap) until it ends."""
+    """The SSE response for one execution from ``cursor`` on (or ``reader``'s, already
+    opened), counted among the tenant's open streams (429 past the cap) until it ends."""
+    if reader is None:
+        reader = _reader(svc, execution_id, cursor)
     if not slot_taken:
-        svc.streams.take(tenant)
-    reader = StreamReader(
-        buffer=svc.buffer,
-        hub=svc.hub,
-        execution_id=execution_id,
-        cursor=cursor,
-        max_seconds=svc.settings.sse_max_seconds,
-    )
+        try:
+            svc.streams.take(tenant)
+        except BaseException:
+            reader.detach()
+            raise
     return EventStream(
         reader,
         streams=svc.open_streams,
         release=functools.partial(svc.streams.give_back, tenant),
         execution_id=execution_id,
+    )
+
+
+def _reader(svc: Services, execution_id: str, cursor: int) -> StreamReader:
+    return StreamReader(
+        buffer=svc.buffer,
+        hub=svc.hub,
+        execution_id=execution_id,
+        cursor=cursor,
+        max_seconds=svc.settings.sse_max_seconds,
     )
 
 
@@ -89,10 +104,13 @@ async def stream(
         cursor = parse_cursor(header, "Last-Event-ID")
     else:
         cursor = parse_cursor(request.query_params.get("lastEventId"), "lastEventId")
-    meta = await svc.buffer.meta(execution_id)
+    reader = _reader(svc, execution_id, cursor)
+    meta = await reader.open()
     if not caller.may_read(meta.tenant, execution_id):
+        reader.detach()
         raise NotFound("execution", execution_id)
     if meta.finished and cursor >= meta.last_id:
+        reader.detach()
         # 204 tells EventSource the stream is over and not to reconnect.
         return Response(status_code=204, headers={"X-Execution-Id": execution_id})
-    return sse_response(svc, execution_id, cursor=cursor, tenant=meta.tenant)
+    return sse_response(svc, execution_id, cursor=cursor, tenant=meta.tenant, reader=reader)

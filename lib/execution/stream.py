@@ -23,7 +23,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 import orjson
 
 from lib.errors import BufferUnavailable, NotFound
-from lib.execution.buffer import EventBuffer, Page
+from lib.execution.buffer import EventBuffer, ExecutionMeta, Page
 from lib.execution.events import Event, sse_frame
 from lib.execution.hub import Hub, Subscription
 from lib.metrics import Metrics
@@ -64,7 +64,32 @@ class StreamReader:
         self.finished = False
         self.closed = False
         self._subscription: Subscription | None = None
+        self._attached: tuple[Subscription, list[Event], Page] | None = None
         self._deadline = None if max_seconds is None else time.monotonic() + max_seconds
+
+    async def open(self) -> ExecutionMeta:
+        """Attach and read the first page now, in that order (so nothing falls between
+        them), and return the execution's metadata; the frames start from there. One
+        read instead of a metadata read and then the replay's first page.
+
+        NotFound when the execution does not exist. A reader opened and never iterated
+        must be let go with :meth:`detach`."""
+        subscription, unstored = self._hub.subscribe(self._execution_id)
+        try:
+            page = await self._buffer.read(
+                self._execution_id, after=self.last_sent, limit=REPLAY_PAGE
+            )
+        except BaseException:
+            self._hub.unsubscribe(subscription)
+            raise
+        self._attached = (subscription, unstored, page)
+        return page.meta
+
+    def detach(self) -> None:
+        """Let go of what :meth:`open` attached, if the frames never took it over."""
+        attached, self._attached = self._attached, None
+        if attached is not None:
+            self._hub.unsubscribe(attached[0])
 
     def close(self) -> None:
         """End the stream at the next frame boundary (the server is shutting down, or
@@ -93,10 +118,14 @@ class StreamReader:
 
     async def _frames(self) -> AsyncIterator[bytes]:
         while not self.finished and not self.closed and not self._expired():
-            subscription, unstored = self._hub.subscribe(self._execution_id)
+            page: Page | None = None
+            if self._attached is not None:
+                (subscription, unstored, page), self._attached = self._attached, None
+            else:
+                subscription, unstored = self._hub.subscribe(self._execution_id)
             self._subscription = subscription
             try:
-                async for chunk in self._replay(unstored):
+                async for chunk in self._replay(unstored, page):
                     yield chunk
                 if self.finished:
                     return
@@ -123,11 +152,13 @@ class StreamReader:
     def _expired(self) -> bool:
         return self._deadline is not None and time.monotonic() >= self._deadline
 
-    async def _replay(self, unstored: list[Event]) -> AsyncIterator[bytes]:
+    async def _replay(self, unstored: list[Event], first: Page | None) -> AsyncIterator[bytes]:
         while not self.finished:
-            page = await self._buffer.read(
-                self._execution_id, after=self.last_sent, limit=REPLAY_PAGE
-            )
+            page, first = first, None
+            if page is None:
+                page = await self._buffer.read(
+                    self._execution_id, after=self.last_sent, limit=REPLAY_PAGE
+                )
             self._stored_last = page.meta.last_id
             chunk = self._accept(page.events, page)
             if chunk:
