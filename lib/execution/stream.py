@@ -124,8 +124,11 @@ class StreamReader:
             else:
                 subscription, unstored = self._hub.subscribe(self._execution_id)
             self._subscription = subscription
+            replay = self._replay(unstored, page)
+            # Held for the stream's life otherwise: a suspended frame keeps its locals.
+            del unstored, page
             try:
-                async for chunk in self._replay(unstored, page):
+                async for chunk in replay:
                     yield chunk
                 if self.finished:
                     return
