@@ -89,9 +89,14 @@ class EventStream(Response):
             try:
                 async with contextlib.aclosing(self.reader.frames()) as frames:
                     async for chunk in frames:
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        # The terminal event ends the body in the same write.
+                        more = not self.reader.finished
+                        await send({"type": "http.response.body", "body": chunk, "more_body": more})
+                        if not more:
+                            break
                         self.sent_at = loop.time()
-                await send(_END)
+                    else:
+                        await send(_END)
             except asyncio.CancelledError:
                 if not self._forced or self._task is None:
                     raise

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.support.api import put, streaming_workflow
+from tests.support.api import delay_workflow, put, streaming_workflow
 from tests.support.logcheck import check_view
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import events
@@ -58,17 +58,15 @@ async def test_a_client_that_stopped_reading_is_cut_after_the_grace(
         env={
             "FLOWCAST_REDIS_URL": valkey.url,
             "FLOWCAST_REDIS_PREFIX": f"sr{uuid.uuid4().hex[:6]}",
+            "FLOWCAST_SHUTDOWN_GRACE_SECONDS": "1",  # the run is handed off quickly
         },
     )
     await server.start()
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
-        await put(client, streaming_workflow("big", words=10))
-        # More than the kernel's socket buffers hold (4 MiB here): the write waits.
-        body = {"input": {"name": "x", "blob": "x" * 6_000_000}}
+        await put(client, delay_workflow("big", ms=60_000))
+        # More than the kernel's socket buffers hold (4 MiB here): the last write waits.
+        body = {"input": {"blob": "x" * 6_000_000}}
         started = (await client.post("/api/workflows/big/execute", json=body)).json()
-        execution_id = started["executionId"]
-        while (await client.get(f"/api/executions/{execution_id}")).json()["status"] == "running":
-            await asyncio.sleep(0.05)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.setblocking(False)
