@@ -194,10 +194,12 @@ async def stop_server(server: FlowcastServer, timeout: float = 20.0) -> None:
 
 
 class Worker:
-    """One ``bench/scale_client.py`` process: JSON commands in, JSON answers out."""
+    """One ``bench/scale_client.py`` process (or another ``module`` that speaks the same
+    way, as ``stress/mass_client.py``): JSON commands in, JSON answers out."""
 
-    def __init__(self, log_path: Path) -> None:
+    def __init__(self, log_path: Path, module: str = "bench.scale_client") -> None:
         self.log_path = log_path
+        self.module = module
         self.process: asyncio.subprocess.Process | None = None
         self.cpu = 0.0  # the CPU seconds of its last ``stats``
 
@@ -210,7 +212,7 @@ class Worker:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self.process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "bench.scale_client",
+                sys.executable, "-m", self.module,
                 cwd=ROOT, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=log, limit=1 << 26,
             )  # fmt: skip
@@ -252,8 +254,8 @@ class Worker:
 
 
 @contextlib.asynccontextmanager
-async def workers(count: int, root: Path, name: str) -> Any:
-    started = [Worker(root / f"{name}-client-{index}.log") for index in range(count)]
+async def workers(count: int, root: Path, name: str, module: str = "bench.scale_client") -> Any:
+    started = [Worker(root / f"{name}-client-{index}.log", module) for index in range(count)]
     try:
         await asyncio.gather(*(worker.start() for worker in started))
         yield started

@@ -28,6 +28,7 @@ from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import Frame, events
 
 TERMINAL_STATUSES = ("completed", "failed", "cancelled")
+BACKLOG = 2048  # uvicorn's default listen backlog
 EXECUTION_ID = re.compile(r"ex_[A-Za-z0-9_-]{24}")
 SSE = {"Accept": "text/event-stream"}
 
@@ -99,6 +100,20 @@ class Report:
         )
 
 
+class BackloggedServer(FlowcastServer):
+    """A Flowcast process with a listen backlog of its own (the kernel caps it at
+    ``net.core.somaxconn``): thousands of clients connecting at once overflow the default."""
+
+    def __init__(
+        self, *, data_dir: Path, env: dict[str, str] | None = None, backlog: int = BACKLOG
+    ) -> None:
+        super().__init__(data_dir=data_dir, env=env)
+        self.backlog = backlog
+
+    def command(self) -> list[str]:
+        return [*super().command(), "--backlog", str(self.backlog)]
+
+
 @dataclass
 class Stack:
     """One Valkey, its Flowcast processes, and a counted client per process."""
@@ -147,20 +162,22 @@ async def stack(
     connections: int = 100,
     tolerate: Callable[[httpx.Response], bool] = lambda response: False,
     errors_expected: bool = False,
+    backlog: int = BACKLOG,
 ) -> AsyncIterator[Stack]:
-    """Start Valkey and ``processes`` Flowcast servers under ``root``; every request made
-    through the yielded clients counts against the report's budget, and every 5xx that
-    ``tolerate`` does not excuse is a finding, as is an error line in a server's log
-    unless ``errors_expected``."""
+    """Start Valkey and ``processes`` Flowcast servers (listening with ``backlog``) under
+    ``root``; every request made through the yielded clients counts against the report's
+    budget, and every 5xx that ``tolerate`` does not excuse is a finding, as is an error
+    line in a server's log unless ``errors_expected``."""
     report.data_dir = root
 
     count, judge = counting(report), judging(report, tolerate)
 
     valkey = ValkeyServer(data_dir=root / "valkey")
     await valkey.start()
-    servers = [
-        FlowcastServer(
+    servers: list[FlowcastServer] = [
+        BackloggedServer(
             data_dir=root / f"server-{index}",
+            backlog=backlog,
             env={
                 "FLOWCAST_REDIS_URL": valkey.url,
                 "FLOWCAST_SSE_PING_SECONDS": "1",

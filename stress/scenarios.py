@@ -1,5 +1,6 @@
-"""The four stress scenarios. Each takes a fresh directory, runs its own processes, and
-returns a :class:`Report`; ``long=True`` scales the load by 5-10x.
+"""The stress scenarios: four here, four in modules of their own. Each takes a fresh
+directory, runs its own processes, and returns a :class:`Report`; ``long=True`` scales
+the load by 2-10x.
 
 - ``step_storm``: executions of 48 parallel blocks, 20 at once, one SSE client each.
 - ``hook_storm``: many paused executions resumed concurrently through two processes,
@@ -11,9 +12,14 @@ returns a :class:`Report`; ``long=True`` scales the load by 5-10x.
 
 ``SCENARIOS`` also names the fault storm (``stress/fault_storm.py``): resumes, cancels,
 Valkey and replica faults interleaved with a mixed load, checked by ``stress/fault_checks.py``;
-the hostile tenant (``stress/hostile.py``); and the recovery storm
+the hostile tenant (``stress/hostile.py``); the recovery storm
 (``stress/recovery_storm.py``): owners SIGKILLed and a rolling restart under a steady
-load, every execution ending ``completed``.
+load, every execution ending ``completed``; and the mass reconnect storm
+(``stress/mass_reconnect.py``): 5,000 SSE clients held by raw-asyncio client processes
+(``stress/mass_client.py``) on 100 streaming executions, all dropped at one instant and
+reconnecting at once with ``Last-Event-ID`` to either replica, three rounds, each
+client's whole view checked against the stored log. It alone takes a size, ``clients``,
+which the CI test sets to 1,000.
 
 The random source is seeded, so a failing run can be replayed with the same plan.
 """
@@ -44,6 +50,7 @@ from stress.harness import (
     wait_terminal,
 )
 from stress.hostile import hostile_tenant
+from stress.mass_reconnect import mass_reconnect
 from stress.recovery_storm import recovery_storm
 from stress.workflows import approval_workflow, check_work, fan_workflow, streaming_workflow
 from tests.support.sse import Frame
@@ -392,4 +399,5 @@ SCENARIOS: dict[str, Scenario] = {
     "fault-storm": fault_storm,
     "hostile-tenant": hostile_tenant,
     "recovery-storm": recovery_storm,
+    "mass-reconnect": mass_reconnect,
 }

@@ -85,6 +85,25 @@ def streaming_workflow(workflow_id: str, *, count: int, tokens_per_second: float
     }
 
 
+def held_streaming_workflow(
+    workflow_id: str, *, count: int, tokens_per_second: float
+) -> dict[str, Any]:
+    """``streaming_workflow``'s ``generate``, then an ``approval`` that holds the execution
+    until it is resumed, then a ``transform`` that echoes the resume input: the
+    execution ends when its driver says so, however long it streamed."""
+    workflow = streaming_workflow(workflow_id, count=count, tokens_per_second=tokens_per_second)
+    workflow["blocks"] += [
+        {
+            "id": "hold",
+            "type": "approval",
+            "config": {"prompt": "End {{ input.n }}?", "schema": APPROVAL_SCHEMA},
+        },
+        {"id": "done", "type": "transform", "config": {"value": "{{ blocks.hold.output }}"}},
+    ]
+    workflow["edges"] = [{"from": "talk", "to": "hold"}, {"from": "hold", "to": "done"}]
+    return workflow
+
+
 def check_work(report: Report, log: list[dict[str, Any]], workflow: dict[str, Any]) -> None:
     """Beyond the ids: every block started and completed exactly once, each generate's
     chunks join to its text, and the execution completed."""
