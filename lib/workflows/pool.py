@@ -4,7 +4,9 @@
 ``{{ blocks.x.output['k'][0] }}``) and a string without template syntax are answered in
 this process at once: they only look up JSON data. Anything else goes to one of a few
 worker processes (``lib.workflows.worker``), each under its own address-space and CPU
-limits. The pool waits for each template's answer at most ``timeout_ms``; a worker that
+limits. A template may use ``timeout_ms`` of CPU (the worker's own check, then the OS's
+CPU limit); the pool waits for its answer a few times that on the wall clock, so a busy
+machine slows a trivial template without failing it. A worker that
 overruns, runs out of memory in a way it cannot report, or answers too much is killed
 and a fresh one is started on the next request, so one tenant's template costs the
 others at most a worker for that long. Every failure past a bound is the non-retryable
@@ -28,6 +30,17 @@ from lib.workflows.templates import NOT_SIMPLE, is_template, lookup
 from lib.workflows.worker import HEADER, MiB
 
 log = logging.getLogger(__name__)
+
+# The wall-clock wait for an answer, past the CPU bound: only a worker that is not
+# running at all (stopped, starved for seconds) reaches it.
+WALL_FACTOR = 4
+WALL_SLACK_SECONDS = 2.0
+
+
+def wall_seconds(timeout_ms: int) -> float:
+    """How long the pool waits for one answer of a template bounded to ``timeout_ms``
+    of CPU."""
+    return timeout_ms / 1000 * WALL_FACTOR + WALL_SLACK_SECONDS
 
 # The directory that holds the ``lib`` package, so a worker imports this very code.
 _ROOT = str(Path(__file__).resolve().parents[2])
@@ -166,7 +179,7 @@ class TemplatePool:
         """Evaluate ``sources`` in one worker: one answer each, or a BlockError."""
         if self._closed:
             raise BlockError("template_error", "the template pool is closed", retryable=True)
-        timeout = self.timeout_ms / 1000
+        timeout = wall_seconds(self.timeout_ms)
         async with self._slots:
             worker = self._idle.pop() if self._idle else await self._start()
             healthy = False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -100,6 +101,25 @@ async def test_a_template_that_runs_too_long_is_cut_off_and_the_pool_carries_on(
     # The worker that overran was killed; a fresh one answers the next template.
     assert await pool.render("{{ input.n * 2 }}", CONTEXT) == 6
     assert not set(before) & set(pool.worker_pids)
+
+
+async def test_the_bound_is_cpu_time_so_a_starved_worker_still_answers(
+    pool: TemplatePool,
+) -> None:
+    """A busy machine may keep a worker off the CPU for longer than the bound (500 ms
+    here): a trivial template must still render. Stopping the worker mid-request is the
+    starvation, made exact."""
+    assert await pool.render("{{ input.n * 2 }}", CONTEXT) == 6
+    (pid,) = pool.worker_pids
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        rendering = asyncio.create_task(pool.render("{{ input.n * 3 }}", CONTEXT))
+        await asyncio.sleep(1.5)  # the starvation itself, three times the bound
+        assert not rendering.done()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert await rendering == 9
+    assert pool.worker_pids == [pid]
 
 
 async def test_a_condition_that_runs_too_long_is_cut_off(pool: TemplatePool) -> None:
