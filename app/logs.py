@@ -80,15 +80,19 @@ def configure(level: str) -> None:
     """Send every log record to stderr as JSON."""
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter())
+    # On the handler too: records propagated from other loggers skip the root's level.
+    handler.setLevel(level.upper())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     # uvicorn configures its own plain-text handlers before the app exists: route its
-    # records (access log included) through the same JSON formatter instead.
+    # records through the same JSON formatter instead. Its access log stays off when
+    # uvicorn turned it off (``--no-access-log``: no handler, no propagation).
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logger = logging.getLogger(name)
+        turned_off = name == "uvicorn.access" and not logger.handlers and not logger.propagate
         logger.handlers.clear()
-        logger.propagate = True
+        logger.propagate = not turned_off
     # httpx logs every outbound request's URL at INFO: block calls are already events,
     # and such a URL may carry a secret.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, root.level))

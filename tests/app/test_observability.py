@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import orjson
@@ -131,3 +132,24 @@ async def test_a_token_in_any_spelling_of_its_name_never_reaches_a_log_line(
     text = observed.logs()
     assert token not in text and token.split(".", 1)[1] not in text
     assert "%74oken=[redacted]" in text
+
+
+@pytest.mark.parametrize(
+    ("access_log", "level", "logged"),
+    [(False, "info", False), (True, "warning", False), (True, "info", True)],
+)
+async def test_the_access_log_follows_no_access_log_and_the_log_level(
+    tmp_path: Path, valkey: ValkeyServer, access_log: bool, level: str, logged: bool
+) -> None:
+    server = FlowcastServer(
+        data_dir=tmp_path,
+        access_log=access_log,
+        env={"FLOWCAST_REDIS_URL": valkey.url, "FLOWCAST_LOG_LEVEL": level},
+    )
+    await server.start()
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=20) as http:
+            assert (await http.get("/api/workflows")).status_code == 200
+    finally:
+        await server.stop()
+    assert ("GET /api/workflows HTTP/1.1" in server.logs()) is logged
