@@ -258,6 +258,7 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
                 "no FLOWCAST_SECRET_KEY set: this process uses a key of its own, so stream "
                 "tokens and secrets work only where it runs; give every replica the same key"
             )
+        memory.settle_gc()
         yield
 
 
