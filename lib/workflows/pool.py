@@ -42,6 +42,7 @@ def wall_seconds(timeout_ms: int) -> float:
     of CPU."""
     return timeout_ms / 1000 * WALL_FACTOR + WALL_SLACK_SECONDS
 
+
 # The directory that holds the ``lib`` package, so a worker imports this very code.
 _ROOT = str(Path(__file__).resolve().parents[2])
 
