@@ -56,8 +56,6 @@ class EventStream(Response):
     """``text/event-stream`` with a reader's frames, until the reader ends or the client
     leaves; ``release`` runs once, however it ends."""
 
-    media_type = "text/event-stream"
-
     def __init__(
         self,
         reader: StreamReader,

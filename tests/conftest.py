@@ -28,11 +28,20 @@ async def valkey(session_dir: Path) -> AsyncIterator[ValkeyServer]:
     await server.stop()
 
 
+SESSION_PREFIX = "session"
+
+
 @pytest.fixture(scope="session")
 async def server(valkey: ValkeyServer, session_dir: Path) -> AsyncIterator[FlowcastServer]:
+    # A prefix of its own: on the default one, its janitor could take over (and run with
+    # its own settings) the executions of a fault test's replicas whose owner was killed.
     flowcast = FlowcastServer(
         data_dir=session_dir / "server",
-        env={"FLOWCAST_REDIS_URL": valkey.url, "FLOWCAST_SSE_PING_SECONDS": "1"},
+        env={
+            "FLOWCAST_REDIS_URL": valkey.url,
+            "FLOWCAST_REDIS_PREFIX": SESSION_PREFIX,
+            "FLOWCAST_SSE_PING_SECONDS": "1",
+        },
     )
     await flowcast.start()
     yield flowcast

@@ -79,6 +79,7 @@ def _reader(svc: Services, execution_id: str, cursor: int) -> StreamReader:
 @router.get(
     "/{execution_id}/stream",
     response_model=None,
+    status_code=200,  # FastAPI reads it from the response class's __init__ otherwise
     response_class=EventStream,  # for the docs: the 200 is text/event-stream only
     responses={
         200: {"content": SSE, "description": "Replay after the cursor, then live"},

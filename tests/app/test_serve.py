@@ -15,6 +15,7 @@ import pytest
 from redis.asyncio import Redis
 
 from app.embedded import free_port
+from tests.conftest import SESSION_PREFIX
 from tests.support.servers import ROOT, FlowcastServer, wait_ready
 from tests.support.sse import collect
 
@@ -98,10 +99,10 @@ async def test_factory_with_redis_url_uses_that_server(
         "blocks": [{"id": "a", "type": "transform", "config": {"value": 1}}],
     }
     assert (await client.put(f"/api/workflows/ext-{unique}", json=workflow)).status_code == 201
-    assert await redis.hexists("fc:workflows:default", f"ext-{unique}")
+    assert await redis.hexists(f"{SESSION_PREFIX}:workflows:default", f"ext-{unique}")
     started = (await client.post(f"/api/workflows/ext-{unique}/execute", json={})).json()
     _, frames = await collect(client, started["streamUrl"])
     assert frames[-1].event == "execution:completed"
-    stored = await redis.xrange(f"fc:{{{started['executionId']}}}:events")
+    stored = await redis.xrange(f"{SESSION_PREFIX}:{{{started['executionId']}}}:events")
     assert [int(entry_id.split(b"-")[0]) for entry_id, _ in stored] == [int(f.id) for f in frames]
     assert not (server.data_dir / "valkey").exists()
