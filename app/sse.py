@@ -28,7 +28,7 @@ from sse_starlette.sse import AppStatus
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from lib.execution.stream import StreamReader
+from lib.execution.stream import PING_FRAME, StreamReader
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,9 @@ class EventStream(Response):
         self._release = release
         self._task: asyncio.Task[Any] | None = None
         self._forced = False
+        self._send: Send | None = None
+        self._sending = False
+        self._aside: asyncio.Task[None] | None = None  # a heartbeat written from aside
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -82,6 +85,7 @@ class EventStream(Response):
                 return
             loop = asyncio.get_running_loop()
             self._task = asyncio.current_task()
+            self._send = send
             leaving = loop.create_task(self._watch(receive))
             self._streams.add(self)
             try:
@@ -89,12 +93,12 @@ class EventStream(Response):
                     async for chunk in frames:
                         # The terminal event ends the body in the same write.
                         more = not self.reader.finished
-                        await send({"type": "http.response.body", "body": chunk, "more_body": more})
+                        await self._write(chunk, more=more)
                         if not more:
                             break
                         self.sent_at = loop.time()
                     else:
-                        await send(_END)
+                        await self._write(b"", more=False)
             except asyncio.CancelledError:
                 if not self._forced or self._task is None:
                     raise
@@ -103,9 +107,48 @@ class EventStream(Response):
             finally:
                 self._streams.discard(self)
                 leaving.cancel()
+                if self._aside is not None:
+                    self._aside.cancel()
         finally:
             self.reader.detach()
             self._release()
+
+    async def _write(self, body: bytes, *, more: bool) -> None:
+        assert self._send is not None
+        if self._aside is not None:
+            aside, self._aside = self._aside, None
+            await aside  # a heartbeat in flight goes out first, whole
+        self._sending = True
+        try:
+            await self._send({"type": "http.response.body", "body": body, "more_body": more})
+        finally:
+            self._sending = False
+
+    def heartbeat(self) -> None:
+        """Nothing was written for a while: send ``: ping``."""
+        if self.reader.waiting:
+            self.reader.poke()  # this stream's coroutine writes it
+        elif self._send is not None and not self._sending and not self._pinging():
+            # Its coroutine waits on Redis (a replay page, a gap fill): written from
+            # aside, and the next frame waits for it.
+            self._aside = asyncio.get_running_loop().create_task(self._ping(self._send))
+
+    def _pinging(self) -> bool:
+        if self._aside is None:
+            return False
+        if not self._aside.done():
+            return True
+        failed = None if self._aside.cancelled() else self._aside.exception()
+        self._aside = None
+        if failed is not None:
+            log.warning("a heartbeat could not be written", extra={"error": str(failed)})
+            self.reader.close()
+            return True
+        return False
+
+    @staticmethod
+    async def _ping(send: Send) -> None:
+        await send({"type": "http.response.body", "body": PING_FRAME, "more_body": True})
 
     def force(self) -> None:
         """Stop now, mid-write if need be (the server's shutdown grace ran out)."""
@@ -115,10 +158,16 @@ class EventStream(Response):
 
     async def _watch(self, receive: Receive) -> None:
         # The request body was read before the response began: what comes now is the
-        # disconnect (or, once the response is complete, the same message).
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        self.reader.close()
+        # disconnect (or, once the response is complete, the same message). A receive
+        # that fails (a GET whose declared body never came: the body limit's 408) ends
+        # the stream the same way: nothing more can be told about the client.
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except Exception as exc:
+            log.info("stream ended: its request failed", extra={"error": str(exc)})
+        finally:
+            self.reader.close()
 
 
 class OpenStreams:
@@ -201,5 +250,5 @@ class OpenStreams:
         idle_since = now - self.ping_seconds
         for stream in self._open:
             if stream.sent_at <= idle_since:
-                stream.sent_at = now  # once per interval, whether or not it is waiting
-                stream.reader.poke()
+                stream.sent_at = now  # once per interval
+                stream.heartbeat()

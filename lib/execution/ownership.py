@@ -219,7 +219,11 @@ class Ownership:
             if str(exc).startswith(("GONE", "BEHIND")):
                 # Lost by the store, whole or in part: the owner's writer repairs it.
                 raise NotFound("execution", execution_id) from None
-            raise Conflict("fenced", f"this process no longer owns {execution_id}") from None
+            if str(exc).startswith("FENCED"):
+                raise Conflict("fenced", f"this process no longer owns {execution_id}") from None
+            # Any other refusal (OOM at maxmemory, READONLY, MISCONF) is the store's
+            # trouble, not a new owner: an outage (BufferUnavailable), renewed again later.
+            raise
         await self._add(self.keys.leases, lease_member(execution_id, fence))
         # Only while still counted: a renewal racing the run's pause or end must not
         # count it again (the tenant would be refused for a lease).

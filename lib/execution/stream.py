@@ -63,6 +63,7 @@ class StreamReader:
         self._stored_last = 0  # the last stored id, as the newest read saw it
         self.finished = False
         self.closed = False
+        self.waiting = False  # for live events (not in a Redis read)
         self._subscription: Subscription | None = None
         self._attached: tuple[Subscription, list[Event], Page] | None = None
         self._deadline = None if max_seconds is None else time.monotonic() + max_seconds
@@ -189,7 +190,11 @@ class StreamReader:
 
     async def _wait(self, subscription: Subscription) -> list[Event] | None:
         # The time cap is one timer per connection (see frames), not one per wait.
-        batch = await subscription.wait()
+        self.waiting = True
+        try:
+            batch = await subscription.wait()
+        finally:
+            self.waiting = False
         # Closed: the server shuts down, or the hub found the execution gone.
         return None if (self.closed or subscription.closed) and not batch else batch
 

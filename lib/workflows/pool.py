@@ -4,13 +4,13 @@
 ``{{ blocks.x.output['k'][0] }}``) and a string without template syntax are answered in
 this process at once: they only look up JSON data. Anything else goes to one of a few
 worker processes (``lib.workflows.worker``), each under its own address-space and CPU
-limits. A template may use ``timeout_ms`` of CPU (the worker's own check, then the OS's
-CPU limit); the pool waits for its answer a few times that on the wall clock, so a busy
-machine slows a trivial template without failing it. A worker that
-overruns, runs out of memory in a way it cannot report, or answers too much is killed
-and a fresh one is started on the next request, so one tenant's template costs the
-others at most a worker for that long. Every failure past a bound is the non-retryable
-BlockError ``template_error``.
+limits. A template may use ``timeout_ms`` of CPU (the worker's own check, then a CPU
+timer and the OS's CPU limit); the pool waits for its answer a few times that on the
+wall clock, so a busy machine slows a trivial template without failing it. A worker
+that overruns, runs out of memory in a way it cannot report, or answers too much is
+killed and a fresh one is started on the next request, so one tenant's template costs
+the others at most a worker for that long. Every failure past a bound is the
+non-retryable BlockError ``template_error``.
 """
 
 from __future__ import annotations
@@ -263,7 +263,7 @@ class TemplatePool:
                 code: int | None = await worker.process.wait()
         except TimeoutError:
             code = None
-        if code == -signal.SIGXCPU:
+        if code in (-signal.SIGXCPU, -signal.SIGPROF):
             message = f"the template took too long to evaluate (over {self.timeout_ms} ms)"
         elif code == -signal.SIGKILL:
             message = "the template needed more memory than it may use"
