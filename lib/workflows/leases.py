@@ -123,7 +123,10 @@ class LeaseKeeper:
         except FlowcastError as exc:
             # Nobody can take over while the buffer is unreachable for everyone, so an
             # outage keeps the live gate open; only a stall of this process closes it.
-            run.checked_at = started
+            # A stall past the lease before the outage did let another process take
+            # over: then the gate stays shut until a renewal succeeds.
+            if started - run.checked_at < self._lease_seconds:
+                run.checked_at = started
             log.warning(
                 "lease renewal failed",
                 extra={"executionId": run.execution_id, "error": str(exc)},

@@ -5,6 +5,7 @@ processes. Each test here demonstrates one confirmed break."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -18,9 +19,10 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from tests.support.api import delay_workflow, put
+from tests.support.api import all_events, delay_workflow, put, streaming_workflow
 from tests.support.faults import wait_store_settled
 from tests.support.servers import FlowcastServer, ValkeyServer
+from tests.support.sse import events
 
 
 @pytest.fixture
@@ -379,3 +381,105 @@ async def test_a_template_that_never_reaches_a_sandbox_check_is_still_cut_at_its
             await worker.process.wait()
     spent = os.times().children_user + os.times().children_system - children - before
     assert spent < 0.5 * 1.5, f"a template bounded to 500 ms of CPU used {spent:.2f} s of CPU"
+
+
+# ------------------------------------------------------------------ the live gate
+
+
+@pytest.mark.timeout(120)
+async def test_an_owner_that_wakes_from_a_stall_into_an_outage_never_shows_ids_it_lost(
+    own_valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """A stalls (SIGSTOP) for longer than its lease; B takes the execution over and
+    stores ``execution:recovered`` and more under the next ids; then Valkey goes down,
+    and A wakes up. A's renewals now fail as an outage, and ``LeaseKeeper._renew``
+    (lib/workflows/leases.py, ``except FlowcastError``) sets ``checked_at = started``:
+    that reopens A's live gate (log.py: ``time.monotonic() - renewed_at() <
+    live_for_seconds``), so A goes on publishing its own events live to the clients
+    attached to it, under the very ids B already gave to other events (the comment
+    "nobody can take over while the buffer is unreachable" forgets the takeover that
+    happened during the stall, before the outage). When Valkey is back A is fenced,
+    but its clients have seen e.g. id 11 = A's ``block:chunk`` where the log has
+    ``execution:recovered``: an id names two events (SPEC §4 "Ids": never, "not after
+    the execution moved to another process"). A stalled owner must keep its gate shut
+    until a renewal succeeds."""
+    env = {
+        "FLOWCAST_REDIS_URL": own_valkey.url,
+        "FLOWCAST_LEASE_SECONDS": "1",
+        "FLOWCAST_SSE_PING_SECONDS": "0.5",
+        "FLOWCAST_SHUTDOWN_GRACE_SECONDS": "1",
+    }
+    a = FlowcastServer(data_dir=tmp_path / "a", env=env)
+    b = FlowcastServer(data_dir=tmp_path / "b", env=env)
+    await asyncio.gather(a.start(), b.start())
+    seen: list[dict[str, Any]] = []
+    arrived = asyncio.Event()
+    try:
+        await wait_store_settled(own_valkey, timeout=30)
+        async with (
+            httpx.AsyncClient(base_url=a.url, timeout=60) as on_a,
+            httpx.AsyncClient(base_url=b.url, timeout=60) as on_b,
+        ):
+            await put(on_a, streaming_workflow("slow", words=400, tps=10))
+            started_run = await on_a.post("/api/workflows/slow/execute", json={"input": {}})
+            execution_id = started_run.json()["executionId"]
+
+            async def follow() -> None:
+                url = f"/api/executions/{execution_id}/stream"
+                with contextlib.suppress(httpx.HTTPError):
+                    async with on_a.stream("GET", url) as response:
+                        async for frame in events(response):
+                            seen.append(frame.json)
+                            arrived.set()
+
+            follower = asyncio.create_task(follow())
+            try:
+                async with asyncio.timeout(20):
+                    while len(seen) < 10:
+                        arrived.clear()
+                        await arrived.wait()
+                os.kill(a.pid, signal.SIGSTOP)
+                async with asyncio.timeout(5):
+                    while not stopped(a.pid):
+                        await asyncio.sleep(0.01)
+                before_stall = seen[-1]["id"]
+                # B takes over and stores its own events under the next ids.
+                async with asyncio.timeout(30):
+                    while True:
+                        stored = await all_events(on_b, execution_id)
+                        types = [event["type"] for event in stored]
+                        if "execution:recovered" in types and len(stored) > before_stall + 3:
+                            break
+                        await asyncio.sleep(0.1)
+                own_valkey.kill()
+                os.kill(a.pid, signal.SIGCONT)
+                # What A shows its clients from now on (a measurement window).
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline and len(seen) < before_stall + 10:
+                    arrived.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(arrived.wait(), deadline - time.monotonic())
+                await own_valkey.start()
+                newest = max(event["id"] for event in seen)
+                async with asyncio.timeout(30):
+                    while (stored := await all_events(on_b, execution_id))[-1]["id"] < newest:
+                        await asyncio.sleep(0.1)
+            finally:
+                follower.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await follower
+        by_id = {event["id"]: event for event in stored}
+        clashes = [
+            (event["id"], event["type"], by_id[event["id"]]["type"])
+            for event in seen
+            if event["id"] in by_id and by_id[event["id"]] != event
+        ]
+        assert not clashes, (
+            f"{len(clashes)} ids the client on A saw name other events in the log "
+            f"(id, on A, stored): {clashes[:4]}"
+        )
+    finally:
+        with contextlib.suppress(ProcessLookupError, AssertionError):
+            os.kill(a.pid, signal.SIGCONT)
+        await a.stop()
+        await b.stop()

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.conftest import SESSION_PREFIX
 from tests.support.logcheck import TERMINAL, check_log, check_view
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import Frame, parse_frame
@@ -330,7 +331,8 @@ async def second_server(
 ) -> AsyncIterator[FlowcastServer]:
     """Another process on the session's Valkey, next to the session's server."""
     flowcast = FlowcastServer(
-        data_dir=tmp_path_factory.mktemp("second"), env={"FLOWCAST_REDIS_URL": valkey.url}
+        data_dir=tmp_path_factory.mktemp("second"),
+        env={"FLOWCAST_REDIS_URL": valkey.url, "FLOWCAST_REDIS_PREFIX": SESSION_PREFIX},
     )
     await flowcast.start()
     yield flowcast

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.conftest import SESSION_PREFIX
 from tests.support.api import all_events, put, streaming_workflow, wait_finished
 from tests.support.logcheck import check_log, check_view
 from tests.support.servers import FlowcastServer, ValkeyServer
@@ -49,7 +50,8 @@ async def other(
 ) -> AsyncIterator[FlowcastServer]:
     """A second process on the session's Valkey, next to the session's server."""
     server = FlowcastServer(
-        data_dir=tmp_path_factory.mktemp("idem-other"), env={"FLOWCAST_REDIS_URL": valkey.url}
+        data_dir=tmp_path_factory.mktemp("idem-other"),
+        env={"FLOWCAST_REDIS_URL": valkey.url, "FLOWCAST_REDIS_PREFIX": SESSION_PREFIX},
     )
     await server.start()
     yield server
