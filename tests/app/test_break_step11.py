@@ -138,6 +138,13 @@ async def follow(client: httpx.AsyncClient, execution_id: str, cursor: int = 0) 
             return [frame async for frame in events(response)]
 
 
+async def follow_on(server: FlowcastServer, execution_id: str) -> list[Frame]:
+    """``follow`` with a client of its own, closed after (its socket would otherwise be
+    left for the garbage collector, and warn in whichever test it runs in)."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+        return await follow(client, execution_id)
+
+
 def check_recovered(stored: list[dict[str, Any]], *, moves: int | None = None) -> None:
     """As test_recovery.check_recovered_run: contiguous, one terminal event, each block
     completed once, each recovery numbered 1, 2, … and kept blocks never run again."""
@@ -213,7 +220,7 @@ async def test_the_replica_that_took_over_is_killed_too_and_a_third_finishes(
     async with running(a, b) as alive, httpx.AsyncClient(timeout=30) as http:
         await put(http_for(http, a), chain("dbl", blocks=6, ms=600))
         eid = await execute(http_for(http, a), "dbl")
-        reader = asyncio.create_task(follow(httpx.AsyncClient(base_url=b.url, timeout=30), eid))
+        reader = asyncio.create_task(follow_on(b, eid))
         await until(lambda: has_event(http_for(http, b), eid, "block:completed", "s0"), "s0")
         await kill_replica(a)
         await until(lambda: has_event(http_for(http, b), eid, "execution:recovered"), "B took over")
@@ -323,7 +330,7 @@ async def test_blocks_completed_after_an_older_snapshot_are_not_run_again_after_
         wf = chain("older", blocks=16, ms=500)
         await put(http_for(http, a), wf)
         eid = await execute(http_for(http, a), "older")
-        live = asyncio.create_task(follow(httpx.AsyncClient(base_url=a.url, timeout=30), eid))
+        live = asyncio.create_task(follow_on(a, eid))
         await until(lambda: has_event(http_for(http, a), eid, "block:completed", "s0"), "s0")
         snap = await take_snapshot(valkey, tmp_path / "older.rdb")
         await until(lambda: has_event(http_for(http, a), eid, "block:completed", "s2"), "s2")
