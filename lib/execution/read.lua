@@ -1,3 +1,4 @@
+#!lua flags=no-writes
 --[[
 read.lua: a consistent read of an execution's buffer (events, metadata, dropped ranges).
 
@@ -10,7 +11,9 @@ ARGV[2]  the most events to return
 
 Returns {entries, metaFields, droppedRanges}: entries as XRANGE gives them, the hash as
 HGETALL gives it (empty when the execution does not exist), and every dropped range as
-"<from>-<to>". One script rather than MULTI so it also runs on Redis Cluster.
+"<from>-<to>". One script rather than MULTI so it also runs on Redis Cluster. Flagged
+no-writes (the first line): it runs while writes are paused (CLIENT PAUSE … WRITE, a
+failover), so stream opens and replays go on.
 ]]
 
 -- An exclusive start built from the cursor's own digits: Lua would print a large number

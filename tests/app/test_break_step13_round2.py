@@ -20,7 +20,7 @@ import pytest
 from redis.asyncio import Redis
 
 from tests.support.api import all_events, delay_workflow, put, streaming_workflow
-from tests.support.faults import wait_store_settled
+from tests.support.faults import pause_writes, wait_store_settled
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import events
 
@@ -483,3 +483,39 @@ async def test_an_owner_that_wakes_from_a_stall_into_an_outage_never_shows_ids_i
             os.kill(a.pid, signal.SIGCONT)
         await a.stop()
         await b.stop()
+
+
+# ------------------------------------------------------------------ reads while writes wait
+
+
+@pytest.mark.timeout(60)
+async def test_a_stream_opens_and_replays_while_writes_are_paused(
+    own_valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """Opening a stream is one read (``read.lua``, flagged no-writes): during ``CLIENT
+    PAUSE … WRITE`` (a failover's first step) a finished execution still replays at
+    once, where an unflagged script would wait out the pause before the headers."""
+    server = await started(own_valkey, tmp_path)
+    try:
+        await wait_store_settled(own_valkey, timeout=30)
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            await put(client, delay_workflow("quick", ms=1))
+            response = await client.post("/api/workflows/quick/execute", json={"input": {}})
+            execution_id = response.json()["executionId"]
+            async with asyncio.timeout(20):
+                while (await client.get(f"/api/executions/{execution_id}")).json()[
+                    "status"
+                ] != "completed":
+                    await asyncio.sleep(0.05)
+            # Once before: a script Valkey has not seen is loaded first (SCRIPT LOAD
+            # waits out a write pause too).
+            assert (await client.get(f"/api/executions/{execution_id}/stream")).is_success
+            await pause_writes(own_valkey, 5_000)
+            began = time.monotonic()
+            replayed = await client.get(f"/api/executions/{execution_id}/stream")
+            took = time.monotonic() - began
+        assert replayed.status_code == 200
+        assert "event: execution:completed" in replayed.text
+        assert took < 2, f"the replay waited {took:.2f} s for the paused writes"
+    finally:
+        await server.stop()
