@@ -3,8 +3,8 @@
 The frames are encoded once, when the event is emitted, and every client gets the same
 bytes. What a stream costs beyond that is kept to one coroutine (the request's own
 task, writing frames) and one task waiting for the client to leave. The timers every
-stream would otherwise need are one ticker per process (:class:`OpenStreams`): it pokes
-idle streams for their heartbeat and, once uvicorn is told to exit, ends every stream at
+stream would otherwise need are one ticker per process (:class:`OpenStreams`): it sends
+idle streams their heartbeat and, once uvicorn is told to exit, ends every stream at
 a frame boundary so EventSource reconnects (to another replica) with Last-Event-ID; a
 stream still open ``grace_seconds`` later (its client stopped reading, so a write waits)
 is cancelled, so shutdown never waits on a client.
@@ -28,7 +28,8 @@ from sse_starlette.sse import AppStatus
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from lib.execution.stream import PING_FRAME, StreamReader
+from lib.execution.events import PING_FRAME
+from lib.execution.stream import StreamReader
 
 log = logging.getLogger(__name__)
 
@@ -126,11 +127,10 @@ class EventStream(Response):
 
     def heartbeat(self) -> None:
         """Nothing was written for a while: send ``: ping``."""
-        if self.reader.waiting:
-            self.reader.poke()  # this stream's coroutine writes it
-        elif self._send is not None and not self._sending and not self._pinging():
-            # Its coroutine waits on Redis (a replay page, a gap fill): written from
-            # aside, and the next frame waits for it.
+        # Written from aside, whatever the stream's coroutine waits on (live events, a
+        # replay page from Redis); its next frame waits for the ping. Skipped while a
+        # frame is being written: that write is the sign of life.
+        if self._send is not None and not self._sending and not self._pinging():
             self._aside = asyncio.get_running_loop().create_task(self._ping(self._send))
 
     def _pinging(self) -> bool:
@@ -238,7 +238,7 @@ class OpenStreams:
                 log.exception("the SSE ticker failed a tick")
 
     def tick(self, now: float) -> None:
-        """One tick: end everything when exiting, else poke the idle streams."""
+        """One tick: end everything when exiting, else send the idle streams a ping."""
         if not self.closing and self._exiting():
             log.info("server exiting: ending the open streams", extra={"streams": len(self)})
             self.close_all()

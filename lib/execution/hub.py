@@ -47,7 +47,7 @@ STOP_SECONDS = 2.0
 class Subscription:
     """One reader's queue of live events."""
 
-    __slots__ = ("_queue", "_wakeup", "channel", "closed", "overflowed", "poked")
+    __slots__ = ("_queue", "_wakeup", "channel", "closed", "overflowed")
 
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
@@ -55,7 +55,6 @@ class Subscription:
         self._wakeup = asyncio.Event()
         self.overflowed = False
         self.closed = False
-        self.poked = False
 
     def push(self, event: Event) -> None:
         if self.overflowed:
@@ -73,18 +72,11 @@ class Subscription:
         self.closed = True
         self._wakeup.set()
 
-    def poke(self) -> None:
-        """Wake the reader with nothing new (it is time for a heartbeat)."""
-        self.poked = True
-        self._wakeup.set()
-
     async def wait(self) -> list[Event]:
-        """Wait for live events and take all that are queued: none once closed, or when
-        poked first."""
-        while not self._queue and not self.overflowed and not self.closed and not self.poked:
+        """Wait for live events and take all that are queued (none once closed)."""
+        while not self._queue and not self.overflowed and not self.closed:
             self._wakeup.clear()
             await self._wakeup.wait()
-        self.poked = False
         batch = list(self._queue)
         self._queue.clear()
         return batch

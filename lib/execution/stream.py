@@ -32,7 +32,6 @@ log = logging.getLogger(__name__)
 
 REPLAY_PAGE = 1_000
 GAP_EVENT = "replay:gap"
-PING_FRAME = b": ping\n\n"
 
 
 def gap_frame(after: int, resume_at: int, reason: str, metrics: Metrics | None = None) -> bytes:
@@ -63,7 +62,6 @@ class StreamReader:
         self._stored_last = 0  # the last stored id, as the newest read saw it
         self.finished = False
         self.closed = False
-        self.waiting = False  # for live events (not in a Redis read)
         self._subscription: Subscription | None = None
         self._attached: tuple[Subscription, list[Event], Page] | None = None
         self._deadline = None if max_seconds is None else time.monotonic() + max_seconds
@@ -98,11 +96,6 @@ class StreamReader:
         self.closed = True
         if self._subscription is not None:
             self._subscription.close()
-
-    def poke(self) -> None:
-        """Send a heartbeat comment if the stream is waiting for live events."""
-        if self._subscription is not None:
-            self._subscription.poke()
 
     async def frames(self) -> AsyncGenerator[bytes]:
         """SSE frames until the terminal event (or the connection's time cap, or close)."""
@@ -181,20 +174,13 @@ class StreamReader:
             batch = await self._wait(subscription)
             if batch is None:
                 return
-            if not batch and not subscription.overflowed:
-                yield PING_FRAME  # poked: nothing new for a while
-                continue
             chunk = await self._accept_live(batch)
             if chunk:
                 yield chunk
 
     async def _wait(self, subscription: Subscription) -> list[Event] | None:
         # The time cap is one timer per connection (see frames), not one per wait.
-        self.waiting = True
-        try:
-            batch = await subscription.wait()
-        finally:
-            self.waiting = False
+        batch = await subscription.wait()
         # Closed: the server shuts down, or the hub found the execution gone.
         return None if (self.closed or subscription.closed) and not batch else batch
 
