@@ -31,6 +31,7 @@ import resource
 import sys
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, cast
 
@@ -319,13 +320,18 @@ class Streams:
             client.close()
 
 
-async def main() -> None:
+Command = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+async def serve(commands: dict[str, Command], close: Callable[[], None]) -> None:
+    """Answer one JSON command per line on stdin with one JSON line on stdout, by its
+    ``cmd``, until ``exit`` (or stdin closes); ``close`` runs at the end. The first line
+    out says the process is ready, with its open-file limit."""
     limit = raise_nofile()
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 24)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     out = sys.stdout.buffer
-    streams = Streams()
 
     def answer(value: dict[str, Any]) -> None:
         out.write(orjson.dumps(value) + b"\n")
@@ -335,28 +341,43 @@ async def main() -> None:
     while line := await reader.readline():
         command = orjson.loads(line)
         kind = command["cmd"]
-        if kind == "starts":
-            answer(await starts(command))
-        elif kind == "open":
-            answer(await streams.open(command))
-        elif kind == "record":
-            answer(streams.record(bool(command["on"])))
-        elif kind == "stats":
-            answer(streams.stats())
-        elif kind == "exit":
-            streams.close()
+        if kind == "exit":
+            close()
             answer({"ok": True})
             break
-        else:
-            answer({"error": f"unknown command {kind!r}"})
-    streams.close()
+        handler = commands.get(kind)
+        answer(await handler(command) if handler else {"error": f"unknown command {kind!r}"})
+    close()
     await asyncio.sleep(0)
 
 
-if __name__ == "__main__":
+def run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run ``main`` on uvloop when it is installed."""
     try:
         import uvloop
     except ImportError:
         asyncio.run(main())
     else:
         uvloop.run(main())
+
+
+async def main() -> None:
+    streams = Streams()
+
+    async def record(command: dict[str, Any]) -> dict[str, Any]:
+        return streams.record(bool(command["on"]))
+
+    async def stats(_command: dict[str, Any]) -> dict[str, Any]:
+        return streams.stats()
+
+    commands: dict[str, Command] = {
+        "starts": starts,
+        "open": streams.open,
+        "record": record,
+        "stats": stats,
+    }
+    await serve(commands, streams.close)
+
+
+if __name__ == "__main__":
+    run(main)

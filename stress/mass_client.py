@@ -38,13 +38,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.clients import HOST, http_request
-from bench.scale_client import Held, cpu_seconds, raise_nofile
+from bench.scale_client import Command, Held, cpu_seconds, run, serve
 from tests.support.logcheck import TERMINAL
 
 SSE = {"Accept": "text/event-stream"}
@@ -360,48 +358,36 @@ class Clients:
 
 
 async def main() -> None:
-    limit = raise_nofile()
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader(limit=1 << 24)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    out = sys.stdout.buffer
     clients = Clients()
 
-    def answer(value: dict[str, Any]) -> None:
-        out.write(orjson.dumps(value) + b"\n")
-        out.flush()
+    async def attach(command: dict[str, Any]) -> dict[str, Any]:
+        return await clients.open_all(clients.attach(command), command["timeout"])
 
-    answer({"ready": True, "nofile": limit})
-    while line := await reader.readline():
-        command = orjson.loads(line)
-        kind = command["cmd"]
-        if kind == "attach":
-            added = clients.attach(command)
-            answer(await clients.open_all(added, command["timeout"]))
-        elif kind == "storm":
-            answer(await clients.storm(command["at"], command["timeout"]))
-        elif kind == "finish":
-            answer(await clients.finish(command["timeout"]))
-        elif kind == "end":
-            answer(await clients.end(command["timeout"]))
-        elif kind == "collect":
-            answer(clients.collect(command["offset"], command["limit"]))
-        elif kind == "stats":
-            answer(clients.stats())
-        elif kind == "exit":
-            clients.close()
-            answer({"ok": True})
-            break
-        else:
-            answer({"error": f"unknown command {kind!r}"})
-    clients.close()
-    await asyncio.sleep(0)
+    async def storm(command: dict[str, Any]) -> dict[str, Any]:
+        return await clients.storm(command["at"], command["timeout"])
+
+    async def finish(command: dict[str, Any]) -> dict[str, Any]:
+        return await clients.finish(command["timeout"])
+
+    async def end(command: dict[str, Any]) -> dict[str, Any]:
+        return await clients.end(command["timeout"])
+
+    async def collect(command: dict[str, Any]) -> dict[str, Any]:
+        return clients.collect(command["offset"], command["limit"])
+
+    async def stats(_command: dict[str, Any]) -> dict[str, Any]:
+        return clients.stats()
+
+    commands: dict[str, Command] = {
+        "attach": attach,
+        "storm": storm,
+        "finish": finish,
+        "end": end,
+        "collect": collect,
+        "stats": stats,
+    }
+    await serve(commands, clients.close)
 
 
 if __name__ == "__main__":
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main())
-    else:
-        uvloop.run(main())
+    run(main)

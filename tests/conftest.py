@@ -80,3 +80,12 @@ async def moto(session_dir: Path) -> AsyncIterator[MotoServer]:
     await server.start()
     yield server
     await server.stop()
+
+
+@pytest.fixture
+async def own_valkey(tmp_path: Path) -> AsyncIterator[ValkeyServer]:
+    """A Valkey of the test's own: faults injected into it reach no other test."""
+    server = ValkeyServer(data_dir=tmp_path / "valkey")
+    await server.start()
+    yield server
+    await server.stop()

@@ -49,7 +49,7 @@ from tests.support.faults import (
     terminate_replica,
     wait_store_settled,
 )
-from tests.support.logcheck import check_log, check_lossy_log, check_view
+from tests.support.logcheck import check_log, check_lossy_log, check_view, same_ids_same_events
 from tests.support.servers import FlowcastServer
 from tests.support.sse import Frame, events
 
@@ -108,20 +108,6 @@ class LiveReader:
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
         await self._client.aclose()
-
-
-def same_ids_same_events(seen: list[dict[str, Any]], stored: list[dict[str, Any]]) -> None:
-    """SPEC §4: an id is never given to two different events (what a client saw live
-    and what is stored under the same id must be the same event)."""
-    by_id = {event["id"]: event for event in stored}
-    clashes = [
-        (event["id"], event["type"], by_id[event["id"]]["type"])
-        for event in seen
-        if event["id"] in by_id and by_id[event["id"]] != event
-    ]
-    assert not clashes, (
-        f"ids a client saw now name other events (id, seen type, stored type): {clashes}"
-    )
 
 
 def long_tail(workflow_id: str, *, long_ms: int = 20_000) -> dict[str, Any]:

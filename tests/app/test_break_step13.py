@@ -10,25 +10,14 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import httpx
-import pytest
 from redis.asyncio import Redis
 
+from tests.support.api import delay_workflow, put
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import Frame, frames
-
-
-@pytest.fixture
-async def own_valkey(tmp_path: Path) -> AsyncIterator[ValkeyServer]:
-    """A Valkey of this test's own: the faults below must not reach other tests."""
-    server = ValkeyServer(data_dir=tmp_path / "valkey")
-    await server.start()
-    yield server
-    await server.stop()
 
 
 async def start_servers(
@@ -38,24 +27,6 @@ async def start_servers(
     servers = [FlowcastServer(data_dir=root / name, env=shared) for name in names]
     await asyncio.gather(*(server.start() for server in servers))
     return servers
-
-
-def idle_workflow(workflow_id: str, ms: int) -> dict[str, Any]:
-    """Two quick blocks around a delay: a burst of events, a quiet ``ms``, a last burst."""
-    return {
-        "id": workflow_id,
-        "blocks": [
-            {"id": "hello", "type": "transform", "config": {"value": 1}},
-            {"id": "think", "type": "delay", "config": {"ms": ms}},
-            {"id": "bye", "type": "transform", "config": {"value": 2}},
-        ],
-        "edges": [{"from": "hello", "to": "think"}, {"from": "think", "to": "bye"}],
-    }
-
-
-async def put(client: httpx.AsyncClient, workflow: dict[str, Any]) -> None:
-    response = await client.put(f"/api/workflows/{workflow['id']}", json=workflow)
-    assert response.status_code in (200, 201), response.text
 
 
 async def execute(client: httpx.AsyncClient, workflow_id: str) -> str:
@@ -157,7 +128,7 @@ async def test_a_notify_connection_dropped_while_redis_is_up_wakes_every_tail_wh
             httpx.AsyncClient(base_url=a.url, timeout=20) as on_a,
             httpx.AsyncClient(base_url=b.url, timeout=20) as on_b,
         ):
-            await put(on_a, idle_workflow("quiet", 2000))
+            await put(on_a, delay_workflow("quiet", 2000))
             execution_id = await execute(on_a, "quiet")
             reader = Reader(on_b, execution_id)
             # B's tail has read the events up to the delay, and now waits to be woken.
@@ -302,7 +273,7 @@ async def test_a_silently_dead_notify_connection_is_replaced(
                 httpx.AsyncClient(base_url=a.url, timeout=20) as on_a,
                 httpx.AsyncClient(base_url=b.url, timeout=20) as on_b,
             ):
-                await put(on_a, idle_workflow("quiet", 1500))
+                await put(on_a, delay_workflow("quiet", 1500))
                 async with asyncio.timeout(10):
                     while proxy.subscriptions < 1:
                         await asyncio.sleep(0.05)

@@ -11,7 +11,6 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -19,19 +18,17 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from tests.support.api import all_events, delay_workflow, put, streaming_workflow
+from tests.support.api import (
+    all_events,
+    delay_workflow,
+    paused_execution,
+    put,
+    streaming_workflow,
+)
 from tests.support.faults import pause_writes, wait_store_settled
+from tests.support.logcheck import same_ids_same_events
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import events
-
-
-@pytest.fixture
-async def own_valkey(tmp_path: Path) -> AsyncIterator[ValkeyServer]:
-    """A Valkey of this test's own: the faults below must not reach other tests."""
-    server = ValkeyServer(data_dir=tmp_path / "valkey")
-    await server.start()
-    yield server
-    await server.stop()
 
 
 def approval(workflow_id: str) -> dict[str, Any]:
@@ -52,17 +49,6 @@ async def started(valkey: ValkeyServer, root: Path, **env: str) -> FlowcastServe
     )
     await server.start()
     return server
-
-
-async def paused_execution(client: httpx.AsyncClient, workflow_id: str) -> str:
-    await put(client, approval(workflow_id))
-    response = await client.post(f"/api/workflows/{workflow_id}/execute", json={"input": {}})
-    assert response.status_code == 202, response.text
-    execution_id: str = response.json()["executionId"]
-    async with asyncio.timeout(20):
-        while (await client.get(f"/api/executions/{execution_id}")).json()["status"] != "paused":
-            await asyncio.sleep(0.02)
-    return execution_id
 
 
 async def slot_back_within(client: httpx.AsyncClient, url: str, seconds: float) -> int:
@@ -141,6 +127,7 @@ async def test_a_stream_whose_request_body_never_came_still_pings_and_frees_its_
     )
     try:
         async with httpx.AsyncClient(base_url=server.url, timeout=20) as client:
+            await put(client, approval("hold"))
             execution_id = await paused_execution(client, "hold")
             url = f"/api/executions/{execution_id}/stream"
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
@@ -468,16 +455,7 @@ async def test_an_owner_that_wakes_from_a_stall_into_an_outage_never_shows_ids_i
                 follower.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await follower
-        by_id = {event["id"]: event for event in stored}
-        clashes = [
-            (event["id"], event["type"], by_id[event["id"]]["type"])
-            for event in seen
-            if event["id"] in by_id and by_id[event["id"]] != event
-        ]
-        assert not clashes, (
-            f"{len(clashes)} ids the client on A saw name other events in the log "
-            f"(id, on A, stored): {clashes[:4]}"
-        )
+        same_ids_same_events(seen, stored)
     finally:
         with contextlib.suppress(ProcessLookupError, AssertionError):
             os.kill(a.pid, signal.SIGCONT)

@@ -13,7 +13,13 @@ import httpx
 import pytest
 
 from tests.conftest import SESSION_PREFIX
-from tests.support.api import all_events, put, streaming_workflow, wait_finished
+from tests.support.api import (
+    all_events,
+    paused_execution,
+    put,
+    streaming_workflow,
+    wait_finished,
+)
 from tests.support.logcheck import check_log, check_view
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import collect
@@ -68,16 +74,6 @@ async def listed(client: httpx.AsyncClient, workflow_id: str) -> list[str]:
     response = await client.get(f"/api/executions?workflowId={workflow_id}&limit=200")
     assert response.status_code == 200, response.text
     return [execution["id"] for execution in response.json()["executions"]]
-
-
-async def paused_execution(client: httpx.AsyncClient, workflow_id: str) -> str:
-    response = await client.post(f"/api/workflows/{workflow_id}/execute", json={"input": {}})
-    assert response.status_code == 202, response.text
-    execution_id: str = response.json()["executionId"]
-    async with asyncio.timeout(20):
-        while (await client.get(f"/api/executions/{execution_id}")).json()["status"] != "paused":
-            await asyncio.sleep(0.02)
-    return execution_id
 
 
 def of_type(log: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:

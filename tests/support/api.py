@@ -83,6 +83,17 @@ async def all_events(client: httpx.AsyncClient, execution_id: str) -> list[dict[
         after = page["nextAfter"]
 
 
+async def paused_execution(client: httpx.AsyncClient, workflow_id: str) -> str:
+    """Start ``workflow_id`` (stored already) and wait until it is paused; its id."""
+    response = await client.post(f"/api/workflows/{workflow_id}/execute", json={"input": {}})
+    assert response.status_code == 202, response.text
+    execution_id: str = response.json()["executionId"]
+    async with asyncio.timeout(20):
+        while (await client.get(f"/api/executions/{execution_id}")).json()["status"] != "paused":
+            await asyncio.sleep(0.02)
+    return execution_id
+
+
 async def wait_finished(client: httpx.AsyncClient, execution_id: str) -> dict[str, Any]:
     while True:
         snapshot = (await client.get(f"/api/executions/{execution_id}")).json()

@@ -81,3 +81,17 @@ def check_view(frames: Sequence[Any], *, after: int = 0) -> list[dict[str, Any]]
 
 def _summary(ids: list[int]) -> str:
     return str(ids) if len(ids) < 30 else f"{ids[:10]} … {ids[-10:]} ({len(ids)} ids)"
+
+
+def same_ids_same_events(seen: list[dict[str, Any]], stored: list[dict[str, Any]]) -> None:
+    """SPEC §4: an id is never given to two different events (what a client saw live
+    and what is stored under the same id must be the same event)."""
+    by_id = {event["id"]: event for event in stored}
+    clashes = [
+        (event["id"], event["type"], by_id[event["id"]]["type"])
+        for event in seen
+        if event["id"] in by_id and by_id[event["id"]] != event
+    ]
+    assert not clashes, (
+        f"ids a client saw now name other events (id, seen type, stored type): {clashes}"
+    )
