@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: serve test lint typecheck unit install browser bench clean
+.PHONY: serve test lint typecheck unit install browser nginx bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,17 @@ browser:
 		fi; \
 	fi
 
+# The proxy tests run deploy/nginx.conf.template in a real nginx (Debian's). As root (as
+# in CI) it is installed when missing; otherwise those tests skip and say why.
+nginx:
+	@if [ ! -x /usr/sbin/nginx ]; then \
+		if [ "$$(id -u)" = 0 ]; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx; \
+		else \
+			echo "note: /usr/sbin/nginx is missing and not root: the proxy tests will skip"; \
+		fi; \
+	fi
+
 serve: install
 	$(BIN)/flowcast serve
 
@@ -38,7 +49,7 @@ lint: install
 typecheck: install
 	$(BIN)/mypy lib app
 
-unit: install browser
+unit: install browser nginx
 	$(BIN)/pytest
 
 test: lint typecheck unit

@@ -5,7 +5,8 @@ With ``FLOWCAST_API_KEYS`` set, every ``/api`` route needs ``Authorization: Bear
 Redis key name or a log line); a tenant sees only its own workflows and executions.
 The SSE and values routes also accept ``?token=`` with a ``streamToken``, which grants
 access to the one execution it was issued for; ``?token=`` anywhere else is 401.
-Without keys everything is one open tenant, ``default``.
+Without keys everything is one open tenant, ``default``, answered on loopback only and
+never through a proxy (:class:`LoopbackOnly`).
 """
 
 from __future__ import annotations
@@ -109,28 +110,53 @@ def authenticate_reader(
     return Caller(None, execution_id)
 
 
+# Headers a proxy adds when it relays a request for someone else (RFC 7239's Forwarded,
+# RFC 9110's Via, and the de facto X-Forwarded-* and X-Real-IP).
+RELAY_HEADERS = frozenset({b"forwarded", b"via", b"x-real-ip"})
+
+
 class LoopbackOnly:
-    """ASGI middleware for a server without API keys: it answers on loopback only.
+    """ASGI middleware for a server without API keys: it answers this machine only.
 
     ``flowcast serve`` refuses to bind anything else without keys; this holds the same
     line when the factory is started some other way (``uvicorn --host 0.0.0.0``): a
-    request that reached a non-loopback address of this machine gets 403.
+    request that reached a non-loopback address of this machine gets 403. So does a
+    request relayed by a proxy: a proxy on this machine reaches the server on loopback
+    and would open it to everyone who can reach the proxy. (A relay that adds no such
+    header, a bare TCP forward, cannot be told apart: the README says not to.)
     """
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not _is_loopback(scope.get("server")):
-            error = ApiError(
-                403,
-                "loopback_only",
-                "this server has no FLOWCAST_API_KEYS, so it answers on loopback only",
-            )
+        if scope["type"] == "http" and (refusal := _refusal(scope)) is not None:
+            error = ApiError(403, "loopback_only", refusal)
             status, body = error_payload(error)
             await JSON(body, status_code=status)(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+def _refusal(scope: Scope) -> str | None:
+    """Why a keyless server must not answer this request, or None."""
+    reason = "this server has no FLOWCAST_API_KEYS, so it answers on loopback only"
+    if not _is_loopback(scope.get("server")):
+        return reason
+    relayed = _relay_header(scope.get("headers", []))
+    if relayed is not None:
+        return (
+            f"{reason}, and this request was relayed by a proxy ({relayed} header): "
+            "set FLOWCAST_API_KEYS to serve behind a proxy"
+        )
+    return None
+
+
+def _relay_header(headers: list[tuple[bytes, bytes]]) -> str | None:
+    for name, _ in headers:
+        if name in RELAY_HEADERS or name.startswith(b"x-forwarded-"):
+            return name.decode("latin-1")
+    return None
 
 
 def _is_loopback(server: Any) -> bool:

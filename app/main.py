@@ -252,7 +252,10 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
             ),
         )
         if not settings.api_keys:
-            log.warning("no FLOWCAST_API_KEYS set: the API is open, so serve it on loopback only")
+            log.warning(
+                "no FLOWCAST_API_KEYS set: the API is open, so it answers on loopback only "
+                "and refuses requests relayed by a proxy"
+            )
         if settings.redis_url and not settings.secret_key:
             log.warning(
                 "no FLOWCAST_SECRET_KEY set: this process uses a key of its own, so stream "

@@ -1,17 +1,22 @@
 """The Docker image and the compose stack, checked for their structure.
 
 No Docker engine runs on the development machines or in CI, so these tests read the
-files: the stages, the user, the healthchecks, the wiring between services.
+files: the stages, the user, the healthchecks, the wiring between services. (The proxy's
+configuration runs for real in tests/app/test_proxy.py.)
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from app.settings import Settings
+
 ROOT = Path(__file__).resolve().parents[1]
+TEMPLATE = ROOT / "deploy" / "nginx.conf.template"
 
 
 def compose() -> dict[str, Any]:
@@ -43,8 +48,39 @@ def test_compose_runs_two_replicas_on_redis_with_aof_and_minio() -> None:
     assert "--appendonly" in services["redis"]["command"]
     for name in ("redis", "minio"):
         assert "test" in services[name]["healthcheck"], name
-    ports = {services[name]["ports"][0] for name in ("flowcast-1", "flowcast-2")}
-    assert len(ports) == 2
+
+
+def test_compose_publishes_one_address_the_proxy_and_keeps_the_replicas_behind_it() -> None:
+    services = compose()["services"]
+    published = {name: service["ports"] for name, service in services.items() if "ports" in service}
+    assert published == {"proxy": ["8000:8000"]}
+    proxy = services["proxy"]
+    assert proxy["image"].startswith("nginx:")
+    assert "test" in proxy["healthcheck"]
+    assert set(proxy["depends_on"]) == {"flowcast-1", "flowcast-2"}
+
+
+def test_the_proxy_renders_the_repository_template_with_every_variable_it_uses() -> None:
+    services = compose()["services"]
+    proxy = services["proxy"]
+    [mount] = proxy["volumes"]
+    source, target, _ = mount.split(":")
+    assert (ROOT / source).resolve() == TEMPLATE
+    # The image renders /etc/nginx/templates/X.conf.template into conf.d/X.conf.
+    assert target == "/etc/nginx/templates/default.conf.template"
+    text = TEMPLATE.read_text()
+    # envsubst and tests/support/proxy.py (string.Template) read "$$" differently.
+    assert "$$" not in text
+    env = proxy["environment"]
+    assert set(re.findall(r"\$\{(\w+)\}", text)) == set(env)
+    assert {env["REPLICA_1"], env["REPLICA_2"]} == {"flowcast-1:8000", "flowcast-2:8000"}
+    assert proxy["ports"] == [f"{env['PROXY_LISTEN']}:{env['PROXY_LISTEN']}"]
+    # nginx refuses the bodies the replicas would: the same variable, the same default.
+    replica_cap = services["flowcast-1"]["environment"]["FLOWCAST_MAX_BODY_BYTES"]
+    assert env["MAX_BODY_BYTES"] == replica_cap
+    default = re.fullmatch(r"\$\{FLOWCAST_MAX_BODY_BYTES:-(\d+)\}", replica_cap)
+    assert default is not None
+    assert int(default[1]) == Settings.model_fields["max_body_bytes"].default
 
 
 def test_every_replica_is_wired_to_the_same_redis_bucket_keys_and_secret() -> None:

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 from starlette.types import Message, Receive, Scope, Send
 
@@ -215,6 +216,51 @@ async def test_a_server_without_keys_answers_on_loopback_addresses_only(
 ) -> None:
     # A seam test: no test may listen on anything but 127.0.0.1, so the request's
     # server address is set in the ASGI scope, as uvicorn would for another interface.
+    scope: Scope = {"type": "http", "method": "GET", "path": "/api/workflows", "headers": []}
+    if server is not None:
+        scope["server"] = server
+    reached, sent = await through_loopback_only(scope)
+    assert reached == reaches_app
+    if not reaches_app:
+        assert sent[0]["status"] == 403
+        assert b"loopback_only" in sent[1]["body"]
+
+
+@pytest.mark.parametrize(
+    ("header", "reaches_app"),
+    [
+        ((b"x-forwarded-for", b"203.0.113.9"), False),
+        ((b"x-forwarded-proto", b"https"), False),
+        ((b"x-forwarded-host", b"flowcast.example"), False),
+        ((b"x-real-ip", b"203.0.113.9"), False),
+        ((b"forwarded", b"for=203.0.113.9"), False),
+        ((b"via", b"1.1 proxy"), False),
+        ((b"authorization", b"Bearer x"), True),
+        ((b"last-event-id", b"7"), True),
+    ],
+)
+async def test_a_server_without_keys_refuses_what_a_proxy_on_loopback_relays(
+    header: tuple[bytes, bytes], reaches_app: bool
+) -> None:
+    # A proxy on this machine reaches the server on loopback: without this, it would
+    # open the keyless API to everyone who can reach the proxy.
+    scope: Scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/api/workflows",
+        "headers": [(b"host", b"127.0.0.1:8000"), header],
+        "server": ("127.0.0.1", 8000),
+    }
+    reached, sent = await through_loopback_only(scope)
+    assert reached == reaches_app
+    if not reaches_app:
+        assert sent[0]["status"] == 403
+        message = orjson.loads(sent[1]["body"])["error"]["message"]
+        assert header[0].decode() in message and "FLOWCAST_API_KEYS" in message
+
+
+async def through_loopback_only(scope: Scope) -> tuple[bool, list[Message]]:
+    """Whether a request reached the app behind LoopbackOnly, and what was sent back."""
     reached: list[bool] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -228,11 +274,5 @@ async def test_a_server_without_keys_answers_on_loopback_addresses_only(
     async def send(message: Message) -> None:
         sent.append(message)
 
-    scope: Scope = {"type": "http", "method": "GET", "path": "/api/workflows", "headers": []}
-    if server is not None:
-        scope["server"] = server
     await LoopbackOnly(app)(scope, receive, send)
-    assert bool(reached) == reaches_app
-    if not reaches_app:
-        assert sent[0]["status"] == 403
-        assert b"loopback_only" in sent[1]["body"]
+    return bool(reached), sent
