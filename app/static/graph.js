@@ -357,6 +357,7 @@ class FlowGraph {
     const x = (width - this.size.width * scale) / 2 + FlowGraph.PAD * scale;
     const y = (height - this.size.height * scale) / 2 + FlowGraph.PAD * scale;
     this.moved = false;
+    this.fitScale = scale;
     this.transform(scale, x, y);
   }
 
@@ -364,7 +365,8 @@ class FlowGraph {
   zoomAt(factor, px = this.svg.clientWidth / 2, py = this.svg.clientHeight / 2) {
     if (!this.zoom) return;
     const { scale, x, y } = this.zoom;
-    const next = Math.min(3, Math.max(0.02, scale * factor));
+    // Never further out than fitting needs (a 500-block chain fits only very small).
+    const next = Math.min(3, Math.max(Math.min(0.05, this.fitScale), scale * factor));
     const ratio = next / scale;
     this.moved = true;
     this.transform(next, px - (px - x) * ratio, py - (py - y) * ratio);
