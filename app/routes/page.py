@@ -21,6 +21,7 @@ _ASSETS = {
     "page.js": "text/javascript; charset=utf-8",
     "page.css": "text/css; charset=utf-8",
     "graph.js": "text/javascript; charset=utf-8",
+    "graph-layout.js": "text/javascript; charset=utf-8",
     "graph.css": "text/css; charset=utf-8",
 }
 # Everything the page loads comes from this server; values are shown as text, never markup.

@@ -212,6 +212,7 @@ async def test_page_is_served_with_its_assets(client: httpx.AsyncClient) -> None
         ("/static/page.js", "text/javascript"),
         ("/static/page.css", "text/css"),
         ("/static/graph.js", "text/javascript"),
+        ("/static/graph-layout.js", "text/javascript"),
         ("/static/graph.css", "text/css"),
     ]:
         response = await client.get(asset)
@@ -863,6 +864,24 @@ NODES_INSIDE = """svg => {
   return { nodes: nodes.length, outside: outside.length };
 }"""
 
+# The layout's own promises, on the same workflow: no two nodes overlap and every edge
+# runs left to right.
+LAYOUT_SOUND = """workflow => {
+  const { nodes, edges } = layoutWorkflow(workflow);
+  const { NODE_W, NODE_H } = LAYOUT;
+  const at = new Map(nodes.map((node) => [node.id, node]));
+  let overlaps = 0;
+  const columns = Map.groupBy(nodes, (node) => node.x);
+  for (const column of columns.values()) {
+    column.sort((a, b) => a.y - b.y);
+    for (let i = 1; i < column.length; i += 1) {
+      if (column[i].y - column[i - 1].y < NODE_H) overlaps += 1;
+    }
+  }
+  const backwards = edges.filter((e) => at.get(e.from).x + NODE_W >= at.get(e.to).x).length;
+  return { nodes: nodes.length, edges: edges.length, overlaps, backwards };
+}"""
+
 VIEW = """svg => {
   const m = svg.querySelector(".graph-view").transform.baseVal.consolidate().matrix;
   return { scale: m.a, x: m.e, y: m.f };
@@ -892,6 +911,12 @@ async def test_graph_of_500_blocks_fits_zooms_and_pans(
     fitted = await canvas.evaluate(VIEW)
     assert 0.05 < fitted["scale"] < 0.5, fitted
     await expect(canvas).to_have_class(re.compile(r"\bfar\b"))
+    assert await page.evaluate(LAYOUT_SOUND, workflow) == {
+        "nodes": 500,
+        "edges": len(workflow["edges"]),
+        "overlaps": 0,
+        "backwards": 0,
+    }
 
     box = await canvas.bounding_box()
     assert box is not None and box["height"] >= 300, box
