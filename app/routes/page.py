@@ -20,6 +20,9 @@ _ASSETS = {
     "index.html": "text/html; charset=utf-8",
     "page.js": "text/javascript; charset=utf-8",
     "page.css": "text/css; charset=utf-8",
+    "graph.js": "text/javascript; charset=utf-8",
+    "graph-layout.js": "text/javascript; charset=utf-8",
+    "graph.css": "text/css; charset=utf-8",
 }
 # Everything the page loads comes from this server; values are shown as text, never markup.
 _HEADERS = {
@@ -49,7 +52,7 @@ async def index() -> Response:
 
 @router.get("/static/{name}")
 async def asset(name: str) -> Response:
-    """The page's script and stylesheet."""
+    """The page's scripts and stylesheets."""
     if name not in _ASSETS or name == "index.html":
         raise NotFound("asset", name)
     return _serve(name)

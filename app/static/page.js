@@ -18,6 +18,7 @@ const $ = (id) => document.getElementById(id);
 const page = {
   key: sessionStorage.getItem(KEY_STORAGE) || "",
   run: null, // the execution being watched; see attach()
+  graph: null, // the workflow drawn as a graph (graph.js), fed every event of the run
 };
 
 // ------------------------------------------------------------------ small helpers
@@ -94,6 +95,7 @@ function setKey(key) {
   else sessionStorage.removeItem(KEY_STORAGE);
   renderKey();
   loadWorkflows();
+  if (page.graph) page.graph.reload();
 }
 
 // ------------------------------------------------------------------ workflows
@@ -229,6 +231,7 @@ function attach(executionId, token) {
   $("log-count").textContent = "0";
   $("result-body").replaceChildren();
   show($("result"), false);
+  page.graph.reset();
   hidePause();
   setStatus(run, "connecting");
   setDuplicates(run);
@@ -316,6 +319,7 @@ function onEvent(run, message) {
   run.seen.add(event.id);
   logEvent(event);
   apply(run, event);
+  page.graph.apply(event);
   if (TERMINAL.has(event.type)) detach(run);
 }
 
@@ -748,9 +752,28 @@ async function cancel() {
   // The stream brings execution:cancelled, which settles the status.
 }
 
+// ------------------------------------------------------------------ the graph's hooks
+
+async function loadDefinition(workflowId) {
+  const response = await api(`/api/workflows/${encodeURIComponent(workflowId)}`);
+  if (response.status === 401) throw new Error("the workflow can be read with the API key only.");
+  if (!response.ok) throw new Error(await errorText(response));
+  return response.json();
+}
+
+function showBlockRow(blockId) {
+  const row = page.run && page.run.blocks.get(blockId);
+  if (!row) return false;
+  for (const other of $("timeline").querySelectorAll(".block.highlighted")) other.classList.remove("highlighted");
+  row.node.classList.add("highlighted");
+  row.node.scrollIntoView({ behavior: "smooth", block: "center" });
+  return true;
+}
+
 // ------------------------------------------------------------------ wiring
 
 document.addEventListener("DOMContentLoaded", () => {
+  page.graph = new FlowGraph($("graph"), { load: loadDefinition, select: showBlockRow });
   renderKey();
   $("key-form").addEventListener("submit", (event) => {
     event.preventDefault();

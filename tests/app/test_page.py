@@ -1,9 +1,10 @@
 """The web page in a real browser: Debian's Chromium driven by Playwright, against real
 Flowcast servers on 127.0.0.1. The page starts runs, watches them over EventSource,
 re-attaches after a reload, answers pauses with a form built from the schema, cancels,
-and opens large values.
+opens large values, and draws the workflow as a graph whose nodes follow the run.
 
-Set ``FLOWCAST_UPDATE_SCREENSHOT=1`` to write the README's ``docs/screenshot.png``.
+Set ``FLOWCAST_UPDATE_SCREENSHOT=1`` to write the README's ``docs/screenshot.png`` and
+``docs/graph.png``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import re
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -190,12 +192,12 @@ def block(page: Page, block_id: str) -> Any:
     return page.locator(f'#timeline li.block[data-block-id="{block_id}"]')
 
 
-def screenshot_path(tmp_path: Path) -> Path:
+def screenshot_path(tmp_path: Path, name: str = "screenshot.png") -> Path:
     if os.environ.get("FLOWCAST_UPDATE_SCREENSHOT") == "1":
-        target = ROOT / "docs" / "screenshot.png"
+        target = ROOT / "docs" / name
         target.parent.mkdir(exist_ok=True)
         return target
-    return tmp_path / "screenshot.png"
+    return tmp_path / name
 
 
 # ---------------------------------------------------------------- the server's own page
@@ -206,7 +208,13 @@ async def test_page_is_served_with_its_assets(client: httpx.AsyncClient) -> None
     assert page.status_code == 200
     assert page.headers["content-type"].startswith("text/html")
     assert "default-src 'self'" in page.headers["content-security-policy"]
-    for asset, kind in [("/static/page.js", "text/javascript"), ("/static/page.css", "text/css")]:
+    for asset, kind in [
+        ("/static/page.js", "text/javascript"),
+        ("/static/page.css", "text/css"),
+        ("/static/graph.js", "text/javascript"),
+        ("/static/graph-layout.js", "text/javascript"),
+        ("/static/graph.css", "text/css"),
+    ]:
         response = await client.get(asset)
         assert response.status_code == 200, asset
         assert response.headers["content-type"].startswith(kind)
@@ -579,6 +587,409 @@ async def test_a_recovery_keeps_the_run_going_and_restarts_the_rerun_blocks_text
     await expect(page.locator("#cancel")).to_be_hidden()
     assert await event_ids(page) == list(range(1, len(before) + len(after) + 1))
     assert len(connections) == 2, "the page reconnected once and finished"
+
+
+# ---------------------------------------------------------------- the workflow graph
+
+# Every status each graph node shows, in order, whatever the polling misses: a mutation
+# record's old value is the status before it, the node's current one the last.
+STATUS_RECORDER = """(() => {
+  window.graphHistory = {};
+  const push = (id, status) => {
+    const seen = (window.graphHistory[id] ||= []);
+    if (seen[seen.length - 1] !== status) seen.push(status);
+  };
+  new MutationObserver((records) => {
+    const touched = new Set();
+    for (const record of records) {
+      if (record.type === "attributes" && record.target.classList.contains("graph-node")) {
+        push(record.target.dataset.blockId, record.oldValue);
+        touched.add(record.target);
+      }
+      for (const added of record.addedNodes) {
+        if (added.nodeType !== Node.ELEMENT_NODE) continue;
+        if (added.classList.contains("graph-node")) touched.add(added);
+        for (const node of added.querySelectorAll(".graph-node")) touched.add(node);
+      }
+    }
+    for (const node of touched) push(node.dataset.blockId, node.dataset.status);
+  }).observe(document, {
+    subtree: true, childList: true, attributes: true,
+    attributeFilter: ["data-status"], attributeOldValue: true,
+  });
+})();"""
+
+APPROVED = {
+    "type": "object",
+    "required": ["approved"],
+    "properties": {"approved": {"type": "boolean"}},
+}
+
+
+def review_workflow(workflow_id: str) -> dict[str, Any]:
+    """intake, then three branches: a delay, an llm draft (retried once), and an escalation
+    only urgent input takes; the first two meet at an approval with two conditional exits."""
+    return {
+        "id": workflow_id,
+        "name": "Draft, review, publish",
+        "blocks": [
+            {"id": "intake", "type": "transform", "config": {"value": "{{ input.topic }}"}},
+            {"id": "research", "type": "delay", "config": {"ms": 300}},
+            {
+                "id": "draft",
+                "type": "llm",
+                "config": {
+                    "model": "fake-1",
+                    "messages": [{"role": "user", "content": "{{ blocks.intake.output }}"}],
+                },
+                "retry": {"attempts": 2, "backoffMs": 300},
+            },
+            {"id": "escalate", "type": "transform", "config": {"value": "urgent"}},
+            {"id": "page-oncall", "type": "transform", "config": {"value": "paged"}},
+            {
+                "id": "review",
+                "type": "approval",
+                "config": {"prompt": "Publish it?", "schema": APPROVED},
+            },
+            {"id": "publish", "type": "transform", "config": {"value": "published"}},
+            {"id": "archive", "type": "transform", "config": {"value": "archived"}},
+        ],
+        "edges": [
+            {"from": "intake", "to": "research"},
+            {"from": "intake", "to": "draft"},
+            {"from": "intake", "to": "escalate", "when": "input.urgent"},
+            {"from": "escalate", "to": "page-oncall"},
+            {"from": "research", "to": "review"},
+            {"from": "draft", "to": "review"},
+            {"from": "review", "to": "publish", "when": "blocks.review.output.approved"},
+            {"from": "review", "to": "archive", "when": "not blocks.review.output.approved"},
+        ],
+    }
+
+
+def node(page: Page, block_id: str) -> Any:
+    return page.locator(f'#graph .graph-node[data-block-id="{block_id}"]')
+
+
+async def expect_statuses(page: Page, statuses: dict[str, str]) -> None:
+    for block_id, status in statuses.items():
+        await expect(node(page, block_id)).to_have_attribute(
+            "data-status", status, timeout=SETTLE_MS
+        )
+
+
+async def graph_clip(page: Page) -> dict[str, float]:
+    """The run panel from its head to the bottom of the graph, in page coordinates."""
+    clip: dict[str, float] = await page.evaluate(
+        """() => {
+          const run = document.querySelector("#run").getBoundingClientRect();
+          const graph = document.querySelector("#graph").getBoundingClientRect();
+          return { x: run.left + scrollX, y: run.top + scrollY, width: run.width,
+                   height: graph.bottom - run.top + 16 };
+        }"""
+    )
+    return clip
+
+
+async def history(page: Page) -> dict[str, list[str]]:
+    seen: dict[str, list[str]] = await page.evaluate("window.graphHistory")
+    return seen
+
+
+@pytest.mark.timeout(90)
+async def test_graph_nodes_follow_a_run_with_a_retry_a_skipped_branch_and_a_pause(
+    plugged: FlowcastServer, page: Page, llm: FakeLLM, unique: str, tmp_path: Path
+) -> None:
+    llm.reset()
+    # Attempt 1 is held long enough to be seen running, then fails with a retryable 500.
+    llm.script(
+        Reply(status=500, delay=2.5),
+        Reply(pieces=["A ", "fresh ", "draft."], piece_delay=0.1),
+    )
+    workflow_id = f"review-{unique}"
+    await page.add_init_script(STATUS_RECORDER)
+    async with httpx.AsyncClient(base_url=plugged.url, timeout=20) as client:
+        await put(client, review_workflow(workflow_id))
+        await page.goto(plugged.url)
+        execution_id = await start(page, workflow_id, {"topic": "graphs", "urgent": False})
+
+        await expect(node(page, "draft")).to_have_attribute("data-status", "running")
+        await expect(page.locator("#graph .graph-node")).to_have_count(8)
+        await expect(page.locator("#graph .graph-when")).to_have_text(
+            ["input.urgent", "blocks.review.output.approved", "not blocks.review.output.approved"]
+        )
+        await expect_statuses(
+            page,
+            {
+                "review": "paused",
+                "intake": "completed",
+                "research": "completed",
+                "draft": "completed",
+                "escalate": "skipped",
+                "page-oncall": "skipped",
+                "publish": "pending",
+                "archive": "pending",
+            },
+        )
+        await expect(node(page, "review").locator(".graph-state")).to_have_text("paused · approval")
+        await expect(node(page, "draft").locator(".graph-state")).to_have_text(
+            "completed · llm · try 2"
+        )
+        skipped = page.locator('#graph .graph-edge[data-from="intake"][data-to="escalate"]')
+        await expect(skipped).to_have_attribute("data-state", "skipped")
+        await page.screenshot(
+            path=str(screenshot_path(tmp_path, "graph.png")),
+            clip=await graph_clip(page),
+            full_page=True,
+            animations="disabled",
+        )
+
+        # A block that has not run has no row to show: the graph says so.
+        await node(page, "publish").click()
+        await expect(page.locator("#graph .graph-note")).to_have_text(
+            "publish has not run yet: it has no row in the timeline."
+        )
+
+        resumed = await client.post(
+            f"/api/executions/{execution_id}/resume", json={"input": {"approved": True}}
+        )
+        assert resumed.status_code == 202, resumed.text
+        await finished(page)
+        await expect_statuses(
+            page, {"review": "completed", "publish": "completed", "archive": "skipped"}
+        )
+        assert (await wait_finished(client, execution_id))["output"]["publish"] == "published"
+
+    seen = await history(page)
+    # The retried block went back to running for its second attempt.
+    assert [s for s in seen["draft"] if s != "pending"] == [
+        "running",
+        "retrying",
+        "running",
+        "completed",
+    ], seen
+    assert seen["review"][-3:] == ["paused", "running", "completed"], seen
+    assert "running" not in seen["escalate"] + seen["page-oncall"], seen
+
+
+async def test_graph_shows_a_recovery_rerunning_a_block(server: FlowcastServer, page: Page) -> None:
+    # As in the recovery test above, the stream is answered in the browser, in two
+    # connections: the second, with execution:recovered, once the graph shows the first.
+    # The run is of parallel-report as stored, but for a block "gone".
+    before = [
+        ("execution:started", {"input": None}),
+        ("block:started", {"blockId": "outline", "blockType": "transform", "attempt": 1}),
+        ("block:completed", {"blockId": "outline", "output": {}, "durationMs": 2}),
+        ("block:started", {"blockId": "usage", "blockType": "generate", "attempt": 1}),
+        ("block:chunk", {"blockId": "usage", "text": "lost "}),
+        ("block:started", {"blockId": "sales", "blockType": "delay", "attempt": 1}),
+        ("block:started", {"blockId": "gone", "blockType": "delay", "attempt": 1}),
+        ("block:failed", {"blockId": "sales", "error": {"code": "x", "message": "x"},
+                          "attempt": 1, "willRetry": True}),
+    ]  # fmt: skip
+    after = [
+        (
+            "execution:recovered",
+            {"reason": "worker_lost", "recovery": 1, "rerun": ["usage", "sales"],
+             "completed": ["outline"]},
+        ),
+    ]  # fmt: skip
+    release = asyncio.Event()
+    connections: list[str] = []
+
+    async def stream(route: Route) -> None:
+        connections.append(route.request.url)
+        if len(connections) == 1:
+            body = sse_body(before, 1)
+        else:
+            await release.wait()
+            body = sse_body(after, len(before) + 1)
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-store"}
+        await route.fulfill(status=200, headers=headers, body=body)
+
+    await page.add_init_script(STATUS_RECORDER)
+    await page.route(re.compile(r"/api/executions/ex_recovered/stream"), stream)
+    try:
+        await page.goto(f"{server.url}/#ex_recovered")
+        await expect_statuses(
+            page,
+            {"outline": "completed", "usage": "running", "sales": "retrying", "report": "pending"},
+        )
+    finally:
+        release.set()
+    await expect_statuses(page, {"usage": "running", "sales": "running"})
+    await expect(node(page, "usage").locator(".graph-state")).to_have_text(
+        "running · generate · re-run"
+    )
+    assert (await history(page))["sales"][-2:] == ["retrying", "running"]
+    # A block the stored definition lacks (it was replaced since the run began) is named.
+    await expect(page.locator("#graph .graph-note")).to_have_text(
+        "The workflow was changed after this run started: gone not in the graph."
+    )
+
+
+def wide_workflow(workflow_id: str, *, layers: int = 25, width: int = 20) -> dict[str, Any]:
+    """``layers`` x ``width`` transform blocks (500 by default, the limit), each fed by one to
+    six blocks of the layer before or, now and then, of an earlier one; some edges carry
+    conditions (all true)."""
+    chance = random.Random(14)
+    blocks = [
+        {"id": f"b{layer:02d}-{row:02d}", "type": "transform", "config": {"value": layer}}
+        for layer in range(layers)
+        for row in range(width)
+    ]
+    edges: dict[tuple[str, str], dict[str, Any]] = {}
+    for layer in range(1, layers):
+        for row in range(width):
+            for _ in range(chance.randint(1, 6)):
+                back = (
+                    chance.randint(2, min(5, layer)) if layer > 1 and chance.random() < 0.1 else 1
+                )
+                source = f"b{layer - back:02d}-{chance.randrange(width):02d}"
+                edge: dict[str, Any] = {"from": source, "to": f"b{layer:02d}-{row:02d}"}
+                if chance.random() < 0.05:
+                    edge["when"] = "input.go"
+                edges[(source, edge["to"])] = edge
+    return {"id": workflow_id, "blocks": blocks, "edges": list(edges.values())}
+
+
+NODES_INSIDE = """svg => {
+  const frame = svg.getBoundingClientRect();
+  const nodes = [...svg.querySelectorAll(".graph-node")];
+  const outside = nodes.filter((node) => {
+    const box = node.getBoundingClientRect();
+    return box.width <= 0 || box.left < frame.left - 1 || box.right > frame.right + 1
+      || box.top < frame.top - 1 || box.bottom > frame.bottom + 1;
+  });
+  return { nodes: nodes.length, outside: outside.length };
+}"""
+
+# The layout's own promises, on the same workflow: no two nodes overlap and every edge
+# runs left to right.
+LAYOUT_SOUND = """workflow => {
+  const { nodes, edges } = layoutWorkflow(workflow);
+  const { NODE_W, NODE_H } = LAYOUT;
+  const at = new Map(nodes.map((node) => [node.id, node]));
+  let overlaps = 0;
+  const columns = Map.groupBy(nodes, (node) => node.x);
+  for (const column of columns.values()) {
+    column.sort((a, b) => a.y - b.y);
+    for (let i = 1; i < column.length; i += 1) {
+      if (column[i].y - column[i - 1].y < NODE_H) overlaps += 1;
+    }
+  }
+  const backwards = edges.filter((e) => at.get(e.from).x + NODE_W >= at.get(e.to).x).length;
+  return { nodes: nodes.length, edges: edges.length, overlaps, backwards };
+}"""
+
+VIEW = """svg => {
+  const m = svg.querySelector(".graph-view").transform.baseVal.consolidate().matrix;
+  return { scale: m.a, x: m.e, y: m.f };
+}"""
+
+
+@pytest.mark.timeout(120)
+async def test_graph_of_500_blocks_fits_zooms_and_pans(
+    server: FlowcastServer, page: Page, client: httpx.AsyncClient, unique: str
+) -> None:
+    console: list[str] = []
+    page.on(
+        "console", lambda message: console.append(message.text) if message.type == "error" else None
+    )
+    workflow = wide_workflow(f"wide-{unique}")
+    assert len(workflow["blocks"]) == 500 and len(workflow["edges"]) <= 2000
+    await put(client, workflow)
+    await page.goto(server.url)
+    execution_id = await start(page, workflow["id"], {"go": True})
+
+    canvas = page.locator("#graph .graph-canvas")
+    await expect(page.locator("#graph .graph-node")).to_have_count(500, timeout=SETTLE_MS)
+    await expect(page.locator("#graph .graph-when").first).to_have_text("input.go")
+    await expect(page.locator("#graph .graph-node").first).to_be_visible()
+    # Drawn fitted: every node inside the canvas, at a zoom too small for the words.
+    assert await canvas.evaluate(NODES_INSIDE) == {"nodes": 500, "outside": 0}
+    fitted = await canvas.evaluate(VIEW)
+    assert 0.05 < fitted["scale"] < 0.5, fitted
+    await expect(canvas).to_have_class(re.compile(r"\bfar\b"))
+    assert await page.evaluate(LAYOUT_SOUND, workflow) == {
+        "nodes": 500,
+        "edges": len(workflow["edges"]),
+        "overlaps": 0,
+        "backwards": 0,
+    }
+
+    box = await canvas.bounding_box()
+    assert box is not None and box["height"] >= 300, box
+    centre_x, centre_y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+    await page.mouse.move(centre_x, centre_y)
+    await page.mouse.wheel(0, -600)
+    await page.wait_for_function(
+        "scale => Number(document.querySelector('#graph .graph-canvas').dataset.zoom) > scale",
+        arg=fitted["scale"] * 1.5,
+        timeout=SETTLE_MS,
+    )
+    zoomed = await canvas.evaluate(VIEW)
+    assert zoomed["scale"] > fitted["scale"] * 1.5, (fitted, zoomed)
+    await page.click("#graph-zoom-in")
+    assert (await canvas.evaluate(VIEW))["scale"] > zoomed["scale"]
+    assert (await canvas.evaluate(NODES_INSIDE))["outside"] > 0
+
+    before = await canvas.evaluate(VIEW)
+    await page.mouse.move(centre_x, centre_y)
+    await page.mouse.down()
+    await page.mouse.move(centre_x - 120, centre_y - 40, steps=6)
+    await page.mouse.up()
+    panned = await canvas.evaluate(VIEW)
+    assert panned["scale"] == before["scale"]
+    moved = (panned["x"] - before["x"], panned["y"] - before["y"])
+    assert moved == pytest.approx((-120, -40), abs=0.01), (before, panned)
+
+    await page.click("#graph-fit")
+    assert await canvas.evaluate(VIEW) == pytest.approx(fitted, abs=0.01)
+    assert await canvas.evaluate(NODES_INSIDE) == {"nodes": 500, "outside": 0}
+
+    await finished(page)
+    await expect(page.locator('#graph .graph-node[data-status="completed"]')).to_have_count(500)
+    assert (await wait_finished(client, execution_id))["status"] == "completed"
+    assert console == []
+
+
+async def test_clicking_a_graph_node_scrolls_to_its_timeline_row(
+    server: FlowcastServer, page: Page, client: httpx.AsyncClient, unique: str
+) -> None:
+    fan = [f"part-{i:02d}" for i in range(20)]
+    workflow = {
+        "id": f"fan-{unique}",
+        "blocks": [
+            {"id": "split", "type": "transform", "config": {"value": 1}},
+            *({"id": part, "type": "transform", "config": {"value": part}} for part in fan),
+            {"id": "join", "type": "transform", "config": {"value": 2}},
+        ],
+        "edges": [
+            *({"from": "split", "to": part} for part in fan),
+            *({"from": part, "to": "join"} for part in fan),
+        ],
+    }
+    await put(client, workflow)
+    await page.goto(server.url)
+    await start(page, workflow["id"], {})
+    await finished(page)
+    await expect(node(page, "join")).to_have_attribute("data-status", "completed")
+
+    row = block(page, "join")
+    await page.evaluate("window.scrollTo(0, 0)")
+    await expect(row).not_to_be_in_viewport()
+    await node(page, "join").click()
+    await expect(row).to_be_in_viewport()
+    await expect(row).to_have_class(re.compile(r"\bhighlighted\b"))
+    await expect(node(page, "join")).to_have_class(re.compile(r"\bselected\b"))
+
+    # Another node moves the highlight; a keyboard user gets there with Enter.
+    await node(page, "split").focus()
+    await page.keyboard.press("Enter")
+    await expect(block(page, "split")).to_be_in_viewport()
+    await expect(block(page, "split")).to_have_class(re.compile(r"\bhighlighted\b"))
+    await expect(row).not_to_have_class(re.compile(r"\bhighlighted\b"))
 
 
 # ---------------------------------------------------------------- an llm block
