@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.client import Event, sse_frames
+from app.client import Event, FlowcastClient, Gap, Reconnecting
 from app.embedded import free_port
 from app.progress import LiveDisplay, PlainDisplay
 from tests.support.api import flaky_workflow, put, streaming_workflow
@@ -413,10 +413,55 @@ async def test_run_reconnects_when_the_server_closes_the_stream(
     assert result.output == {"done": {"who": "x"}}
 
 
-def test_sse_frames_skip_comments_and_never_yield_a_frame_cut_off_by_a_drop() -> None:
-    lines = [": ping", "", "id: 1", "event: a", 'data: {"x":', "data: 1}", "", "id: 2", "event: b"]
-    frames = list(sse_frames(iter(lines)))
-    assert [(f.id, f.event, f.data) for f in frames] == [("1", "a", ['{"x":', "1}"])]
+class _Stream(httpx.BaseTransport):
+    """Answers each stream request with the next canned SSE body; records the cursors."""
+
+    def __init__(self, *bodies: bytes) -> None:
+        self.bodies = list(bodies)
+        self.cursors: list[str | None] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.cursors.append(request.headers.get("Last-Event-ID"))
+        if not self.bodies:
+            return httpx.Response(204)
+        return httpx.Response(
+            200, headers={"Content-Type": "text/event-stream"}, content=self.bodies.pop(0)
+        )
+
+
+def _frame(id: int, type: str) -> bytes:
+    envelope = {"id": id, "type": type, "executionId": "ex_t", "workflowId": "wf", "data": {}}
+    return f"id: {id}\nevent: {type}\ndata: {json.dumps(envelope)}\n\n".encode()
+
+
+def test_follow_resumes_after_a_frame_cut_off_and_reports_the_gap() -> None:
+    gap = {"after": 2, "resumeAt": 4, "reason": "evicted"}
+    transport = _Stream(
+        # A heartbeat, two events, then a frame the connection lost halfway.
+        b": ping\n\n" + _frame(1, "execution:started") + _frame(2, "block:started")
+        + b'id: 3\nevent: block:chunk\ndata: {"id": 3,',
+        # The next connection repeats event 2 (never shown twice), then a gap.
+        _frame(2, "block:started")
+        + f"event: replay:gap\ndata: {json.dumps(gap)}\n\n".encode()
+        + _frame(4, "execution:completed"),
+    )  # fmt: skip
+    with FlowcastClient("http://flowcast.test", transport=transport) as client:
+        items = list(client.follow("ex_t"))
+    assert transport.cursors == ["0", "2"], "reconnects with Last-Event-ID of the last event"
+    assert [type(item).__name__ for item in items] == [
+        "Event", "Event", "Reconnecting", "Gap", "Event"
+    ]  # fmt: skip
+    assert [item.id for item in items if isinstance(item, Event)] == [1, 2, 4]
+    assert isinstance(items[2], Reconnecting) and items[2].cursor == 2
+    assert items[3] == Gap(after=2, resume_at=4, reason="evicted")
+
+
+def test_follow_ends_at_a_204() -> None:
+    transport = _Stream()
+    with FlowcastClient("http://flowcast.test", transport=transport) as client:
+        items = list(client.follow("ex_t", after=9))
+    assert transport.cursors == ["9"]
+    assert [type(item).__name__ for item in items] == ["Finished"]
 
 
 @pytest.fixture(scope="module")
