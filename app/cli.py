@@ -144,13 +144,22 @@ def _follow(
                 )
             elif isinstance(item, Finished):
                 snapshot = client.execution(execution_id)
+                if display:
+                    display.close()
                 return _finish(snapshot["status"], snapshot)
     except KeyboardInterrupt:
+        if display:
+            display.close()
         # Leaving never cancels the execution; say how to come back.
         _error(
             f"stopped following; attach again with: flowcast attach {execution_id} --after {cursor}"
         )
         return INTERRUPTED
+    finally:
+        # Whatever ends the loop (an error, Ctrl-C), the terminal gets its cursor back
+        # before anything else is printed.
+        if display:
+            display.close()
     raise AssertionError("the stream ended without a terminal event")
 
 

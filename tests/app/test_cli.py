@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pyte
 import pytest
 
 from app.client import Event, FlowcastClient, Gap, Reconnecting
@@ -56,13 +57,13 @@ def cli_env(**extra: str) -> dict[str, str]:
     return {**base, **extra}
 
 
-async def flowcast(*args: str, url: str, timeout: float = 30, **env: str) -> Result:
-    """Run one CLI command to its end (stdout is a pipe: the plain display)."""
+async def flowcast(*args: str, url: str | None, timeout: float = 30, **env: str) -> Result:
+    """Run one CLI command to its end (stdout is a pipe: the plain display); ``--url``
+    goes last unless ``url`` is None."""
     process = await asyncio.create_subprocess_exec(
         str(FLOWCAST),
         *args,
-        "--url",
-        url,
+        *(["--url", url] if url is not None else []),
         env=cli_env(**env),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -239,14 +240,21 @@ async def test_run_with_wait_follows_through_a_pause(
     assert json.loads(out.decode().splitlines()[-1]) == {"ask": {"approved": False}}
 
 
-def _run_on_a_terminal(args: list[str], timeout: float) -> tuple[int, str]:
-    """Run the CLI with a pseudo-terminal as stdout; its exit code and what it drew."""
+def _run_on_a_terminal(
+    args: list[str], timeout: float, *, stderr_too: bool = False
+) -> tuple[int, list[str]]:
+    """Run the CLI with a pseudo-terminal as stdout (and stderr, if asked), its output
+    played into a terminal emulator: the exit code and the screen as a person sees it."""
     main, child = pty.openpty()
+    screen = pyte.Screen(100, 50)
+    stream = pyte.ByteStream(screen)
     with subprocess.Popen(
-        args, env=cli_env(COLUMNS="100"), stdout=child, stderr=subprocess.DEVNULL
+        args,
+        env=cli_env(COLUMNS="100", LINES="50", TERM="xterm-256color"),
+        stdout=child,
+        stderr=child if stderr_too else subprocess.DEVNULL,
     ) as process:
         os.close(child)
-        drawn = b""
         while True:
             try:
                 chunk = os.read(main, 65536)  # EIO once the child's side is closed
@@ -254,22 +262,32 @@ def _run_on_a_terminal(args: list[str], timeout: float) -> tuple[int, str]:
                 break
             if not chunk:
                 break
-            drawn += chunk
+            stream.feed(chunk)
         code = process.wait(timeout)
     os.close(main)
-    return code, drawn.decode()
+    return code, [line.rstrip() for line in screen.display]
 
 
-async def test_run_on_a_terminal_redraws_a_status_block(client: httpx.AsyncClient) -> None:
+def _lines_with(screen: list[str], text: str) -> list[int]:
+    return [i for i, line in enumerate(screen) if text in line]
+
+
+async def test_run_on_a_terminal_shows_one_line_per_block_redrawn_in_place(
+    client: httpx.AsyncClient,
+) -> None:
     args = [str(FLOWCAST), "run", "parallel-report", "--url", str(client.base_url)]
-    code, drawn = await asyncio.wait_for(asyncio.to_thread(_run_on_a_terminal, args, 30), 40)
-    assert code == 0, drawn
-    assert "\x1b[" in drawn, "the block is redrawn in place"
-    final = drawn.rsplit("\x1b[J", 1)[1]
-    for block in ("outline", "sales", "support", "usage", "report"):
-        assert re.search(rf"✓ {block} +\w+ +completed +\d+\.\d\ds", final), final
-    assert "Usage grew in every region this week." in final
-    assert '"title": "Report on flows"' in final, "the output is pretty-printed JSON"
+    code, screen = await asyncio.wait_for(asyncio.to_thread(_run_on_a_terminal, args, 30), 40)
+    shown = "\n".join(screen)
+    assert code == 0, shown
+    header = _lines_with(screen, "parallel-report  ")
+    assert len(header) == 1, f"the view is redrawn in place, not printed again:\n{shown}"
+    assert re.fullmatch(r"ex_\S+  parallel-report  completed  \d+\.\ds", screen[header[0]])
+    rows = screen[header[0] + 1 : header[0] + 6]
+    for row, block in zip(rows, ("outline", "sales", "support", "usage", "report"), strict=True):
+        assert re.match(rf"  ✓ {block} +\w+ +completed +\d+\.\d\ds", row), shown
+    assert rows[3].endswith(" Usage grew in every region this week."), "the streamed text"
+    assert screen[header[0] + 6] == "{", "the output follows, as pretty-printed JSON"
+    assert '"title": "Report on flows"' in shown
 
 
 async def test_list_shows_recent_executions_as_a_table(
@@ -413,6 +431,29 @@ async def test_run_reconnects_when_the_server_closes_the_stream(
     assert result.output == {"done": {"who": "x"}}
 
 
+async def test_run_on_a_terminal_prints_reconnect_notices_above_the_view(
+    short_streams: FlowcastServer, unique: str
+) -> None:
+    async with httpx.AsyncClient(base_url=short_streams.url, timeout=20) as client:
+        await put(client, streaming_workflow(f"cli-tty-{unique}", words=25, tps=10))
+    args = [
+        str(FLOWCAST), "run", f"cli-tty-{unique}", "--input", '{"name": "x"}',
+        "--url", short_streams.url,
+    ]  # fmt: skip
+    run = asyncio.to_thread(_run_on_a_terminal, args, 30, stderr_too=True)
+    code, screen = await asyncio.wait_for(run, 40)
+    shown = "\n".join(screen)
+    assert code == 0, shown
+    notices = _lines_with(screen, "flowcast: stream ended")
+    assert len(notices) >= 2, f"the ~2.5 s run outlived 1 s streams:\n{shown}"
+    header = _lines_with(screen, f"cli-tty-{unique}  completed")
+    assert len(header) == 1 and header[0] > notices[-1], f"notices go above the view:\n{shown}"
+    for block in ("intro", "talk", "done"):
+        assert len(_lines_with(screen, f"✓ {block} ")) == 1, shown
+    talk = screen[_lines_with(screen, "✓ talk ")[0]]
+    assert talk.endswith(" w22 w23 w24"), "the tail of the streamed text"
+
+
 class _Stream(httpx.BaseTransport):
     """Answers each stream request with the next canned SSE body; records the cursors."""
 
@@ -493,12 +534,14 @@ async def test_a_retried_block_shows_only_its_latest_attempts_text_on_a_terminal
     assert re.search(r"^\d+ block:started talk type=python attempt=2$", plain.out, re.M)
 
     args = [str(FLOWCAST), "run", f"cli-flaky-{unique}", "--url", plugged.url]
-    code, drawn = await asyncio.wait_for(asyncio.to_thread(_run_on_a_terminal, args, 30), 40)
-    assert code == 0, drawn
-    final = drawn.rsplit("\x1b[J", 1)[1]
-    assert re.search(r"✓ talk +python +completed", final), final
-    assert "    try2-w0 try2-w1 try2-w2" in final.splitlines(), final
-    assert "try1" not in final, "the failed attempt's text is not joined to the next one's"
+    code, screen = await asyncio.wait_for(asyncio.to_thread(_run_on_a_terminal, args, 30), 40)
+    shown = "\n".join(screen)
+    assert code == 0, shown
+    (talk,) = [line for line in screen if " talk " in line]
+    assert re.fullmatch(
+        r"  ✓ talk +python +completed +\d+\.\d\ds attempt 2 · try2-w0 try2-w1 try2-w2", talk
+    ), shown
+    assert "try1" not in shown, "the failed attempt's text is not joined to the next one's"
 
 
 def _event(id: int, type: str, **data: Any) -> Event:
@@ -549,11 +592,12 @@ def test_live_display_keeps_running_through_a_recovery_and_restarts_the_rerun_te
     for event in RECOVERED_RUN[6:]:
         display.event(event)
     display.close()
-    final = out.getvalue().rsplit("\x1b[J", 1)[1].splitlines()
-    assert final[0].startswith("ex_r  wf  running  ")
+    # Not a terminal: rich draws the view once, when it stops.
+    final = [line.rstrip() for line in out.getvalue().splitlines()]
+    assert re.fullmatch(r"ex_r  wf  running  \d+\.\ds", final[0])
     assert re.fullmatch(r"  ✓ kept +transform +completed +0\.00s", final[1])
-    assert re.fullmatch(r"  … talk +generate +running +attempt 2", final[2])
-    assert final[3:] == ["    fresh words"]
+    assert re.fullmatch(r"  … talk +generate +running +\d+\.\ds +attempt 2 · fresh words", final[2])
+    assert final[3:] == []
     assert err.getvalue() == (
         "flowcast: recovered (worker_lost), 1 block re-run, 1 kept from the checkpoint\n"
     )
@@ -564,3 +608,16 @@ def test_live_display_keeps_running_through_a_recovery_and_restarts_the_rerun_te
     assert err.getvalue().endswith(
         "flowcast: recovered (handoff), 0 blocks re-run, 0 kept from the checkpoint\n"
     )
+
+
+def test_live_display_cuts_the_text_at_its_front_to_fit_the_terminal() -> None:
+    out = io.StringIO()
+    display = LiveDisplay(out, io.StringIO())
+    display.console.width = 60
+    display.started("ex_w", "wf")
+    display.event(_event(1, "block:started", blockId="talk", blockType="generate", attempt=1))
+    display.event(_event(2, "block:chunk", blockId="talk", text=" ".join(map(str, range(50)))))
+    display.close()
+    talk = out.getvalue().splitlines()[1].rstrip()
+    assert len(talk) <= 60 - 3, "three columns stay free for the ^C echo"
+    assert re.fullmatch(r"  … talk generate running \d+\.\ds …[\d ]+ 47 48 49", talk), talk
