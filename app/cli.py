@@ -3,6 +3,9 @@
 Exit codes: 0 completed (or the request was accepted), 1 failed, 2 usage or bad input
 (a 4xx answer; the server's message goes to stderr), 3 cancelled, 4 paused (``run`` and
 ``attach`` stop at a pause unless ``--wait``), 5 the server could not be reached.
+
+``--url`` and ``--api-key`` go before or after the command (``flowcast --url U run wf``
+and ``flowcast run wf --url U``); after it wins.
 """
 
 from __future__ import annotations
@@ -225,15 +228,18 @@ def list_executions(args: argparse.Namespace) -> int:
     return COMPLETED
 
 
-def _client_options(command: argparse.ArgumentParser) -> None:
+def _client_options(command: argparse.ArgumentParser, *, top: bool) -> None:
+    """``--url`` and ``--api-key``, on the top parser (with the defaults) and on each
+    client command (without: a value given after the command replaces the one before,
+    and a missing one leaves it alone)."""
     command.add_argument(
         "--url",
-        default=os.environ.get("FLOWCAST_URL") or DEFAULT_URL,
+        default=(os.environ.get("FLOWCAST_URL") or DEFAULT_URL) if top else argparse.SUPPRESS,
         help=f"the server (default FLOWCAST_URL or {DEFAULT_URL})",
     )
     command.add_argument(
         "--api-key",
-        default=os.environ.get("FLOWCAST_API_KEY") or None,
+        default=(os.environ.get("FLOWCAST_API_KEY") or None) if top else argparse.SUPPRESS,
         help="sent as a Bearer token (default FLOWCAST_API_KEY)",
     )
 
@@ -256,6 +262,7 @@ def _json_type(raw: str) -> Any:
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="flowcast", description=__doc__.split("\n")[0])
+    _client_options(top, top=True)
     commands = top.add_subparsers(dest="command", required=True)
     run_server = commands.add_parser("serve", help="run the server")
     run_server.add_argument("--host", help="listen address (default FLOWCAST_HOST or 127.0.0.1)")
@@ -293,7 +300,7 @@ def parser() -> argparse.ArgumentParser:
     recent.add_argument("--limit", type=int, default=20, help="at most this many (default 20)")
     recent.set_defaults(handler=list_executions)
     for command in (start, follow, answer, stop, recent):
-        _client_options(command)
+        _client_options(command, top=False)
     return top
 
 

@@ -505,6 +505,22 @@ def test_follow_ends_at_a_204() -> None:
     assert [type(item).__name__ for item in items] == ["Finished"]
 
 
+async def test_url_and_api_key_go_before_or_after_the_command(keyed: FlowcastServer) -> None:
+    before = await flowcast("--url", keyed.url, "--api-key", KEY, "list", url=None)
+    assert before.code == 0, before.err
+    after = await flowcast("list", "--api-key", KEY, "--url", keyed.url, url=None)
+    assert after.code == 0, after.err
+    mixed = await flowcast("--api-key", KEY, "list", url=keyed.url)
+    assert mixed.code == 0, mixed.err
+    unreachable = f"http://127.0.0.1:{free_port()}"
+    wins = await flowcast("--url", unreachable, "list", "--api-key", KEY, url=keyed.url)
+    assert wins.code == 0, "the --url after the command wins"
+    from_env = await flowcast("--api-key", KEY, "list", url=None, FLOWCAST_URL=keyed.url)
+    assert from_env.code == 0, from_env.err
+    over_env = await flowcast("--api-key", KEY, "list", url=keyed.url, FLOWCAST_API_KEY="nope")
+    assert over_env.code == 0, "an option, before or after, wins over the environment"
+
+
 @pytest.fixture(scope="module")
 async def plugged(
     tmp_path_factory: pytest.TempPathFactory, valkey: ValkeyServer
