@@ -2,7 +2,9 @@
 
 Exit codes: 0 completed (or the request was accepted), 1 failed, 2 usage or bad input
 (a 4xx answer; the server's message goes to stderr), 3 cancelled, 4 paused (``run`` and
-``attach`` stop at a pause unless ``--wait``), 5 the server could not be reached.
+``attach`` stop at a pause unless ``--wait``), 5 the server could not be reached or could
+not serve the request (a 5xx answer, or a stream that kept failing): worth a retry later,
+unlike a 2.
 
 ``--url`` and ``--api-key`` go before or after the command (``flowcast --url U run wf``
 and ``flowcast run wf --url U``); after it wins.

@@ -10,9 +10,11 @@ import pty
 import re
 import subprocess
 import sys
+import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -503,6 +505,41 @@ def test_follow_ends_at_a_204() -> None:
         items = list(client.follow("ex_t", after=9))
     assert transport.cursors == ["9"]
     assert [type(item).__name__ for item in items] == ["Finished"]
+
+
+class _Failing(BaseHTTPRequestHandler):
+    """A server that cannot serve: every request is a 503 with Flowcast's error body."""
+
+    def _answer(self) -> None:
+        body = b'{"error": {"code": "buffer_unavailable", "message": "the buffer is down"}}'
+        self.send_response(503)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return None
+
+
+@pytest.fixture
+def failing_server() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Failing)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+async def test_a_5xx_exits_5_with_the_servers_message(failing_server: str) -> None:
+    for command in (["list"], ["cancel", "ex_x"], ["attach", "ex_x"]):
+        result = await flowcast(*command, url=failing_server)
+        assert result.code == 5, (command, result.err)
+        assert "the buffer is down (503 buffer_unavailable)" in result.err
 
 
 async def test_url_and_api_key_go_before_or_after_the_command(keyed: FlowcastServer) -> None:
