@@ -16,6 +16,8 @@ import argparse
 import ipaddress
 import json
 import os
+import shlex
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -92,13 +94,26 @@ def _display(args: argparse.Namespace) -> Display | None:
     return LiveDisplay()
 
 
+def _program() -> str:
+    """How to run this command again, for the hints: ``flowcast`` when that is what the
+    shell finds, else the path it was started by (e.g. ``.venv/bin/flowcast``)."""
+    started = sys.argv[0]
+    if Path(started).name != "flowcast":
+        return "flowcast"  # python -m app.cli, tests, …
+    found = shutil.which("flowcast")
+    if found and Path(found).resolve() == Path(started).resolve():
+        return "flowcast"
+    return shlex.quote(started)
+
+
 def _show_pause(execution_id: str, pause: dict[str, Any], after: int) -> None:
     block = pause.get("blockId", "")
+    program = _program()
     _error(f"paused at block {block!r}: {pause.get('prompt', '')}")
     if pause.get("schema"):
         _error(f"the answer must match: {compact(pause['schema'])}")
-    _error(f"resume it with: flowcast resume {execution_id} --block {block} --input '<JSON>'")
-    _error(f"then follow it with: flowcast attach {execution_id} --after {after}")
+    _error(f"resume it with: {program} resume {execution_id} --block {block} --input '<JSON>'")
+    _error(f"then follow it with: {program} attach {execution_id} --after {after}")
 
 
 def _finish(status: str, data: dict[str, Any]) -> int:
@@ -157,7 +172,8 @@ def _follow(
             display.close()
         # Leaving never cancels the execution; say how to come back.
         _error(
-            f"stopped following; attach again with: flowcast attach {execution_id} --after {cursor}"
+            f"stopped following; attach again with: "
+            f"{_program()} attach {execution_id} --after {cursor}"
         )
         return INTERRUPTED
     finally:

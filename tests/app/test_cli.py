@@ -8,6 +8,7 @@ import json
 import os
 import pty
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -174,7 +175,12 @@ async def test_run_stops_at_a_pause_and_attach_finishes_after_resume(
     paused = await flowcast("run", f"cli-ask-{unique}", url=url)
     assert paused.code == 4, paused.err
     execution_id = paused.out.splitlines()[0].split()[1]
-    assert f"flowcast resume {execution_id}" in paused.err
+    # The hint names the command the way it was started (here the venv's script, unless
+    # it is what the shell finds as "flowcast").
+    found = shutil.which("flowcast")
+    started = "flowcast" if found and Path(found).resolve() == FLOWCAST.resolve() else FLOWCAST
+    assert f"{started} resume {execution_id} --block ask --input" in paused.err
+    assert f"{started} attach {execution_id} --after" in paused.err
     assert "Ship it?" in paused.err
     last = paused.event_ids[-1]
 
