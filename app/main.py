@@ -60,7 +60,7 @@ MAX_TAIL_CONNECTIONS = 64
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the Flowcast app; resources open when the app's lifespan starts."""
     settings = settings or Settings()
-    logs.configure(settings.log_level)
+    logs.configure(settings.log_level, settings.log_format)
     memory.pin_mmap_threshold()
     app = FastAPI(
         title="Flowcast",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -54,6 +55,7 @@ class Settings(BaseSettings):
     llm_api_key: str | None = None
     llm_providers: str | None = None
     log_level: str = "info"
+    log_format: Literal["auto", "json", "text"] = "auto"
 
     @field_validator(
         "redis_url",
