@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+from pydantic import ValidationError
 
 from app.client import (
     DEFAULT_URL,
@@ -53,7 +54,17 @@ def _is_loopback(host: str) -> bool:
 
 def serve(args: argparse.Namespace) -> int:
     """Run one Flowcast process (embedded engine unless FLOWCAST_REDIS_URL is set)."""
-    settings = Settings()
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        for problem in exc.errors():
+            message = str(problem["msg"])
+            if message.startswith("Value error, "):  # ours: it names the setting itself
+                _error(message.removeprefix("Value error, "))
+            else:
+                name = "_".join(str(part) for part in problem["loc"]).upper()
+                _error(f"FLOWCAST_{name}: {message}")
+        return USAGE
     host = args.host or settings.host
     port = args.port if args.port is not None else settings.port
     if not settings.api_keys and not _is_loopback(host):
