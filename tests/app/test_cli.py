@@ -451,7 +451,7 @@ async def test_run_on_a_terminal_prints_reconnect_notices_above_the_view(
     short_streams: FlowcastServer, unique: str
 ) -> None:
     async with httpx.AsyncClient(base_url=short_streams.url, timeout=20) as client:
-        await put(client, streaming_workflow(f"cli-tty-{unique}", words=25, tps=10))
+        await put(client, streaming_workflow(f"cli-tty-{unique}", words=30, tps=10))
     args = [
         str(FLOWCAST), "run", f"cli-tty-{unique}", "--input", '{"name": "x"}',
         "--url", short_streams.url,
@@ -461,13 +461,13 @@ async def test_run_on_a_terminal_prints_reconnect_notices_above_the_view(
     shown = "\n".join(screen)
     assert code == 0, shown
     notices = _lines_with(screen, "flowcast: stream ended")
-    assert len(notices) >= 2, f"the ~2.5 s run outlived 1 s streams:\n{shown}"
+    assert len(notices) >= 2, f"the ~3 s run outlived 1 s streams:\n{shown}"
     header = _lines_with(screen, f"cli-tty-{unique}  completed")
     assert len(header) == 1 and header[0] > notices[-1], f"notices go above the view:\n{shown}"
     for block in ("intro", "talk", "done"):
         assert len(_lines_with(screen, f"✓ {block} ")) == 1, shown
     talk = screen[_lines_with(screen, "✓ talk ")[0]]
-    assert talk.endswith(" w22 w23 w24"), "the tail of the streamed text"
+    assert talk.endswith(" w27 w28 w29"), "the tail of the streamed text"
 
 
 class _Stream(httpx.BaseTransport):
