@@ -2,7 +2,12 @@
 
 Exit codes: 0 completed (or the request was accepted), 1 failed, 2 usage or bad input
 (a 4xx answer; the server's message goes to stderr), 3 cancelled, 4 paused (``run`` and
-``attach`` stop at a pause unless ``--wait``), 5 the server could not be reached.
+``attach`` stop at a pause unless ``--wait``), 5 the server could not be reached or could
+not serve the request (a 5xx answer, or a stream that kept failing): worth a retry later,
+unlike a 2.
+
+``--url`` and ``--api-key`` go before or after the command (``flowcast --url U run wf``
+and ``flowcast run wf --url U``); after it wins.
 """
 
 from __future__ import annotations
@@ -11,11 +16,14 @@ import argparse
 import ipaddress
 import json
 import os
+import shlex
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 import uvicorn
+from pydantic import ValidationError
 
 from app.client import (
     DEFAULT_URL,
@@ -46,7 +54,17 @@ def _is_loopback(host: str) -> bool:
 
 def serve(args: argparse.Namespace) -> int:
     """Run one Flowcast process (embedded engine unless FLOWCAST_REDIS_URL is set)."""
-    settings = Settings()
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        for problem in exc.errors():
+            message = str(problem["msg"])
+            if message.startswith("Value error, "):  # ours: it names the setting itself
+                _error(message.removeprefix("Value error, "))
+            else:
+                name = "_".join(str(part) for part in problem["loc"]).upper()
+                _error(f"FLOWCAST_{name}: {message}")
+        return USAGE
     host = args.host or settings.host
     port = args.port if args.port is not None else settings.port
     if not settings.api_keys and not _is_loopback(host):
@@ -87,13 +105,26 @@ def _display(args: argparse.Namespace) -> Display | None:
     return LiveDisplay()
 
 
+def _program() -> str:
+    """How to run this command again, for the hints: ``flowcast`` when that is what the
+    shell finds, else the path it was started by (e.g. ``.venv/bin/flowcast``)."""
+    started = sys.argv[0]
+    if Path(started).name != "flowcast":
+        return "flowcast"  # python -m app.cli, tests, …
+    found = shutil.which("flowcast")
+    if found and Path(found).resolve() == Path(started).resolve():
+        return "flowcast"
+    return shlex.quote(started)
+
+
 def _show_pause(execution_id: str, pause: dict[str, Any], after: int) -> None:
     block = pause.get("blockId", "")
+    program = _program()
     _error(f"paused at block {block!r}: {pause.get('prompt', '')}")
     if pause.get("schema"):
         _error(f"the answer must match: {compact(pause['schema'])}")
-    _error(f"resume it with: flowcast resume {execution_id} --block {block} --input '<JSON>'")
-    _error(f"then follow it with: flowcast attach {execution_id} --after {after}")
+    _error(f"resume it with: {program} resume {execution_id} --block {block} --input '<JSON>'")
+    _error(f"then follow it with: {program} attach {execution_id} --after {after}")
 
 
 def _finish(status: str, data: dict[str, Any]) -> int:
@@ -144,13 +175,23 @@ def _follow(
                 )
             elif isinstance(item, Finished):
                 snapshot = client.execution(execution_id)
+                if display:
+                    display.close()
                 return _finish(snapshot["status"], snapshot)
     except KeyboardInterrupt:
+        if display:
+            display.close()
         # Leaving never cancels the execution; say how to come back.
         _error(
-            f"stopped following; attach again with: flowcast attach {execution_id} --after {cursor}"
+            f"stopped following; attach again with: "
+            f"{_program()} attach {execution_id} --after {cursor}"
         )
         return INTERRUPTED
+    finally:
+        # Whatever ends the loop (an error, Ctrl-C), the terminal gets its cursor back
+        # before anything else is printed.
+        if display:
+            display.close()
     raise AssertionError("the stream ended without a terminal event")
 
 
@@ -216,15 +257,18 @@ def list_executions(args: argparse.Namespace) -> int:
     return COMPLETED
 
 
-def _client_options(command: argparse.ArgumentParser) -> None:
+def _client_options(command: argparse.ArgumentParser, *, top: bool) -> None:
+    """``--url`` and ``--api-key``, on the top parser (with the defaults) and on each
+    client command (without: a value given after the command replaces the one before,
+    and a missing one leaves it alone)."""
     command.add_argument(
         "--url",
-        default=os.environ.get("FLOWCAST_URL") or DEFAULT_URL,
+        default=(os.environ.get("FLOWCAST_URL") or DEFAULT_URL) if top else argparse.SUPPRESS,
         help=f"the server (default FLOWCAST_URL or {DEFAULT_URL})",
     )
     command.add_argument(
         "--api-key",
-        default=os.environ.get("FLOWCAST_API_KEY") or None,
+        default=(os.environ.get("FLOWCAST_API_KEY") or None) if top else argparse.SUPPRESS,
         help="sent as a Bearer token (default FLOWCAST_API_KEY)",
     )
 
@@ -247,6 +291,7 @@ def _json_type(raw: str) -> Any:
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="flowcast", description=__doc__.split("\n")[0])
+    _client_options(top, top=True)
     commands = top.add_subparsers(dest="command", required=True)
     run_server = commands.add_parser("serve", help="run the server")
     run_server.add_argument("--host", help="listen address (default FLOWCAST_HOST or 127.0.0.1)")
@@ -284,7 +329,7 @@ def parser() -> argparse.ArgumentParser:
     recent.add_argument("--limit", type=int, default=20, help="at most this many (default 20)")
     recent.set_defaults(handler=list_executions)
     for command in (start, follow, answer, stop, recent):
-        _client_options(command)
+        _client_options(command, top=False)
     return top
 
 

@@ -12,16 +12,16 @@ reconnects as items of their own so the caller can show them.
 
 from __future__ import annotations
 
-import json
 import random
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import httpx
+from httpx_sse import connect_sse
 
 from lib.errors import FlowcastError
 
@@ -103,34 +103,6 @@ class Finished:
 StreamItem = Event | Gap | Reconnecting | Finished
 
 
-@dataclass
-class _Frame:
-    event: str | None = None
-    id: str | None = None
-    data: list[str] = field(default_factory=list)
-
-
-def sse_frames(lines: Iterator[str]) -> Iterator[_Frame]:
-    """Frames from SSE lines; a frame cut off by a dropped connection is never yielded."""
-    frame = _Frame()
-    for line in lines:
-        if line == "":
-            if frame.data or frame.event is not None:
-                yield frame
-            frame = _Frame()
-            continue
-        if line.startswith(":"):
-            continue  # heartbeat comment
-        name, _, value = line.partition(":")
-        value = value.removeprefix(" ")
-        if name == "event":
-            frame.event = value
-        elif name == "id":
-            frame.id = value
-        elif name == "data":
-            frame.data.append(value)
-
-
 def backoff(attempt: int, *, base: float = 0.2, cap: float = 5.0) -> float:
     """Full-jitter exponential backoff for the ``attempt``-th consecutive failure (from 0)."""
     return random.uniform(0, min(cap, base * 2**attempt))
@@ -148,6 +120,7 @@ class FlowcastClient:
         read_timeout: float = 60.0,
         give_up_seconds: float = 30.0,
         retries: int = 2,
+        transport: httpx.BaseTransport | None = None,
     ) -> None:
         headers = {"User-Agent": "flowcast-cli"}
         if api_key:
@@ -158,7 +131,9 @@ class FlowcastClient:
         # Heartbeats arrive every FLOWCAST_SSE_PING_SECONDS, so a silent stream past
         # read_timeout is a stalled connection and is worth a reconnect.
         self._stream_timeout = httpx.Timeout(timeout, read=read_timeout)
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        self._http = httpx.Client(
+            base_url=self.url, headers=headers, timeout=timeout, transport=transport
+        )
 
     def __enter__(self) -> FlowcastClient:
         return self
@@ -283,26 +258,35 @@ class FlowcastClient:
             time.sleep(delay)
 
     def _connect(self, execution_id: str, cursor: int) -> Iterator[StreamItem]:
-        headers = {"Accept": "text/event-stream", "Last-Event-ID": str(cursor)}
         path = f"/api/executions/{execution_id}/stream"
-        with self._http.stream(
-            "GET", path, headers=headers, timeout=self._stream_timeout
-        ) as response:
+        with connect_sse(
+            self._http,
+            "GET",
+            path,
+            headers={"Last-Event-ID": str(cursor)},
+            timeout=self._stream_timeout,
+        ) as source:
+            response = source.response
             if response.status_code == 204:
                 yield Finished(cursor)
                 return
             if response.status_code != 200:
                 response.read()
                 _raise_for_status(response)
-            for frame in sse_frames(response.iter_lines()):
-                payload = json.loads("\n".join(frame.data)) if frame.data else {}
+            # httpx-sse dispatches a frame only at its blank line, so a frame cut off by a
+            # dropped connection is never seen; heartbeat comments yield nothing.
+            for frame in source.iter_sse():
                 if frame.event == "replay:gap":
-                    yield Gap(int(payload["after"]), int(payload["resumeAt"]), payload["reason"])
-                elif frame.id is not None and frame.event is not None:
-                    event = Event(int(frame.id), frame.event, payload.get("data") or {}, payload)
-                    if event.id > cursor:  # never show an id twice, whatever a server sends
-                        cursor = event.id
-                        yield event
+                    gap = frame.json()
+                    yield Gap(int(gap["after"]), int(gap["resumeAt"]), gap["reason"])
+                    continue
+                if not frame.id or not frame.data:
+                    continue
+                envelope = frame.json()
+                event = Event(int(frame.id), frame.event, envelope.get("data") or {}, envelope)
+                if event.id > cursor:  # never show an id twice, whatever a server sends
+                    cursor = event.id
+                    yield event
 
 
 def _raise_for_status(response: httpx.Response) -> None:

@@ -39,13 +39,14 @@ from lib.metrics import Metrics
 from lib.workflows.blocks import BlockTypes
 from lib.workflows.blocks.base import BlockServices
 from lib.workflows.executor import Executor
+from lib.workflows.model import Workflow
 from lib.workflows.plugins import load_plugins
 from lib.workflows.pool import TemplatePool
 from lib.workflows.providers import Providers, parse_providers, unknown_providers
 from lib.workflows.runner import Runner
 from lib.workflows.secrets import SecretStore
 from lib.workflows.slots import Slots
-from lib.workflows.store import WorkflowStore, load_directory
+from lib.workflows.store import Validate, WorkflowStore, load_directory
 from lib.workflows.templates import Templates
 from lib.workflows.validation import validate_workflow
 
@@ -60,7 +61,7 @@ MAX_TAIL_CONNECTIONS = 64
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the Flowcast app; resources open when the app's lifespan starts."""
     settings = settings or Settings()
-    logs.configure(settings.log_level)
+    logs.configure(settings.log_level, settings.log_format)
     memory.pin_mmap_threshold()
     app = FastAPI(
         title="Flowcast",
@@ -84,6 +85,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 @asynccontextmanager
 async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
     async with AsyncExitStack() as stack:
+        if _data_dir_in_use(settings):
+            log.info(
+                "data directory (FLOWCAST_DATA_DIR)",
+                extra={"dir": str(settings.data_dir.resolve())},
+            )
         redis_url = settings.redis_url
         if redis_url is None:
             engine = EmbeddedValkey(data_dir=settings.data_dir / "valkey")
@@ -132,11 +138,7 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
         validate: Any = functools.partial(
             validate_workflow, block_types=block_types, templates=templates
         )
-        files, problems = load_directory(settings.workflows_dir, validate)
-        for problem in problems:
-            log.error(
-                "workflow file skipped", extra={"file": str(problem.path), "error": problem.message}
-            )
+        files = _workflow_files(settings, validate)
         for workflow in files.values():
             for missing in unknown_providers(workflow, llm_providers):
                 # Loaded all the same: executing it answers 422 with this message.
@@ -144,9 +146,6 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
                     "workflow needs an llm provider",
                     extra={"workflowId": workflow.id, "error": missing.message},
                 )
-        log.info(
-            "workflows loaded", extra={"count": len(files), "dir": str(settings.workflows_dir)}
-        )
 
         http = httpx.AsyncClient(
             follow_redirects=False,
@@ -263,6 +262,37 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
             )
         memory.settle_gc()
         yield
+
+
+def _workflow_files(settings: Settings, validate: Validate) -> dict[str, Workflow]:
+    """The workflows in FLOWCAST_WORKFLOWS_DIR, saying where they came from: both default
+    directories are relative to the working directory, so a server started elsewhere
+    would otherwise come up silently with none."""
+    directory = settings.workflows_dir.resolve()
+    if not directory.is_dir():
+        # An explicit setting was checked when the settings were built; this is the
+        # default, examples/, which a server started outside the checkout lacks.
+        log.warning(
+            "no workflows loaded: FLOWCAST_WORKFLOWS_DIR is not set and its default, "
+            "examples/ under the working directory, does not exist; set "
+            "FLOWCAST_WORKFLOWS_DIR to load workflow files",
+            extra={"count": 0, "dir": str(directory)},
+        )
+        return {}
+    files, problems = load_directory(directory, validate)
+    for problem in problems:
+        log.error(
+            "workflow file skipped", extra={"file": str(problem.path), "error": problem.message}
+        )
+    log.info(
+        "workflows loaded from FLOWCAST_WORKFLOWS_DIR",
+        extra={"count": len(files), "dir": str(directory)},
+    )
+    return files
+
+
+def _data_dir_in_use(settings: Settings) -> bool:
+    return not settings.redis_url or not settings.s3_bucket or not settings.secret_key
 
 
 def _value_store(settings: Settings) -> ValueStore:

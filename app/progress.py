@@ -5,27 +5,53 @@
     <id> <type> [fields…]        e.g. ``4 block:completed story 1203ms``
     gap after=<n> resumeAt=<m> reason=<why>
 
-``LiveDisplay`` (stdout is a terminal) redraws a compact block: one line per block with
-its status and duration, and the tail of the text a block is streaming; a block that
-runs again (a retry, a re-run after ``execution:recovered``) shows only its latest run's
-text. Notices (reconnects, gaps, recoveries) go to stderr in both, so stdout stays the
-execution's own record.
+``LiveDisplay`` (stdout is a terminal) is a ``rich`` live view redrawn in place: a header
+(execution, workflow, status, time) and one line per block with its status, duration and
+the tail of the text it streams; a block that runs again (a retry, a re-run after
+``execution:recovered``) shows only its latest run's text. Notices (reconnects, gaps,
+recoveries) go to stderr in both, so stdout stays the execution's own record.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
+import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol, TextIO
 
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.constrain import Constrain
+from rich.live import Live
+from rich.measure import Measurement
+from rich.padding import Padding
+from rich.table import Table
+from rich.text import Text
+
 from app.client import Event, Gap
 
-REDRAW_SECONDS = 0.05
+REFRESH_PER_SECOND = 8
+ECHO_ROOM = 3
 TEXT_TAIL = 400
-MARKS = {"running": "…", "completed": "✓", "failed": "✗", "skipped": "-", "paused": "‖"}
+MARKS = {
+    "running": "…",
+    "retrying": "↻",
+    "completed": "✓",
+    "failed": "✗",
+    "skipped": "-",
+    "paused": "‖",
+}
+STYLES = {
+    "running": "yellow",
+    "retrying": "yellow",
+    "completed": "green",
+    "failed": "red",
+    "skipped": "dim",
+    "paused": "magenta",
+    "cancelled": "red",
+}
 
 
 def compact(value: Any) -> str:
@@ -137,45 +163,103 @@ class _Block:
     status: str = "running"
     detail: str = ""
     began: float = 0.0
+    ended: float | None = None
+    duration_ms: float | None = None
     text: str = ""
+
+    def run(self, now: float, detail: str) -> None:
+        """A (new) run of the block: its own clock, and its text afresh."""
+        self.status, self.detail, self.began, self.ended = "running", detail, now, None
+        # A block that runs again (a retry, a re-run after a recovery) streams its text
+        # again from the start: show this run's text, not both runs' joined.
+        self.text = ""
+
+
+class _Tail:
+    """The end of a block's streamed text, cut at the front to the width it is given."""
+
+    def __init__(self, prefix: str, text: str, style: str = "") -> None:
+        self.prefix, self.text, self.style = prefix, text, style
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        return Measurement(1, max(1, len(self.prefix) + len(self.text)))
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        room = max(1, options.max_width - len(self.prefix))
+        text = self.text if len(self.text) <= room else "…" + self.text[-(room - 1) :]
+        yield Text.assemble((self.prefix, "dim"), (text, self.style), no_wrap=True, end="")
+
+
+def _same_terminal(out: TextIO, err: TextIO) -> bool:
+    try:
+        return (
+            out.isatty()
+            and err.isatty()
+            and os.path.samestat(os.fstat(out.fileno()), os.fstat(err.fileno()))
+        )
+    except (OSError, ValueError):  # io.UnsupportedOperation is both
+        return False
 
 
 class LiveDisplay:
-    """A status block redrawn in place on a terminal."""
+    """The execution as a live view on a terminal, one line per block (``rich.live``)."""
 
-    def __init__(self, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> None:
-        self.out, self.err = out, err
+    def __init__(self, out: TextIO | None = None, err: TextIO | None = None) -> None:
+        self.out = out or sys.stdout
+        self.err = err or sys.stderr
+        self.console = Console(file=self.out, highlight=False)
         self.header = ""
         self.status = "running"
         self.began = time.monotonic()
+        self.ended: float | None = None
         self.blocks: dict[str, _Block] = {}
-        self.streaming: str | None = None
-        self._drawn = 0
-        self._last_draw = 0.0
+        # Events arrive on this thread while rich redraws from its own: the view is
+        # built from the state under this lock.
+        self._lock = threading.Lock()
+        # When stderr is the same terminal, notices (and any stray stderr line) are
+        # printed through the live console, which redraws the view below them; written
+        # straight to stderr they would land inside the view. A redirected stderr
+        # (``2>file``) gets them as they are.
+        self._notices_on_console = _same_terminal(self.out, self.err)
+        self._live = Live(
+            console=self.console,
+            get_renderable=self.view,
+            refresh_per_second=REFRESH_PER_SECOND,
+            redirect_stdout=False,
+            redirect_stderr=self._notices_on_console,
+        )
 
     def started(self, execution_id: str, workflow_id: str) -> None:
-        self.header = f"{execution_id}  {workflow_id}"
-        self._draw(force=True)
+        with self._lock:
+            self.header = f"{execution_id}  {workflow_id}"
+        self._live.start(refresh=True)
 
     def event(self, event: Event) -> None:
+        with self._lock:
+            self._apply(event, time.monotonic())
+        if event.type == "execution:recovered":
+            self.notice(recovery_notice(event.data))
+        if event.type != "block:chunk":  # chunks wait for the next periodic redraw
+            self._live.refresh()
+
+    def _apply(self, event: Event, now: float) -> None:
         data = event.data
         block_id = str(data.get("blockId", ""))
         block = self.blocks.setdefault(block_id, _Block()) if block_id else None
-        now = time.monotonic()
         if block is not None and event.type == "block:started":
-            block.type, block.status, block.began = str(data.get("blockType")), "running", now
-            block.detail = f"attempt {data.get('attempt')}" if data.get("attempt", 1) > 1 else ""
-            # A block that runs again (a retry, a re-run after a recovery) streams its
-            # text again from the start: show this run's text, not both runs' joined.
-            block.text = ""
+            attempt = data.get("attempt", 1)
+            block.type = str(data.get("blockType"))
+            block.run(now, f"attempt {attempt}" if isinstance(attempt, int) and attempt > 1 else "")
         elif block is not None and event.type == "block:chunk":
             block.text = (block.text + str(data.get("text", "")))[-TEXT_TAIL:]
-            self.streaming = block_id
         elif block is not None and event.type == "block:completed":
-            block.status, block.detail = "completed", seconds(data.get("durationMs"))
+            block.status, block.ended = "completed", now
+            duration = data.get("durationMs")
+            block.duration_ms = float(duration) if isinstance(duration, int | float) else None
         elif block is not None and event.type == "block:failed":
             error = data.get("error") or {}
-            block.status = "running" if data.get("willRetry") else "failed"
+            block.status = "retrying" if data.get("willRetry") else "failed"
+            block.ended = now
             block.detail = f"{error.get('code')}: {error.get('message')}"
         elif block is not None and event.type == "block:skipped":
             block.status, block.detail = "skipped", str(data.get("reason", ""))
@@ -187,56 +271,70 @@ class LiveDisplay:
         elif event.type == "execution:recovered":
             # Not an ending: the execution goes on under a new owner.
             self.status = "running"
-            self.notice(recovery_notice(data))
             for rerun in data.get("rerun") or []:
-                again = self.blocks.setdefault(str(rerun), _Block())
-                again.status, again.detail, again.began = "running", "re-run", now
+                self.blocks.setdefault(str(rerun), _Block()).run(now, "re-run")
         elif event.terminal_status:
-            self.status = event.terminal_status
-        self._draw(force=event.type != "block:chunk")
+            self.status, self.ended = event.terminal_status, now
 
     def gap(self, gap: Gap) -> None:
         self.notice(gap_notice(gap))
 
     def notice(self, text: str) -> None:
-        self._clear()
-        print(f"flowcast: {text}", file=self.err, flush=True)
-        self._draw(force=True)
+        if self._notices_on_console and self._live.is_started:
+            self.console.print(Text(f"flowcast: {text}", style="yellow"))
+        else:
+            print(f"flowcast: {text}", file=self.err, flush=True)
 
     def close(self) -> None:
-        self._draw(force=True)
+        """Draw the view a last time and leave it on the screen (idempotent)."""
+        self._live.stop()
 
-    def _lines(self) -> list[str]:
-        now = time.monotonic()
-        lines = [f"{self.header}  {self.status}  {now - self.began:.1f}s"]
-        for name, block in self.blocks.items():
-            detail = block.detail
-            if block.status == "running" and not detail:
-                detail = f"{now - block.began:.1f}s"
-            mark = MARKS.get(block.status, "?")
-            lines.append(f"  {mark} {name:<16} {block.type:<10} {block.status:<10} {detail}")
-        streaming = self.blocks.get(self.streaming or "")
-        if streaming is not None and streaming.text:
-            lines.append("    " + " ".join(streaming.text.split()))
-        return lines
+    def view(self) -> RenderableType:
+        """What the terminal shows now: the header, then one row per block."""
+        with self._lock:
+            now = time.monotonic()
+            took = (self.ended or now) - self.began
+            header = Text.assemble(
+                (self.header, "bold"), "  ", (self.status, STYLES.get(self.status, "")),
+                f"  {took:.1f}s",
+            )  # fmt: skip
+            rows = Table.grid(padding=(0, 1))
+            for _ in range(5):
+                rows.add_column(no_wrap=True)
+            rows.add_column()  # the note: what the block says or streams, cut to fit
+            for name, block in self.blocks.items():
+                style = STYLES.get(block.status, "")
+                rows.add_row(
+                    Text(MARKS.get(block.status, "?"), style=style),
+                    Text(name, style="bold"),
+                    Text(block.type, style="dim"),
+                    Text(block.status, style=style),
+                    _took(block, now),
+                    _note(block),
+                )
+        # Rows are padded to the widest one, and the terminal echoes Ctrl-C as "^C" after
+        # the last: kept three columns short of the edge, that echo never wraps, so the
+        # last redraw starts where the view is instead of a line lower.
+        width = max(20, self.console.width - ECHO_ROOM)
+        return Constrain(Group(header, Padding(rows, (0, 0, 0, 2))), width=width)
 
-    def _clear(self) -> None:
-        if self._drawn:
-            # Up to the first line of the block, then erase to the end of the screen.
-            self.out.write(f"\x1b[{self._drawn}F\x1b[J")
-            self._drawn = 0
 
-    def _draw(self, *, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last_draw < REDRAW_SECONDS:
-            return
-        self._last_draw = now
-        width = max(20, shutil.get_terminal_size().columns - 1)
-        self._clear()
-        lines = self._lines()
-        for line in lines:
-            # Lines are cut to the width so none wraps and the count stays right.
-            text = line[-width:] if line.startswith("    ") else line[:width]
-            self.out.write(text + "\n")
-        self.out.flush()
-        self._drawn = len(lines)
+def _took(block: _Block, now: float) -> str:
+    """A finished block's duration (the server's, when it gave one), a running one's time."""
+    if block.status == "completed" and block.duration_ms is not None:
+        return seconds(block.duration_ms)
+    if block.status in ("running", "retrying"):
+        return f"{now - block.began:.1f}s"
+    if block.ended is not None:
+        return f"{block.ended - block.began:.2f}s"
+    return ""
+
+
+def _note(block: _Block) -> _Tail:
+    text = " ".join(block.text.split())
+    if block.status in ("failed", "retrying"):
+        return _Tail("", block.detail, "red" if block.status == "failed" else "yellow")
+    if block.status in ("skipped", "paused"):
+        return _Tail("", block.detail)
+    prefix = f"{block.detail} · " if block.detail and text else block.detail
+    return _Tail(prefix, text)

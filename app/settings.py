@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -54,6 +55,7 @@ class Settings(BaseSettings):
     llm_api_key: str | None = None
     llm_providers: str | None = None
     log_level: str = "info"
+    log_format: Literal["auto", "json", "text"] = "auto"
 
     @field_validator(
         "redis_url",
@@ -68,6 +70,19 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_is_unset(cls, value: str | None) -> str | None:
         return value or None
+
+    @model_validator(mode="after")
+    def _workflows_dir_exists(self) -> Settings:
+        # Only a directory someone named: a typo there must stop the server, not start
+        # it with no workflows. (A missing default, examples/ under another working
+        # directory, is a warning at start.)
+        named = self.workflows_dir
+        if "workflows_dir" in self.model_fields_set and not named.is_dir():
+            raise ValueError(
+                f"FLOWCAST_WORKFLOWS_DIR={named} names no directory (resolved against the "
+                f"working directory: {named.resolve()})"
+            )
+        return self
 
     @property
     def plugin_modules(self) -> list[str]:

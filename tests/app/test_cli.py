@@ -8,11 +8,14 @@ import json
 import os
 import pty
 import re
+import shutil
 import subprocess
 import sys
+import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -20,13 +23,20 @@ from typing import Any
 import httpx
 import pytest
 
-from app.client import Event, sse_frames
+from app.client import Event, FlowcastClient, Gap, Reconnecting
 from app.embedded import free_port
 from app.progress import LiveDisplay, PlainDisplay
 from tests.support.api import flaky_workflow, put, streaming_workflow
 from tests.support.servers import FlowcastServer, ValkeyServer
 
+try:
+    import pyte
+except ImportError:  # a dev dependency: an older venv lacks it until `make install`
+    pyte = None
+
 FLOWCAST = Path(sys.executable).with_name("flowcast")
+# The terminal tests play what the CLI draws into pyte, a terminal emulator.
+on_a_terminal = pytest.mark.skipif(pyte is None, reason="pyte is not installed (make install)")
 KEY = "cli-key-" + uuid.uuid4().hex[:8]
 EVENT_LINE = re.compile(r"^(\d+) (\S+)")
 APPROVAL = {
@@ -56,13 +66,13 @@ def cli_env(**extra: str) -> dict[str, str]:
     return {**base, **extra}
 
 
-async def flowcast(*args: str, url: str, timeout: float = 30, **env: str) -> Result:
-    """Run one CLI command to its end (stdout is a pipe: the plain display)."""
+async def flowcast(*args: str, url: str | None, timeout: float = 30, **env: str) -> Result:
+    """Run one CLI command to its end (stdout is a pipe: the plain display); ``--url``
+    goes last unless ``url`` is None."""
     process = await asyncio.create_subprocess_exec(
         str(FLOWCAST),
         *args,
-        "--url",
-        url,
+        *(["--url", url] if url is not None else []),
         env=cli_env(**env),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -171,7 +181,12 @@ async def test_run_stops_at_a_pause_and_attach_finishes_after_resume(
     paused = await flowcast("run", f"cli-ask-{unique}", url=url)
     assert paused.code == 4, paused.err
     execution_id = paused.out.splitlines()[0].split()[1]
-    assert f"flowcast resume {execution_id}" in paused.err
+    # The hint names the command the way it was started (here the venv's script, unless
+    # it is what the shell finds as "flowcast").
+    found = shutil.which("flowcast")
+    started = "flowcast" if found and Path(found).resolve() == FLOWCAST.resolve() else FLOWCAST
+    assert f"{started} resume {execution_id} --block ask --input" in paused.err
+    assert f"{started} attach {execution_id} --after" in paused.err
     assert "Ship it?" in paused.err
     last = paused.event_ids[-1]
 
@@ -239,14 +254,21 @@ async def test_run_with_wait_follows_through_a_pause(
     assert json.loads(out.decode().splitlines()[-1]) == {"ask": {"approved": False}}
 
 
-def _run_on_a_terminal(args: list[str], timeout: float) -> tuple[int, str]:
-    """Run the CLI with a pseudo-terminal as stdout; its exit code and what it drew."""
+def _run_on_a_terminal(
+    args: list[str], timeout: float, *, stderr_too: bool = False
+) -> tuple[int, list[str]]:
+    """Run the CLI with a pseudo-terminal as stdout (and stderr, if asked), its output
+    played into a terminal emulator: the exit code and the screen as a person sees it."""
     main, child = pty.openpty()
+    screen = pyte.Screen(100, 50)
+    stream = pyte.ByteStream(screen)
     with subprocess.Popen(
-        args, env=cli_env(COLUMNS="100"), stdout=child, stderr=subprocess.DEVNULL
+        args,
+        env=cli_env(COLUMNS="100", LINES="50", TERM="xterm-256color"),
+        stdout=child,
+        stderr=child if stderr_too else subprocess.DEVNULL,
     ) as process:
         os.close(child)
-        drawn = b""
         while True:
             try:
                 chunk = os.read(main, 65536)  # EIO once the child's side is closed
@@ -254,22 +276,33 @@ def _run_on_a_terminal(args: list[str], timeout: float) -> tuple[int, str]:
                 break
             if not chunk:
                 break
-            drawn += chunk
+            stream.feed(chunk)
         code = process.wait(timeout)
     os.close(main)
-    return code, drawn.decode()
+    return code, [line.rstrip() for line in screen.display]
 
 
-async def test_run_on_a_terminal_redraws_a_status_block(client: httpx.AsyncClient) -> None:
+def _lines_with(screen: list[str], text: str) -> list[int]:
+    return [i for i, line in enumerate(screen) if text in line]
+
+
+@on_a_terminal
+async def test_run_on_a_terminal_shows_one_line_per_block_redrawn_in_place(
+    client: httpx.AsyncClient,
+) -> None:
     args = [str(FLOWCAST), "run", "parallel-report", "--url", str(client.base_url)]
-    code, drawn = await asyncio.wait_for(asyncio.to_thread(_run_on_a_terminal, args, 30), 40)
-    assert code == 0, drawn
-    assert "\x1b[" in drawn, "the block is redrawn in place"
-    final = drawn.rsplit("\x1b[J", 1)[1]
-    for block in ("outline", "sales", "support", "usage", "report"):
-        assert re.search(rf"✓ {block} +\w+ +completed +\d+\.\d\ds", final), final
-    assert "Usage grew in every region this week." in final
-    assert '"title": "Report on flows"' in final, "the output is pretty-printed JSON"
+    code, screen = await asyncio.wait_for(asyncio.to_thread(_run_on_a_terminal, args, 30), 40)
+    shown = "\n".join(screen)
+    assert code == 0, shown
+    header = _lines_with(screen, "parallel-report  ")
+    assert len(header) == 1, f"the view is redrawn in place, not printed again:\n{shown}"
+    assert re.fullmatch(r"ex_\S+  parallel-report  completed  \d+\.\ds", screen[header[0]])
+    rows = screen[header[0] + 1 : header[0] + 6]
+    for row, block in zip(rows, ("outline", "sales", "support", "usage", "report"), strict=True):
+        assert re.match(rf"  ✓ {block} +\w+ +completed +\d+\.\d\ds", row), shown
+    assert rows[3].endswith(" Usage grew in every region this week."), "the streamed text"
+    assert screen[header[0] + 6] == "{", "the output follows, as pretty-printed JSON"
+    assert '"title": "Report on flows"' in shown
 
 
 async def test_list_shows_recent_executions_as_a_table(
@@ -413,10 +446,130 @@ async def test_run_reconnects_when_the_server_closes_the_stream(
     assert result.output == {"done": {"who": "x"}}
 
 
-def test_sse_frames_skip_comments_and_never_yield_a_frame_cut_off_by_a_drop() -> None:
-    lines = [": ping", "", "id: 1", "event: a", 'data: {"x":', "data: 1}", "", "id: 2", "event: b"]
-    frames = list(sse_frames(iter(lines)))
-    assert [(f.id, f.event, f.data) for f in frames] == [("1", "a", ['{"x":', "1}"])]
+@on_a_terminal
+async def test_run_on_a_terminal_prints_reconnect_notices_above_the_view(
+    short_streams: FlowcastServer, unique: str
+) -> None:
+    async with httpx.AsyncClient(base_url=short_streams.url, timeout=20) as client:
+        await put(client, streaming_workflow(f"cli-tty-{unique}", words=30, tps=10))
+    args = [
+        str(FLOWCAST), "run", f"cli-tty-{unique}", "--input", '{"name": "x"}',
+        "--url", short_streams.url,
+    ]  # fmt: skip
+    run = asyncio.to_thread(_run_on_a_terminal, args, 30, stderr_too=True)
+    code, screen = await asyncio.wait_for(run, 40)
+    shown = "\n".join(screen)
+    assert code == 0, shown
+    notices = _lines_with(screen, "flowcast: stream ended")
+    assert len(notices) >= 2, f"the ~3 s run outlived 1 s streams:\n{shown}"
+    header = _lines_with(screen, f"cli-tty-{unique}  completed")
+    assert len(header) == 1 and header[0] > notices[-1], f"notices go above the view:\n{shown}"
+    for block in ("intro", "talk", "done"):
+        assert len(_lines_with(screen, f"✓ {block} ")) == 1, shown
+    talk = screen[_lines_with(screen, "✓ talk ")[0]]
+    assert talk.endswith(" w27 w28 w29"), "the tail of the streamed text"
+
+
+class _Stream(httpx.BaseTransport):
+    """Answers each stream request with the next canned SSE body; records the cursors."""
+
+    def __init__(self, *bodies: bytes) -> None:
+        self.bodies = list(bodies)
+        self.cursors: list[str | None] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.cursors.append(request.headers.get("Last-Event-ID"))
+        if not self.bodies:
+            return httpx.Response(204)
+        return httpx.Response(
+            200, headers={"Content-Type": "text/event-stream"}, content=self.bodies.pop(0)
+        )
+
+
+def _frame(id: int, type: str) -> bytes:
+    envelope = {"id": id, "type": type, "executionId": "ex_t", "workflowId": "wf", "data": {}}
+    return f"id: {id}\nevent: {type}\ndata: {json.dumps(envelope)}\n\n".encode()
+
+
+def test_follow_resumes_after_a_frame_cut_off_and_reports_the_gap() -> None:
+    gap = {"after": 2, "resumeAt": 4, "reason": "evicted"}
+    transport = _Stream(
+        # A heartbeat, two events, then a frame the connection lost halfway.
+        b": ping\n\n" + _frame(1, "execution:started") + _frame(2, "block:started")
+        + b'id: 3\nevent: block:chunk\ndata: {"id": 3,',
+        # The next connection repeats event 2 (never shown twice), then a gap.
+        _frame(2, "block:started")
+        + f"event: replay:gap\ndata: {json.dumps(gap)}\n\n".encode()
+        + _frame(4, "execution:completed"),
+    )  # fmt: skip
+    with FlowcastClient("http://flowcast.test", transport=transport) as client:
+        items = list(client.follow("ex_t"))
+    assert transport.cursors == ["0", "2"], "reconnects with Last-Event-ID of the last event"
+    assert [type(item).__name__ for item in items] == [
+        "Event", "Event", "Reconnecting", "Gap", "Event"
+    ]  # fmt: skip
+    assert [item.id for item in items if isinstance(item, Event)] == [1, 2, 4]
+    assert isinstance(items[2], Reconnecting) and items[2].cursor == 2
+    assert items[3] == Gap(after=2, resume_at=4, reason="evicted")
+
+
+def test_follow_ends_at_a_204() -> None:
+    transport = _Stream()
+    with FlowcastClient("http://flowcast.test", transport=transport) as client:
+        items = list(client.follow("ex_t", after=9))
+    assert transport.cursors == ["9"]
+    assert [type(item).__name__ for item in items] == ["Finished"]
+
+
+class _Failing(BaseHTTPRequestHandler):
+    """A server that cannot serve: every request is a 503 with Flowcast's error body."""
+
+    def _answer(self) -> None:
+        body = b'{"error": {"code": "buffer_unavailable", "message": "the buffer is down"}}'
+        self.send_response(503)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return None
+
+
+@pytest.fixture
+def failing_server() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Failing)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+async def test_a_5xx_exits_5_with_the_servers_message(failing_server: str) -> None:
+    for command in (["list"], ["cancel", "ex_x"], ["attach", "ex_x"]):
+        result = await flowcast(*command, url=failing_server)
+        assert result.code == 5, (command, result.err)
+        assert "the buffer is down (503 buffer_unavailable)" in result.err
+
+
+async def test_url_and_api_key_go_before_or_after_the_command(keyed: FlowcastServer) -> None:
+    before = await flowcast("--url", keyed.url, "--api-key", KEY, "list", url=None)
+    assert before.code == 0, before.err
+    after = await flowcast("list", "--api-key", KEY, "--url", keyed.url, url=None)
+    assert after.code == 0, after.err
+    mixed = await flowcast("--api-key", KEY, "list", url=keyed.url)
+    assert mixed.code == 0, mixed.err
+    unreachable = f"http://127.0.0.1:{free_port()}"
+    wins = await flowcast("--url", unreachable, "list", "--api-key", KEY, url=keyed.url)
+    assert wins.code == 0, "the --url after the command wins"
+    from_env = await flowcast("--api-key", KEY, "list", url=None, FLOWCAST_URL=keyed.url)
+    assert from_env.code == 0, from_env.err
+    over_env = await flowcast("--api-key", KEY, "list", url=keyed.url, FLOWCAST_API_KEY="nope")
+    assert over_env.code == 0, "an option, before or after, wins over the environment"
 
 
 @pytest.fixture(scope="module")
@@ -437,7 +590,7 @@ async def plugged(
     await server.stop()
 
 
-async def test_a_retried_block_shows_only_its_latest_attempts_text_on_a_terminal(
+async def test_a_retried_block_prints_both_attempts_in_plain(
     plugged: FlowcastServer, unique: str
 ) -> None:
     async with httpx.AsyncClient(base_url=plugged.url, timeout=20) as client:
@@ -447,13 +600,22 @@ async def test_a_retried_block_shows_only_its_latest_attempts_text_on_a_terminal
     assert re.search(r"^\d+ block:failed talk attempt=1 retry=yes flaky: ", plain.out, re.M)
     assert re.search(r"^\d+ block:started talk type=python attempt=2$", plain.out, re.M)
 
+
+@on_a_terminal
+async def test_a_retried_block_shows_only_its_latest_attempts_text_on_a_terminal(
+    plugged: FlowcastServer, unique: str
+) -> None:
+    async with httpx.AsyncClient(base_url=plugged.url, timeout=20) as client:
+        await put(client, flaky_workflow(f"cli-flaky-{unique}"))
     args = [str(FLOWCAST), "run", f"cli-flaky-{unique}", "--url", plugged.url]
-    code, drawn = await asyncio.wait_for(asyncio.to_thread(_run_on_a_terminal, args, 30), 40)
-    assert code == 0, drawn
-    final = drawn.rsplit("\x1b[J", 1)[1]
-    assert re.search(r"✓ talk +python +completed", final), final
-    assert "    try2-w0 try2-w1 try2-w2" in final.splitlines(), final
-    assert "try1" not in final, "the failed attempt's text is not joined to the next one's"
+    code, screen = await asyncio.wait_for(asyncio.to_thread(_run_on_a_terminal, args, 30), 40)
+    shown = "\n".join(screen)
+    assert code == 0, shown
+    (talk,) = [line for line in screen if " talk " in line]
+    assert re.fullmatch(
+        r"  ✓ talk +python +completed +\d+\.\d\ds attempt 2 · try2-w0 try2-w1 try2-w2", talk
+    ), shown
+    assert "try1" not in shown, "the failed attempt's text is not joined to the next one's"
 
 
 def _event(id: int, type: str, **data: Any) -> Event:
@@ -504,11 +666,12 @@ def test_live_display_keeps_running_through_a_recovery_and_restarts_the_rerun_te
     for event in RECOVERED_RUN[6:]:
         display.event(event)
     display.close()
-    final = out.getvalue().rsplit("\x1b[J", 1)[1].splitlines()
-    assert final[0].startswith("ex_r  wf  running  ")
+    # Not a terminal: rich draws the view once, when it stops.
+    final = [line.rstrip() for line in out.getvalue().splitlines()]
+    assert re.fullmatch(r"ex_r  wf  running  \d+\.\ds", final[0])
     assert re.fullmatch(r"  ✓ kept +transform +completed +0\.00s", final[1])
-    assert re.fullmatch(r"  … talk +generate +running +attempt 2", final[2])
-    assert final[3:] == ["    fresh words"]
+    assert re.fullmatch(r"  … talk +generate +running +\d+\.\ds +attempt 2 · fresh words", final[2])
+    assert final[3:] == []
     assert err.getvalue() == (
         "flowcast: recovered (worker_lost), 1 block re-run, 1 kept from the checkpoint\n"
     )
@@ -519,3 +682,16 @@ def test_live_display_keeps_running_through_a_recovery_and_restarts_the_rerun_te
     assert err.getvalue().endswith(
         "flowcast: recovered (handoff), 0 blocks re-run, 0 kept from the checkpoint\n"
     )
+
+
+def test_live_display_cuts_the_text_at_its_front_to_fit_the_terminal() -> None:
+    out = io.StringIO()
+    display = LiveDisplay(out, io.StringIO())
+    display.console.width = 60
+    display.started("ex_w", "wf")
+    display.event(_event(1, "block:started", blockId="talk", blockType="generate", attempt=1))
+    display.event(_event(2, "block:chunk", blockId="talk", text=" ".join(map(str, range(50)))))
+    display.close()
+    talk = out.getvalue().splitlines()[1].rstrip()
+    assert len(talk) <= 60 - 3, "three columns stay free for the ^C echo"
+    assert re.fullmatch(r"  … talk generate running \d+\.\ds …[\d ]+ 47 48 49", talk), talk

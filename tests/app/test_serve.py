@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import pty
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -16,8 +24,10 @@ from redis.asyncio import Redis
 
 from app.embedded import free_port
 from tests.conftest import SESSION_PREFIX
-from tests.support.servers import ROOT, FlowcastServer, wait_ready
+from tests.support.servers import ROOT, FlowcastServer, ValkeyServer, wait_ready
 from tests.support.sse import collect
+
+FLOWCAST = Path(sys.executable).with_name("flowcast")
 
 
 def _port_open(port: int) -> bool:
@@ -60,7 +70,14 @@ async def test_flowcast_serve_with_no_configuration_runs_on_an_embedded_engine(
             assert types[-1] == ("execution:completed", None)
         engine_port = _engine_port(data_dir / "valkey")
         assert _port_open(engine_port)
-        assert "loopback only" in log_path.read_text()
+        log_text = log_path.read_text()
+        assert "loopback only" in log_text
+        # Not a terminal: JSON lines, and they say where workflows and data come from.
+        entries = [json.loads(line) for line in log_text.splitlines() if line.startswith("{")]
+        loaded = next(e for e in entries if e["message"].startswith("workflows loaded"))
+        assert loaded["dir"] == str(tmp_path / "examples") and loaded["count"] >= 3
+        data = next(e for e in entries if e["message"].startswith("data directory"))
+        assert data["dir"] == str(data_dir)
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
@@ -106,3 +123,144 @@ async def test_factory_with_redis_url_uses_that_server(
     stored = await redis.xrange(f"{SESSION_PREFIX}:{{{started['executionId']}}}:events")
     assert [int(entry_id.split(b"-")[0]) for entry_id, _ in stored] == [int(f.id) for f in frames]
     assert not (server.data_dir / "valkey").exists()
+
+
+class _Terminal:
+    """What a process wrote to the pseudo-terminal it has as stdout and stderr."""
+
+    def __init__(self) -> None:
+        self.main, self.child = pty.openpty()
+        self._written = bytearray()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self.main, 65536)  # EIO once every writer is gone
+            except OSError:
+                return
+            if not chunk:
+                return
+            self._written += chunk
+
+    @property
+    def text(self) -> str:
+        return bytes(self._written).decode().replace("\r\n", "\n")
+
+    def close(self) -> None:
+        self._reader.join(10)
+        os.close(self.main)
+
+
+@contextmanager
+def _serve_on_a_terminal(cwd: Path, env: dict[str, str]) -> Iterator[tuple[str, _Terminal]]:
+    """``flowcast serve`` with a terminal as stdout and stderr; its URL and that terminal."""
+    port = free_port()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("FLOWCAST_")}
+    terminal = _Terminal()
+    process = subprocess.Popen(
+        [str(FLOWCAST), "serve"],
+        cwd=cwd,
+        env={**base, "FLOWCAST_PORT": str(port), **env},
+        stdin=subprocess.DEVNULL,
+        stdout=terminal.child,
+        stderr=terminal.child,
+    )
+    os.close(terminal.child)
+    try:
+        yield f"http://127.0.0.1:{port}", terminal
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+        terminal.close()
+
+
+async def _ready(url: str, terminal: _Terminal, timeout: float = 30) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=2) as client:
+        for _ in range(int(timeout / 0.05)):
+            try:
+                if (await client.get("/readyz")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"not ready:\n{terminal.text}")
+
+
+TIME_LEVEL = r"\d\d:\d\d:\d\d\.\d{3} (?:INFO   |WARNING|ERROR  ) "
+
+
+async def test_serve_on_a_terminal_logs_readable_lines_and_warns_of_no_workflows(
+    tmp_path: Path, valkey: ValkeyServer
+) -> None:
+    env = {"FLOWCAST_REDIS_URL": valkey.url, "FLOWCAST_REDIS_PREFIX": uuid.uuid4().hex[:8]}
+    with _serve_on_a_terminal(tmp_path, env) as (url, terminal):
+        await _ready(url, terminal)
+        async with httpx.AsyncClient(base_url=url, timeout=20) as client:
+            assert (await client.get("/api/workflows")).json() == {"workflows": []}
+            await client.get("/api/executions/ex_none/stream", params={"token": "a.b"})
+    lines = terminal.text.splitlines()
+    shown = terminal.text
+    assert not [line for line in lines if line.startswith("{")], f"no JSON here:\n{shown}"
+    assert re.search(
+        rf"^{TIME_LEVEL}flowcast: data directory \(FLOWCAST_DATA_DIR\)  "
+        rf"dir={re.escape(str(tmp_path / '.flowcast'))}$",
+        shown,
+        re.MULTILINE,
+    ), shown
+    assert re.search(
+        rf"^{TIME_LEVEL}flowcast: no workflows loaded: FLOWCAST_WORKFLOWS_DIR is not set .*"
+        rf"  count=0 dir={re.escape(str(tmp_path / 'examples'))}$",
+        shown,
+        re.MULTILINE,
+    ), shown
+    assert re.search(rf"^{TIME_LEVEL}uvicorn: Application startup complete\.$", shown, re.M)
+    assert re.search(rf"^{TIME_LEVEL}uvicorn\.access: GET /api/workflows 200$", shown, re.M)
+    assert re.search(
+        rf"^{TIME_LEVEL}uvicorn\.access: GET /api/executions/ex_none/stream"
+        rf"\?token=\[redacted\] 404$",
+        shown,
+        re.M,
+    ), shown
+
+
+async def test_serve_on_a_terminal_logs_json_when_asked(
+    tmp_path: Path, valkey: ValkeyServer
+) -> None:
+    env = {
+        "FLOWCAST_REDIS_URL": valkey.url,
+        "FLOWCAST_REDIS_PREFIX": uuid.uuid4().hex[:8],
+        "FLOWCAST_LOG_FORMAT": "json",
+        "FLOWCAST_WORKFLOWS_DIR": str(ROOT / "examples"),
+    }
+    with _serve_on_a_terminal(tmp_path, env) as (url, terminal):
+        await _ready(url, terminal)
+    lines = [line for line in terminal.text.splitlines() if line.strip()]
+    logged = [line for line in lines if not line.startswith("flowcast: ")]  # serve's own
+    entries = [json.loads(line) for line in logged]
+    loaded = next(
+        e for e in entries if e["message"] == "workflows loaded from FLOWCAST_WORKFLOWS_DIR"
+    )
+    assert loaded["dir"] == str(ROOT / "examples") and loaded["count"] >= 3
+
+
+def test_a_workflows_dir_that_was_set_but_does_not_exist_stops_the_start(tmp_path: Path) -> None:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("FLOWCAST_")}
+    env = {**base, "FLOWCAST_WORKFLOWS_DIR": "exmaples", "FLOWCAST_PORT": str(free_port())}
+    served = subprocess.run(
+        [str(FLOWCAST), "serve"], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=30,
+    )  # fmt: skip
+    assert served.returncode == 2
+    assert served.stderr == (
+        f"flowcast: FLOWCAST_WORKFLOWS_DIR=exmaples names no directory (resolved against "
+        f"the working directory: {tmp_path / 'exmaples'})\n"
+    )
+    factory = subprocess.run(
+        [sys.executable, "-m", "uvicorn", "--factory", "app.main:create_app"],
+        cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=30,
+    )  # fmt: skip
+    assert factory.returncode != 0
+    assert "FLOWCAST_WORKFLOWS_DIR=exmaples names no directory" in factory.stderr
