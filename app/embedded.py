@@ -79,6 +79,9 @@ class EmbeddedValkey:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             preexec_fn=die_with_parent,
+            # Out of the terminal's process group: a Ctrl-C meant for the server must not
+            # stop its store first (the server still stops it on the way out).
+            start_new_session=True,
         )
         await self._wait_ready(timeout)
         log.info("embedded valkey started", extra={"port": self.port, "dir": str(self.data_dir)})

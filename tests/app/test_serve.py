@@ -46,8 +46,14 @@ async def test_flowcast_serve_with_no_configuration_runs_on_an_embedded_engine(
     flowcast = Path(sys.executable).with_name("flowcast")
     log_path = tmp_path / "serve.log"
     with log_path.open("wb") as log:
+        # Its own process group, as a shell gives a foreground job: Ctrl-C goes to it all.
         process = subprocess.Popen(
-            [str(flowcast), "serve"], cwd=tmp_path, env=env, stdout=log, stderr=log
+            [str(flowcast), "serve"],
+            cwd=tmp_path,
+            env=env,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
         )
     try:
         url = f"http://127.0.0.1:{port}"
@@ -78,11 +84,15 @@ async def test_flowcast_serve_with_no_configuration_runs_on_an_embedded_engine(
         assert loaded["dir"] == str(tmp_path / "examples") and loaded["count"] >= 3
         data = next(e for e in entries if e["message"].startswith("data directory"))
         assert data["dir"] == str(data_dir)
+        shutdown_from = len(log_path.read_text().splitlines())
     finally:
-        process.send_signal(signal.SIGTERM)
+        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C at a terminal
         process.wait(timeout=30)
     assert not _port_open(port)
     assert not _port_open(engine_port), "the embedded engine outlived the server"
+    # The engine was not interrupted before the server: a clean shutdown warns of nothing.
+    shutdown = [json.loads(line) for line in log_path.read_text().splitlines()[shutdown_from:]]
+    assert [e["message"] for e in shutdown if e["level"] in ("warning", "error", "critical")] == []
 
 
 def _engine_port(valkey_dir: Path) -> int:
