@@ -1,8 +1,16 @@
 # Flowcast: build a wheel in one stage, run it as a non-root user in a slim one.
 #   docker build -t flowcast .
-#   docker run -p 8000:8000 -e FLOWCAST_REDIS_URL=redis://… -e FLOWCAST_API_KEYS=… flowcast
-# The same image runs `flowcast serve` (embedded engine) when no Redis URL is given:
-#   docker run -p 8000:8000 -e FLOWCAST_API_KEYS=… flowcast flowcast serve
+#   docker run --rm -p 8000:8000 -e FLOWCAST_API_KEYS=change-me flowcast
+# API keys are required: a published port reaches the server through the container's
+# own network interface, never its loopback, and a server without FLOWCAST_API_KEYS
+# answers loopback only (403 loopback_only; `flowcast serve` refuses to start at all).
+# Without FLOWCAST_REDIS_URL the server runs its embedded Valkey, with that data, the
+# large values and the generated secret key under /srv/flowcast/data; mount a volume
+# there to keep them (-v flowcast-data:/srv/flowcast/data). The default command is the
+# app factory under uvicorn; `flowcast serve` runs the same server (same settings):
+#   docker run --rm -p 8000:8000 -e FLOWCAST_API_KEYS=change-me flowcast flowcast serve
+# On Redis and S3, with replicas, see docker-compose.yml: every replica needs the same
+# FLOWCAST_API_KEYS and FLOWCAST_SECRET_KEY.
 
 FROM python:3.11-slim AS build
 WORKDIR /src

@@ -56,6 +56,9 @@ class Settings(BaseSettings):
     llm_providers: str | None = None
     log_level: str = "info"
     log_format: Literal["auto", "json", "text"] = "auto"
+    # With API keys set, /metrics needs one too unless this opens it (a scraper on a
+    # private network that cannot send a Bearer token).
+    metrics_public: bool = False
 
     @field_validator(
         "redis_url",

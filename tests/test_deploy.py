@@ -107,3 +107,12 @@ def test_the_bucket_is_created_with_a_lifecycle_rule_once_minio_is_healthy() -> 
     assert bucket["depends_on"]["minio"]["condition"] == "service_healthy"
     script = " ".join(bucket["entrypoint"])
     assert "mc mb" in script and "flowcast-values" in script and "ilm rule add" in script
+
+
+def test_the_lifecycle_rule_covers_the_prefix_the_replicas_write_values_under() -> None:
+    services = compose()["services"]
+    prefix = services["flowcast-1"]["environment"]["FLOWCAST_S3_PREFIX"]
+    script = " ".join(services["minio-bucket"]["entrypoint"])
+    assert f"--prefix {prefix} " in script
+    # The README's rule for other S3 stores names the same prefix.
+    assert f'"Filter": {{"Prefix": "{prefix}"}}' in (ROOT / "README.md").read_text()

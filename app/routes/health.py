@@ -1,14 +1,22 @@
-"""Liveness, readiness and metrics."""
+"""Liveness, readiness and metrics.
+
+``/healthz`` and ``/readyz`` answer anyone: load balancers and container healthchecks
+probe them without credentials, and they tell nothing but up or down. ``/metrics``
+counts every tenant's work, so once API keys are set it needs one (any tenant's: the
+figures carry no tenant, workflow or execution label), unless
+``FLOWCAST_METRICS_PUBLIC`` opens it for a scraper that cannot send a Bearer token.
+"""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from app.auth import authenticate
 from app.responses import JSON
-from app.schemas import Health, Readiness
+from app.schemas import Health, Readiness, errors
 from app.services import Services, services
 
 router = APIRouter(tags=["health"])
@@ -41,8 +49,13 @@ async def readyz(svc: Annotated[Services, Depends(services)]) -> JSON:
 @router.get(
     "/metrics",
     response_model=None,
-    responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus metrics"}},
+    responses={
+        200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus metrics"},
+        **errors(401),
+    },
 )
-async def metrics(svc: Annotated[Services, Depends(services)]) -> Response:
-    """Prometheus metrics of this process."""
+async def metrics(request: Request, svc: Annotated[Services, Depends(services)]) -> Response:
+    """Prometheus metrics of this process (an API key when keys are set, unless public)."""
+    if not svc.settings.metrics_public:
+        authenticate(request, svc.keys)
     return Response(svc.metrics.render(), media_type=CONTENT_TYPE_LATEST)

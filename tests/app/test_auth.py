@@ -75,6 +75,54 @@ async def test_every_api_route_needs_a_valid_key(anonymous: httpx.AsyncClient) -
     assert (await anonymous.get("/healthz")).status_code == 200
 
 
+async def test_metrics_need_a_key_once_keys_are_set(
+    alice: httpx.AsyncClient, anonymous: httpx.AsyncClient
+) -> None:
+    for headers in ({}, as_("wrong-key")):
+        response = await anonymous.get("/metrics", headers=headers)
+        assert response.status_code == 401, headers
+        assert response.json()["error"]["code"] == "unauthorized"
+        assert response.headers["www-authenticate"] == "Bearer"
+    # A stream token is for one execution's stream, not for the process's figures.
+    assert (await anonymous.get("/metrics?token=1.abc")).status_code == 401
+    response = await alice.get("/metrics")
+    assert response.status_code == 200
+    assert "flowcast_executions_total" in response.text
+
+
+async def test_health_the_api_description_and_the_page_answer_without_a_key(
+    anonymous: httpx.AsyncClient,
+) -> None:
+    # Probes and docs carry no tenant's data: a load balancer, a container healthcheck
+    # and a person reading the API reference have no key.
+    for url in ("/healthz", "/readyz", "/openapi.json", "/docs", "/"):
+        assert (await anonymous.get(url)).status_code == 200, url
+    assert "/metrics" in (await anonymous.get("/openapi.json")).json()["paths"]
+
+
+async def test_metrics_public_opens_metrics_and_nothing_else(
+    tmp_path: Path, valkey: ValkeyServer
+) -> None:
+    server = FlowcastServer(
+        data_dir=tmp_path,
+        env={
+            "FLOWCAST_REDIS_URL": valkey.url,
+            "FLOWCAST_REDIS_PREFIX": f"metrics{uuid.uuid4().hex[:6]}",
+            "FLOWCAST_API_KEYS": ALICE,
+            "FLOWCAST_METRICS_PUBLIC": "true",
+        },
+    )
+    await server.start()
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=20) as scraper:
+            response = await scraper.get("/metrics")
+            assert response.status_code == 200
+            assert "flowcast_sse_clients" in response.text
+            assert (await scraper.get("/api/executions")).status_code == 401
+    finally:
+        await server.stop()
+
+
 async def test_each_key_is_a_tenant_that_sees_only_its_own_things(
     keyed: FlowcastServer, alice: httpx.AsyncClient, unique: str
 ) -> None:
