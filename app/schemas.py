@@ -110,6 +110,13 @@ class ExecutionList(BaseModel):
     executions: list[Snapshot]
 
 
+class LiveToken(_Camel):
+    """Open the live list at ``streamUrl`` with ``?token=streamToken`` (EventSource)."""
+
+    stream_url: str
+    stream_token: str
+
+
 class Event(_Camel):
     """One stored event envelope."""
 
