@@ -94,6 +94,7 @@ function setKey(key) {
   else sessionStorage.removeItem(KEY_STORAGE);
   renderKey();
   loadWorkflows();
+  document.dispatchEvent(new CustomEvent("flowcast:key"));
 }
 
 // ------------------------------------------------------------------ workflows
@@ -747,6 +748,15 @@ async function cancel() {
   if (response && response.status !== 202) notice(await errorText(response), "error");
   // The stream brings execution:cancelled, which settles the status.
 }
+
+// ------------------------------------------------------------------ for the other modules
+
+// list.js: the key in use (it fires "flowcast:key" on the document when it changes), and
+// the hash that attaches to an execution (a link to it survives a reload).
+window.flowcast = Object.assign(window.flowcast || {}, {
+  apiKey: () => page.key,
+  hashOf,
+});
 
 // ------------------------------------------------------------------ wiring
 
