@@ -31,7 +31,7 @@ LIST_TOKEN = query(
 
 
 @router.post("/live/token", responses={200: {"model": LiveToken}, **errors(*API_ERRORS)})
-async def live_token(svc: ServicesDep, tenant_id: Annotated[str, Depends(tenant)]) -> JSON:
+async def live_list_token(svc: ServicesDep, tenant_id: Annotated[str, Depends(tenant)]) -> JSON:
     """A token that opens the caller's live list (``?token=``), for clients that cannot
     send an Authorization header; it expires after ``FLOWCAST_STREAM_TOKEN_SECONDS``."""
     token = svc.tokens.issue_list(tenant_id)
@@ -49,7 +49,7 @@ async def live_token(svc: ServicesDep, tenant_id: Annotated[str, Depends(tenant)
     },
     openapi_extra={"parameters": [*LIST_PARAMETERS, LIST_TOKEN]},
 )
-async def live(
+async def live_list(
     request: Request, svc: ServicesDep, tenant_id: Annotated[str, Depends(lister)]
 ) -> EventStream:
     """The caller's recent executions (the filters of ``GET /api/executions``), then one
@@ -62,9 +62,10 @@ async def live(
       ``createdAt``, at most ``limit``.
     - ``execution:unlisted``: ``{"id", "status"}``: it left the status filter; drop it.
 
-    A row is ``{"id", "workflowId", "status", "createdAt", "updatedAt"}``, plus a
-    ``streamToken`` for that execution's stream when the server has API keys. The
-    stream counts among the tenant's ``FLOWCAST_MAX_STREAMS_PER_TENANT``.
+    A row is ``{"id", "workflowId", "status", "createdAt", "updatedAt", "lastEventId"}``
+    (no frame takes a row shown back to an older state), plus a ``streamToken`` for
+    that execution's stream when the server has API keys. The stream counts among the
+    tenant's ``FLOWCAST_MAX_STREAMS_PER_TENANT``.
     """
     wanted = list_filter(request.query_params)
     svc.streams.take(tenant_id)

@@ -35,8 +35,9 @@ ARGV[14+2n+2m .. ]       checkpoint fields and values of the batch's events (a b
 
 Publishes the execution id on "<prefix>:notify" (the readers' wake-up) and, when the
 batch sets the status (paused, resumed, recovered, a terminal event; never a batch of
-chunks), the execution's list row on "<prefix>:status" as JSON
-{"id", "tenant", "workflowId", "status", "createdAt", "updatedAt"} (the live lists).
+chunks), the execution's list row on "<prefix>:status" as JSON {"id", "tenant",
+"workflowId", "status", "createdAt", "updatedAt", "lastEventId"} (the live lists; the
+last id orders the changes of one execution).
 
 Returns {lastId, firstId, retainedBytes, retainedCount, reserved, cancelRequested}, or
 an error reply:
@@ -188,7 +189,7 @@ if status then
   if row[1] then
     redis.call("PUBLISH", prefix .. ":status", cjson.encode({id = eid, tenant = row[1],
       workflowId = row[2] or "", status = status, createdAt = row[3] or "",
-      updatedAt = row[4] or ""}))
+      updatedAt = row[4] or "", lastEventId = last}))
   end
 end
 return {last, first_kept, bytes, count, reserved, cancel_requested}

@@ -4,7 +4,7 @@ An execution's status changes in two scripts: start.lua (it starts ``running``) 
 append.lua (a batch that carries ``execution:paused``, ``resumed``, ``recovered`` or a
 terminal event; batches of chunks never do). Each then publishes the execution's list
 row on ``<prefix>:status``: ``{"id", "tenant", "workflowId", "status", "createdAt",
-"updatedAt"}``. One channel for every tenant: a handful of messages per execution,
+"updatedAt", "lastEventId"}``. One channel for every tenant: a handful of messages per execution,
 against the ``notify`` message every stored batch already sends to every process; and
 the hub's pub/sub connection subscribes to it once, beside ``notify``, instead of
 subscribing and unsubscribing tenants on a connection another task is reading.
@@ -14,6 +14,9 @@ the lists of that tenant open here (no Redis connection per list). A
 :class:`ListReader` registers its queue first, then reads the list from the tenant's
 index, so no change falls between the two; whenever the pub/sub connection was lost and
 is back, every list is read again (a message sent meanwhile is lost, a status is not).
+A change that arrives while the list is read may be older than what the read found: the
+row's ``lastEventId`` (the execution's last stored id, which grows with every status
+change) tells, and a change no newer than the row shown is not sent.
 
 Frames (no ``id:`` line: a reconnecting client gets a fresh list, no replay):
 
@@ -23,10 +26,10 @@ Frames (no ``id:`` line: a reconnecting client gets a fresh list, no replay):
 - ``execution:unlisted``: ``{"id", "status"}``: the row no longer matches the status
   filter; drop it.
 
-A reader keeps the ids of the rows its client shows (at most ``limit``), applying the
-same rules, so it only sends what changes that view: a change to an execution older
-than every row of a full list is not sent, and ``execution:unlisted`` only for a row
-shown.
+A reader keeps the rows its client shows (at most ``limit``), applying the same rules,
+so it only sends what changes that view: a change to an execution older than every row
+of a full list is not sent, nor one no newer than the row shown, and
+``execution:unlisted`` only for a row shown.
 """
 
 from __future__ import annotations
@@ -68,18 +71,22 @@ class Row:
     status: str
     created_at: str
     updated_at: str
+    last_id: int  # orders the changes of one execution
 
     @classmethod
     def of(cls, meta: ExecutionMeta) -> Row:
-        return cls(meta.id, meta.workflow_id, meta.status, meta.created_at, meta.updated_at)
+        return cls(
+            meta.id, meta.workflow_id, meta.status, meta.created_at, meta.updated_at, meta.last_id
+        )
 
-    def view(self) -> dict[str, str]:
+    def view(self) -> dict[str, Any]:
         return {
             "id": self.id,
             "workflowId": self.workflow_id,
             "status": self.status,
             "createdAt": self.created_at,
             "updatedAt": self.updated_at,
+            "lastEventId": self.last_id,
         }
 
 
@@ -93,9 +100,10 @@ def parse_change(data: bytes | str) -> tuple[str, Row] | None:
             str(fields["status"]),
             str(fields["createdAt"]),
             str(fields["updatedAt"]),
+            int(fields["lastEventId"]),
         )
         return str(fields["tenant"]), row
-    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         log.warning("a status message could not be read", extra={"error": str(exc)})
         return None
 
@@ -239,9 +247,9 @@ class ListReader:
         self._backoff = Backoff(base=retry_base_seconds, cap=retry_max_seconds)
         self._watch: Watch | None = None
         self._first: list[Row] | None = None
-        # The client's view: (createdAt, id) in ascending order, and the ids in it.
+        # The client's view: (createdAt, id) in ascending order, and its rows by id.
         self._order: list[tuple[str, str]] = []
-        self._shown: dict[str, str] = {}
+        self._shown: dict[str, Row] = {}
         self.finished = False  # a list never finishes; it is closed
         self.closed = False
         self._deadline = None if max_seconds is None else time.monotonic() + max_seconds
@@ -324,7 +332,7 @@ class ListReader:
 
     def _list_frame(self, rows: list[Row]) -> bytes:
         self._order = sorted((row.created_at, row.id) for row in rows)
-        self._shown = {row.id: row.created_at for row in rows}
+        self._shown = {row.id: row for row in rows}
         body = orjson.dumps({"executions": [self._row(row) for row in rows]})
         return sse_frame(None, LIST_EVENT, body)
 
@@ -333,6 +341,9 @@ class ListReader:
         for row in rows:
             if self._wanted.workflow_id not in (None, row.workflow_id):
                 continue
+            shown = self._shown.get(row.id)
+            if shown is not None and row.last_id <= shown.last_id:
+                continue  # what the client shows is as new or newer
             if self._wanted.status in (None, row.status):
                 if self._show(row):
                     parts.append(sse_frame(None, ROW_EVENT, orjson.dumps(self._row(row))))
@@ -344,6 +355,7 @@ class ListReader:
     def _show(self, row: Row) -> bool:
         """Put ``row`` in the view as the client will; False if it falls outside it."""
         if row.id in self._shown:
+            self._shown[row.id] = row
             return True
         key = (row.created_at, row.id)
         if len(self._order) >= self._wanted.limit:
@@ -352,12 +364,12 @@ class ListReader:
             _created, oldest = self._order.pop(0)
             del self._shown[oldest]
         bisect.insort(self._order, key)
-        self._shown[row.id] = row.created_at
+        self._shown[row.id] = row
         return True
 
     def _hide(self, execution_id: str) -> bool:
-        created = self._shown.pop(execution_id, None)
-        if created is None:
+        shown = self._shown.pop(execution_id, None)
+        if shown is None:
             return False
-        self._order.remove((created, execution_id))
+        self._order.remove((shown.created_at, execution_id))
         return True

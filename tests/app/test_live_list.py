@@ -16,6 +16,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
+from app.tokens import StreamTokens
 from tests.support.api import put, wait_finished
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import Frame, collect, events, frames
@@ -119,7 +120,14 @@ async def test_the_list_comes_first_then_each_status_change_as_it_happens(
     async with live(client, f"workflowId={workflow_id}") as stream:
         (row,) = await stream.rows()
         assert row["id"] == earlier and row["workflowId"] == workflow_id
-        assert set(row) == {"id", "workflowId", "status", "createdAt", "updatedAt"}
+        assert set(row) == {
+            "id",
+            "workflowId",
+            "status",
+            "createdAt",
+            "updatedAt",
+            "lastEventId",
+        }
         if row["status"] == "running":
             assert await stream.until(earlier, "paused") == ["paused"]
 
@@ -134,8 +142,8 @@ async def test_the_list_comes_first_then_each_status_change_as_it_happens(
         seen = await stream.until(execution_id, "completed")
         assert seen in (["running", "completed"], ["completed"]), seen
         snapshot = await wait_finished(client, execution_id)
-        assert stream.row["updatedAt"] == snapshot["updatedAt"]
-        assert stream.row["createdAt"] == snapshot["createdAt"]
+        for name in ("createdAt", "updatedAt", "lastEventId"):
+            assert stream.row[name] == snapshot[name], name
 
     # A new stream's list has both, newest first, as GET /api/executions has them.
     async with live(client, f"workflowId={workflow_id}") as stream:
@@ -220,6 +228,22 @@ async def test_live_and_its_token_are_routes_of_their_own(client: httpx.AsyncCli
     token = await client.post(f"{LIVE}/token")
     assert token.status_code == 200
     assert token.json()["streamUrl"] == LIVE
+
+
+def test_list_tokens_name_their_tenant_expire_and_never_pass_for_stream_tokens() -> None:
+    tokens = StreamTokens(secret=b"s" * 32, lifetime_seconds=60)
+    token = tokens.issue_list("t_abc", now=1_000)
+    assert token.startswith("t_abc.1060.")
+    assert tokens.list_tenant(token, now=1_059) == "t_abc"
+    assert tokens.list_tenant(token, now=1_061) is None
+    assert tokens.list_tenant("t_other" + token.removeprefix("t_abc"), now=1_000) is None
+    other = StreamTokens(secret=b"x" * 32, lifetime_seconds=60)
+    assert other.list_tenant(token, now=1_000) is None
+    # A list token opens no execution, an execution's token no list.
+    assert not tokens.check(token, "list:t_abc", now=1_000)
+    assert tokens.list_tenant(tokens.issue("ex_1", now=1_000), now=1_000) is None
+    for odd in ("", "t_abc..x", "t_abc.²0.x", "ü.1.x", token + "="):
+        assert tokens.list_tenant(odd, now=1_000) is None
 
 
 # ---------------------------------------------------------------- two processes

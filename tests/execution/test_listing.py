@@ -80,6 +80,7 @@ async def test_start_and_status_changes_publish_the_row_and_chunks_publish_nothi
         "status": "running",
         "createdAt": "2026-01-01T00:00:01.000Z",
         "updatedAt": "2026-01-01T00:00:01.000Z",
+        "lastEventId": 0,
     }
     for event_id in (1, 2, 3):
         await buffer.append(execution_id, [event(execution_id, event_id)], fence="owner-1")
@@ -92,6 +93,7 @@ async def test_start_and_status_changes_publish_the_row_and_chunks_publish_nothi
     assert finished is not None
     assert finished["status"] == "completed"
     assert finished["updatedAt"] == "2026-01-01T00:00:09.000Z"
+    assert finished["lastEventId"] == 4
     assert await next_message(statuses) is None
 
 
@@ -119,7 +121,9 @@ async def open_client(buffer: EventBuffer, feed: StatusFeed, wanted: ListFilter)
     return Client(reader)
 
 
-def change(execution_id: str, status: str, created_ms: int, workflow_id: str = "wf") -> bytes:
+def change(
+    execution_id: str, status: str, created_ms: int, workflow_id: str = "wf", last_id: int = 9
+) -> bytes:
     return orjson.dumps(
         {
             "id": execution_id,
@@ -128,6 +132,7 @@ def change(execution_id: str, status: str, created_ms: int, workflow_id: str = "
             "status": status,
             "createdAt": f"2026-01-01T00:00:{created_ms:02d}.000Z",
             "updatedAt": "2026-01-01T00:01:00.000Z",
+            "lastEventId": last_id,
         }
     )
 
@@ -156,7 +161,10 @@ async def test_a_reader_sends_the_list_then_only_what_changes_its_clients_view(
         assert frame.json["status"] == "running"
 
         feed.publish(change(older, "completed", 1))  # not shown any more: nothing
-        feed.publish(change(newer, "paused", 2))  # shown: it leaves the filter
+        # Shown with its last id 0: a change no newer (it arrived while the list was
+        # read) is not sent; a newer one leaves the filter.
+        feed.publish(change(newer, "completed", 2, last_id=0))
+        feed.publish(change(newer, "paused", 2))
         frame = await client.next()
         assert frame.event == "execution:unlisted"
         assert frame.json == {"id": newer, "status": "paused"}
