@@ -4,7 +4,8 @@ With ``FLOWCAST_API_KEYS`` set, every ``/api`` route needs ``Authorization: Bear
 <key>``. Each key is a tenant, named by a hash of the key (so no key ever appears in a
 Redis key name or a log line); a tenant sees only its own workflows and executions.
 The SSE and values routes also accept ``?token=`` with a ``streamToken``, which grants
-access to the one execution it was issued for; ``?token=`` anywhere else is 401.
+access to the one execution it was issued for; the live list of executions accepts a
+list token, which grants its tenant's list; ``?token=`` anywhere else is 401.
 Without keys everything is one open tenant, ``default``, answered on loopback only and
 never through a proxy (:class:`LoopbackOnly`).
 """
@@ -53,6 +54,11 @@ class ApiKeys:
                 found = key
         return tenant_of_key(found.decode()) if found is not None else None
 
+    def has_tenant(self, tenant: str) -> bool:
+        """Whether a configured key stands for ``tenant`` (a key taken out of the
+        configuration takes its tenant's list tokens with it)."""
+        return any(tenant_of_key(key.decode()) == tenant for key in self._keys)
+
 
 @dataclass(frozen=True)
 class Caller:
@@ -88,7 +94,7 @@ def authenticate(request: Request, keys: ApiKeys) -> str:
         raise ApiError(
             401,
             "unauthorized",
-            "a stream token is accepted only on stream and value routes",
+            "a stream token is accepted only on stream, value and live list routes",
             CHALLENGE,
         )
     return _bearer(request, keys)
@@ -108,6 +114,24 @@ def authenticate_reader(
             401, "unauthorized", "the stream token is not valid for this execution", CHALLENGE
         )
     return Caller(None, execution_id)
+
+
+def authenticate_list(request: Request, keys: ApiKeys, tokens: StreamTokens) -> str:
+    """The caller's tenant on the live list: an API key or a list token."""
+    if not keys.enabled:
+        return DEFAULT_TENANT
+    token = request.query_params.get("token")
+    if token is None:
+        return _bearer(request, keys)
+    tenant = tokens.list_tenant(token)
+    if tenant is None or not keys.has_tenant(tenant):
+        raise ApiError(
+            401,
+            "unauthorized",
+            "the list token is not valid (POST /api/executions/live/token issues one)",
+            CHALLENGE,
+        )
+    return tenant
 
 
 # Headers a proxy adds when it relays a request for someone else (RFC 7239's Forwarded,

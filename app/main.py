@@ -24,7 +24,7 @@ from app.connections import connect
 from app.embedded import EmbeddedValkey
 from app.idempotency import Idempotency
 from app.limits import BodyLimit, StreamSlots
-from app.routes import executions, health, page, secrets, streams, values, workflows
+from app.routes import executions, health, live, page, secrets, streams, values, workflows
 from app.services import Services
 from app.settings import Settings
 from app.sse import OpenStreams
@@ -77,7 +77,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     if not settings.api_keys:
         app.add_middleware(LoopbackOnly)
-    for module in (health, workflows, executions, streams, values, secrets, page):
+    # live before executions: /api/executions/{eid} would take "live" for an id.
+    for module in (health, workflows, live, executions, streams, values, secrets, page):
         app.include_router(module.router)
     return app
 

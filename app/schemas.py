@@ -19,7 +19,9 @@ Status = Literal["running", "paused", "completed", "failed", "cancelled"]
 
 _DESCRIPTIONS = {
     400: "A parameter or the body could not be read",
-    401: "An API key (or, on stream and value routes, a stream token) is missing or not valid",
+    401: (
+        "An API key (or, on stream, value and live list routes, a token) is missing or not valid"
+    ),
     404: "No such workflow, execution or value (for this caller)",
     409: "The target is not in a state that allows this",
     413: "The request body is larger than FLOWCAST_MAX_BODY_BYTES",
@@ -108,6 +110,13 @@ class Snapshot(_Camel):
 
 class ExecutionList(BaseModel):
     executions: list[Snapshot]
+
+
+class LiveToken(_Camel):
+    """Open the live list at ``streamUrl`` with ``?token=streamToken`` (EventSource)."""
+
+    stream_url: str
+    stream_token: str
 
 
 class Event(_Camel):

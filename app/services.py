@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from app.auth import ApiKeys, Caller, authenticate, authenticate_reader
+from app.auth import ApiKeys, Caller, authenticate, authenticate_list, authenticate_reader
 from app.idempotency import Idempotency
 from app.limits import StreamSlots
 from app.settings import Settings
@@ -60,3 +60,9 @@ async def reader(request: Request, execution_id: str) -> Caller:
     """The caller of a stream or values route: an API key or a stream token."""
     svc: Services = request.app.state.services
     return authenticate_reader(request, svc.keys, svc.tokens, execution_id)
+
+
+async def lister(request: Request) -> str:
+    """The caller's tenant on the live list: an API key or a list token."""
+    svc: Services = request.app.state.services
+    return authenticate_list(request, svc.keys, svc.tokens)

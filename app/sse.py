@@ -1,4 +1,5 @@
-"""The SSE response: a stream reader's frames, written to one client.
+"""The SSE response: a reader's frames (one execution's events, or a live list of
+executions), written to one client.
 
 The frames are encoded once, when the event is emitted, and every client gets the same
 bytes. What a stream costs beyond that is kept to one coroutine (the request's own
@@ -20,16 +21,15 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 from sse_starlette.sse import AppStatus
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from lib.execution.events import PING_FRAME
-from lib.execution.stream import StreamReader
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,27 @@ _HEADERS = [
     (b"x-accel-buffering", b"no"),
 ]
 _END = {"type": "http.response.body", "body": b"", "more_body": False}
+
+
+class Frames(Protocol):
+    """What an :class:`EventStream` writes: ``StreamReader``, ``ListReader``."""
+
+    @property
+    def finished(self) -> bool:
+        """True once the last frame was produced (the body then ends with it)."""
+        ...
+
+    def frames(self) -> AsyncGenerator[bytes]:
+        """The SSE frames, until the reader ends or is closed."""
+        ...
+
+    def close(self) -> None:
+        """End at the next frame boundary."""
+        ...
+
+    def detach(self) -> None:
+        """Let go of what opening the reader took, if the frames never ran."""
+        ...
 
 
 def server_exiting() -> bool:
@@ -59,15 +80,17 @@ class EventStream(Response):
 
     def __init__(
         self,
-        reader: StreamReader,
+        reader: Frames,
         *,
         streams: OpenStreams,
         release: Callable[[], None],
-        execution_id: str,
+        execution_id: str | None = None,
     ) -> None:
         self.status_code = 200
         self.background = None
-        self.raw_headers = [*_HEADERS, (b"x-execution-id", execution_id.encode())]
+        self.raw_headers = list(_HEADERS)
+        if execution_id is not None:
+            self.raw_headers.append((b"x-execution-id", execution_id.encode()))
         self.reader = reader
         self.sent_at = 0.0
         self._streams = streams

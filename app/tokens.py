@@ -1,8 +1,12 @@
-"""Stream tokens: signed, scoped to one execution, expiring.
+"""Stream tokens: signed, scoped to one execution (or one tenant's list), expiring.
 
 Browsers' EventSource cannot send headers, so the SSE and values routes also accept
 ``?token=``. A token is ``<expiry>.<hmac>`` where the HMAC covers the execution id and
 the expiry, so it is useless for any other execution or after it expires.
+
+The live list of executions takes a list token, ``<tenant>.<expiry>.<hmac>``: the HMAC
+covers ``list:<tenant>`` and the expiry. No execution id contains ``:``, so neither kind
+of token ever passes for the other.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from pathlib import Path
 # other digits (``²``, fullwidth ones) and ``compare_digest`` raises on non-ASCII text, so a
 # hostile query string must never reach them as anything but a plain "no".
 _TOKEN = re.compile(r"(?P<expires>[0-9]{1,15})\.(?P<mac>[A-Za-z0-9_-]{43})")
+_LIST_TOKEN = re.compile(
+    r"(?P<tenant>[A-Za-z0-9_]{1,64})\.(?P<expires>[0-9]{1,15})\.(?P<mac>[A-Za-z0-9_-]{43})"
+)
 
 
 def load_secret(configured: str | None, data_dir: Path) -> bytes:
@@ -65,3 +72,24 @@ class StreamTokens:
             return False
         expected = self._mac(execution_id, expires).encode()
         return hmac.compare_digest(match["mac"].encode(), expected)
+
+    def issue_list(self, tenant: str, *, now: float | None = None) -> str:
+        """A token for ``tenant``'s live list of executions."""
+        expires = int((time.time() if now is None else now) + self._lifetime)
+        return f"{tenant}.{expires}.{self._mac(_list_scope(tenant), expires)}"
+
+    def list_tenant(self, token: str, *, now: float | None = None) -> str | None:
+        """The tenant whose list ``token`` opens, or None if it is not a valid one."""
+        match = _LIST_TOKEN.fullmatch(token)
+        if match is None:
+            return None
+        tenant = match["tenant"]
+        expires = int(match["expires"])
+        if expires < (time.time() if now is None else now):
+            return None
+        expected = self._mac(_list_scope(tenant), expires).encode()
+        return tenant if hmac.compare_digest(match["mac"].encode(), expected) else None
+
+
+def _list_scope(tenant: str) -> str:
+    return f"list:{tenant}"

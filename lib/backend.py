@@ -37,6 +37,9 @@ class Keys:
         # A pub/sub channel, not a key: append.lua publishes each execution id it
         # stored events of, and every process's readers wake on it.
         self.notify = f"{prefix}:notify"
+        # A pub/sub channel too: start.lua and append.lua publish an execution's list
+        # row each time its status changes, for the live lists (listing.py).
+        self.status = f"{prefix}:status"
 
     def events(self, execution_id: str) -> str:
         return f"{self.prefix}:{{{execution_id}}}:events"

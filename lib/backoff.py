@@ -22,8 +22,14 @@ class Backoff:
 
     async def wait(self) -> None:
         """Sleep about ``delay`` (jittered), then grow it."""
-        await asyncio.sleep(random.uniform(self.delay / 2, self.delay))
+        await asyncio.sleep(self.next())
+
+    def next(self) -> float:
+        """The next wait (jittered), growing the delay: for a loop that waits on
+        something else at the same time."""
+        wait = random.uniform(self.delay / 2, self.delay)
         self.delay = min(self.delay * self._factor, self._cap)
+        return wait
 
     def reset(self) -> None:
         self.delay = self._base

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 import orjson
@@ -29,6 +30,7 @@ from app.services import Services, services, tenant
 from lib.errors import NotFound
 from lib.execution.buffer import ExecutionMeta
 from lib.execution.events import TERMINAL_STATUSES
+from lib.execution.listing import ListFilter
 from lib.workflows.runner import Started as Run
 
 router = APIRouter(prefix="/api/executions", tags=["executions"])
@@ -75,32 +77,31 @@ def _bounded_int(value: str | None, name: str, default: int, low: int, high: int
     return number
 
 
-@router.get(
-    "",
-    responses={200: {"model": ExecutionList}, **errors(400, *API_ERRORS)},
-    openapi_extra={
-        "parameters": [
-            query("workflowId", {"type": "string"}, "Only this workflow's executions"),
-            query("status", {"enum": sorted(STATUSES)}, "Only executions in this status"),
-            query("limit", {"type": "integer", "minimum": 1, "maximum": 200}, "At most this many"),
-        ]
-    },
-)
-async def list_executions(request: Request, svc: ServicesDep, tenant_id: TenantDep) -> JSON:
-    params = request.query_params
+# The filters of the list, read by list_filter (here and on the live list).
+LIST_PARAMETERS = [
+    query("workflowId", {"type": "string"}, "Only this workflow's executions"),
+    query("status", {"enum": sorted(STATUSES)}, "Only executions in this status"),
+    query("limit", {"type": "integer", "minimum": 1, "maximum": 200}, "At most this many"),
+]
+
+
+def list_filter(params: Mapping[str, str]) -> ListFilter:
+    """The list's filters from the query string; 400 that says what was wrong."""
     limit = _bounded_int(params.get("limit"), "limit", 20, 1, 200)
     status = params.get("status")
     if status is not None and status not in STATUSES:
         raise ApiError(400, "invalid_parameter", f"status must be one of {sorted(STATUSES)}")
-    workflow_id = params.get("workflowId")
-    found = await svc.buffer.recent_metas(
-        tenant_id,
-        limit=limit,
-        keep=lambda m: (
-            (status is None or m.status == status)
-            and (workflow_id is None or m.workflow_id == workflow_id)
-        ),
-    )
+    return ListFilter(limit=limit, workflow_id=params.get("workflowId"), status=status)
+
+
+@router.get(
+    "",
+    responses={200: {"model": ExecutionList}, **errors(400, *API_ERRORS)},
+    openapi_extra={"parameters": LIST_PARAMETERS},
+)
+async def list_executions(request: Request, svc: ServicesDep, tenant_id: TenantDep) -> JSON:
+    wanted = list_filter(request.query_params)
+    found = await svc.buffer.recent_metas(tenant_id, limit=wanted.limit, keep=wanted.keeps)
     resolved = await asyncio.gather(*(svc.buffer.resolved(meta) for meta in found))
     return JSON({"executions": [snapshot(meta) for meta in resolved]})
 

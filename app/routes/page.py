@@ -19,6 +19,7 @@ router = APIRouter(include_in_schema=False)
 _ASSETS = {
     "index.html": "text/html; charset=utf-8",
     "page.js": "text/javascript; charset=utf-8",
+    "list.js": "text/javascript; charset=utf-8",
     "page.css": "text/css; charset=utf-8",
     "graph.js": "text/javascript; charset=utf-8",
     "graph-layout.js": "text/javascript; charset=utf-8",

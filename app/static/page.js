@@ -96,6 +96,7 @@ function setKey(key) {
   renderKey();
   loadWorkflows();
   if (page.graph) page.graph.reload();
+  document.dispatchEvent(new CustomEvent("flowcast:key"));
 }
 
 // ------------------------------------------------------------------ workflows
@@ -769,6 +770,15 @@ function showBlockRow(blockId) {
   row.node.scrollIntoView({ behavior: "smooth", block: "center" });
   return true;
 }
+
+// ------------------------------------------------------------------ for the other modules
+
+// list.js: the key in use (it fires "flowcast:key" on the document when it changes), and
+// the hash that attaches to an execution (a link to it survives a reload).
+window.flowcast = Object.assign(window.flowcast || {}, {
+  apiKey: () => page.key,
+  hashOf,
+});
 
 // ------------------------------------------------------------------ wiring
 

@@ -33,7 +33,11 @@ ARGV[14+2n+2m .. ]       checkpoint fields and values of the batch's events (a b
                          the same step as the events, so the two never disagree; the
                          outputs and answers count against the byte budget (`ckptBytes`)
 
-Publishes the execution id on "<prefix>:notify" (the readers' wake-up).
+Publishes the execution id on "<prefix>:notify" (the readers' wake-up) and, when the
+batch sets the status (paused, resumed, recovered, a terminal event; never a batch of
+chunks), the execution's list row on "<prefix>:status" as JSON {"id", "tenant",
+"workflowId", "status", "createdAt", "updatedAt", "lastEventId"} (the live lists; the
+last id orders the changes of one execution).
 
 Returns {lastId, firstId, retainedBytes, retainedCount, reserved, cancelRequested}, or
 an error reply:
@@ -145,15 +149,19 @@ while count > 1 and (count > limit or bytes + held > budget) do
 end
 
 local reserved = math.max(tonumber(state[7]) or 0, reserve, last)
+local status = nil
 if m > 0 then
   local fields = {}
   for i = 1, 2 * m do
     fields[i] = ARGV[base + 2 * n + i]
-    if i % 2 == 0 and fields[i - 1] == "status" and fields[i] ~= "running" then
-      -- Paused or finished: nothing more is shown before it is stored.
-      reserved = last
-      if fields[i] ~= "paused" then
-        ttl = retention
+    if i % 2 == 0 and fields[i - 1] == "status" then
+      status = fields[i]
+      if status ~= "running" then
+        -- Paused or finished: nothing more is shown before it is stored.
+        reserved = last
+        if status ~= "paused" then
+          ttl = retention
+        end
       end
     end
   end
@@ -175,4 +183,13 @@ end
 -- the execution id (a channel is no key, so this also works on Redis Cluster).
 local prefix, eid = string.match(stream, "^(.*):{(.*)}:events$")
 redis.call("PUBLISH", prefix .. ":notify", eid)
+if status then
+  -- A handful of times per execution: the row every live list of its tenant shows.
+  local row = redis.call("HMGET", meta, "tenant", "workflowId", "createdAt", "updatedAt")
+  if row[1] then
+    redis.call("PUBLISH", prefix .. ":status", cjson.encode({id = eid, tenant = row[1],
+      workflowId = row[2] or "", status = status, createdAt = row[3] or "",
+      updatedAt = row[4] or "", lastEventId = last}))
+  end
+end
 return {last, first_kept, bytes, count, reserved, cancel_requested}

@@ -19,6 +19,10 @@ has already sent. A reader that sees a hole in the ids fills it from Redis. A ta
 starts from what is stored, never from a client's cursor, so no reader's cursor changes
 what another gets; and a tail whose execution is gone from the store (it came back
 empty and nobody recreated it) ends its readers' streams instead of waiting forever.
+
+The same connection listens to the ``status`` channel too: each execution's status
+changes, for the live lists of executions open in this process (``statuses``, see
+listing.py), which are read again after a reconnect, like the tails.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from lib.backoff import Backoff
 from lib.errors import FlowcastError
 from lib.execution.buffer import EventBuffer
 from lib.execution.events import Event
+from lib.execution.listing import StatusFeed
 from lib.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -168,6 +173,7 @@ class Hub:
         self._channels: dict[str, Channel] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
+        self.statuses = StatusFeed()
 
     async def __aenter__(self) -> Hub:
         listener = asyncio.create_task(self._listen(), name="hub:notify")
@@ -264,21 +270,26 @@ class Hub:
         task.add_done_callback(self._tasks.discard)
 
     async def _listen(self) -> None:
-        """Wake the tail of every execution whose events were just stored.
+        """Wake the tail of every execution whose events were just stored, and hand
+        status changes to the live lists.
 
-        Every (re)connection of the subscription wakes every tail, also one the client
-        library makes by itself inside a read: a message published while it was away
-        is lost, a stored event is not. A subscription that has been silent for a
-        while is asked for a PONG; one that does not answer in time (a connection
-        dropped without a word, behind a NAT or a proxy) is replaced.
+        Every (re)connection of the subscription wakes every tail (and has every live
+        list read again), also one the client library makes by itself inside a read: a
+        message published while it was away is lost, a stored event is not. A
+        subscription that has been silent for a while is asked for a PONG; one that
+        does not answer in time (a connection dropped without a word, behind a NAT or a
+        proxy) is replaced.
         """
         backoff = Backoff(base=0.05, cap=5.0)
         quiet = self.tail_block_ms / 1000
         loop = asyncio.get_running_loop()
+        keys = self.buffer.keys
+        # However the client hands the channel's name over (bytes unless it decodes).
+        status = {keys.status, keys.status.encode()}
         while not self._closed:
             pubsub = self.buffer.tail_redis.pubsub()
             try:
-                await pubsub.subscribe(self.buffer.keys.notify)
+                await pubsub.subscribe(keys.notify, keys.status)
                 connection = getattr(pubsub, "connection", None)
                 if connection is not None:
                     connection.register_connect_callback(self._reconnected)
@@ -303,6 +314,9 @@ class Hub:
                     heard, asked = now, None
                     if message["type"] != "message":
                         continue
+                    if message["channel"] in status:
+                        self.statuses.publish(message["data"])
+                        continue
                     channel = self._channels.get(_text(message["data"]))
                     if channel is not None:
                         channel.wake.set()
@@ -322,6 +336,7 @@ class Hub:
     def _wake_all(self) -> None:
         for channel in self._channels.values():
             channel.wake.set()
+        self.statuses.invalidate_all()
 
     async def _tail(self, channel: Channel) -> None:
         backoff = Backoff(base=0.05, cap=5.0)

@@ -11,6 +11,10 @@ ARGV[4]  n, the number of run state field/value pairs that follow (the workflow
 ARGV[5 .. 4+2n]  run state fields and values
 ARGV[5+2n ..]    metadata field/value pairs: workflowId, tenant, createdAt, updatedAt, …
 
+Publishes the new execution's list row on "<prefix>:status" as JSON {"id", "tenant",
+"workflowId", "status", "createdAt", "updatedAt", "lastEventId": 0} (the live lists; see
+append.lua for the other status changes).
+
 Returns the lease end in milliseconds. The execution starts `running` at epoch 1.
 ]]
 
@@ -32,5 +36,12 @@ if n > 0 then
   end
   redis.call("HSET", KEYS[2], unpack(state))
   redis.call("EXPIRE", KEYS[2], ARGV[3])
+end
+local row = redis.call("HMGET", meta, "tenant", "workflowId", "createdAt", "updatedAt")
+if row[1] then
+  local prefix, eid = string.match(meta, "^(.*):{(.*)}:meta$")
+  redis.call("PUBLISH", prefix .. ":status", cjson.encode({id = eid, tenant = row[1],
+    workflowId = row[2] or "", status = "running", createdAt = row[3] or "",
+    updatedAt = row[4] or "", lastEventId = 0}))
 end
 return until_ms

@@ -237,6 +237,33 @@ async def test_a_second_process_follows_an_execution_of_the_first_live_to_the_en
     assert envelopes == await all_events(client, execution_id)
 
 
+async def test_the_live_list_of_one_process_shows_the_others_runs_start_and_finish(
+    client: httpx.AsyncClient, other_client: httpx.AsyncClient, unique: str
+) -> None:
+    # start.lua and append.lua publish from the node of the execution's slot; the
+    # second process hears it on its one pub/sub connection.
+    workflow_id = f"live-{unique}"
+    await put(client, streaming_workflow(workflow_id, words=5))
+    url = f"/api/executions/live?workflowId={workflow_id}"
+    async with other_client.stream("GET", url) as response:
+        assert response.status_code == 200
+        frames = events(response)
+        first = await anext(frames)
+        assert (first.event, first.json) == ("executions", {"executions": []})
+        ids = []
+        for name in ("a", "b"):
+            body = {"input": {"name": name}}
+            started = await client.post(f"/api/workflows/{workflow_id}/execute", json=body)
+            ids.append(started.json()["executionId"])
+        seen: dict[str, list[str]] = {execution_id: [] for execution_id in ids}
+        async with asyncio.timeout(20):
+            while any(statuses[-1:] != ["completed"] for statuses in seen.values()):
+                frame = await anext(frames)
+                assert frame.event == "execution"
+                seen[frame.json["id"]].append(frame.json["status"])
+    assert seen == {execution_id: ["running", "completed"] for execution_id in ids}
+
+
 async def test_an_unreachable_cluster_is_buffer_unavailable_not_a_foreign_error(
     tmp_path: Path,
 ) -> None:

@@ -4,7 +4,7 @@ re-attaches after a reload, answers pauses with a form built from the schema, ca
 opens large values, and draws the workflow as a graph whose nodes follow the run.
 
 Set ``FLOWCAST_UPDATE_SCREENSHOT=1`` to write the README's ``docs/screenshot.png`` and
-``docs/graph.png``.
+``docs/graph.png`` and ``docs/executions.png`` (the list of recent executions).
 """
 
 from __future__ import annotations
@@ -214,6 +214,7 @@ async def test_page_is_served_with_its_assets(client: httpx.AsyncClient) -> None
         ("/static/graph.js", "text/javascript"),
         ("/static/graph-layout.js", "text/javascript"),
         ("/static/graph.css", "text/css"),
+        ("/static/list.js", "text/javascript"),
     ]:
         response = await client.get(asset)
         assert response.status_code == 200, asset
@@ -1064,3 +1065,244 @@ async def test_an_llm_blocks_tokens_show_as_live_text(
     assert snapshot["output"]["draft"]["text"] == full
     (seen,) = llm.requests
     assert seen.body["messages"] == [{"role": "user", "content": "Say something slowly"}]
+
+
+# ---------------------------------------------------------------- the list of executions
+
+
+@pytest.fixture(scope="module")
+async def listed(
+    tmp_path_factory: pytest.TempPathFactory, valkey: ValkeyServer
+) -> AsyncIterator[FlowcastServer]:
+    """A server of its own (own prefix), so its list holds only what a test starts."""
+    server = FlowcastServer(
+        data_dir=tmp_path_factory.mktemp("page-list"),
+        env={
+            "FLOWCAST_REDIS_URL": valkey.url,
+            "FLOWCAST_REDIS_PREFIX": f"pl{uuid.uuid4().hex[:6]}",
+            "FLOWCAST_SHUTDOWN_GRACE_SECONDS": "1",
+        },
+    )
+    await server.start()
+    yield server
+    await server.stop()
+
+
+def approval_workflow(workflow_id: str) -> dict[str, Any]:
+    return {
+        "id": workflow_id,
+        "blocks": [
+            {"id": "review", "type": "approval", "config": {"prompt": "Ship it?", "schema": {}}},
+            {"id": "ship", "type": "transform", "config": {"value": "shipped"}},
+        ],
+        "edges": [{"from": "review", "to": "ship"}],
+    }
+
+
+def quick_workflow(workflow_id: str) -> dict[str, Any]:
+    return {
+        "id": workflow_id,
+        "blocks": [{"id": "only", "type": "transform", "config": {"value": 1}}],
+        "edges": [],
+    }
+
+
+def list_row(page: Page, execution_id: str) -> Any:
+    return page.locator(f'#list-rows tr[data-execution-id="{execution_id}"]')
+
+
+async def execute(client: httpx.AsyncClient, workflow_id: str, input: Any = None) -> str:
+    response = await client.post(f"/api/workflows/{workflow_id}/execute", json={"input": input})
+    assert response.status_code == 202, response.text
+    execution_id: str = response.json()["executionId"]
+    return execution_id
+
+
+async def listed_ids(page: Page) -> list[str]:
+    ids: list[str] = await page.locator("#list-rows tr").evaluate_all(
+        "rows => rows.map(row => row.dataset.executionId)"
+    )
+    return ids
+
+
+async def test_the_list_shows_runs_started_elsewhere_live_and_a_click_attaches(
+    listed: FlowcastServer, page: Page, unique: str
+) -> None:
+    lists: list[str] = []
+    page.on(
+        "request",
+        lambda request: lists.append(request.url) if "/api/executions" in request.url else None,
+    )
+    async with httpx.AsyncClient(base_url=listed.url, timeout=20) as client:
+        waiting, quick = f"wait-{unique}", f"quick-{unique}"
+        await put(client, approval_workflow(waiting))
+        await put(client, quick_workflow(quick))
+        await page.goto(listed.url)
+        await expect(page.locator("#list-connection")).to_have_text("live")
+        await expect(page.locator("#list-empty")).to_be_visible()
+
+        # Started through the API, not the page: the rows come and change by themselves.
+        first = await execute(client, waiting)
+        row = list_row(page, first)
+        await expect(row.locator(".status")).to_have_text("paused", timeout=SETTLE_MS)
+        await expect(row.locator(".workflow")).to_have_text(waiting)
+        await expect(row.locator(".at")).to_have_text(re.compile(r"^\d\d:\d\d:\d\d$"))
+        done = await execute(client, quick)
+        await expect(list_row(page, done).locator(".status")).to_have_text(
+            "completed", timeout=SETTLE_MS
+        )
+        await expect(list_row(page, done).locator(".duration")).to_have_text(
+            re.compile(r"^\d+(\.\d)? m?s$")
+        )
+        resumed = await client.post(f"/api/executions/{first}/resume", json={"input": {}})
+        assert resumed.status_code == 202, resumed.text
+        await expect(row.locator(".status")).to_have_text("completed", timeout=SETTLE_MS)
+        second = await execute(client, waiting)
+        await expect(list_row(page, second).locator(".status")).to_have_text(
+            "paused", timeout=SETTLE_MS
+        )
+        await expect(page.locator("#list-empty")).to_be_hidden()
+        assert await listed_ids(page) == [second, done, first]  # newest first
+
+        # Filters: by status, then by workflow.
+        await page.select_option("#list-status", "paused")
+        await expect(page.locator("#list-rows tr")).to_have_count(1)
+        await expect(list_row(page, second)).to_be_visible()
+        await page.select_option("#list-status", "")
+        await page.select_option("#list-workflow", quick)
+        await expect(page.locator("#list-rows tr")).to_have_count(1)
+        await expect(list_row(page, done)).to_be_visible()
+        # Still live under a filter: a new run of that workflow shows.
+        another = await execute(client, quick)
+        await expect(list_row(page, another).locator(".status")).to_have_text(
+            "completed", timeout=SETTLE_MS
+        )
+        await page.select_option("#list-workflow", "")
+        await expect(page.locator("#list-rows tr")).to_have_count(4)
+
+        # A click on a row attaches: the hash names it, the timeline shows it.
+        await list_row(page, second).locator(".workflow").click()
+        await expect(page.locator("#run-id")).to_have_text(second)
+        assert page.url.endswith(f"#{second}")
+        await expect(page.locator("#pause")).to_be_visible()
+        await expect(block(page, "review").locator(".status")).to_have_text("waiting")
+        await expect(list_row(page, second)).to_have_attribute("aria-current", "true")
+        # From the keyboard too: the row's link takes focus and Enter follows it.
+        await list_row(page, done).locator("a").focus()
+        await page.keyboard.press("Enter")
+        await expect(page.locator("#run-id")).to_have_text(done)
+        await finished(page)
+        await page.reload()
+        await expect(page.locator("#run-id")).to_have_text(done)
+        await finished(page)
+        await expect(list_row(page, done)).to_have_attribute("aria-current", "true")
+
+        cancelled = await client.post(f"/api/executions/{second}/cancel")
+        assert cancelled.status_code == 202, cancelled.text
+        await expect(list_row(page, second).locator(".status")).to_have_text(
+            "cancelled", timeout=SETTLE_MS
+        )
+
+    # No polling: one live list per connection (the first, four filter changes, the
+    # reload's), and never the JSON list.
+    assert not [url for url in lists if re.search(r"/api/executions(\?|$)", url)], lists
+    live = [url for url in lists if "/api/executions/live?" in url]
+    assert len(live) == 6, live
+
+
+async def test_with_an_api_key_the_list_links_each_run_with_its_stream_token(
+    guarded: FlowcastServer, page: Page, keyed_client: httpx.AsyncClient, unique: str
+) -> None:
+    workflow_id = f"keyed-list-{unique}"
+    await put(keyed_client, quick_workflow(workflow_id))
+    await page.goto(guarded.url)
+    await expect(page.locator("#list-error")).to_contain_text("API key")
+    await use_key(page)
+    await expect(page.locator("#list-error")).to_be_hidden()
+    await page.select_option("#list-workflow", workflow_id)
+    execution_id = await execute(keyed_client, workflow_id)
+    row = list_row(page, execution_id)
+    await expect(row.locator(".status")).to_have_text("completed", timeout=SETTLE_MS)
+    # This server ends every SSE connection after 1.5 s: EventSource opens the list
+    # again (its token still good), and the row is still there.
+    async with page.expect_request(lambda request: "/api/executions/live?" in request.url):
+        pass
+    await expect(page.locator("#list-connection")).to_have_text("live")
+    await row.locator("a").click()
+    await expect(page.locator("#run-id")).to_have_text(execution_id)
+    assert f"#{execution_id}&token=" in page.url
+    await finished(page)
+    await expect(block(page, "only").locator(".status")).to_have_text("completed")
+
+
+async def test_screenshot_of_the_list_with_runs_in_every_status(
+    valkey: ValkeyServer, page: Page, tmp_path: Path
+) -> None:
+    # A server of its own: the list shows only these runs.
+    server = FlowcastServer(
+        data_dir=tmp_path / "server",
+        env={
+            "FLOWCAST_REDIS_URL": valkey.url,
+            "FLOWCAST_REDIS_PREFIX": f"ps{uuid.uuid4().hex[:6]}",
+            "FLOWCAST_SHUTDOWN_GRACE_SECONDS": "1",
+        },
+    )
+    await server.start()
+    try:
+        await screenshot_the_list(server, page, tmp_path)
+    finally:
+        await server.stop()
+
+
+async def screenshot_the_list(server: FlowcastServer, page: Page, tmp_path: Path) -> None:
+    async with httpx.AsyncClient(base_url=server.url, timeout=20) as client:
+        await put(
+            client,
+            {
+                "id": "import-orders",
+                "name": "Import the night's orders",
+                "blocks": [
+                    {"id": "fetch", "type": "delay", "config": {"ms": 300}},
+                    {
+                        "id": "validate",
+                        "type": "fail",
+                        "config": {"message": "row 17 has no customer id"},
+                    },
+                ],
+                "edges": [{"from": "fetch", "to": "validate"}],
+            },
+        )
+        report = await execute(client, "parallel-report", {"topic": "the week"})
+        failed = await execute(client, "import-orders")
+        story = await execute(client, "stream-story", {"hero": "a list", "tokensPerSecond": 20})
+        refund = await execute(client, "approve-refund", {"amount": 40, "customer": "Globex"})
+        dropped = await execute(client, "stream-story", {"tokensPerSecond": 2})
+        running = await execute(client, "stream-story", {"tokensPerSecond": 1})
+        await page.goto(server.url)
+        await expect(list_row(page, dropped).locator(".status")).to_have_text("running")
+        assert (await client.post(f"/api/executions/{dropped}/cancel")).status_code == 202
+        expected = {
+            report: "completed",
+            failed: "failed",
+            story: "completed",
+            refund: "paused",
+            dropped: "cancelled",
+            running: "running",
+        }
+        for execution_id, status in expected.items():
+            await expect(list_row(page, execution_id).locator(".status")).to_have_text(
+                status, timeout=SETTLE_MS
+            )
+        await list_row(page, report).locator("a").click()
+        await finished(page)
+        # The top of the page: the bar, the start form and the list, the watched run's
+        # row marked.
+        await page.evaluate("window.scrollTo(0, 0)")
+        box = await page.locator("#executions").bounding_box()
+        assert box is not None
+        await page.screenshot(
+            path=str(screenshot_path(tmp_path, "executions.png")),
+            clip={"x": 0, "y": 0, "width": 1100, "height": box["y"] + box["height"] + 14},
+        )
+        for execution_id in (running, refund):
+            assert (await client.post(f"/api/executions/{execution_id}/cancel")).status_code == 202
