@@ -919,6 +919,8 @@ async def test_graph_of_500_blocks_fits_zooms_and_pans(
         "backwards": 0,
     }
 
+    # The mouse acts on what is on screen: bring the canvas there (the list sits above it).
+    await canvas.scroll_into_view_if_needed()
     box = await canvas.bounding_box()
     assert box is not None and box["height"] >= 300, box
     centre_x, centre_y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
