@@ -37,7 +37,8 @@ Publishes the execution id on "<prefix>:notify" (the readers' wake-up) and, when
 batch sets the status (paused, resumed, recovered, a terminal event; never a batch of
 chunks), the execution's list row on "<prefix>:status" as JSON {"id", "tenant",
 "workflowId", "status", "createdAt", "updatedAt", "lastEventId"} (the live lists; the
-last id orders the changes of one execution).
+last id orders the changes of one execution). Both best effort: a refused PUBLISH is no
+error, the batch is stored.
 
 Returns {lastId, firstId, retainedBytes, retainedCount, reserved, cancelRequested}, or
 an error reply:
@@ -181,13 +182,17 @@ for _, key in ipairs(KEYS) do
 end
 -- Wake the readers following this execution in every process: "<prefix>:notify" gets
 -- the execution id (a channel is no key, so this also works on Redis Cluster).
+-- Both messages go out with pcall: the batch is written by now and a script stopped by
+-- an error keeps its writes, so a refused PUBLISH (an ACL without the channel) must not
+-- turn a stored batch into an error reply. Messages are best-effort anyway: readers
+-- and lists read the store again whenever they may have missed one.
 local prefix, eid = string.match(stream, "^(.*):{(.*)}:events$")
-redis.call("PUBLISH", prefix .. ":notify", eid)
+redis.pcall("PUBLISH", prefix .. ":notify", eid)
 if status then
   -- A handful of times per execution: the row every live list of its tenant shows.
   local row = redis.call("HMGET", meta, "tenant", "workflowId", "createdAt", "updatedAt")
   if row[1] then
-    redis.call("PUBLISH", prefix .. ":status", cjson.encode({id = eid, tenant = row[1],
+    redis.pcall("PUBLISH", prefix .. ":status", cjson.encode({id = eid, tenant = row[1],
       workflowId = row[2] or "", status = status, createdAt = row[3] or "",
       updatedAt = row[4] or "", lastEventId = last}))
   end
