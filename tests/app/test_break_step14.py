@@ -724,3 +724,90 @@ def test_a_list_token_with_its_tenant_cut_off_opens_no_execution() -> None:
     assert not tokens.check(cut, "list:t_abc", now=1_000)
     # An execution's own tokens still work.
     assert tokens.check(tokens.issue("ex_1", now=1_000), "ex_1", now=1_000)
+
+
+class DropOnce:
+    """An upstream that reads the first request and closes without answering (a
+    replica killed with the request in hand), then refuses connections (it is gone)."""
+
+    def __init__(self) -> None:
+        self.received: list[str] = []
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            method, target, _ = lines[0].split(" ")
+            for line in lines[1:]:
+                name, _, value = line.partition(":")
+                if name.lower() == "content-length":
+                    await reader.readexactly(int(value))
+            self.received.append(f"{method} {target}")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+            if self._server is not None:
+                self._server.close()  # gone: the next connection is refused
+
+    async def __aenter__(self) -> DropOnce:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+
+@pytest.mark.skipif(not Path("/usr/sbin/nginx").exists(), reason="nginx is missing")
+@pytest.mark.timeout(60)
+async def test_the_cli_sends_a_start_nginx_answered_502_again_with_the_same_key(
+    valkey: ValkeyServer, tmp_path: Path, unique: str
+) -> None:
+    # nginx answers 502 when the replica it gave a POST to died with it: it may have
+    # started the execution, so nginx does not resend it and says "try again (a POST with
+    # the same Idempotency-Key)". `flowcast run` makes that key up itself and never
+    # prints it: exiting 5 ("worth a retry later") leaves the user a retry with a new
+    # key, a second execution if the first had started. It must retry itself.
+    from tests.support.proxy import NginxProxy
+
+    env = {
+        "FLOWCAST_REDIS_URL": valkey.url,
+        "FLOWCAST_REDIS_PREFIX": f"b14d{uuid.uuid4().hex[:6]}",
+        "FLOWCAST_API_KEYS": PROXY_KEY,
+        "FLOWCAST_SECRET_KEY": "break14-secret-" + "s" * 20,
+    }
+    replica = FlowcastServer(data_dir=tmp_path / "replica", env=env)
+    await replica.start()
+    try:
+        async with DropOnce() as dropper:
+            upstreams = (dropper.address, f"127.0.0.1:{replica.port}")
+            async with NginxProxy(directory=tmp_path / "nginx", replicas=upstreams) as nginx:
+                async with httpx.AsyncClient(
+                    base_url=replica.url, headers=PROXY_AUTH, timeout=20
+                ) as direct:
+                    workflow_id = f"again-{unique}"
+                    await put(direct, quick_workflow(workflow_id))
+                    cli = await asyncio.create_subprocess_exec(
+                        sys.executable, "-m", "app.cli", "--url", nginx.url,
+                        "--api-key", PROXY_KEY, "run", workflow_id, "--plain",
+                        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    )  # fmt: skip
+                    async with asyncio.timeout(30):
+                        out, err = await cli.communicate()
+                    listed = (await direct.get(f"/api/executions?workflowId={workflow_id}")).json()[
+                        "executions"
+                    ]
+    finally:
+        await replica.stop()
+    assert dropper.received == [f"POST /api/workflows/{workflow_id}/execute"]
+    assert cli.returncode == 0, (cli.returncode, out.decode(), err.decode())
+    assert len(listed) == 1, listed
