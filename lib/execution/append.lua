@@ -56,6 +56,15 @@ status is set here, with the events, a reader that sees a terminal status also s
 every event before the terminal one.
 ]]
 
+-- HSET in slices: Lua unpacks at most ~8000 values at once, and an error past the
+-- first write would leave the batch half applied (a script keeps what it wrote). A
+-- checkpoint written back whole after the store lost writes has two fields per block.
+local function hset(key, fields)
+  for i = 1, #fields, 1000 do
+    redis.call("HSET", key, unpack(fields, i, math.min(i + 999, #fields)))
+  end
+end
+
 local stream, meta, dropped = KEYS[1], KEYS[2], KEYS[3]
 local token, epoch = ARGV[1], tonumber(ARGV[2])
 local first = tonumber(ARGV[3])
@@ -166,7 +175,7 @@ if m > 0 then
       end
     end
   end
-  redis.call("HSET", meta, unpack(fields))
+  hset(meta, fields)
 end
 redis.call("HSET", meta, "lastId", last, "firstId", first_kept, "bytes", bytes, "count", count,
   "reserved", reserved, "ckptBytes", held)
@@ -175,7 +184,7 @@ if k > 0 then
   for i = 1, 2 * k do
     fields[i] = ARGV[base + 2 * n + 2 * m + i]
   end
-  redis.call("HSET", KEYS[4], unpack(fields))
+  hset(KEYS[4], fields)
 end
 for _, key in ipairs(KEYS) do
   redis.call("EXPIRE", key, ttl)
