@@ -27,6 +27,9 @@ from lib.errors import FlowcastError
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 HEALTHY_SECONDS = 1.0
+# Answers worth the same request again: a proxy that lost the replica (502) or its
+# answer (504), a server that cannot serve it now (503).
+RETRY_STATUSES = frozenset({502, 503, 504})
 TERMINAL_EVENTS = {
     "execution:completed": "completed",
     "execution:failed": "failed",
@@ -150,19 +153,23 @@ class FlowcastClient:
         self._http.close()
 
     def _request(self, method: str, path: str, *, json_body: Any = None, params: Any = None) -> Any:
-        """Send one request; transport errors are retried (mutations carry an
-        Idempotency-Key, so a retry never starts or resumes anything twice)."""
+        """Send one request; transport errors and answers that say "try again" (a proxy's
+        502 or 504, a 503) are retried (mutations carry an Idempotency-Key, so a retry
+        never starts or resumes anything twice; the server keeps no 5xx outcome under a
+        key, and only this client knows the key to retry with)."""
         headers = {"Idempotency-Key": uuid.uuid4().hex} if method == "POST" else {}
         for attempt in range(self.retries + 1):
             try:
                 response = self._http.request(
                     method, path, json=json_body, params=params, headers=headers
                 )
-                break
             except httpx.TransportError as exc:
                 if attempt == self.retries:
                     raise Unreachable(self.url, str(exc) or type(exc).__name__) from exc
-                time.sleep(backoff(attempt))
+            else:
+                if response.status_code not in RETRY_STATUSES or attempt == self.retries:
+                    break
+            time.sleep(backoff(attempt))
         _raise_for_status(response)
         return response.json() if response.content else None
 

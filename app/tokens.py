@@ -65,7 +65,9 @@ class StreamTokens:
         Any string that is not a well-formed token is simply not valid: never an error.
         """
         match = _TOKEN.fullmatch(token)
-        if match is None:
+        if match is None or ":" in execution_id:
+            # No execution id has a ":"; a list token's MAC covers "list:<tenant>", so
+            # one with its tenant cut off would otherwise pass for that "execution".
             return False
         expires = int(match["expires"])
         if expires < (time.time() if now is None else now):

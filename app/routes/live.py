@@ -57,7 +57,8 @@ async def live_list(
     whichever replica runs the execution. Frames, none with an ``id:``:
 
     - ``executions``: ``{"executions": [row, …]}``, newest first: the whole list (sent
-      first, and again whenever changes may have been missed); replace what you have.
+      first, and again whenever changes may have been missed or a full list lost a
+      row to its status filter); replace what you have.
     - ``execution``: one ``row``: insert or update it; keep the rows newest first by
       ``createdAt``, at most ``limit``.
     - ``execution:unlisted``: ``{"id", "status"}``: it left the status filter; drop it.

@@ -37,7 +37,8 @@ Publishes the execution id on "<prefix>:notify" (the readers' wake-up) and, when
 batch sets the status (paused, resumed, recovered, a terminal event; never a batch of
 chunks), the execution's list row on "<prefix>:status" as JSON {"id", "tenant",
 "workflowId", "status", "createdAt", "updatedAt", "lastEventId"} (the live lists; the
-last id orders the changes of one execution).
+last id orders the changes of one execution). Both best effort: a refused PUBLISH is no
+error, the batch is stored.
 
 Returns {lastId, firstId, retainedBytes, retainedCount, reserved, cancelRequested}, or
 an error reply:
@@ -54,6 +55,15 @@ oldest events until both bounds hold again, but never the newest event. Because 
 status is set here, with the events, a reader that sees a terminal status also sees
 every event before the terminal one.
 ]]
+
+-- HSET in slices: Lua unpacks at most ~8000 values at once, and an error past the
+-- first write would leave the batch half applied (a script keeps what it wrote). A
+-- checkpoint written back whole after the store lost writes has two fields per block.
+local function hset(key, fields)
+  for i = 1, #fields, 1000 do
+    redis.call("HSET", key, unpack(fields, i, math.min(i + 999, #fields)))
+  end
+end
 
 local stream, meta, dropped = KEYS[1], KEYS[2], KEYS[3]
 local token, epoch = ARGV[1], tonumber(ARGV[2])
@@ -165,7 +175,7 @@ if m > 0 then
       end
     end
   end
-  redis.call("HSET", meta, unpack(fields))
+  hset(meta, fields)
 end
 redis.call("HSET", meta, "lastId", last, "firstId", first_kept, "bytes", bytes, "count", count,
   "reserved", reserved, "ckptBytes", held)
@@ -174,20 +184,24 @@ if k > 0 then
   for i = 1, 2 * k do
     fields[i] = ARGV[base + 2 * n + 2 * m + i]
   end
-  redis.call("HSET", KEYS[4], unpack(fields))
+  hset(KEYS[4], fields)
 end
 for _, key in ipairs(KEYS) do
   redis.call("EXPIRE", key, ttl)
 end
 -- Wake the readers following this execution in every process: "<prefix>:notify" gets
 -- the execution id (a channel is no key, so this also works on Redis Cluster).
+-- Both messages go out with pcall: the batch is written by now and a script stopped by
+-- an error keeps its writes, so a refused PUBLISH (an ACL without the channel) must not
+-- turn a stored batch into an error reply. Messages are best-effort anyway: readers
+-- and lists read the store again whenever they may have missed one.
 local prefix, eid = string.match(stream, "^(.*):{(.*)}:events$")
-redis.call("PUBLISH", prefix .. ":notify", eid)
+redis.pcall("PUBLISH", prefix .. ":notify", eid)
 if status then
   -- A handful of times per execution: the row every live list of its tenant shows.
   local row = redis.call("HMGET", meta, "tenant", "workflowId", "createdAt", "updatedAt")
   if row[1] then
-    redis.call("PUBLISH", prefix .. ":status", cjson.encode({id = eid, tenant = row[1],
+    redis.pcall("PUBLISH", prefix .. ":status", cjson.encode({id = eid, tenant = row[1],
       workflowId = row[2] or "", status = status, createdAt = row[3] or "",
       updatedAt = row[4] or "", lastEventId = last}))
   end

@@ -22,6 +22,11 @@ from lib.backend import Keys, is_unreachable, load_script, translated
 from lib.errors import BufferUnavailable, FlowcastError, NotFound, WriteRefused
 from lib.execution.events import TERMINAL_STATUSES, Event
 
+# How long after an execution is listed in its tenant's index a list read may find no
+# metadata for it without taking it for expired (see recent_metas); above any clock
+# skew between the replicas that write the index and read it.
+INDEX_GRACE_SECONDS = 600
+
 
 @dataclass(frozen=True)
 class ExecutionMeta:
@@ -304,19 +309,26 @@ class EventBuffer:
         found: list[ExecutionMeta] = []
         expired: list[bytes] = []
         index = self.keys.index(tenant)
+        # create() writes the index beside start.lua, not after it: an id listed a
+        # moment ago may have no metadata yet. Only an id listed long before is gone.
+        listed_before = (time.time() - INDEX_GRACE_SECONDS) * 1000
         offset = 0
         while len(found) < limit and offset < scan_limit:
-            ids = cast(list[bytes], await self.redis.zrevrange(index, offset, offset + 199))
-            if not ids:
+            entries = cast(
+                list[tuple[bytes, float]],
+                await self.redis.zrevrange(index, offset, offset + 199, withscores=True),
+            )
+            if not entries:
                 break
-            offset += len(ids)
+            offset += len(entries)
             async with self.redis.pipeline(transaction=False) as pipe:
-                for raw_id in ids:
+                for raw_id, _score in entries:
                     pipe.hgetall(self.keys.meta(raw_id.decode()))
                 results = await pipe.execute()
-            for raw_id, fields in zip(ids, results, strict=True):
+            for (raw_id, score), fields in zip(entries, results, strict=True):
                 if not fields:
-                    expired.append(raw_id)
+                    if score < listed_before:
+                        expired.append(raw_id)
                     continue
                 meta = ExecutionMeta.from_hash(raw_id.decode(), fields)
                 if keep(meta):

@@ -7,6 +7,7 @@ ARGV[1]  transition:
            "resume"   paused -> running, owned by the caller (a human answered)
            "cancel"   running: flag cancelRequested for the owner and return;
                       paused -> running, owned by the caller, who writes the cancel
+                      (flagged too, for whoever takes it over if the caller dies)
            "takeover" running with an expired lease, or handed off -> owned by the
                       caller, who recovers it from its checkpoint
            "handoff"  running, owned by the caller (its fencing token): let go of it
@@ -109,7 +110,11 @@ elseif mode == "cancel" then
   if status ~= "paused" then
     return redis.error_reply("STATUS " .. status)
   end
-  return own(false)
+  local won = own(false)
+  -- The caller now writes the cancel. Should it die first, the cancel still holds: a
+  -- takeover keeps this flag, so the execution's next owner ends it cancelled too.
+  redis.call("HSET", meta, "cancelRequested", "1")
+  return won
 elseif mode == "takeover" then
   if status ~= "running" then
     return redis.error_reply("STATUS " .. status)

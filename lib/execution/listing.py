@@ -29,7 +29,8 @@ Frames (no ``id:`` line: a reconnecting client gets a fresh list, no replay):
 A reader keeps the rows its client shows (at most ``limit``), applying the same rules,
 so it only sends what changes that view: a change to an execution older than every row
 of a full list is not sent, nor one no newer than the row shown, and
-``execution:unlisted`` only for a row shown.
+``execution:unlisted`` only for a row shown. A full list that loses a row that way is
+read (and sent) again: the next older match, which it left out, belongs in it now.
 """
 
 from __future__ import annotations
@@ -352,6 +353,18 @@ class ListReader:
                 parts.append(sse_frame(None, UNLISTED_EVENT, body))
         return b"".join(parts)
 
+    def _hide(self, execution_id: str) -> bool:
+        shown = self._shown.pop(execution_id, None)
+        if shown is None:
+            return False
+        full = len(self._order) >= self._wanted.limit
+        self._order.remove((shown.created_at, execution_id))
+        if full and self._watch is not None:
+            # A full list had left out older matches: the next of them now belongs in
+            # it, and only a read knows which (a reload would show it).
+            self._watch.invalidate()
+        return True
+
     def _show(self, row: Row) -> bool:
         """Put ``row`` in the view as the client will; False if it falls outside it."""
         if row.id in self._shown:
@@ -365,11 +378,4 @@ class ListReader:
             del self._shown[oldest]
         bisect.insort(self._order, key)
         self._shown[row.id] = row
-        return True
-
-    def _hide(self, execution_id: str) -> bool:
-        shown = self._shown.pop(execution_id, None)
-        if shown is None:
-            return False
-        self._order.remove((shown.created_at, execution_id))
         return True

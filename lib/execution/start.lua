@@ -13,7 +13,7 @@ ARGV[5+2n ..]    metadata field/value pairs: workflowId, tenant, createdAt, upda
 
 Publishes the new execution's list row on "<prefix>:status" as JSON {"id", "tenant",
 "workflowId", "status", "createdAt", "updatedAt", "lastEventId": 0} (the live lists; see
-append.lua for the other status changes).
+append.lua for the other status changes), best effort: a refused PUBLISH is no error.
 
 Returns the lease end in milliseconds. The execution starts `running` at epoch 1.
 ]]
@@ -39,8 +39,10 @@ if n > 0 then
 end
 local row = redis.call("HMGET", meta, "tenant", "workflowId", "createdAt", "updatedAt")
 if row[1] then
+  -- With pcall: the execution exists by now, and a refused PUBLISH (an ACL without the
+  -- channel) must not answer "failed" for it (the lists read the store again anyway).
   local prefix, eid = string.match(meta, "^(.*):{(.*)}:meta$")
-  redis.call("PUBLISH", prefix .. ":status", cjson.encode({id = eid, tenant = row[1],
+  redis.pcall("PUBLISH", prefix .. ":status", cjson.encode({id = eid, tenant = row[1],
     workflowId = row[2] or "", status = "running", createdAt = row[3] or "",
     updatedAt = row[4] or "", lastEventId = 0}))
 end
