@@ -2,6 +2,7 @@
 claim.lua: one transition of an execution's ownership, atomic with the status check.
 
 KEYS[1]  the execution's metadata hash  fc:{<eid>}:meta
+KEYS[2]  its run state hash (the checkpoint)  fc:{<eid>}:state
 
 ARGV[1]  transition:
            "resume"   paused -> running, owned by the caller (a human answered)
@@ -18,6 +19,10 @@ ARGV[3]  lease length in milliseconds
 ARGV[4]  resume: the paused block the caller answers ("" = whichever it is);
          takeover: the owner whose lease the caller found expired (or who handed off)
 ARGV[5]  takeover: "handoff" to take it over only if its owner handed it off
+ARGV[6]  resume: the answer, as JSON. It goes into the checkpoint (`a:<block>`) with the
+         claim, so the 202 holds even if the caller dies before it stores
+         execution:resumed: whoever recovers the execution finds the block answered.
+         (The caller's resumed event then writes the answer as kept, a ref when large.)
 
 Times are Redis's own (TIME), never a host's, so a replica whose clock is off can
 neither end a healthy execution nor keep a dead one.
@@ -101,7 +106,11 @@ if mode == "resume" then
   if ARGV[4] ~= "" and ARGV[4] ~= state[5] then
     return redis.error_reply("BLOCK " .. (state[5] or ""))
   end
-  return own(false)
+  local won = own(false)
+  if ARGV[6] and ARGV[6] ~= "" and state[5] then
+    redis.call("HSET", KEYS[2], "a:" .. state[5], ARGV[6])
+  end
+  return won
 elseif mode == "cancel" then
   if status == "running" then
     redis.call("HSET", meta, "cancelRequested", "1")

@@ -153,13 +153,25 @@ class Ownership:
         block_id: str = "",
         expected: str = "",
         handoff_only: bool = False,
+        answer: bytes = b"",
     ) -> Claim:
-        """Win a transition (see claim.lua); Conflict with the status that won otherwise."""
+        """Win a transition (see claim.lua); Conflict with the status that won otherwise.
+
+        A resume's ``answer`` (JSON) is checkpointed with the claim: the 202 holds if
+        this process dies before its resumed event is stored.
+        """
         argument = block_id if mode == "resume" else expected
         try:
             last, base, status, owner, epoch, recovery, reason, crashes = await self._claim(
-                keys=[self.keys.meta(execution_id)],
-                args=[mode, fence, self.lease_ms, argument, "handoff" if handoff_only else ""],
+                keys=[self.keys.meta(execution_id), self.keys.state(execution_id)],
+                args=[
+                    mode,
+                    fence,
+                    self.lease_ms,
+                    argument,
+                    "handoff" if handoff_only else "",
+                    answer,
+                ],
             )
         except ResponseError as exc:
             reason, _, detail = str(exc).partition(" ")

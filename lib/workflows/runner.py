@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
+
 from lib.errors import (
     Conflict,
     FlowcastError,
@@ -290,7 +292,9 @@ class Runner:
         _check_answer(meta.pause.get("schema") or {}, input)
         fence = self._fence()
         await self._admit(tenant, fence, replaces=paused_member(execution_id))
-        claim = await self._claim(execution_id, "resume", fence, tenant, block_id=paused_at)
+        claim = await self._claim(
+            execution_id, "resume", fence, tenant, block_id=paused_at, answer=orjson.dumps(input)
+        )
 
         async def body(local: LocalRun, emitter: ExecutionLog) -> None:
             # First, whatever follows: the resume took effect even if a cancel stops
@@ -364,7 +368,14 @@ class Runner:
         return await self._buffer.resolved(meta)
 
     async def _claim(
-        self, execution_id: str, mode: str, fence: str, tenant: str, *, block_id: str = ""
+        self,
+        execution_id: str,
+        mode: str,
+        fence: str,
+        tenant: str,
+        *,
+        block_id: str = "",
+        answer: bytes = b"",
     ) -> Claim:
         """Watch ``fence``'s lease, then win the transition with it.
 
@@ -375,7 +386,9 @@ class Runner:
         try:
             await self._ownership.check_settled()
             await self._ownership.hold(execution_id, fence)
-            claim = await self._ownership.claim(execution_id, mode, fence, block_id=block_id)
+            claim = await self._ownership.claim(
+                execution_id, mode, fence, block_id=block_id, answer=answer
+            )
         except (Conflict, NotFound):
             await self._launcher.quietly(
                 execution_id,

@@ -195,7 +195,12 @@ async def test_a_status_message_redis_will_not_publish_never_fails_a_write_that_
 
 
 async def _accepted_then_died(
-    valkey: ValkeyServer, prefix: str, execution_id: str, mode: str, block_id: str = ""
+    valkey: ValkeyServer,
+    prefix: str,
+    execution_id: str,
+    mode: str,
+    block_id: str = "",
+    answer: bytes = b"",
 ) -> None:
     """What Redis holds once a replica has answered 202 to a resume or a cancel of a
     paused execution and died before writing anything more (SIGKILL, OOM, a lost
@@ -209,18 +214,10 @@ async def _accepted_then_died(
         ownership = Ownership(buffer=EventBuffer(redis=redis, prefix=prefix), lease_seconds=1)
         fence = ownership.new_fence("deadnode")
         await ownership.hold(execution_id, fence)
-        claim = await ownership.claim(execution_id, mode, fence, block_id=block_id)
+        claim = await ownership.claim(execution_id, mode, fence, block_id=block_id, answer=answer)
         assert claim.status_before == "paused", claim
     finally:
         await redis.aclose()
-
-
-RESUME_LOST = (
-    "a resume's answer lives only in its replica's memory between the claim (202) and the "
-    "stored execution:resumed event: a replica that dies there leaves the execution "
-    "running with no answer, and its recovery runs the approval again (design: the claim "
-    "must store the answer, see the report)"
-)
 
 
 @asynccontextmanager
@@ -282,27 +279,36 @@ async def test_a_cancel_accepted_by_a_replica_that_dies_at_once_still_cancels_th
     assert snapshot["status"] == "cancelled", (snapshot["status"], types)
 
 
-@pytest.mark.xfail(strict=True, reason=RESUME_LOST)
 @pytest.mark.timeout(60)
 async def test_a_resume_accepted_by_a_replica_that_dies_at_once_still_takes_its_answer(
     valkey: ValkeyServer, tmp_path: Path, unique: str
 ) -> None:
-    # The same for a resume: the answer lives only in the dead replica's memory until
-    # its execution:resumed event is stored, so the replica that recovers the execution
-    # runs the approval again and pauses, asking the question the 202 had answered.
+    # The same for a resume. The answer lived only in the dead replica's memory until
+    # its execution:resumed event was stored, so the replica that recovered the
+    # execution ran the approval again and paused, asking the question the 202 had
+    # answered. The claim now checkpoints the answer (claim.lua, `a:<block>`).
     async with lone_replica(valkey, tmp_path) as (url, prefix):
         async with httpx.AsyncClient(base_url=url, timeout=20) as client:
             workflow_id = f"rx-{unique}"
             await put(client, approval_workflow(workflow_id))
             execution_id = await execute(client, workflow_id)
             await until_status(client, execution_id, "paused")
-            await _accepted_then_died(valkey, prefix, execution_id, "resume", "review")
+            await _accepted_then_died(
+                valkey, prefix, execution_id, "resume", "review", b'{"approved": true}'
+            )
             snapshot = await _settled(client, execution_id, 20)
             types = await _types(client, execution_id)
+            events = (await client.get(f"/api/executions/{execution_id}/events")).json()
     assert snapshot["status"] == "completed", (snapshot["status"], types)
+    assert "execution:paused" not in types[types.index("execution:recovered") :], types
+    review = [
+        e["data"]["output"]
+        for e in events["events"]
+        if e["type"] == "block:completed" and e["data"]["blockId"] == "review"
+    ]
+    assert review == [{"approved": True}], review
 
 
-@pytest.mark.xfail(strict=True, reason=RESUME_LOST)
 @pytest.mark.timeout(60)
 async def test_a_resume_answered_202_by_a_replica_sigkilled_right_after_takes_effect(
     valkey: ValkeyServer, tmp_path: Path, unique: str
