@@ -224,7 +224,7 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
         )
         metrics.watch(
             pending=runner.pending_events,
-            sse_clients=hub.subscriber_count,
+            sse_clients=open_streams.__len__,  # execution streams and live lists alike
             bytes_retained=runner.retained_bytes,
         )
         app.state.services = Services(

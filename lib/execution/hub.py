@@ -244,9 +244,6 @@ class Hub:
         if not channel.subscribers:
             self._release(channel)
 
-    def subscriber_count(self) -> int:
-        return sum(len(channel.subscribers) for channel in self._channels.values())
-
     def ensure_tail(self, execution_id: str, *, after: int) -> None:
         """Follow the stored events after ``after`` unless this process runs the execution.
 

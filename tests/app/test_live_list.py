@@ -219,6 +219,23 @@ async def test_an_idle_live_list_gets_heartbeats(client: httpx.AsyncClient, uniq
     assert seen[0].event == "executions"
 
 
+async def test_an_open_live_list_counts_among_the_sse_clients(
+    client: httpx.AsyncClient, unique: str
+) -> None:
+    # SPEC §10: "SSE clients connected": a live list is one, as much as a stream.
+    async def connected() -> float:
+        for line in (await client.get("/metrics")).text.splitlines():
+            if line.startswith("flowcast_sse_clients "):
+                return float(line.split()[1])
+        raise AssertionError("no flowcast_sse_clients in /metrics")
+
+    async with live(client, f"workflowId=counted-{unique}") as shown:
+        assert await shown.rows() == []
+        async with asyncio.timeout(FRAME_SECONDS):
+            while await connected() < 1:
+                await asyncio.sleep(0.05)
+
+
 async def test_live_and_its_token_are_routes_of_their_own(client: httpx.AsyncClient) -> None:
     # No execution is called "live" (ids start with ex_), and GET /api/executions/live
     # is the live list, not the snapshot of such an execution.
