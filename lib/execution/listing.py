@@ -60,6 +60,8 @@ UNLISTED_EVENT = "execution:unlisted"
 # A list this far behind the changes is read again instead (it cannot keep up anyway).
 MAX_QUEUED_CHANGES = 10_000
 # List reads at once per process: after a pub/sub reconnect every list reads again.
+# One tenant reads one list at a time, so its reads (a rare filter scans thousands of
+# executions) never hold every slot while another tenant's lists wait.
 LIST_READS = 4
 
 
@@ -186,7 +188,23 @@ class StatusFeed:
 
     def __init__(self, *, list_reads: int = LIST_READS) -> None:
         self._watches: dict[str, set[Watch]] = {}
-        self.list_reads = asyncio.Semaphore(list_reads)
+        self._list_reads = asyncio.Semaphore(list_reads)
+        self._tenant_reads: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def reading(self, tenant: str) -> AsyncIterator[None]:
+        """A slot for one list read: one per tenant at a time, ``list_reads`` in all."""
+        lock, users = self._tenant_reads.get(tenant, (asyncio.Lock(), 0))
+        self._tenant_reads[tenant] = (lock, users + 1)
+        try:
+            async with lock, self._list_reads:
+                yield
+        finally:
+            lock, users = self._tenant_reads[tenant]
+            if users == 1:
+                del self._tenant_reads[tenant]
+            else:
+                self._tenant_reads[tenant] = (lock, users - 1)
 
     def __len__(self) -> int:
         return sum(len(watches) for watches in self._watches.values())
@@ -319,7 +337,7 @@ class ListReader:
                 yield chunk
 
     async def _read(self) -> list[Row]:
-        async with self._feed.list_reads:
+        async with self._feed.reading(self._tenant):
             metas = await self._buffer.recent_metas(
                 self._tenant, limit=self._wanted.limit, keep=self._wanted.keeps
             )

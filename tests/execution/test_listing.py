@@ -198,3 +198,28 @@ async def test_the_workflow_filter_holds_for_the_list_and_the_changes(
         )
     finally:
         await client.close()
+
+
+async def test_one_tenant_reads_one_list_at_a_time_and_never_holds_every_read_slot() -> None:
+    # A tenant with many lists open (each read can scan thousands of executions) waits
+    # for its own reads; another tenant's read goes in beside it.
+    feed = StatusFeed(list_reads=2)
+    release = asyncio.Event()
+    inside: list[str] = []
+
+    async def read(tenant: str) -> None:
+        async with feed.reading(tenant):
+            inside.append(tenant)
+            await release.wait()
+
+    busy = [asyncio.create_task(read("noisy")) for _ in range(5)]
+    other = asyncio.create_task(read("quiet"))
+    async with asyncio.timeout(5):
+        while inside.count("quiet") < 1:
+            await asyncio.sleep(0.01)
+    assert inside.count("noisy") == 1  # the other four wait for it, holding no slot
+    release.set()
+    async with asyncio.timeout(5):
+        await asyncio.gather(*busy, other)
+    assert inside.count("noisy") == 5
+    assert feed._tenant_reads == {}  # nothing kept for tenants that stopped reading
