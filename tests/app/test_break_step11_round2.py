@@ -261,7 +261,7 @@ async def test_owner_killed_while_valkey_is_down_its_live_ids_are_not_given_agai
     events (SPEC §4)."""
     a, b = replica(valkey, tmp_path, "a"), replica(valkey, tmp_path, "b")
     async with running(a, b), httpx.AsyncClient(timeout=30) as http:
-        wf = chain("downkill", blocks=40, ms=150)
+        wf = chain("downkill", blocks=20, ms=150)  # A dies around s5: 15 blocks to spare
         await put(http_for(http, a), wf)
         eid = await execute(http_for(http, a), wf["id"])
         live = LiveReader(a, eid)
@@ -310,7 +310,9 @@ async def test_a_crashed_execution_still_counts_for_its_tenant_until_recovered(
     env = {"FLOWCAST_MAX_EXECUTIONS_PER_TENANT": "1"}
     a, b = replica(valkey, tmp_path, "a", **env), replica(valkey, tmp_path, "b", **env)
     async with running(a, b), httpx.AsyncClient(timeout=30) as http:
-        await put(http_for(http, a), chain("capx", blocks=4, ms=1500))
+        # The cap is probed until s1 completed on B (A's lease end, B's takeover and 3 s
+        # after it); a longer chain only made the test wait for its end.
+        await put(http_for(http, a), chain("capx", blocks=2, ms=1500))
         await put(http_for(http, a), chain("capy", blocks=1, ms=10))
         x = await execute(http_for(http, a), "capx")
         await until(lambda: has_event(http_for(http, b), x, "block:started"), "x started")
@@ -462,19 +464,21 @@ async def test_a_large_input_survives_an_owner_killed_at_its_202(
 async def test_sigterm_with_the_store_paused_or_down_exits_promptly_and_nothing_is_stuck(
     valkey: FaultyValkey, tmp_path: Path, fault: str
 ) -> None:
-    """SIGTERM A (running executions) while Valkey refuses writes for 8 s (CLIENT PAUSE
-    WRITE) or is down for 8 s. A must exit within its grace plus a few seconds with no
-    "tasks did not stop"; B must finish every execution (handed off, or recovered once
-    A's lease expired), none failed."""
+    """SIGTERM A (running executions) while Valkey refuses writes for 4 s (CLIENT PAUSE
+    WRITE: four leases, four graces) or is down until A has exited. A must exit within
+    its grace plus a few seconds with no "tasks did not stop"; B must finish every
+    execution (handed off, or recovered once A's lease expired), none failed."""
     a, b = replica(valkey, tmp_path, "a"), replica(valkey, tmp_path, "b")
     async with running(a, b), httpx.AsyncClient(timeout=30) as http:
-        await put(http_for(http, a), chain("termstore", blocks=6, ms=500))
+        # Each run is in its first block or two at the signal and the drain starts no
+        # other: B has blocks left to run whatever the timing.
+        await put(http_for(http, a), chain("termstore", blocks=3, ms=500))
         started = [await execute(http_for(http, a), "termstore") for _ in range(3)]
         for eid in started:
             await until(lambda e=eid: has_event(http_for(http, a), e, "block:started"), "running")
         pid = a.pid
         if fault == "paused":
-            await pause_writes(valkey, 8000)
+            await pause_writes(valkey, 4000)
         else:
             valkey.kill()
         began = time.monotonic()

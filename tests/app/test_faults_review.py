@@ -89,11 +89,28 @@ async def test_a_pause_with_a_deadline_is_not_left_paused_after_the_store_came_b
         await wait_status(a, execution_id, "paused")
         await crash_and_wipe(valkey)
         await put(a, workflow)
-        await asyncio.sleep(10)  # the deadline passed long ago; a lease and a sweep too
-        response = await b.get(f"/api/executions/{execution_id}")
+        response = await ended_or_after(b, execution_id, seconds=10)
     # Either the execution is gone with the store, or it ended by its deadline: a pause
     # whose deadline nobody watches (and whose run state is gone) waits forever.
     assert response.status_code == 404 or response.json()["status"] != "paused", response.json()
+
+
+ENDED = ("completed", "failed", "cancelled")
+
+
+async def ended_or_after(
+    client: httpx.AsyncClient, execution_id: str, *, seconds: float
+) -> httpx.Response:
+    """The execution's snapshot once it is terminal (it stays so), or as it is after
+    ``seconds`` (the deadline passed long ago by then; a lease and a sweep too)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while True:
+        response = await client.get(f"/api/executions/{execution_id}")
+        ended = response.status_code == 200 and response.json()["status"] in ENDED
+        if ended or loop.time() >= deadline:
+            return response
+        await asyncio.sleep(0.05)
 
 
 class ReplyDropper:

@@ -297,12 +297,15 @@ class Remote:
     def __init__(self) -> None:
         self.keys: list[str] = []
         self.first_arrived = threading.Event()
+        # Set at teardown: the held call then answers, so the server's shutdown does not
+        # wait out its 10 s join for a connection nobody reads any more.
+        self.released = threading.Event()
 
     async def job(self, request: Request) -> JSONResponse:
         self.keys.append(request.headers.get("idempotency-key", ""))
         if len(self.keys) == 1:
             self.first_arrived.set()
-            await asyncio.sleep(30)
+            await asyncio.to_thread(self.released.wait, 30)
         return JSONResponse({"job": "created"})
 
 
@@ -322,6 +325,7 @@ def remote() -> Iterator[tuple[str, Remote]]:
         assert thread.is_alive() and time.monotonic() < deadline, "the remote did not start"
         time.sleep(0.01)  # polling the real readiness flag
     yield f"http://127.0.0.1:{port}", service
+    service.released.set()
     server.should_exit = True
     thread.join(timeout=10)
     sock.close()
