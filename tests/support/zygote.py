@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -204,6 +205,17 @@ def disable() -> None:
     zygote, _zygote = _zygote, None
     if zygote is not None:
         zygote.close()
+
+
+@contextlib.contextmanager
+def fresh() -> Iterator[None]:
+    """Start fresh interpreters meanwhile (the zygote and its servers go on)."""
+    global _zygote
+    zygote, _zygote = _zygote, None
+    try:
+        yield
+    finally:
+        _zygote = zygote
 
 
 def spawn(command: list[str], *, cwd: Path, env: dict[str, str], log_path: Path) -> Process:
