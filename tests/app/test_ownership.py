@@ -234,7 +234,7 @@ async def test_a_stalled_owner_that_wakes_up_is_fenced_out(
         httpx.AsyncClient(base_url=a.url, timeout=20) as on_a,
         httpx.AsyncClient(base_url=b.url, timeout=20) as on_b,
     ):
-        await put(on_a, talking_workflow(f"stall-{unique}", words=150, tps=50))
+        await put(on_a, talking_workflow(f"stall-{unique}", words=100, tps=50))
         execution_id = await execute(on_a, f"stall-{unique}")
         follower = asyncio.create_task(read_stream(on_b, execution_id))
 
@@ -288,7 +288,7 @@ async def test_a_client_attached_to_a_stalled_owner_gets_the_terminal_event(
         httpx.AsyncClient(base_url=a.url, timeout=20) as on_a,
         httpx.AsyncClient(base_url=b.url, timeout=20) as on_b,
     ):
-        await put(on_a, talking_workflow(f"stall-client-{unique}", words=150, tps=50))
+        await put(on_a, talking_workflow(f"stall-client-{unique}", words=100, tps=50))
         execution_id = await execute(on_a, f"stall-client-{unique}")
         on_owner = LiveReader(on_a, execution_id)
 

@@ -137,7 +137,7 @@ async def test_sigterm_hands_ten_running_executions_off_and_none_fails(
         httpx.AsyncClient(base_url=a.url, timeout=20) as on_a,
         httpx.AsyncClient(base_url=b.url, timeout=20) as on_b,
     ):
-        await put(on_a, chain_workflow(f"ten-{unique}", blocks=6, ms=500))
+        await put(on_a, chain_workflow(f"ten-{unique}", blocks=4, ms=500))
         started = [await start(on_a, f"ten-{unique}") for _ in range(10)]
         followers = [asyncio.create_task(read_to_end(on_b, eid)) for eid in started]
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import logging
 import os
 import resource
 import select
@@ -43,7 +44,7 @@ from typing import Any, Protocol
 STATUS = struct.Struct("i")
 MESSAGE_BYTES = 1 << 20
 ROOT = Path(__file__).resolve().parents[2]
-PRELOADED = (
+PRELOADED = (  # what every server imports
     "app.main",
     "uvicorn.main",
     "uvicorn.server",
@@ -277,6 +278,7 @@ def _fork(request: dict[str, Any], closing: list[int]) -> int:
             os.close(fd)
         code = _run_server(request)
     finally:
+        logging.shutdown()  # what the interpreter's exit would do for the server's logs
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         os._exit(code)
