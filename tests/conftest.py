@@ -11,8 +11,19 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
+from tests.support import zygote
 from tests.support.s3 import CREDENTIALS, MotoServer
 from tests.support.servers import FlowcastServer, ValkeyServer
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Flowcast servers are forked from one process that imported the app already
+    # (tests/support/zygote.py): a start costs a fork, not an interpreter's imports.
+    zygote.enable()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    zygote.disable()
 
 
 @pytest.fixture(scope="session")

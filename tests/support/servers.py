@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 
 from app.embedded import EmbeddedValkey, free_port
+from tests.support.zygote import Process, spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,7 +46,7 @@ class FlowcastServer:
         self.port = free_port()
         self.env = env or {}
         self.log_path = data_dir / f"server-{self.port}.log"
-        self._process: subprocess.Popen[bytes] | None = None
+        self._process: Process | None = None
 
     @property
     def url(self) -> str:
@@ -76,11 +76,9 @@ class FlowcastServer:
 
     async def start(self, timeout: float = 30.0) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        log = self.log_path.open("ab")
-        self._process = subprocess.Popen(
-            self.command(), cwd=ROOT, env=self.environment(), stdout=log, stderr=log
+        self._process = await asyncio.to_thread(
+            spawn, self.command(), cwd=ROOT, env=self.environment(), log_path=self.log_path
         )
-        log.close()
         await wait_ready(self.url, self._process, self.log_path, timeout)
 
     async def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
@@ -95,9 +93,7 @@ class FlowcastServer:
         return self.log_path.read_text() if self.log_path.exists() else ""
 
 
-async def wait_ready(
-    url: str, process: subprocess.Popen[bytes], log_path: Path, timeout: float
-) -> None:
+async def wait_ready(url: str, process: Process, log_path: Path, timeout: float) -> None:
     """Poll ``/readyz`` until it answers 200; fail early if the process exits."""
     deadline = asyncio.get_running_loop().time() + timeout
     async with httpx.AsyncClient(base_url=url, timeout=2) as client:
