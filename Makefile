@@ -49,8 +49,12 @@ lint: install
 typecheck: install
 	$(BIN)/mypy lib app
 
+# The stress scenarios run in a pytest process of their own: their clients time the
+# servers from inside it, and after the rest of the suite one check (a 408'd connection
+# closed within 3 s) failed in every full run while passing on its own.
 unit: install browser nginx
-	$(BIN)/pytest
+	$(BIN)/pytest --ignore=tests/app/test_stress.py
+	$(BIN)/pytest tests/app/test_stress.py
 
 test: lint typecheck unit
 
