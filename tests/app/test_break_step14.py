@@ -732,47 +732,6 @@ def test_a_list_token_with_its_tenant_cut_off_opens_no_execution() -> None:
     assert tokens.check(tokens.issue("ex_1", now=1_000), "ex_1", now=1_000)
 
 
-class DropOnce:
-    """An upstream that reads the first request and closes without answering (a
-    replica killed with the request in hand), then refuses connections (it is gone)."""
-
-    def __init__(self) -> None:
-        self.received: list[str] = []
-        self._server: asyncio.Server | None = None
-        self.port = 0
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            lines = head.decode("latin-1").split("\r\n")
-            method, target, _ = lines[0].split(" ")
-            for line in lines[1:]:
-                name, _, value = line.partition(":")
-                if name.lower() == "content-length":
-                    await reader.readexactly(int(value))
-            self.received.append(f"{method} {target}")
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-            if self._server is not None:
-                self._server.close()  # gone: the next connection is refused
-
-    async def __aenter__(self) -> DropOnce:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-
-
 @pytest.mark.skipif(not Path("/usr/sbin/nginx").exists(), reason="nginx is missing")
 @pytest.mark.timeout(60)
 async def test_the_cli_sends_a_start_nginx_answered_502_again_with_the_same_key(
@@ -783,7 +742,7 @@ async def test_the_cli_sends_a_start_nginx_answered_502_again_with_the_same_key(
     # the same Idempotency-Key)". `flowcast run` makes that key up itself and never
     # prints it: exiting 5 ("worth a retry later") leaves the user a retry with a new
     # key, a second execution if the first had started. It must retry itself.
-    from tests.support.proxy import NginxProxy
+    from tests.support.proxy import Dropper, NginxProxy
 
     env = {
         "FLOWCAST_REDIS_URL": valkey.url,
@@ -794,7 +753,7 @@ async def test_the_cli_sends_a_start_nginx_answered_502_again_with_the_same_key(
     replica = FlowcastServer(data_dir=tmp_path / "replica", env=env)
     await replica.start()
     try:
-        async with DropOnce() as dropper:
+        async with Dropper(once=True) as dropper:
             upstreams = (dropper.address, f"127.0.0.1:{replica.port}")
             async with NginxProxy(directory=tmp_path / "nginx", replicas=upstreams) as nginx:
                 async with httpx.AsyncClient(

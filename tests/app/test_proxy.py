@@ -22,7 +22,7 @@ import pytest
 from app.embedded import free_port
 from tests.support.api import all_events, put, talking_workflow
 from tests.support.logcheck import TERMINAL, check_log
-from tests.support.proxy import NGINX, NginxProxy
+from tests.support.proxy import NGINX, Dropper, NginxProxy
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import collect, events
 
@@ -319,41 +319,3 @@ async def test_a_server_without_api_keys_refuses_what_the_proxy_relays(
             assert (await client.get(f"{keyless.url}/api/workflows")).status_code == 200
     finally:
         await keyless.stop()
-
-
-class Dropper:
-    """A replica that reads each request and closes the connection without answering."""
-
-    def __init__(self) -> None:
-        self.received: list[str] = []
-        self._server: asyncio.Server | None = None
-        self.port = 0
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            lines = head.decode("latin-1").split("\r\n")
-            method, target, _ = lines[0].split(" ")
-            for line in lines[1:]:
-                name, _, value = line.partition(":")
-                if name.lower() == "content-length":
-                    await reader.readexactly(int(value))
-            self.received.append(f"{method} {target}")
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    async def __aenter__(self) -> Dropper:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        await self._server.wait_closed()

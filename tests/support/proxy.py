@@ -198,3 +198,46 @@ class NginxProxy:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.stop()
+
+
+class Dropper:
+    """A replica that reads each request and closes the connection without answering;
+    with ``once``, it is gone after the first (a replica killed with the request in
+    hand): the next connection is refused."""
+
+    def __init__(self, *, once: bool = False) -> None:
+        self.once = once
+        self.received: list[str] = []
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            method, target, _ = lines[0].split(" ")
+            for line in lines[1:]:
+                name, _, value = line.partition(":")
+                if name.lower() == "content-length":
+                    await reader.readexactly(int(value))
+            self.received.append(f"{method} {target}")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+            if self.once and self._server is not None:
+                self._server.close()
+
+    async def __aenter__(self) -> Dropper:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
