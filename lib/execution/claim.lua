@@ -43,14 +43,14 @@ events stored so far, plus one), `reason` is "handoff" when the owner let go, el
   "MOVED"           takeover or handoff: the execution has another owner than the one
                     expected
   "NOTDUE"          expire: the deadline has not passed
+  "MODE <mode>"     ARGV[1] names no transition
 A new owner token in `owner` fences the previous owner out of append.lua.
 ]]
 
 local meta = KEYS[1]
 local mode, token = ARGV[1], ARGV[2]
 local lease = tonumber(ARGV[3])
-local time = redis.call("TIME")
-local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local now = now_ms()
 
 local state = redis.call("HMGET", meta, "status", "lastId", "owner", "leaseUntil",
   "pauseBlock", "pauseDeadline", "epoch", "reserved", "handoff", "recoveries",
