@@ -5,6 +5,7 @@ its no-writes flag (it has no refusal of its own)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from redis.asyncio import Redis
@@ -53,13 +54,17 @@ async def test_an_execution_that_does_not_exist_reads_as_empty(
     assert await read(redis, keys, eid, after=0, limit=10) == [[], [], []]
 
 
-async def test_it_reads_while_writes_are_paused(redis: Redis, keys: Keys, eid: str) -> None:
+async def test_it_reads_while_writes_are_paused(
+    redis: Redis, keys: Keys, eid: str, node_url: Callable[[str], str]
+) -> None:
     """The flags line survives the prelude (it must stay the script's first line)."""
     await stored(redis, keys, eid, 2)
-    await redis.execute_command("CLIENT", "PAUSE", 5_000, "WRITE")
+    node = Redis.from_url(node_url(keys.meta(eid)))
+    await node.execute_command("CLIENT", "PAUSE", 5_000, "WRITE")
     try:
         async with asyncio.timeout(3):
             entries, _, _ = await read(redis, keys, eid, after=0, limit=10)
     finally:
-        await redis.execute_command("CLIENT", "UNPAUSE")
+        await node.execute_command("CLIENT", "UNPAUSE")
+        await node.aclose()
     assert len(entries) == 2
