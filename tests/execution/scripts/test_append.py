@@ -304,3 +304,14 @@ async def test_cancel_refuses_a_final_event_other_than_cancelled(
     assert await ids(redis, keys, eid) == []
     assert await redis.hmget(keys.meta(eid), "status", "lastId") == [b"running", b"0"]
     assert await redis.exists(keys.state(eid)) == 0
+
+
+async def test_a_checkpoint_of_thousands_of_fields_is_written_whole(
+    redis: Redis, keys: Keys, eid: str
+) -> None:
+    """More values than Lua unpacks at once (~8000): a checkpoint written back whole."""
+    await owned(redis, keys, eid)
+    checkpoint = {f"t:b{i}": "1" for i in range(5_000)}
+    reply = await append(redis, keys, eid, [chunk(1)], first=1, checkpoint=checkpoint)
+    assert reply[0] == 1
+    assert await redis.hlen(keys.state(eid)) == 5_000
