@@ -50,6 +50,8 @@ written; only a recreate or a take-back, below, done before an ORDER or CANCEL r
 stays):
   "NOEXEC"          the metadata hash does not exist (and ARGV[10] is not "1")
   "FENCED <owner>"  another owner with the same or a later epoch holds the execution
+                    (<owner> empty, "FENCED ", when it was handed off and nobody
+                    took it over yet)
   "ORDER <lastId>"  the batch does not follow the stored last id
   "CANCEL"          a cancel was accepted before this batch's final event (paused or a
                     terminal other than cancelled): the writer must end with

@@ -28,7 +28,9 @@ Times are Redis's own (TIME), never a host's, so a replica whose clock is off ca
 neither end a healthy execution nor keep a dead one.
 
 A claim sent again (its first answer was lost) finds the caller already owning the
-execution and answers as the first run did, with the status it replaced.
+execution and answers as the first run did, with the status it replaced; its `reason`
+is the stored one (the last takeover's), whatever the mode. A handoff sent again is
+refused MOVED: the caller owns the execution no more.
 
 Returns {lastId, base, statusBefore, owner, epoch, recovery, reason, crashes} on
 success: a new owner numbers its events from base + 1 (base is above every id the

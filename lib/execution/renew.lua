@@ -11,7 +11,8 @@ Returns {cancelRequested ("1" or "0"), leaseUntil} (the lease end it stored, in 
 an error reply:
   "GONE"    the metadata does not exist (the store came back empty): the owner's
             writer recreates it
-  "FENCED"  another owner with the same or a later epoch holds the execution
+  "FENCED"  another owner with the same or a later epoch holds the execution, or it
+            was handed off (no owner) at such an epoch
   "BEHIND"  the stored last id is below what the owner stored: the store lost writes
             (an older snapshot); the owner's writer writes them back (as for GONE).
             The lease is renewed first.

@@ -315,3 +315,12 @@ async def test_a_checkpoint_of_thousands_of_fields_is_written_whole(
     reply = await append(redis, keys, eid, [chunk(1)], first=1, checkpoint=checkpoint)
     assert reply[0] == 1
     assert await redis.hlen(keys.state(eid)) == 5_000
+
+
+async def test_fenced_names_no_owner_once_the_execution_was_handed_off(
+    redis: Redis, keys: Keys, eid: str
+) -> None:
+    await owned(redis, keys, eid, token="", handoff=TOKEN, epoch=2)
+    refused = await refusal(append(redis, keys, eid, [chunk(1)], first=1, epoch=2))
+    assert refused == "FENCED "  # the owner it names is none
+    assert await ids(redis, keys, eid) == []

@@ -84,6 +84,23 @@ async def test_a_claim_sent_again_answers_as_the_first_did(
     assert await claim(redis, keys, eid, "resume", argument="q") == first
 
 
+async def test_a_resume_sent_again_answers_with_the_stored_recovery_reason(
+    redis: Redis, keys: Keys, eid: str
+) -> None:
+    """As the header says; only a takeover's caller reads the reason (runner.py)."""
+    await execution(redis, keys, eid, status="paused", recoveryReason="worker_lost")
+    first = await claim(redis, keys, eid, "resume")
+    again = await claim(redis, keys, eid, "resume")
+    assert first[6] == b"" and again[6] == b"worker_lost"
+    assert again[:6] == first[:6] and again[7] == first[7]
+
+
+async def test_a_handoff_sent_again_is_refused_as_moved(redis: Redis, keys: Keys, eid: str) -> None:
+    await execution(redis, keys, eid)
+    await claim(redis, keys, eid, "handoff", OWNER)
+    assert await refusal(claim(redis, keys, eid, "handoff", OWNER)) == "MOVED"
+
+
 async def test_cancel_of_a_running_execution_only_flags_it_for_its_owner(
     redis: Redis, keys: Keys, eid: str
 ) -> None:
