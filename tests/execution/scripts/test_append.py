@@ -324,3 +324,18 @@ async def test_fenced_names_no_owner_once_the_execution_was_handed_off(
     refused = await refusal(append(redis, keys, eid, [chunk(1)], first=1, epoch=2))
     assert refused == "FENCED "  # the owner it names is none
     assert await ids(redis, keys, eid) == []
+
+
+async def test_a_recreate_or_a_take_back_before_an_order_refusal_stays(
+    redis: Redis, keys: Keys, eid: str
+) -> None:
+    """The one write an error reply keeps, as the header says: the batch is not stored."""
+    refused = await refusal(append(redis, keys, eid, [chunk(5)], first=5, recreate=True))
+    assert refused == "ORDER 0"
+    assert await redis.hmget(keys.meta(eid), "owner", "lastId") == [TOKEN.encode(), b"0"]
+    later = "node-b:2222"
+    assert await refusal(append(redis, keys, eid, [chunk(5)], first=5, token=later, epoch=2)) == (
+        "ORDER 0"
+    )
+    assert await redis.hmget(keys.meta(eid), "owner", "epoch") == [later.encode(), b"2"]
+    assert await ids(redis, keys, eid) == []
