@@ -52,6 +52,7 @@ def redis(cluster_client: RedisCluster) -> Redis:
 def node_url(cluster_client: RedisCluster) -> Callable[[str], str]:
     def url(key: str) -> str:
         node = cluster_client.get_node_from_key(key)
+        assert node is not None, f"no node serves the slot of {key}"
         return f"redis://{node.host}:{node.port}"
 
     return url
