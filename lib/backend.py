@@ -5,6 +5,11 @@ Every module that talks to Redis builds its keys with ``Keys`` and wraps its cal
 ``BufferUnavailable`` in exactly one way. Keys of one execution share the hash tag
 ``{<eid>}`` so its scripts run on Redis Cluster; the few global keys (the lease and
 deadline watch lists, tenants' indexes) are only ever touched one key per command.
+
+Scripts are registered with ``register``: it puts the shared prelude
+(``lib/execution/prelude.lua``: ``now_ms`` and the other helpers scripts share) in front
+of the script's own text. Every key and channel a script touches comes in as ``KEYS``
+or ``ARGV``, built here by ``Keys``; no script builds a name.
 """
 
 from __future__ import annotations
@@ -13,11 +18,15 @@ import functools
 import importlib.resources
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from typing import ParamSpec, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from lib.errors import BufferUnavailable
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+    from redis.commands.core import AsyncScript
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -127,6 +136,26 @@ def translated(method: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
 def load_script(package: str, name: str) -> str:
     """The text of a Lua script that lives next to the module that runs it."""
     return importlib.resources.files(package).joinpath(name).read_text()
+
+
+PRELUDE = ("lib.execution", "prelude.lua")
+
+
+def script_source(package: str, name: str) -> str:
+    """The text Redis runs for a script: the shared prelude, then the script's own."""
+    prelude = load_script(*PRELUDE)
+    body = load_script(package, name)
+    if body.startswith("#!"):
+        # The flags line (``#!lua flags=no-writes``) means something only as line one.
+        flags, _, rest = body.partition("\n")
+        return f"{flags}\n{prelude}\n{rest}"
+    return f"{prelude}\n{body}"
+
+
+def register(redis: Redis, package: str, name: str) -> AsyncScript:
+    """Register a script (with the prelude) on ``redis``, once per client: calls then go
+    by its SHA, loading the text only where a server does not know it yet."""
+    return redis.register_script(script_source(package, name))
 
 
 def is_unreachable(exc: BaseException) -> bool:

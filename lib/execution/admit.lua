@@ -12,7 +12,8 @@ ARGV[4]  a member the new run replaces ("paused:<eid>" for a resume; "" for none
          does not count, so a tenant at its cap can still resume its own pause
 ARGV[5]  how long (ms) an entry goes on counting after its lease ended
 
-Returns 1 when admitted (or already in), 0 when the tenant is at its limit. Entries
+Returns 1 when admitted (or already in: its score moves to the new lease end), 0 when
+the tenant is at its limit (nothing is added); no error reply of its own. Entries
 whose lease ended (on Redis's clock) longer than ARGV[5] ago are dropped first. A run
 of a dead process goes on counting until a janitor takes its execution over (the new
 owner counts instead, and the dead one's entry is removed then); past that grace it
@@ -20,8 +21,7 @@ stops counting even if nobody did, so a tenant is never refused for good.
 ]]
 
 local key = KEYS[1]
-local time = redis.call("TIME")
-local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local now = now_ms()
 redis.call("ZREMRANGEBYSCORE", key, "-inf", now - tonumber(ARGV[5]))
 local limit = tonumber(ARGV[3])
 local count = redis.call("ZCARD", key)

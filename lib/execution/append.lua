@@ -25,29 +25,37 @@ ARGV[10] "1" to recreate the metadata when it is missing (the store came back em
 ARGV[11] n, the number of events in the batch (0: a repair that only re-asserts)
 ARGV[12] m, the number of metadata field/value pairs that follow the events
 ARGV[13] k, the number of checkpoint field/value pairs that follow the metadata
-ARGV[14 .. 13+2n]        per event: type, envelope JSON
-ARGV[14+2n .. 13+2n+2m]  metadata fields and values to set (status, output, error, …;
+ARGV[14] the execution id (what the messages below carry)
+ARGV[15] the notify channel  fc:notify  (pub/sub, not a key)
+ARGV[16] the status channel  fc:status  (pub/sub, not a key)
+ARGV[17 .. 16+2n]        per event: type, envelope JSON
+ARGV[17+2n .. 16+2n+2m]  metadata fields and values to set (status, output, error, …;
                          with ARGV[10], also the identity fields to recreate with)
-ARGV[14+2n+2m .. ]       checkpoint fields and values of the batch's events (a block's
+ARGV[17+2n+2m .. ]       checkpoint fields and values of the batch's events (a block's
                          output, skip, attempt, answer), set in the run state hash in
                          the same step as the events, so the two never disagree; the
                          outputs and answers count against the byte budget (`ckptBytes`)
 
-Publishes the execution id on "<prefix>:notify" (the readers' wake-up) and, when the
-batch sets the status (paused, resumed, recovered, a terminal event; never a batch of
-chunks), the execution's list row on "<prefix>:status" as JSON {"id", "tenant",
-"workflowId", "status", "createdAt", "updatedAt", "lastEventId"} (the live lists; the
-last id orders the changes of one execution). Both best effort: a refused PUBLISH is no
-error, the batch is stored.
+Publishes the execution id on ARGV[15] (the readers' wake-up) after every stored batch
+and, when the batch sets the status (paused, resumed, recovered, a terminal event; never
+a batch of chunks) and the metadata names a tenant, the execution's list row on ARGV[16]
+as JSON {"id", "tenant", "workflowId", "status", "createdAt", "updatedAt",
+"lastEventId"} (the live lists; the last id orders the changes of one execution). Both
+best effort: a refused PUBLISH is no error, the batch is stored.
 
-Returns {lastId, firstId, retainedBytes, retainedCount, reserved, cancelRequested}, or
-an error reply:
+Returns {lastId, firstId, retainedBytes, retainedCount, reserved, cancelRequested}
+(cancelRequested "1" or "0"; reserved is lastId once the status is set to anything but
+running), or an error reply (no event, metadata or checkpoint field of the batch is
+written; only a recreate or a take-back, below, done before an ORDER or CANCEL refusal
+stays):
   "NOEXEC"          the metadata hash does not exist (and ARGV[10] is not "1")
   "FENCED <owner>"  another owner with the same or a later epoch holds the execution
+                    (<owner> empty, "FENCED ", when it was handed off and nobody
+                    took it over yet)
   "ORDER <lastId>"  the batch does not follow the stored last id
   "CANCEL"          a cancel was accepted before this batch's final event (paused or a
                     terminal other than cancelled): the writer must end with
-                    `execution:cancelled` instead; nothing was written
+                    `execution:cancelled` instead
 
 A writer whose epoch is above the stored one is the owner the store forgot (it came
 back from an older snapshot): the batch takes the execution back. Eviction trims the
@@ -74,7 +82,8 @@ local retention, ttl = tonumber(ARGV[7]), tonumber(ARGV[8])
 local reserve = tonumber(ARGV[9])
 local recreate = ARGV[10] == "1"
 local n, m, k = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
-local base = 13
+local execution_id, notify, status_channel = ARGV[14], ARGV[15], ARGV[16]
+local base = 16
 
 local state = redis.call("HMGET", meta, "owner", "lastId", "firstId", "bytes", "count",
   "epoch", "reserved", "cancelRequested", "ckptBytes")
@@ -89,8 +98,7 @@ elseif state[1] ~= token then
   if (tonumber(state[6]) or 0) >= epoch then
     return redis.error_reply("FENCED " .. state[1])
   end
-  redis.call("HSET", meta, "owner", token, "epoch", epoch, "status", "running",
-    "pauseBlock", "", "pauseDeadline", "")
+  take_back(meta, token, epoch)
 end
 
 local last = tonumber(state[2]) or 0
@@ -189,21 +197,13 @@ end
 for _, key in ipairs(KEYS) do
   redis.call("EXPIRE", key, ttl)
 end
--- Wake the readers following this execution in every process: "<prefix>:notify" gets
--- the execution id (a channel is no key, so this also works on Redis Cluster).
--- Both messages go out with pcall: the batch is written by now and a script stopped by
--- an error keeps its writes, so a refused PUBLISH (an ACL without the channel) must not
--- turn a stored batch into an error reply. Messages are best-effort anyway: readers
--- and lists read the store again whenever they may have missed one.
-local prefix, eid = string.match(stream, "^(.*):{(.*)}:events$")
-redis.pcall("PUBLISH", prefix .. ":notify", eid)
+-- Wake the readers following this execution in every process (a channel is no key,
+-- so this also works on Redis Cluster). With pcall, as publish_row: the batch is
+-- written by now, and a refused PUBLISH must not turn it into an error reply. Messages
+-- are best-effort anyway: readers read the store again whenever they may have missed one.
+redis.pcall("PUBLISH", notify, execution_id)
 if status then
   -- A handful of times per execution: the row every live list of its tenant shows.
-  local row = redis.call("HMGET", meta, "tenant", "workflowId", "createdAt", "updatedAt")
-  if row[1] then
-    redis.pcall("PUBLISH", prefix .. ":status", cjson.encode({id = eid, tenant = row[1],
-      workflowId = row[2] or "", status = status, createdAt = row[3] or "",
-      updatedAt = row[4] or "", lastEventId = last}))
-  end
+  publish_row(meta, status_channel, execution_id, status, last)
 end
 return {last, first_kept, bytes, count, reserved, cancel_requested}

@@ -18,7 +18,7 @@ import orjson
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from lib.backend import Keys, is_unreachable, load_script, translated
+from lib.backend import Keys, is_unreachable, register, translated
 from lib.errors import BufferUnavailable, FlowcastError, NotFound, WriteRefused
 from lib.execution.events import TERMINAL_STATUSES, Event
 
@@ -151,9 +151,9 @@ class EventBuffer:
         self.retention_seconds = retention_seconds
         # Unfinished executions (a pause may wait days) keep their keys this long.
         self.active_ttl_seconds = max(active_ttl_seconds, retention_seconds)
-        self._start = redis.register_script(load_script(__package__, "start.lua"))
-        self._append = redis.register_script(load_script(__package__, "append.lua"))
-        self._read = redis.register_script(load_script(__package__, "read.lua"))
+        self._start = register(redis, __package__, "start.lua")
+        self._append = register(redis, __package__, "append.lua")
+        self._read = register(redis, __package__, "read.lua")
 
     @property
     def prefix(self) -> str:
@@ -183,11 +183,13 @@ class EventBuffer:
         for name, value in (extra or {}).items():
             fields += [name, value]
         pairs: list[Any] = [item for pair in (state or {}).items() for item in pair]
+        # Where its list row is published, and as which id; then the run state's fields.
+        head: list[Any] = [owner, lease_ms, self.active_ttl_seconds, execution_id, self.keys.status]
         # The index is another key (another slot on a cluster): written beside it.
         await asyncio.gather(
             self._start(
                 keys=[self.keys.meta(execution_id), self.keys.state(execution_id)],
-                args=[owner, lease_ms, self.active_ttl_seconds, len(pairs) // 2, *pairs, *fields],
+                args=[*head, len(pairs) // 2, *pairs, *fields],
             ),
             self.redis.zadd(self.keys.index(tenant), {execution_id: created_ms}),
         )
@@ -237,6 +239,8 @@ class EventBuffer:
         for event in events:
             pairs.update(event.checkpoint)
         args.append(len(pairs))
+        # Where the script's messages go: the readers' wake-up and the live lists.
+        args += [execution_id, self.keys.notify, self.keys.status]
         for event in events:
             args.append(event.type)
             args.append(event.json)

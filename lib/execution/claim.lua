@@ -28,7 +28,9 @@ Times are Redis's own (TIME), never a host's, so a replica whose clock is off ca
 neither end a healthy execution nor keep a dead one.
 
 A claim sent again (its first answer was lost) finds the caller already owning the
-execution and answers as the first run did, with the status it replaced.
+execution and answers as the first run did, with the status it replaced; its `reason`
+is the stored one (the last takeover's), whatever the mode. A handoff sent again is
+refused MOVED: the caller owns the execution no more.
 
 Returns {lastId, base, statusBefore, owner, epoch, recovery, reason, crashes} on
 success: a new owner numbers its events from base + 1 (base is above every id the
@@ -43,14 +45,14 @@ events stored so far, plus one), `reason` is "handoff" when the owner let go, el
   "MOVED"           takeover or handoff: the execution has another owner than the one
                     expected
   "NOTDUE"          expire: the deadline has not passed
+  "MODE <mode>"     ARGV[1] names no transition
 A new owner token in `owner` fences the previous owner out of append.lua.
 ]]
 
 local meta = KEYS[1]
 local mode, token = ARGV[1], ARGV[2]
 local lease = tonumber(ARGV[3])
-local time = redis.call("TIME")
-local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local now = now_ms()
 
 local state = redis.call("HMGET", meta, "status", "lastId", "owner", "leaseUntil",
   "pauseBlock", "pauseDeadline", "epoch", "reserved", "handoff", "recoveries",

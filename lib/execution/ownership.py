@@ -39,7 +39,7 @@ from typing import Any, cast
 import orjson
 from redis.exceptions import ResponseError
 
-from lib.backend import load_script, translated
+from lib.backend import register, translated
 from lib.errors import BufferUnavailable, Conflict, NotFound
 from lib.execution.buffer import EventBuffer
 
@@ -104,11 +104,11 @@ class Ownership:
         self.lease_ms = int(lease_seconds * 1000)
         self.settle_seconds = 2 * lease_seconds
         package = __package__
-        self._claim = self.redis.register_script(load_script(package, "claim.lua"))
-        self._renew = self.redis.register_script(load_script(package, "renew.lua"))
-        self._admit = self.redis.register_script(load_script(package, "admit.lua"))
-        self._watch = self.redis.register_script(load_script(package, "watch.lua"))
-        self._store = self.redis.register_script(load_script(package, "store.lua"))
+        self._claim = register(self.redis, package, "claim.lua")
+        self._renew = register(self.redis, package, "renew.lua")
+        self._admit = register(self.redis, package, "admit.lua")
+        self._watch = register(self.redis, package, "watch.lua")
+        self._store = register(self.redis, package, "store.lua")
 
     def new_fence(self, node: str) -> str:
         return f"{node}:{secrets.token_hex(8)}"

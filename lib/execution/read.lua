@@ -11,9 +11,10 @@ ARGV[2]  the most events to return
 
 Returns {entries, metaFields, droppedRanges}: entries as XRANGE gives them, the hash as
 HGETALL gives it (empty when the execution does not exist), and every dropped range as
-"<from>-<to>". One script rather than MULTI so it also runs on Redis Cluster. Flagged
-no-writes (the first line): it runs while writes are paused (CLIENT PAUSE … WRITE, a
-failover), so stream opens and replays go on.
+"<from>-<to>", in order; no error reply of its own. One script rather than MULTI so it
+also runs on Redis Cluster. Flagged no-writes (the first line, kept first when the
+prelude is added): it runs while writes are paused (CLIENT PAUSE … WRITE, a failover),
+so stream opens and replays go on.
 ]]
 
 -- An exclusive start built from the cursor's own digits: Lua would print a large number

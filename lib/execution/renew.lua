@@ -7,10 +7,12 @@ ARGV[2]  the owner's epoch
 ARGV[3]  lease length in milliseconds
 ARGV[4]  the last id the owner stored (0 if unknown)
 
-Returns {cancelRequested ("1" or "0"), leaseUntil} or an error reply:
+Returns {cancelRequested ("1" or "0"), leaseUntil} (the lease end it stored, in ms) or
+an error reply:
   "GONE"    the metadata does not exist (the store came back empty): the owner's
             writer recreates it
-  "FENCED"  another owner with the same or a later epoch holds the execution
+  "FENCED"  another owner with the same or a later epoch holds the execution, or it
+            was handed off (no owner) at such an epoch
   "BEHIND"  the stored last id is below what the owner stored: the store lost writes
             (an older snapshot); the owner's writer writes them back (as for GONE).
             The lease is renewed first.
@@ -28,11 +30,9 @@ if state[1] ~= token then
   if (tonumber(state[2]) or 0) >= epoch then
     return redis.error_reply("FENCED")
   end
-  redis.call("HSET", meta, "owner", token, "epoch", epoch, "status", "running",
-    "pauseBlock", "", "pauseDeadline", "")
+  take_back(meta, token, epoch)
 end
-local time = redis.call("TIME")
-local until_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000) + tonumber(ARGV[3])
+local until_ms = now_ms() + tonumber(ARGV[3])
 redis.call("HSET", meta, "leaseUntil", until_ms)
 if (tonumber(state[4]) or 0) < (tonumber(ARGV[4]) or 0) then
   return redis.error_reply("BEHIND")

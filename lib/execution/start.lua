@@ -6,44 +6,41 @@ KEYS[2]  the execution's run state       fc:{<eid>}:state
 ARGV[1]  the caller's fencing token
 ARGV[2]  lease length in milliseconds
 ARGV[3]  TTL in seconds while the execution is not finished
-ARGV[4]  n, the number of run state field/value pairs that follow (the workflow
+ARGV[4]  the execution id (the `id` of the row published on ARGV[5])
+ARGV[5]  the status channel  fc:status  (pub/sub, not a key)
+ARGV[6]  n, the number of run state field/value pairs that follow (the workflow
          version and the input: what a recovery needs, there from the start)
-ARGV[5 .. 4+2n]  run state fields and values
-ARGV[5+2n ..]    metadata field/value pairs: workflowId, tenant, createdAt, updatedAt, …
+ARGV[7 .. 6+2n]  run state fields and values (the run state is written, and given the
+                 TTL, only when n > 0)
+ARGV[7+2n ..]    metadata field/value pairs: workflowId, tenant, createdAt, updatedAt, …
 
-Publishes the new execution's list row on "<prefix>:status" as JSON {"id", "tenant",
-"workflowId", "status", "createdAt", "updatedAt", "lastEventId": 0} (the live lists; see
-append.lua for the other status changes), best effort: a refused PUBLISH is no error.
+Publishes the new execution's list row on ARGV[5] as JSON {"id", "tenant",
+"workflowId", "status": "running", "createdAt", "updatedAt", "lastEventId": 0} (the live
+lists; see append.lua for the other status changes), only when the metadata names a
+tenant, and best effort: a refused PUBLISH is no error.
 
-Returns the lease end in milliseconds. The execution starts `running` at epoch 1.
+Returns the lease end in milliseconds. The execution starts `running` at epoch 1, with
+no events (lastId, firstId, bytes, count and reserved 0). No error reply of its own.
 ]]
 
 local meta = KEYS[1]
-local time = redis.call("TIME")
-local until_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000) + tonumber(ARGV[2])
-local n = tonumber(ARGV[4])
+local until_ms = now_ms() + tonumber(ARGV[2])
+local n = tonumber(ARGV[6])
 local fields = {"owner", ARGV[1], "epoch", 1, "leaseUntil", until_ms, "status", "running",
   "lastId", 0, "firstId", 0, "bytes", 0, "count", 0, "reserved", 0}
-for i = 5 + 2 * n, #ARGV do
+for i = 7 + 2 * n, #ARGV do
   fields[#fields + 1] = ARGV[i]
 end
 redis.call("HSET", meta, unpack(fields))
 redis.call("EXPIRE", meta, ARGV[3])
 if n > 0 then
   local state = {}
-  for i = 5, 4 + 2 * n do
+  for i = 7, 6 + 2 * n do
     state[#state + 1] = ARGV[i]
   end
   redis.call("HSET", KEYS[2], unpack(state))
   redis.call("EXPIRE", KEYS[2], ARGV[3])
 end
-local row = redis.call("HMGET", meta, "tenant", "workflowId", "createdAt", "updatedAt")
-if row[1] then
-  -- With pcall: the execution exists by now, and a refused PUBLISH (an ACL without the
-  -- channel) must not answer "failed" for it (the lists read the store again anyway).
-  local prefix, eid = string.match(meta, "^(.*):{(.*)}:meta$")
-  redis.pcall("PUBLISH", prefix .. ":status", cjson.encode({id = eid, tenant = row[1],
-    workflowId = row[2] or "", status = "running", createdAt = row[3] or "",
-    updatedAt = row[4] or "", lastEventId = 0}))
-end
+-- The execution exists by now: a refused PUBLISH must not answer "failed" for it.
+publish_row(meta, ARGV[5], ARGV[4], "running", 0)
 return until_ms

@@ -7,14 +7,14 @@ KEYS[1]  fc:store  (hash: runId, settleUntil)
 ARGV[1]  the identity of the server(s) answering now (run ids)
 ARGV[2]  how long to settle after a change, in milliseconds
 
-Returns the milliseconds left to settle (0: claims and janitors may go on). A store
-without the key is new or came back empty: nothing in it can have been forgotten (an
-execution it lost is gone, and only its owner may bring it back), so it has nothing
-to settle.
+Returns the milliseconds left to settle (0: claims and janitors may go on): ARGV[2]
+when the identity just changed, what is left of that settle while it has not; no error
+reply of its own. A store without the key is new or came back empty: nothing in it can
+have been forgotten (an execution it lost is gone, and only its owner may bring it
+back), so it has nothing to settle (0, and the identity is recorded).
 ]]
 
-local time = redis.call("TIME")
-local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local now = now_ms()
 local known = redis.call("HMGET", KEYS[1], "runId", "settleUntil")
 if not known[1] then
   redis.call("HSET", KEYS[1], "runId", ARGV[1], "settleUntil", 0)

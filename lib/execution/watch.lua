@@ -7,13 +7,14 @@ KEYS[1]  the watch list: fc:leases ("<eid> <fence>" by lease end),
 ARGV[1]  "add": ARGV[2] member, ARGV[3] milliseconds from now, ARGV[4] (optional) a
                 member it replaces, removed in the same step; returns the score
          "refresh": the same, but only for a member still listed (a renewal that
-                arrives after its run left must not list it again)
+                arrives after its run left must not list it again); the score is
+                returned, and ARGV[4] removed, whether or not the member was listed
          "due": ARGV[2] the most members to return; returns the members whose score
-                has passed
+                has passed (at most now), lowest first. Any other ARGV[1] reads as "due".
+No error reply of its own.
 ]]
 
-local time = redis.call("TIME")
-local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local now = now_ms()
 if ARGV[1] == "add" or ARGV[1] == "refresh" then
   local score = now + tonumber(ARGV[3])
   if ARGV[1] == "refresh" then

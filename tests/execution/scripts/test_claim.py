@@ -1,0 +1,282 @@
+"""claim.lua's contract on a real Valkey: each transition's reply and every refusal
+(NOEXEC, STATUS, BLOCK, LEASE, MOVED, NOTDUE, MODE), each refusal writing nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+
+from lib.backend import Keys
+from tests.execution.scripts.contract import now_ms, refusal, script
+
+OWNER, NEW = "node-a:1111", "node-b:2222"
+LEASE_MS = 15_000
+FAR = 10**13  # a lease or deadline that has not passed
+
+
+async def execution(redis: Redis, keys: Keys, eid: str, **fields: Any) -> None:
+    """An execution 5 events in, 9 ids reserved, owned by OWNER at epoch 2."""
+    base = {"status": "running", "owner": OWNER, "epoch": 2, "lastId": 5, "reserved": 9}
+    await redis.hset(keys.meta(eid), mapping={"leaseUntil": FAR, **base, **fields})
+
+
+def claim(
+    redis: Redis,
+    keys: Keys,
+    eid: str,
+    mode: str,
+    token: str = NEW,
+    *,
+    argument: str = "",
+    handoff_only: bool = False,
+    answer: str = "",
+) -> Any:
+    args = [mode, token, LEASE_MS, argument, "handoff" if handoff_only else "", answer]
+    return script(redis, "claim.lua")(keys=[keys.meta(eid), keys.state(eid)], args=args)
+
+
+async def meta(redis: Redis, keys: Keys, eid: str) -> dict[str, str]:
+    raw = await redis.hgetall(keys.meta(eid))
+    return {name.decode(): value.decode() for name, value in raw.items()}
+
+
+async def assert_owned_by_new(redis: Redis, keys: Keys, eid: str, before_ms: int) -> None:
+    """The fields every winning claim sets: the caller owns it, running, one epoch on."""
+    stored = await meta(redis, keys, eid)
+    after_ms = await now_ms(redis, keys.meta(eid))
+    assert before_ms + LEASE_MS <= int(stored["leaseUntil"]) <= after_ms + LEASE_MS
+    assert (stored["owner"], stored["epoch"], stored["status"]) == (NEW, "3", "running")
+    assert (stored["pauseBlock"], stored["pauseDeadline"], stored["reserved"]) == ("", "", "9")
+    assert "handoff" not in stored
+
+
+async def test_resume_gives_a_paused_execution_to_the_caller_with_the_answer(
+    redis: Redis, keys: Keys, eid: str
+) -> None:
+    await execution(
+        redis, keys, eid, status="paused", owner="", pauseBlock="q", pauseDeadline=FAR,
+        cancelRequested="1", recoveries=2, crashes=1,
+    )  # fmt: skip
+    before = await now_ms(redis, keys.meta(eid))
+    reply = await claim(redis, keys, eid, "resume", argument="q", answer='{"ok": true}')
+    assert reply == [5, 9, b"paused", NEW.encode(), 3, 2, b"", 1]
+    await assert_owned_by_new(redis, keys, eid, before)
+    assert "cancelRequested" not in await meta(redis, keys, eid)
+    assert await redis.hgetall(keys.state(eid)) == {b"a:q": b'{"ok": true}'}
+
+
+async def test_resume_of_whichever_block_without_an_answer_writes_no_run_state(
+    redis: Redis, keys: Keys, eid: str
+) -> None:
+    await execution(redis, keys, eid, status="paused", pauseBlock="q")
+    reply = await claim(redis, keys, eid, "resume")
+    assert reply[2:5] == [b"paused", NEW.encode(), 3]
+    assert await redis.exists(keys.state(eid)) == 0
+
+
+async def test_a_claim_sent_again_answers_as_the_first_did(
+    redis: Redis, keys: Keys, eid: str
+) -> None:
+    await execution(redis, keys, eid, status="paused", pauseBlock="q")
+    first = await claim(redis, keys, eid, "resume", argument="q")
+    assert await claim(redis, keys, eid, "resume", argument="q") == first
+
+
+async def test_a_resume_sent_again_answers_with_the_stored_recovery_reason(
+    redis: Redis, keys: Keys, eid: str
+) -> None:
+    """As the header says; only a takeover's caller reads the reason (runner.py)."""
+    await execution(redis, keys, eid, status="paused", recoveryReason="worker_lost")
+    first = await claim(redis, keys, eid, "resume")
+    again = await claim(redis, keys, eid, "resume")
+    assert first[6] == b"" and again[6] == b"worker_lost"
+    assert again[:6] == first[:6] and again[7] == first[7]
+
+
+async def test_a_handoff_sent_again_is_refused_as_moved(redis: Redis, keys: Keys, eid: str) -> None:
+    await execution(redis, keys, eid)
+    await claim(redis, keys, eid, "handoff", OWNER)
+    assert await refusal(claim(redis, keys, eid, "handoff", OWNER)) == "MOVED"
+
+
+async def test_cancel_of_a_running_execution_only_flags_it_for_its_owner(
+    redis: Redis, keys: Keys, eid: str
+) -> None:
+    await execution(redis, keys, eid, recoveries=1, crashes=1)
+    before = await meta(redis, keys, eid)
+    reply = await claim(redis, keys, eid, "cancel")
+    assert reply == [5, 9, b"running", OWNER.encode(), 2, 1, b"", 1]
+    assert await meta(redis, keys, eid) == {**before, "cancelRequested": "1"}
+
+
+async def test_cancel_of_a_paused_execution_gives_it_to_the_caller_flagged(
+    redis: Redis, keys: Keys, eid: str
+) -> None:
+    await execution(redis, keys, eid, status="paused", owner="", pauseBlock="q")
+    before = await now_ms(redis, keys.meta(eid))
+    reply = await claim(redis, keys, eid, "cancel")
+    assert reply == [5, 9, b"paused", NEW.encode(), 3, 0, b"", 0]
+    await assert_owned_by_new(redis, keys, eid, before)
+    assert (await meta(redis, keys, eid))["cancelRequested"] == "1"
+
+
+@pytest.mark.parametrize("expected", [OWNER, ""])
+async def test_takeover_past_the_lease_is_a_crash_that_keeps_a_requested_cancel(
+    redis: Redis, keys: Keys, eid: str, expected: str
+) -> None:
+    past = await now_ms(redis, keys.meta(eid)) - 1
+    await execution(redis, keys, eid, leaseUntil=past, cancelRequested="1", recoveries=1, crashes=2)
+    before = await now_ms(redis, keys.meta(eid))
+    reply = await claim(redis, keys, eid, "takeover", argument=expected)
+    assert reply == [5, 9, b"running", NEW.encode(), 3, 2, b"worker_lost", 3]
+    await assert_owned_by_new(redis, keys, eid, before)
+    stored = await meta(redis, keys, eid)
+    assert (stored["recoveryReason"], stored["crashes"], stored["cancelRequested"]) == (
+        "worker_lost", "3", "1",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("handoff_only", [False, True])
+async def test_takeover_of_a_handed_off_execution_is_no_crash(
+    redis: Redis, keys: Keys, eid: str, handoff_only: bool
+) -> None:
+    await execution(redis, keys, eid, owner="", handoff=OWNER, leaseUntil=0, crashes=1)
+    before = await now_ms(redis, keys.meta(eid))
+    reply = await claim(redis, keys, eid, "takeover", argument=OWNER, handoff_only=handoff_only)
+    assert reply == [5, 9, b"running", NEW.encode(), 3, 1, b"handoff", 1]
+    await assert_owned_by_new(redis, keys, eid, before)
+    assert (await meta(redis, keys, eid))["recoveryReason"] == "handoff"
+
+
+async def test_a_takeover_sent_again_answers_with_the_recovery_it_started(
+    redis: Redis, keys: Keys, eid: str
+) -> None:
+    await execution(redis, keys, eid, leaseUntil=0, recoveries=1)
+    first = await claim(redis, keys, eid, "takeover", argument=OWNER)
+    assert first[5:7] == [2, b"worker_lost"]
+    assert await claim(redis, keys, eid, "takeover", argument=OWNER) == first
+
+
+async def test_handoff_lets_go_of_the_callers_execution(redis: Redis, keys: Keys, eid: str) -> None:
+    await execution(redis, keys, eid, recoveries=1, crashes=1)
+    reply = await claim(redis, keys, eid, "handoff", OWNER)
+    assert reply == [5, 9, b"running", b"", 2, 1, b"handoff", 1]
+    stored = await meta(redis, keys, eid)
+    assert (stored["owner"], stored["handoff"], stored["leaseUntil"]) == ("", OWNER, "0")
+    assert (stored["status"], stored["epoch"]) == ("running", "2")
+
+
+async def test_expire_gives_a_pause_past_its_deadline_to_the_caller(
+    redis: Redis, keys: Keys, eid: str
+) -> None:
+    past = await now_ms(redis, keys.meta(eid)) - 1
+    await execution(redis, keys, eid, status="paused", pauseBlock="q", pauseDeadline=past)
+    before = await now_ms(redis, keys.meta(eid))
+    reply = await claim(redis, keys, eid, "expire")
+    assert reply == [5, 9, b"paused", NEW.encode(), 3, 0, b"", 0]
+    await assert_owned_by_new(redis, keys, eid, before)
+
+
+async def test_the_base_is_the_last_id_when_nothing_was_reserved_above_it(
+    redis: Redis, keys: Keys, eid: str
+) -> None:
+    await execution(redis, keys, eid, lastId=12, reserved=3, leaseUntil=0)
+    reply = await claim(redis, keys, eid, "takeover")
+    assert reply[:2] == [12, 12]
+    assert (await meta(redis, keys, eid))["reserved"] == "12"
+
+
+@pytest.mark.parametrize("mode", ["resume", "cancel", "takeover", "handoff", "expire"])
+async def test_noexec_for_an_execution_that_does_not_exist(
+    redis: Redis, keys: Keys, eid: str, mode: str
+) -> None:
+    assert await refusal(claim(redis, keys, eid, mode)) == "NOEXEC"
+    assert await redis.exists(keys.meta(eid), keys.state(eid)) == 0
+
+
+@pytest.mark.parametrize(
+    ("status", "mode"),
+    [
+        ("running", "resume"),
+        ("completed", "cancel"),
+        ("paused", "takeover"),
+        ("paused", "handoff"),
+        ("running", "expire"),
+    ],
+)
+async def test_status_names_a_state_the_transition_does_not_apply_to(
+    redis: Redis, keys: Keys, eid: str, status: str, mode: str
+) -> None:
+    await execution(redis, keys, eid, status=status, leaseUntil=0, pauseDeadline=0)
+    before = await meta(redis, keys, eid)
+    assert await refusal(claim(redis, keys, eid, mode, OWNER + "x")) == f"STATUS {status}"
+    assert await meta(redis, keys, eid) == before
+
+
+async def test_block_names_the_block_the_execution_is_paused_at(
+    redis: Redis, keys: Keys, eid: str
+) -> None:
+    await execution(redis, keys, eid, status="paused", pauseBlock="q")
+    before = await meta(redis, keys, eid)
+    refused = await refusal(claim(redis, keys, eid, "resume", argument="r", answer="{}"))
+    assert refused == "BLOCK q"
+    assert await meta(redis, keys, eid) == before
+    assert await redis.exists(keys.state(eid)) == 0
+
+
+@pytest.mark.parametrize("handoff_only", [False, True])
+async def test_lease_refuses_a_takeover_while_the_owner_holds_it(
+    redis: Redis, keys: Keys, eid: str, handoff_only: bool
+) -> None:
+    """A live lease, or (handoff_only) any lease at all unless it was handed off."""
+    await execution(redis, keys, eid, leaseUntil=0 if handoff_only else FAR)
+    before = await meta(redis, keys, eid)
+    refused = await refusal(
+        claim(redis, keys, eid, "takeover", argument=OWNER, handoff_only=handoff_only)
+    )
+    assert refused == "LEASE"
+    assert await meta(redis, keys, eid) == before
+
+
+@pytest.mark.parametrize(
+    ("fields", "mode", "token", "expected"),
+    [
+        ({"leaseUntil": 0}, "takeover", NEW, "node-c:3333"),
+        ({"owner": "", "handoff": OWNER, "leaseUntil": 0}, "takeover", NEW, "node-c:3333"),
+        ({}, "handoff", NEW, ""),
+    ],
+    ids=["expired-lease-of-another", "handed-off-by-another", "handoff-by-a-non-owner"],
+)
+async def test_moved_when_the_execution_has_another_owner_than_expected(
+    redis: Redis,
+    keys: Keys,
+    eid: str,
+    fields: dict[str, Any],
+    mode: str,
+    token: str,
+    expected: str,
+) -> None:
+    await execution(redis, keys, eid, **fields)
+    before = await meta(redis, keys, eid)
+    assert await refusal(claim(redis, keys, eid, mode, token, argument=expected)) == "MOVED"
+    assert await meta(redis, keys, eid) == before
+
+
+@pytest.mark.parametrize("deadline", [FAR, None])
+async def test_notdue_before_the_deadline_or_without_one(
+    redis: Redis, keys: Keys, eid: str, deadline: int | None
+) -> None:
+    fields = {} if deadline is None else {"pauseDeadline": deadline}
+    await execution(redis, keys, eid, status="paused", pauseBlock="q", **fields)
+    before = await meta(redis, keys, eid)
+    assert await refusal(claim(redis, keys, eid, "expire")) == "NOTDUE"
+    assert await meta(redis, keys, eid) == before
+
+
+async def test_mode_names_a_transition_there_is_not(redis: Redis, keys: Keys, eid: str) -> None:
+    await execution(redis, keys, eid)
+    before = await meta(redis, keys, eid)
+    assert await refusal(claim(redis, keys, eid, "adopt")) == "MODE adopt"
+    assert await meta(redis, keys, eid) == before
