@@ -220,7 +220,9 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
             )
         )
         open_streams = await stack.enter_async_context(
-            OpenStreams(ping_seconds=settings.sse_ping_seconds)
+            OpenStreams(
+                ping_seconds=settings.sse_ping_seconds, max_seconds=settings.sse_max_seconds
+            )
         )
         metrics.watch(
             pending=runner.pending_events,
