@@ -8,7 +8,10 @@ stream would otherwise need are one ticker per process (:class:`OpenStreams`): i
 idle streams their heartbeat and, once uvicorn is told to exit, ends every stream at
 a frame boundary so EventSource reconnects (to another replica) with Last-Event-ID; a
 stream still open ``grace_seconds`` later (its client stopped reading, so a write waits)
-is cancelled, so shutdown never waits on a client.
+is cancelled, so shutdown never waits on a client. The connection's time cap
+(``FLOWCAST_SSE_MAX_SECONDS``) is kept here too, one timer per stream whatever its
+reader: at the cap the reader is closed, the body ends at a frame boundary as at a
+shutdown, and EventSource reconnects with Last-Event-ID.
 
 sse-starlette's ``EventSourceResponse`` runs four tasks per stream and a cancel scope
 around every write; at thousands of streams that was most of the server's CPU and
@@ -112,6 +115,8 @@ class EventStream(Response):
             self._send = send
             leaving = loop.create_task(self._watch(receive))
             self._streams.add(self)
+            cap = self._streams.max_seconds
+            capped = None if cap is None else loop.call_later(cap, self.reader.close)
             try:
                 async with contextlib.aclosing(self.reader.frames()) as frames:
                     async for chunk in frames:
@@ -131,6 +136,8 @@ class EventStream(Response):
             finally:
                 self._streams.discard(self)
                 leaving.cancel()
+                if capped is not None:
+                    capped.cancel()
                 if self._aside is not None:
                     self._aside.cancel()
         finally:
@@ -196,17 +203,20 @@ class EventStream(Response):
 class OpenStreams:
     """The process's open SSE streams, and the one ticker that keeps them: a heartbeat
     on each stream idle for ``ping_seconds``, and the end of all of them once the server
-    is exiting (``exiting`` is asked every tick)."""
+    is exiting (``exiting`` is asked every tick). Each stream ends ``max_seconds`` after
+    it began (the connection's time cap; none when ``None``)."""
 
     def __init__(
         self,
         *,
         ping_seconds: float,
+        max_seconds: float | None = None,
         tick_seconds: float = TICK_SECONDS,
         grace_seconds: float = GRACE_SECONDS,
         exiting: Callable[[], bool] = server_exiting,
     ) -> None:
         self.ping_seconds = ping_seconds
+        self.max_seconds = max_seconds
         self._tick = min(tick_seconds, ping_seconds / 2)
         self._exiting = exiting
         self._open: set[EventStream] = set()

@@ -76,7 +76,6 @@ async def live_list(
         feed=svc.hub.statuses,
         tenant=tenant_id,
         wanted=wanted,
-        max_seconds=svc.settings.sse_max_seconds,
         stream_token=svc.tokens.issue if svc.keys.enabled else None,
     )
     try:

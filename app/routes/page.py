@@ -16,14 +16,28 @@ from lib.errors import NotFound
 
 router = APIRouter(include_in_schema=False)
 
+_JS = "text/javascript; charset=utf-8"
 _ASSETS = {
     "index.html": "text/html; charset=utf-8",
-    "page.js": "text/javascript; charset=utf-8",
-    "list.js": "text/javascript; charset=utf-8",
     "page.css": "text/css; charset=utf-8",
-    "graph.js": "text/javascript; charset=utf-8",
-    "graph-layout.js": "text/javascript; charset=utf-8",
     "graph.css": "text/css; charset=utf-8",
+    "page.js": _JS,
+    "list.js": _JS,
+    "api.js": _JS,
+    "dom.js": _JS,
+    "events.js": _JS,
+    "format.js": _JS,
+    "forms.js": _JS,
+    "keys.js": _JS,
+    "launch.js": _JS,
+    "panel.js": _JS,
+    "pause.js": _JS,
+    "routing.js": _JS,
+    "timeline.js": _JS,
+    "values.js": _JS,
+    "watch.js": _JS,
+    "graph.js": _JS,
+    "graph-layout.js": _JS,
 }
 # Everything the page loads comes from this server; values are shown as text, never markup.
 _HEADERS = {

@@ -72,7 +72,6 @@ def _reader(svc: Services, execution_id: str, cursor: int) -> StreamReader:
         hub=svc.hub,
         execution_id=execution_id,
         cursor=cursor,
-        max_seconds=svc.settings.sse_max_seconds,
     )
 
 

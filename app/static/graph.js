@@ -4,12 +4,14 @@
 // Plain SVG with the layered layout of graph-layout.js: no library and no build step. Pan
 // with a drag, zoom with the wheel or the buttons, "Fit" for the whole graph.
 //
-// page.js owns the run. It builds one FlowGraph, calls reset() when it attaches to an
-// execution and apply(event) for every event; the graph loads the workflow's definition
-// by itself (through the `load` it is given) and calls `select(blockId)` on a click.
-"use strict";
+// page.js builds one FlowGraph; watch.js, which owns the run, calls reset() when it
+// attaches to an execution and apply(event) for every event; the graph loads the
+// workflow's definition by itself (through the `load` it is given) and calls
+// `select(blockId)` on a click.
 
-class FlowGraph {
+import { LAYOUT, cutText, layoutWorkflow } from "./graph-layout.js";
+
+export class FlowGraph {
   static PAD = 16;
   static FAR = 0.5; // below this zoom the text goes and only shapes and icons stay
   static PENDING = Object.freeze({ status: "pending", attempt: 0, type: "", rerun: false });
@@ -226,7 +228,6 @@ class FlowGraph {
   // ---------------------------------------------------------------- drawing
 
   draw(workflow) {
-    const { NODE_W, NODE_H } = LAYOUT;
     const { PAD } = FlowGraph;
     const placed = layoutWorkflow(workflow);
     this.drawing.replaceChildren();
@@ -235,54 +236,9 @@ class FlowGraph {
     const edges = this.el("g", { class: "graph-edges" });
     const labels = this.el("g", { class: "graph-labels" });
     const nodes = this.el("g", { class: "graph-nodes" });
-
-    for (const edge of placed.edges) {
-      const path = this.el("path", { d: edge.d, class: "graph-edge", "marker-end": "url(#graph-arrow)", "data-from": edge.from, "data-to": edge.to });
-      edges.append(path);
-      if (!this.incoming.has(edge.to)) this.incoming.set(edge.to, []);
-      this.incoming.get(edge.to).push(path);
-      if (edge.when) {
-        const shown = cutText(edge.when, LAYOUT.LABEL_CHARS);
-        const width = shown.length * LAYOUT.CHAR_W + 10;
-        const label = this.el("g", { class: "graph-label", transform: `translate(${edge.label.x} ${edge.label.y})`, "data-to": edge.to },
-          this.el("title"),
-          this.el("rect", { x: -width / 2, y: -9, width, height: 18, rx: 4 }),
-          this.text(0, 4, shown, "graph-when"));
-        label.firstChild.textContent = `when ${edge.when}`;
-        labels.append(label);
-        this.incoming.get(edge.to).push(label);
-      }
-    }
-
+    for (const edge of placed.edges) this.drawEdge(edge, edges, labels);
     for (const node of placed.nodes) {
-      const group = this.el("g", {
-        class: "graph-node", transform: `translate(${node.x} ${node.y})`, tabindex: 0, role: "button",
-        "data-block-id": node.id, "data-status": "pending",
-      });
-      const title = this.el("title");
-      const box = this.el("rect", { width: NODE_W, height: NODE_H, rx: 8, class: "graph-box" });
-      const icon = this.el("use", { href: "#graph-icon-pending", x: 10, y: 8, width: 16, height: 16, class: "graph-icon" });
-      const name = this.text(34, 20, cutText(node.id, 19), "graph-name");
-      const line = this.text(34, 36, "", "graph-state");
-      group.append(title, box, icon, name, line);
-      const open = () => {
-        for (const other of this.drawing.querySelectorAll(".graph-node.selected")) other.classList.remove("selected");
-        group.classList.add("selected");
-        const shown = this.select(node.id);
-        this.note(shown ? this.strangerNote() : `${node.id} has not run yet: it has no row in the timeline.`);
-      };
-      group.addEventListener("click", (event) => {
-        if (!this.dragged) open();
-        event.stopPropagation();
-      });
-      group.addEventListener("keydown", (event) => {
-        if (event.key === "Enter" || event.key === " ") {
-          event.preventDefault();
-          open();
-        }
-      });
-      nodes.append(group);
-      this.nodes.set(node.id, { group, title, icon, line, type: node.type });
+      nodes.append(this.drawNode(node));
       this.paint(node.id, this.states.get(node.id) || FlowGraph.PENDING);
     }
 
@@ -297,6 +253,58 @@ class FlowGraph {
     this.svg.style.height = `${Math.round(Math.min(460, Math.max(120, this.size.height)))}px`;
     this.moved = false;
     this.fit();
+  }
+
+  /** An edge's path into `edges`, and its condition's label (if any) into `labels`. */
+  drawEdge(edge, edges, labels) {
+    const path = this.el("path", { d: edge.d, class: "graph-edge", "marker-end": "url(#graph-arrow)", "data-from": edge.from, "data-to": edge.to });
+    edges.append(path);
+    if (!this.incoming.has(edge.to)) this.incoming.set(edge.to, []);
+    this.incoming.get(edge.to).push(path);
+    if (edge.when) {
+      const shown = cutText(edge.when, LAYOUT.LABEL_CHARS);
+      const width = shown.length * LAYOUT.CHAR_W + 10;
+      const label = this.el("g", { class: "graph-label", transform: `translate(${edge.label.x} ${edge.label.y})`, "data-to": edge.to },
+        this.el("title"),
+        this.el("rect", { x: -width / 2, y: -9, width, height: 18, rx: 4 }),
+        this.text(0, 4, shown, "graph-when"));
+      label.firstChild.textContent = `when ${edge.when}`;
+      labels.append(label);
+      this.incoming.get(edge.to).push(label);
+    }
+  }
+
+  /** A block's node, which opens the block's timeline row on a click or a key. */
+  drawNode(node) {
+    const { NODE_W, NODE_H } = LAYOUT;
+    const group = this.el("g", {
+      class: "graph-node", transform: `translate(${node.x} ${node.y})`, tabindex: 0, role: "button",
+      "data-block-id": node.id, "data-status": "pending",
+    });
+    const title = this.el("title");
+    const box = this.el("rect", { width: NODE_W, height: NODE_H, rx: 8, class: "graph-box" });
+    const icon = this.el("use", { href: "#graph-icon-pending", x: 10, y: 8, width: 16, height: 16, class: "graph-icon" });
+    const name = this.text(34, 20, cutText(node.id, 19), "graph-name");
+    const line = this.text(34, 36, "", "graph-state");
+    group.append(title, box, icon, name, line);
+    const open = () => {
+      for (const other of this.drawing.querySelectorAll(".graph-node.selected")) other.classList.remove("selected");
+      group.classList.add("selected");
+      const shown = this.select(node.id);
+      this.note(shown ? this.strangerNote() : `${node.id} has not run yet: it has no row in the timeline.`);
+    };
+    group.addEventListener("click", (event) => {
+      if (!this.dragged) open();
+      event.stopPropagation();
+    });
+    group.addEventListener("keydown", (event) => {
+      if (event.key === "Enter" || event.key === " ") {
+        event.preventDefault();
+        open();
+      }
+    });
+    this.nodes.set(node.id, { group, title, icon, line, type: node.type });
+    return group;
   }
 
   paint(blockId, state) {

@@ -39,7 +39,6 @@ import asyncio
 import bisect
 import contextlib
 import logging
-import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
@@ -253,7 +252,6 @@ class ListReader:
         feed: StatusFeed,
         tenant: str,
         wanted: ListFilter,
-        max_seconds: float | None = None,
         stream_token: Callable[[str], str] | None = None,
         retry_base_seconds: float = 0.2,
         retry_max_seconds: float = 5.0,
@@ -271,7 +269,6 @@ class ListReader:
         self._shown: dict[str, Row] = {}
         self.finished = False  # a list never finishes; it is closed
         self.closed = False
-        self._deadline = None if max_seconds is None else time.monotonic() + max_seconds
 
     async def open(self) -> None:
         """Register for changes, then read the list (BufferUnavailable if Redis is down).
@@ -297,17 +294,12 @@ class ListReader:
             self._watch.close()
 
     async def frames(self) -> AsyncGenerator[bytes]:
-        """SSE frames until closed (the client left, the server stops, the time cap)."""
-        timer = None
-        if self._deadline is not None:
-            delay = max(self._deadline - time.monotonic(), 0)
-            timer = asyncio.get_running_loop().call_later(delay, self.close)
+        """SSE frames until closed (the client left, the server stops, the connection's
+        time cap in ``app/sse.py``)."""
         try:
             async for chunk in self._frames():
                 yield chunk
         finally:
-            if timer is not None:
-                timer.cancel()
             self.detach()
 
     async def _frames(self) -> AsyncIterator[bytes]:

@@ -15,7 +15,6 @@ whatever its id. An execution that disappears from the store ends the stream.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
@@ -52,7 +51,6 @@ class StreamReader:
         hub: Hub,
         execution_id: str,
         cursor: int,
-        max_seconds: float | None = None,
     ) -> None:
         self._buffer = buffer
         self._hub = hub
@@ -64,7 +62,6 @@ class StreamReader:
         self.closed = False
         self._subscription: Subscription | None = None
         self._attached: tuple[Subscription, list[Event], Page] | None = None
-        self._deadline = None if max_seconds is None else time.monotonic() + max_seconds
 
     async def open(self) -> ExecutionMeta:
         """Attach and read the first page now, in that order (so nothing falls between
@@ -98,20 +95,9 @@ class StreamReader:
             self._subscription.close()
 
     async def frames(self) -> AsyncGenerator[bytes]:
-        """SSE frames until the terminal event (or the connection's time cap, or close)."""
-        timer = None
-        if self._deadline is not None:
-            delay = max(self._deadline - time.monotonic(), 0)
-            timer = asyncio.get_running_loop().call_later(delay, self.close)
-        try:
-            async for chunk in self._frames():
-                yield chunk
-        finally:
-            if timer is not None:
-                timer.cancel()
-
-    async def _frames(self) -> AsyncIterator[bytes]:
-        while not self.finished and not self.closed and not self._expired():
+        """SSE frames until the terminal event, or until closed (the client left, the
+        server stops, the connection's time cap in ``app/sse.py``)."""
+        while not self.finished and not self.closed:
             page: Page | None = None
             if self._attached is not None:
                 (subscription, unstored, page), self._attached = self._attached, None
@@ -146,9 +132,6 @@ class StreamReader:
             finally:
                 self._hub.unsubscribe(subscription)
 
-    def _expired(self) -> bool:
-        return self._deadline is not None and time.monotonic() >= self._deadline
-
     async def _replay(self, unstored: list[Event], first: Page | None) -> AsyncIterator[bytes]:
         while not self.finished:
             page, first = first, None
@@ -162,7 +145,7 @@ class StreamReader:
                 yield chunk
             if page.meta.finished and self.last_sent >= page.meta.last_id:
                 self.finished = True  # the cursor is at or past the terminal event
-            if len(page.events) < REPLAY_PAGE or self._expired():
+            if len(page.events) < REPLAY_PAGE or self.closed:
                 break
         if not self.finished and unstored:
             chunk = await self._accept_live(unstored)
@@ -179,7 +162,7 @@ class StreamReader:
                 yield chunk
 
     async def _wait(self, subscription: Subscription) -> list[Event] | None:
-        # The time cap is one timer per connection (see frames), not one per wait.
+        # The time cap is one timer per connection (app/sse.py closes us), not one per wait.
         batch = await subscription.wait()
         # Closed: the server shuts down, or the hub found the execution gone.
         return None if (self.closed or subscription.closed) and not batch else batch

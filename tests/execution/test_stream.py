@@ -116,9 +116,10 @@ async def test_readers_on_another_process_follow_the_stored_log_without_polling(
         assert envelopes[-1]["id"] == TOTAL
 
 
-async def test_reader_closes_at_its_time_cap_and_a_reconnect_loses_nothing(
+async def test_reader_closed_mid_stream_ends_and_a_reconnect_loses_nothing(
     buffer: EventBuffer,
 ) -> None:
+    """What the connection's time cap does (app/sse.py closes the reader at it)."""
     execution_id = await create(buffer)
     async with Hub(buffer=buffer) as hub:
         writer = EventWriter(buffer=buffer, execution_id=execution_id, fence="me")
@@ -127,10 +128,10 @@ async def test_reader_closes_at_its_time_cap_and_a_reconnect_loses_nothing(
         async with writer:
             emitter = Emitter(execution_id=execution_id, workflow_id="wf", writer=writer)
             emitter.emit("execution:started", {"input": None})
-            capped = StreamReader(
-                buffer=buffer, hub=hub, execution_id=execution_id, cursor=0, max_seconds=0.2
-            )
+            capped = StreamReader(buffer=buffer, hub=hub, execution_id=execution_id, cursor=0)
+            cap = asyncio.get_running_loop().call_later(0.2, capped.close)
             first = await read_all(capped)
+            cap.cancel()
             assert capped.finished is False
             emitter.emit("execution:completed", {"output": {}, "durationMs": 1})
         publisher.detach()

@@ -1,0 +1,35 @@
+// The run panel's head and foot: the status badge, notices, and the outcome.
+
+import { $, el, show } from "./dom.js";
+import { renderValue } from "./values.js";
+
+export function setStatus(run, status) {
+  run.status = status;
+  const badge = $("run-status");
+  badge.textContent = status;
+  badge.dataset.status = status;
+  show($("cancel"), status === "running" || status === "paused");
+  $("cancel").disabled = false;
+}
+
+export function setDuplicates(run) {
+  $("run").dataset.duplicates = String(run.duplicates);
+}
+
+export function notice(text, kind = "warning") {
+  $("notices").append(el("p", { class: `notice ${kind}`, text, role: "status" }));
+}
+
+/** The outcome of a finished run: its output, or why it failed or was cancelled. */
+export function showResult(run, status, output, error) {
+  const body = $("result-body");
+  if (status === "completed") {
+    $("result-title").textContent = "Output";
+    body.replaceChildren(renderValue(run, output));
+  } else {
+    $("result-title").textContent = status === "failed" ? "Failed" : "Cancelled";
+    const parts = [error && error.code, error && error.message, error && error.blockId && `(block ${error.blockId})`];
+    body.replaceChildren(el("p", { class: "error", text: parts.filter(Boolean).join(": ") }));
+  }
+  show($("result"), true);
+}

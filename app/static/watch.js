@@ -1,0 +1,147 @@
+// The execution being watched: one EventSource on its stream, fed to the timeline, the
+// panel and the graph. Attaching starts from cursor 0 and rebuilds the page from the
+// replayed events; EventSource's own reconnects send Last-Event-ID.
+
+import { api, errorText, withToken } from "./api.js";
+import { $, show } from "./dom.js";
+import { apply, EVENT_TYPES, TERMINAL } from "./events.js";
+import { notice, setDuplicates, setStatus, showResult } from "./panel.js";
+import { hidePause } from "./pause.js";
+import { highlightRow, logEvent } from "./timeline.js";
+
+let watching = null; // the run: see attach()
+let graph = null; // the workflow drawn as a graph (graph.js), fed every event of the run
+
+/** The run being watched, or null. */
+export function watched() {
+  return watching;
+}
+
+/** Draw the runs on `flowGraph` from now on. */
+export function drawOn(flowGraph) {
+  graph = flowGraph;
+}
+
+export function attach(executionId, token) {
+  if (watching && watching.source) watching.source.close();
+  const run = {
+    id: executionId,
+    token,
+    source: null,
+    seen: new Set(),
+    duplicates: 0,
+    blocks: new Map(),
+    startedAt: null,
+    status: "connecting",
+    finished: false,
+    workflowId: null,
+    pause: null,
+  };
+  watching = run;
+  clearPanel(run);
+  run.source = listen(run);
+}
+
+function clearPanel(run) {
+  $("run-id").textContent = run.id;
+  $("run-workflow").textContent = "";
+  $("run-duration").textContent = "";
+  $("timeline").replaceChildren();
+  $("notices").replaceChildren();
+  $("events").replaceChildren();
+  $("log-count").textContent = "0";
+  $("result-body").replaceChildren();
+  show($("result"), false);
+  graph.reset();
+  hidePause(run);
+  setStatus(run, "connecting");
+  setDuplicates(run);
+  show($("run"), true);
+}
+
+function listen(run) {
+  const source = new EventSource(withToken(`/api/executions/${run.id}/stream`, run.token));
+  for (const type of EVENT_TYPES) {
+    source.addEventListener(type, (message) => onEvent(run, message));
+  }
+  source.addEventListener("replay:gap", (message) => onGap(run, JSON.parse(message.data)));
+  source.onopen = () => {
+    if (watching === run) $("run-connection").textContent = "live";
+  };
+  source.onerror = () => {
+    if (watching !== run || run.finished) return;
+    if (source.readyState === EventSource.CONNECTING) {
+      $("run-connection").textContent = "reconnecting…";
+      return;
+    }
+    // CLOSED: a 204 (nothing more to send), a 401/404, or the server went away for good.
+    $("run-connection").textContent = "stream closed";
+    explainClosed(run);
+  };
+  return source;
+}
+
+function detach(run) {
+  run.finished = true;
+  if (run.source) run.source.close();
+  if (watching === run) $("run-connection").textContent = "";
+}
+
+async function explainClosed(run) {
+  const response = await api(`/api/executions/${run.id}`).catch(() => null);
+  if (watching !== run) return;
+  if (!response || !response.ok) {
+    const why = response ? await errorText(response) : "the server cannot be reached";
+    notice(`The stream closed and the execution cannot be read: ${why}`, "error");
+    return;
+  }
+  const snapshot = await response.json();
+  setStatus(run, snapshot.status);
+  if (["completed", "failed", "cancelled"].includes(snapshot.status)) {
+    showResult(run, snapshot.status, snapshot.output, snapshot.error);
+    detach(run);
+  }
+}
+
+function onGap(run, gap) {
+  if (watching !== run) return;
+  const missing = Math.max(0, gap.resumeAt - gap.after - 1);
+  const what = missing === 1 ? "1 event was" : `${missing} events were`;
+  notice(
+    `${what} not retained (${gap.reason}): events ${gap.after + 1} to ${gap.resumeAt - 1} ` +
+      "cannot be shown; what follows starts at event " + gap.resumeAt + ".",
+  );
+}
+
+function onEvent(run, message) {
+  if (watching !== run) return;
+  const event = JSON.parse(message.data);
+  // The server sends every event once; this is only a safety net.
+  if (run.seen.has(event.id)) {
+    run.duplicates += 1;
+    setDuplicates(run);
+    return;
+  }
+  run.seen.add(event.id);
+  logEvent(event);
+  apply(run, event);
+  graph.apply(event);
+  if (TERMINAL.has(event.type)) detach(run);
+}
+
+export async function cancel() {
+  const run = watching;
+  if (!run) return;
+  $("cancel").disabled = true;
+  const response = await api(`/api/executions/${run.id}/cancel`, { method: "POST" }).catch((error) => {
+    notice(`Cannot cancel: ${error.message}`, "error");
+    return null;
+  });
+  if (response && response.status !== 202) notice(await errorText(response), "error");
+  // The stream brings execution:cancelled, which settles the status.
+}
+
+/** The graph's `select`: the block's row in the watched run's timeline. */
+export function showBlockRow(blockId) {
+  return highlightRow(watching, blockId);
+}
