@@ -34,7 +34,7 @@ from lib.execution.hub import Hub
 from lib.execution.log import ExecutionLog
 from lib.execution.offload import OffloadPolicy
 from lib.execution.ownership import Claim, Ownership, paused_member
-from lib.execution.record import StopReason
+from lib.execution.record import Field, StopReason
 from lib.execution.values import ValueStore
 from lib.metrics import Metrics
 from lib.workflows.checkpoint import Keeper
@@ -104,7 +104,7 @@ class Launcher:
         meta: ExecutionMeta | None = None,
     ) -> None:
         """Run ``body`` here as the owner ``claim`` made this process."""
-        tenant = identity["tenant"]
+        tenant = identity[Field.TENANT]
         local = LocalRun(
             execution_id, claim.owner, claim.epoch, tenant, checked_at=time.monotonic()
         )
@@ -369,10 +369,10 @@ def ending_body(ending: Ending) -> Body:
 def identity_of(meta: ExecutionMeta) -> dict[str, str]:
     """The fields a writer recreates the metadata with if the store loses it."""
     return {
-        "workflowId": meta.workflow_id,
-        "tenant": meta.tenant,
-        "createdAt": meta.created_at,
-        "inlineFiles": "1" if meta.inline_files else "",
-        "recoveries": str(meta.recoveries),
-        "crashes": str(meta.crashes),
+        Field.WORKFLOW_ID.value: meta.workflow_id,
+        Field.TENANT.value: meta.tenant,
+        Field.CREATED_AT.value: meta.created_at,
+        Field.INLINE_FILES.value: "1" if meta.inline_files else "",
+        Field.RECOVERIES.value: str(meta.recoveries),
+        Field.CRASHES.value: str(meta.crashes),
     }

@@ -52,7 +52,7 @@ from lib.execution.hub import Hub
 from lib.execution.log import ExecutionLog
 from lib.execution.offload import OffloadPolicy
 from lib.execution.ownership import Claim, Ownership, node_of, paused_member
-from lib.execution.record import Mode, RecoveryReason, Status, StopReason
+from lib.execution.record import Field, Mode, RecoveryReason, Status, StopReason
 from lib.execution.values import ValueStore
 from lib.metrics import Metrics
 from lib.workflows.checkpoint import answer_field
@@ -237,11 +237,11 @@ class Runner:
         fence = self._fence()
         await self._admit(tenant, fence)
         now = datetime.now(UTC)
-        identity = {
-            "workflowId": workflow.id,
-            "tenant": tenant,
-            "createdAt": utc_timestamp(now),
-            "inlineFiles": "1" if inline_files else "",
+        identity: dict[str, str] = {
+            Field.WORKFLOW_ID.value: workflow.id,
+            Field.TENANT.value: tenant,
+            Field.CREATED_AT.value: utc_timestamp(now),
+            Field.INLINE_FILES.value: "1" if inline_files else "",
         }
         try:
             # What a resume or a recovery needs is there from the start, in the same
@@ -253,9 +253,9 @@ class Runner:
                 fence=fence,
                 workflow_id=workflow.id,
                 tenant=tenant,
-                created_at=identity["createdAt"],
+                created_at=identity[Field.CREATED_AT],
                 created_ms=int(now.timestamp() * 1000),
-                extra={"inlineFiles": identity["inlineFiles"]},
+                extra={Field.INLINE_FILES.value: identity[Field.INLINE_FILES]},
                 state=saved,
             )
         except FlowcastError:
@@ -484,8 +484,8 @@ class Runner:
         # number and the crashes so far are part of what it must not forget.
         identity = {
             **identity_of(meta),
-            "recoveries": str(claim.recovery),
-            "crashes": str(claim.crashes),
+            Field.RECOVERIES.value: str(claim.recovery),
+            Field.CRASHES.value: str(claim.crashes),
         }
         extra = {
             "executionId": execution_id,

@@ -16,7 +16,15 @@ from redis.exceptions import ResponseError
 import lib
 from lib.errors import BufferUnavailable, FlowcastError
 from lib.execution import ownership, record
-from lib.execution.events import STATUS_AFTER, TERMINAL_STATUSES
+from lib.execution.buffer import ExecutionMeta
+from lib.execution.events import (
+    EXECUTION_PAUSED,
+    EXECUTION_RECOVERED,
+    STATUS_AFTER,
+    TERMINAL_STATUSES,
+    TERMINAL_TYPES,
+    Event,
+)
 from lib.execution.ownership import TRANSITIONS, draw_transitions
 from lib.execution.record import (
     REFUSALS,
@@ -30,6 +38,8 @@ from lib.execution.record import (
     refusal_of,
     refused,
 )
+from lib.execution.writer import batch_meta
+from lib.workflows.launcher import identity_of
 
 LIB = Path(lib.__file__).parent
 SCRIPTS = sorted(LIB.rglob("*.lua"))
@@ -152,3 +162,17 @@ def test_the_statuses_are_spec_section_3s() -> None:
     ]  # fmt: skip
     assert TERMINAL == TERMINAL_STATUSES
     assert set(STATUS_AFTER.values()) <= set(Status)
+
+
+def test_every_field_python_writes_on_the_record_is_a_field() -> None:
+    def event(kind: str, data: dict[str, object]) -> Event:
+        return Event(id=2, type=kind, execution_id="ex_1", workflow_id="wf", data=data)
+
+    batch = [
+        event(EXECUTION_PAUSED, {"blockId": "ask"}),
+        event(EXECUTION_RECOVERED, {"recovery": 1}),
+        *(event(kind, {}) for kind in TERMINAL_TYPES),
+    ]
+    written = set(batch_meta(batch)) | set(identity_of(ExecutionMeta.from_hash("ex_1", {})))
+    assert written - {field.value for field in Field} == set()
+    assert {"status", "pauseBlock", "recoveries", "tenant", "crashes"} <= written
