@@ -176,3 +176,8 @@ def test_every_field_python_writes_on_the_record_is_a_field() -> None:
     written = set(batch_meta(batch)) | set(identity_of(ExecutionMeta.from_hash("ex_1", {})))
     assert written - {field.value for field in Field} == set()
     assert {"status", "pauseBlock", "recoveries", "tenant", "crashes"} <= written
+
+
+def test_the_readme_shows_the_same_state_table() -> None:
+    readme = (LIB.parent / "README.md").read_text()
+    assert draw_transitions() in readme
