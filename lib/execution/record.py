@@ -233,6 +233,8 @@ REFUSALS: Final[tuple[Refusal, ...]] = (
         Script.CLAIM, Reply.LEASE, LeaseHeld, "the lease runs (or no hand-off)",
         lambda asked, _detail: LeaseHeld(asked.execution_id),
     ),
+    # A reply of one word reaches the client as "ERR MOVED" (the server adds the code),
+    # so redis-py never reads it as a cluster redirect; "MOVED <detail>" would be one.
     Refusal(
         Script.CLAIM, Reply.MOVED, OwnerMoved, "another owner than the one named",
         lambda asked, _detail: OwnerMoved(asked.execution_id),
