@@ -2,7 +2,15 @@
 
     FlowcastError                      root of everything Flowcast raises on purpose
     ├── NotFound                       an unknown workflow, execution or value
+    │   └── RecordLost                 the store lost an owner's execution, whole or in part
     ├── Conflict                       the target is not in a state that allows this
+    │   ├── WrongStatus                a transition asked of an execution in another status
+    │   ├── NotPausedThere             a resume names another block than the paused one
+    │   ├── LeaseHeld                  a takeover while the owner's lease still runs
+    │   ├── OwnerMoved                 the execution has another owner than the one named
+    │   ├── NotDue                     an expiry before the approval deadline passed
+    │   ├── Fenced                     a renewal by an owner another one replaced
+    │   └── UnknownTransition          a transition the script does not know (a bug)
     ├── InvalidInput                   a request the caller can fix (carries problems)
     │   └── WorkflowInvalid            a workflow definition with every problem found
     ├── BlockError                     a block attempt failed (code, message, retryable)
@@ -10,7 +18,14 @@
     ├── TooBusy                        the tenant runs as many executions as it may
     │   └── TooManyStreams             the tenant has as many streams open as it may
     ├── BufferUnavailable              the event buffer could not be reached
-    └── WriteRefused                   the buffer refused a batch (fenced, out of order, gone)
+    └── WriteRefused                   the buffer refused a batch on purpose
+        ├── WriteFenced                another owner holds the execution
+        ├── WriteOutOfOrder            the batch does not follow the stored last id
+        ├── WriteGone                  the execution's metadata no longer exists
+        └── CancelWins                 a cancel accepted earlier wins over the final event
+
+Every refusal a Lua script replies with becomes one of these leaves in exactly one
+place, ``lib/execution/record.py``'s ``REFUSALS``.
 
 HTTP status codes are chosen only in ``app``'s exception handlers.
 """
@@ -43,6 +58,16 @@ class NotFound(FlowcastError):
         self.code = f"{kind}_not_found"
 
 
+class RecordLost(NotFound):
+    """The store lost a running execution (``whole``) or some of its writes: its owner's
+    writer writes it back."""
+
+    def __init__(self, execution_id: str, *, whole: bool) -> None:
+        super().__init__("execution", execution_id)
+        self.execution_id = execution_id
+        self.whole = whole
+
+
 class Conflict(FlowcastError):
     """The target exists but is not in a state that allows the request."""
 
@@ -50,6 +75,72 @@ class Conflict(FlowcastError):
         super().__init__(message)
         self.code = code
         self.details = details
+
+
+class WrongStatus(Conflict):
+    """The execution is in ``status``, which the transition asked does not apply to."""
+
+    def __init__(self, execution_id: str, status: str) -> None:
+        super().__init__(f"execution_{status}", f"the execution is {status}", status=status)
+        self.execution_id = execution_id
+        self.status = status
+
+
+class NotPausedThere(Conflict):
+    """A resume names ``asked``, but the execution is paused at ``paused_at``."""
+
+    def __init__(self, execution_id: str, *, paused_at: str, asked: str) -> None:
+        super().__init__(
+            "not_paused_there",
+            f"the execution is paused at {paused_at!r}, not at {asked!r}",
+            status="paused",
+            pausedAt=paused_at,
+        )
+        self.execution_id = execution_id
+        self.paused_at = paused_at
+        self.asked = asked
+
+
+class LeaseHeld(Conflict):
+    """A takeover while the owner's lease still runs (or, for a hand-off only, while
+    the owner has not let go)."""
+
+    def __init__(self, execution_id: str) -> None:
+        super().__init__("lease", f"the owner of {execution_id} still holds its lease")
+        self.execution_id = execution_id
+
+
+class OwnerMoved(Conflict):
+    """The execution has another owner than the one the caller named."""
+
+    def __init__(self, execution_id: str) -> None:
+        super().__init__("moved", f"{execution_id} has another owner than the one expected")
+        self.execution_id = execution_id
+
+
+class NotDue(Conflict):
+    """An expiry asked before the pause's approval deadline passed."""
+
+    def __init__(self, execution_id: str) -> None:
+        super().__init__("notdue", f"the approval deadline of {execution_id} has not passed")
+        self.execution_id = execution_id
+
+
+class Fenced(Conflict):
+    """An owner's renewal after another owner replaced it: it must stop."""
+
+    def __init__(self, execution_id: str) -> None:
+        super().__init__("fenced", f"this process no longer owns {execution_id}")
+        self.execution_id = execution_id
+
+
+class UnknownTransition(Conflict):
+    """A transition the script does not know: a bug in the caller, not a state."""
+
+    def __init__(self, execution_id: str, mode: str) -> None:
+        super().__init__("mode", f"no transition {mode!r} for {execution_id}")
+        self.execution_id = execution_id
+        self.mode = mode
 
 
 @dataclass(frozen=True)
@@ -141,8 +232,9 @@ class WriteRefused(FlowcastError):
     """The buffer refused a batch on purpose; retrying the same batch cannot help.
 
     ``reason`` is ``fenced`` (the writer is no longer the execution's owner), ``order``
-    (the batch does not follow ``last_id``, the id stored last) or ``gone`` (the
-    execution's metadata no longer exists).
+    (the batch does not follow ``last_id``, the id stored last), ``gone`` (the
+    execution's metadata no longer exists) or ``cancel`` (a cancel wins over the batch's
+    final event); each has its leaf below.
     """
 
     code = "write_refused"
@@ -152,3 +244,33 @@ class WriteRefused(FlowcastError):
         self.execution_id = execution_id
         self.reason = reason
         self.last_id = last_id
+
+
+class WriteFenced(WriteRefused):
+    """Another owner with the same or a later epoch holds the execution (``owner``)."""
+
+    def __init__(self, execution_id: str, *, owner: str = "") -> None:
+        super().__init__(execution_id, "fenced")
+        self.owner = owner
+
+
+class WriteOutOfOrder(WriteRefused):
+    """The batch does not follow ``last_id``, the id stored last."""
+
+    def __init__(self, execution_id: str, *, last_id: int) -> None:
+        super().__init__(execution_id, "order", last_id=last_id)
+
+
+class WriteGone(WriteRefused):
+    """The execution's metadata no longer exists (the store lost it, or it expired)."""
+
+    def __init__(self, execution_id: str) -> None:
+        super().__init__(execution_id, "gone")
+
+
+class CancelWins(WriteRefused):
+    """A cancel was accepted before the batch's final event: the writer ends the run
+    ``execution:cancelled`` instead; nothing was written."""
+
+    def __init__(self, execution_id: str) -> None:
+        super().__init__(execution_id, "cancel")

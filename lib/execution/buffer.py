@@ -19,8 +19,9 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from lib.backend import Keys, is_unreachable, register, translated
-from lib.errors import BufferUnavailable, FlowcastError, NotFound, WriteRefused
-from lib.execution.events import TERMINAL_STATUSES, Event
+from lib.errors import NotFound
+from lib.execution.events import Event
+from lib.execution.record import TERMINAL, Asked, Field, Script, refused
 
 # How long after an execution is listed in its tenant's index a list read may find no
 # metadata for it without taking it for expired (see recent_metas); above any clock
@@ -56,43 +57,43 @@ class ExecutionMeta:
 
     @property
     def finished(self) -> bool:
-        return self.status in TERMINAL_STATUSES
+        return self.status in TERMINAL
 
     @classmethod
     def from_hash(cls, execution_id: str, fields: Mapping[bytes, bytes]) -> ExecutionMeta:
-        def text(name: str, default: str = "") -> str:
+        def text(name: Field, default: str = "") -> str:
             value = fields.get(name.encode())
             return value.decode() if value is not None else default
 
-        def number(name: str) -> int:
+        def number(name: Field) -> int:
             return int(text(name, "0") or 0)
 
-        def loaded(name: str) -> Any:
+        def loaded(name: Field) -> Any:
             value = fields.get(name.encode())
             return orjson.loads(value) if value else None
 
         return cls(
             id=execution_id,
-            workflow_id=text("workflowId"),
-            status=text("status"),
-            created_at=text("createdAt"),
-            updated_at=text("updatedAt"),
-            last_id=number("lastId"),
-            first_id=number("firstId"),
-            retained_bytes=number("bytes"),
-            retained_count=number("count"),
-            tenant=text("tenant"),
-            owner=text("owner"),
-            epoch=number("epoch"),
-            checkpoint_bytes=number("ckptBytes"),
-            recoveries=number("recoveries"),
-            crashes=number("crashes"),
-            reserved=number("reserved"),
-            inline_files=text("inlineFiles") == "1",
-            cancel_requested=text("cancelRequested") == "1",
-            output=loaded("output"),
-            error=loaded("error"),
-            pause=loaded("pause"),
+            workflow_id=text(Field.WORKFLOW_ID),
+            status=text(Field.STATUS),
+            created_at=text(Field.CREATED_AT),
+            updated_at=text(Field.UPDATED_AT),
+            last_id=number(Field.LAST_ID),
+            first_id=number(Field.FIRST_ID),
+            retained_bytes=number(Field.BYTES),
+            retained_count=number(Field.COUNT),
+            tenant=text(Field.TENANT),
+            owner=text(Field.OWNER),
+            epoch=number(Field.EPOCH),
+            checkpoint_bytes=number(Field.CHECKPOINT_BYTES),
+            recoveries=number(Field.RECOVERIES),
+            crashes=number(Field.CRASHES),
+            reserved=number(Field.RESERVED),
+            inline_files=text(Field.INLINE_FILES) == "1",
+            cancel_requested=text(Field.CANCEL_REQUESTED) == "1",
+            output=loaded(Field.OUTPUT),
+            error=loaded(Field.ERROR),
+            pause=loaded(Field.PAUSE),
         )
 
 
@@ -177,8 +178,8 @@ class EventBuffer:
         state fields ``state``, and list it in its tenant's index (start.lua; the lease
         is on Redis's clock)."""
         fields: list[Any] = [
-            "workflowId", workflow_id, "tenant", tenant,
-            "createdAt", created_at, "updatedAt", created_at,
+            Field.WORKFLOW_ID, workflow_id, Field.TENANT, tenant,
+            Field.CREATED_AT, created_at, Field.UPDATED_AT, created_at,
         ]  # fmt: skip
         for name, value in (extra or {}).items():
             fields += [name, value]
@@ -253,7 +254,7 @@ class EventBuffer:
         try:
             result = await self._append(keys=self.keys.execution(execution_id), args=args)
         except ResponseError as exc:
-            raise _refusal(execution_id, exc) from exc
+            raise refused(Script.APPEND, exc, Asked(execution_id)) from exc
         last, first_kept, size, count, reserved, cancel = result
         return AppendResult(
             int(last), int(first_kept), int(size), int(count), int(reserved), cancel == b"1"
@@ -351,7 +352,7 @@ class EventBuffer:
             chunk = execution_ids[start : start + 500]
             async with self.redis.pipeline(transaction=False) as pipe:
                 for execution_id in chunk:
-                    pipe.hget(self.keys.meta(execution_id), "lastId")
+                    pipe.hget(self.keys.meta(execution_id), Field.LAST_ID)
                 values = await pipe.execute()
             found += [None if value is None else int(value) for value in values]
         return found
@@ -369,19 +370,6 @@ class EventBuffer:
             if is_unreachable(exc):
                 return False
             raise
-
-
-def _refusal(execution_id: str, exc: ResponseError) -> FlowcastError:
-    reason, _, detail = str(exc).partition(" ")
-    if reason == "ORDER":
-        return WriteRefused(execution_id, "order", last_id=int(detail))
-    if reason == "FENCED":
-        return WriteRefused(execution_id, "fenced")
-    if reason == "NOEXEC":
-        return WriteRefused(execution_id, "gone")
-    if reason == "CANCEL":
-        return WriteRefused(execution_id, "cancel")
-    return BufferUnavailable(f"the buffer refused the append: {exc}")
 
 
 def _range(member: bytes) -> tuple[int, int]:

@@ -1,20 +1,39 @@
 """Who owns an execution, as one state machine: every transition is one Lua call.
 
-    state      transition  script      to        who may
-    ---------  ----------  ----------  --------  ---------------------------------------
-    (none)     start       start.lua   running   the process that accepted the execute
-    running    pause       append.lua  paused    the owner, storing execution:paused
-    running    complete    append.lua  terminal  the owner, storing the terminal event
-    paused     resume      claim.lua   running   any process, for a valid answer (once)
-    paused     cancel      claim.lua   running   any process; it then writes the cancel
-    running    cancel      claim.lua   running   any process: flags cancelRequested; the
-                                                 owner's next final event becomes the cancel
-    paused     expire      claim.lua   running   any janitor, past the approval deadline
-    running    take over   claim.lua   running   any janitor, past the owner's lease, or
-                                                 any process once the owner handed it off;
-                                                 the new owner recovers the run
-    running    hand off    claim.lua   running   the owner, shutting down: no owner, for
-                                                 another process to take over at once
+The table is ``TRANSITIONS`` below (tests/execution/test_transitions.py drives each row
+against a real server, and checks that this drawing is the table):
+
+    state    transition  script      to        who may ask; the refusals it may get
+    -------  ----------  ----------  --------  --------------------------------------------
+    (none)   start       start.lua   running   the process that accepted the execute
+    running  pause       append.lua  paused    the owner, storing execution:paused
+                                               refused: NOEXEC FENCED ORDER CANCEL
+    running  complete    append.lua  terminal  the owner, storing the terminal event
+                                               (a cancel accepted before wins: CANCEL)
+                                               refused: NOEXEC FENCED ORDER CANCEL
+    running  renew       renew.lua   running   the owner, every third of a lease
+                                               refused: GONE FENCED BEHIND
+    paused   resume      claim.lua   running   any process, for a valid answer (once)
+                                               refused: NOEXEC STATUS BLOCK
+    paused   cancel      claim.lua   running   any process; it then writes the cancel
+                                               refused: NOEXEC STATUS
+    running  cancel      claim.lua   running   any process: flags cancelRequested; the
+                                               owner's next final event becomes the cancel
+                                               refused: NOEXEC STATUS
+    paused   expire      claim.lua   running   any janitor, past the approval deadline
+                                               refused: NOEXEC STATUS NOTDUE
+    running  take over   claim.lua   running   any janitor, past the owner's lease, or
+                                               any process once the owner handed it off;
+                                               the new owner recovers the run
+                                               refused: NOEXEC STATUS LEASE MOVED
+    running  hand off    claim.lua   running   the owner, shutting down: no owner, for
+                                               another process to take over at once
+                                               refused: NOEXEC STATUS MOVED
+
+A refusal is the script's error reply, raised as the exception ``record.REFUSALS``
+maps it to (drawn in record.py): ``STATUS`` a ``WrongStatus`` with the status that
+won, ``NOEXEC`` a ``NotFound`` (for append.lua ``WriteGone``), and so on. A claim sent
+again by the owner it made (its first answer was lost) answers as the first did.
 
 A claim gives the caller a new fencing token and epoch: append.lua refuses any other
 writer, so a stalled old owner can never append after it. An owner whose epoch is above
@@ -40,12 +59,105 @@ import orjson
 from redis.exceptions import ResponseError
 
 from lib.backend import register, translated
-from lib.errors import BufferUnavailable, Conflict, NotFound
+from lib.errors import BufferUnavailable
 from lib.execution.buffer import EventBuffer
+from lib.execution.record import (
+    Asked,
+    Field,
+    Mode,
+    RecoveryReason,
+    Reply,
+    Script,
+    Status,
+    refused,
+)
 
 # How many leases a dead owner's run goes on counting for its tenant, waiting for a
 # janitor to take it over (admit.lua).
 COUNTED_LEASES = 10
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One row of the state machine: from which status, by which script (and claim
+    mode), to which status, who may ask, and the refusals it may get."""
+
+    before: Status | None  # None: the execution does not exist yet
+    name: str
+    script: Script
+    mode: Mode | None  # claim.lua's transition, for the rows it makes
+    after: tuple[Status, ...]
+    who: str  # may span lines ("\n"), as drawn
+    refusals: tuple[Reply, ...]
+
+
+_APPEND_REFUSALS = (Reply.NOEXEC, Reply.FENCED, Reply.ORDER, Reply.CANCEL)
+
+TRANSITIONS: tuple[Transition, ...] = (
+    Transition(
+        None, "start", Script.START, None, (Status.RUNNING,),
+        "the process that accepted the execute", (),
+    ),
+    Transition(
+        Status.RUNNING, "pause", Script.APPEND, None, (Status.PAUSED,),
+        "the owner, storing execution:paused", _APPEND_REFUSALS,
+    ),
+    Transition(
+        Status.RUNNING, "complete", Script.APPEND, None,
+        (Status.COMPLETED, Status.FAILED, Status.CANCELLED),
+        "the owner, storing the terminal event\n(a cancel accepted before wins: CANCEL)",
+        _APPEND_REFUSALS,
+    ),
+    Transition(
+        Status.RUNNING, "renew", Script.RENEW, None, (Status.RUNNING,),
+        "the owner, every third of a lease", (Reply.GONE, Reply.FENCED, Reply.BEHIND),
+    ),
+    Transition(
+        Status.PAUSED, "resume", Script.CLAIM, Mode.RESUME, (Status.RUNNING,),
+        "any process, for a valid answer (once)", (Reply.NOEXEC, Reply.STATUS, Reply.BLOCK),
+    ),
+    Transition(
+        Status.PAUSED, "cancel", Script.CLAIM, Mode.CANCEL, (Status.RUNNING,),
+        "any process; it then writes the cancel", (Reply.NOEXEC, Reply.STATUS),
+    ),
+    Transition(
+        Status.RUNNING, "cancel", Script.CLAIM, Mode.CANCEL, (Status.RUNNING,),
+        "any process: flags cancelRequested; the\nowner's next final event becomes the cancel",
+        (Reply.NOEXEC, Reply.STATUS),
+    ),
+    Transition(
+        Status.PAUSED, "expire", Script.CLAIM, Mode.EXPIRE, (Status.RUNNING,),
+        "any janitor, past the approval deadline", (Reply.NOEXEC, Reply.STATUS, Reply.NOTDUE),
+    ),
+    Transition(
+        Status.RUNNING, "take over", Script.CLAIM, Mode.TAKEOVER, (Status.RUNNING,),
+        "any janitor, past the owner's lease, or\nany process once the owner handed it off;"
+        "\nthe new owner recovers the run",
+        (Reply.NOEXEC, Reply.STATUS, Reply.LEASE, Reply.MOVED),
+    ),
+    Transition(
+        Status.RUNNING, "hand off", Script.CLAIM, Mode.HANDOFF, (Status.RUNNING,),
+        "the owner, shutting down: no owner, for\nanother process to take over at once",
+        (Reply.NOEXEC, Reply.STATUS, Reply.MOVED),
+    ),
+)  # fmt: skip
+
+
+def draw_transitions() -> str:
+    """``TRANSITIONS`` as the table the module docstring shows."""
+    lines = [
+        "    state    transition  script      to        who may ask; the refusals it may get",
+        "    -------  ----------  ----------  --------  " + "-" * 44,
+    ]
+    for row in TRANSITIONS:
+        after = "terminal" if len(row.after) > 1 else row.after[0]
+        first, *more = row.who.split("\n")
+        if row.refusals:
+            more.append("refused: " + " ".join(row.refusals))
+        before = row.before or "(none)"
+        lines.append(f"    {before:<7}  {row.name:<10}  {row.script:<10}  {after:<8}  {first}")
+        lines += [f"    {'':<43}{line}" for line in more]
+    return "\n".join(lines) + "\n"
 
 
 @dataclass(frozen=True)
@@ -67,11 +179,11 @@ class Claim:
 
     last_id: int
     base: int
-    status_before: str
+    status_before: Status | None  # None: it was just created
     owner: str
     epoch: int
     recovery: int = 0  # a takeover: which recovery of the execution this is (1, 2, …)
-    reason: str = ""  # a takeover: "handoff" or "worker_lost"
+    reason: RecoveryReason | None = None  # a takeover: why
     crashes: int = 0  # a takeover: recoveries for "worker_lost" so far, this one included
 
 
@@ -141,13 +253,13 @@ class Ownership:
             extra=extra,
             state=state,
         )
-        return Claim(0, 0, "", fence, 1)
+        return Claim(0, 0, None, fence, 1)
 
     @translated
     async def claim(
         self,
         execution_id: str,
-        mode: str,
+        mode: Mode,
         fence: str,
         *,
         block_id: str = "",
@@ -155,12 +267,13 @@ class Ownership:
         handoff_only: bool = False,
         answer: bytes = b"",
     ) -> Claim:
-        """Win a transition (see claim.lua); Conflict with the status that won otherwise.
+        """Win a transition (see claim.lua); its refusal otherwise (``WrongStatus`` with
+        the status that won, ``NotFound``, …: see ``TRANSITIONS``).
 
         A resume's ``answer`` (JSON) is checkpointed with the claim: the 202 holds if
         this process dies before its resumed event is stored.
         """
-        argument = block_id if mode == "resume" else expected
+        argument = block_id if mode is Mode.RESUME else expected
         try:
             last, base, status, owner, epoch, recovery, reason, crashes = await self._claim(
                 keys=[self.keys.meta(execution_id), self.keys.state(execution_id)],
@@ -169,42 +282,29 @@ class Ownership:
                     fence,
                     self.lease_ms,
                     argument,
-                    "handoff" if handoff_only else "",
+                    Mode.HANDOFF if handoff_only else "",
                     answer,
                 ],
             )
         except ResponseError as exc:
-            reason, _, detail = str(exc).partition(" ")
-            if reason == "NOEXEC":
-                raise NotFound("execution", execution_id) from None
-            if reason == "BLOCK":
-                raise Conflict(
-                    "not_paused_there",
-                    f"the execution is paused at {detail!r}, not at {block_id!r}",
-                    status="paused",
-                    pausedAt=detail,
-                ) from None
-            if reason == "STATUS":
-                raise Conflict(
-                    f"execution_{detail}", f"the execution is {detail}", status=detail
-                ) from None
-            raise Conflict(reason.lower(), str(exc)) from None
+            raise refused(Script.CLAIM, exc, Asked(execution_id, block_id)) from None
         return Claim(
             int(last),
             int(base),
-            status.decode(),
+            Status(status.decode()),
             owner.decode(),
             int(epoch),
             int(recovery),
-            reason.decode(),
+            RecoveryReason(reason.decode()) if reason else None,
             int(crashes),
         )
 
     @translated
     async def hand_off(self, execution_id: str, fence: str) -> None:
         """Let go of a running execution now (a shutdown) and announce it, so another
-        process takes it over at once. Conflict when ``fence`` no longer owns it."""
-        await self.claim(execution_id, "handoff", fence)
+        process takes it over at once. ``OwnerMoved`` when ``fence`` no longer owns it,
+        ``WrongStatus`` when it is no longer running."""
+        await self.claim(execution_id, Mode.HANDOFF, fence)
         # Due at once for every janitor, should the announcement be missed.
         await self.redis.zadd(self.keys.leases, {lease_member(execution_id, fence): 0})
         await self.redis.xadd(
@@ -220,22 +320,17 @@ class Ownership:
     ) -> bool:
         """Extend the lease; True when a cancel was requested.
 
-        Conflict("fenced") when another owner holds it; NotFound when the store lost it
-        (the owner's writer then recreates it).
+        ``Fenced`` when another owner holds it; ``RecordLost`` when the store lost it,
+        whole or in part (the owner's writer then writes it back).
         """
         try:
             requested, _until = await self._renew(
                 keys=[self.keys.meta(execution_id)], args=[fence, epoch, self.lease_ms, stored_id]
             )
         except ResponseError as exc:
-            if str(exc).startswith(("GONE", "BEHIND")):
-                # Lost by the store, whole or in part: the owner's writer repairs it.
-                raise NotFound("execution", execution_id) from None
-            if str(exc).startswith("FENCED"):
-                raise Conflict("fenced", f"this process no longer owns {execution_id}") from None
-            # Any other refusal (OOM at maxmemory, READONLY, MISCONF) is the store's
+            # Any other error (OOM at maxmemory, READONLY, MISCONF) is the store's
             # trouble, not a new owner: an outage (BufferUnavailable), renewed again later.
-            raise
+            raise refused(Script.RENEW, exc, Asked(execution_id)) from None
         await self._add(self.keys.leases, lease_member(execution_id, fence))
         # Only while still counted: a renewal racing the run's pause or end must not
         # count it again (the tenant would be refused for a lease).
@@ -361,7 +456,7 @@ class Ownership:
                 pipe.hset(self.keys.state(execution_id), mapping=encoded)  # type: ignore[arg-type]
             pipe.expire(self.keys.state(execution_id), self.buffer.active_ttl_seconds)
             if deadline_ms is not None:
-                pipe.hset(self.keys.meta(execution_id), "pauseDeadline", str(deadline_ms))
+                pipe.hset(self.keys.meta(execution_id), Field.PAUSE_DEADLINE, str(deadline_ms))
             await pipe.execute()
 
     @translated

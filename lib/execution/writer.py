@@ -39,7 +39,7 @@ from collections.abc import Awaitable, Callable, Mapping
 import orjson
 
 from lib.backoff import Backoff
-from lib.errors import BufferUnavailable, WriteRefused
+from lib.errors import BufferUnavailable, CancelWins, WriteGone, WriteOutOfOrder, WriteRefused
 from lib.execution.buffer import EventBuffer
 from lib.execution.events import (
     EXECUTION_CANCELLED,
@@ -328,7 +328,7 @@ class EventWriter:
 
     def _refused_but_handled(self, exc: WriteRefused, batch: list[Event], first: int) -> bool:
         """Act on a refusal that the writer can answer; False when it must stop."""
-        if exc.reason == "cancel" and batch:
+        if isinstance(exc, CancelWins) and batch:
             # A cancel was accepted before the final event was stored: it wins, under
             # the final event's id (that event was never shown to anyone).
             final = batch[-1]
@@ -344,14 +344,14 @@ class EventWriter:
                 self._unshown[-1] = cancelled
             log.info("a cancel won over the run's last event", extra=self._extra())
             return True
-        if exc.reason == "gone":
+        if isinstance(exc, WriteGone):
             # The store came back empty: recreate the metadata under this owner and
             # record every id before this batch as dropped.
             log.warning("the buffer lost the execution; recreating it", extra=self._extra())
             self._recreate = True
             self._lose_down_to(0, first)
             return True
-        if exc.reason == "order" and exc.last_id is not None:
+        if isinstance(exc, WriteOutOfOrder) and exc.last_id is not None:
             last = exc.last_id
             if batch and last >= batch[-1].id:
                 self._stored(batch, first)  # an earlier try was applied; its reply was lost

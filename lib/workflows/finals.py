@@ -22,6 +22,7 @@ from lib.errors import WriteRefused
 from lib.execution.buffer import EventBuffer
 from lib.execution.events import EXECUTION_PAUSED, Event
 from lib.execution.ownership import Ownership
+from lib.execution.record import Field
 from lib.execution.writer import batch_meta
 from lib.workflows.executor import RunState
 from lib.workflows.leases import LocalRun
@@ -98,7 +99,7 @@ class Finals:
                 continue
             try:
                 if final.pause is not None:
-                    tenant = final.identity["tenant"]
+                    tenant = final.identity[Field.TENANT]
                     await self._restore_pause(execution_id, tenant, final.pause)
                 await self._buffer.append(
                     execution_id,
@@ -117,7 +118,7 @@ class Finals:
                 )
                 continue
             if last_id is None:
-                await self._buffer.index_again(execution_id, final.identity["tenant"])
+                await self._buffer.index_again(execution_id, final.identity[Field.TENANT])
             restored += 1
         if restored:
             log.warning("restored the last events the store lost", extra={"count": restored})

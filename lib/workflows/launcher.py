@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lib.backoff import Backoff
-from lib.errors import BufferUnavailable, Conflict, FlowcastError, NotFound
+from lib.errors import BufferUnavailable, FlowcastError, NotFound, OwnerMoved, WrongStatus
 from lib.execution.buffer import EventBuffer, ExecutionMeta
 from lib.execution.events import (
     EXECUTION_CANCELLED,
@@ -34,6 +34,7 @@ from lib.execution.hub import Hub
 from lib.execution.log import ExecutionLog
 from lib.execution.offload import OffloadPolicy
 from lib.execution.ownership import Claim, Ownership, paused_member
+from lib.execution.record import Field, StopReason
 from lib.execution.values import ValueStore
 from lib.metrics import Metrics
 from lib.workflows.checkpoint import Keeper
@@ -103,7 +104,7 @@ class Launcher:
         meta: ExecutionMeta | None = None,
     ) -> None:
         """Run ``body`` here as the owner ``claim`` made this process."""
-        tenant = identity["tenant"]
+        tenant = identity[Field.TENANT]
         local = LocalRun(
             execution_id, claim.owner, claim.epoch, tenant, checked_at=time.monotonic()
         )
@@ -122,7 +123,7 @@ class Launcher:
             checkpoint_bytes=meta.checkpoint_bytes if meta is not None else 0,
             live_for_seconds=self._lease_seconds,
             renewed_at=lambda: local.checked_at,
-            on_cancel=lambda: local.stop("cancel"),
+            on_cancel=lambda: local.stop(StopReason.CANCEL),
             on_lost=lambda: self._rewatch(execution_id, local),
             max_pending=self._max_pending,
             metrics=self._metrics,
@@ -180,7 +181,7 @@ class Launcher:
         settled = (
             writer.final_stored is not None
             or writer.refused is not None
-            or local.stop_reason == "fenced"
+            or local.stop_reason is StopReason.FENCED
         )
         if writer.final_stored is not None and writer.refused is None:
             self._finals.remember(local, writer.final_stored)
@@ -200,7 +201,7 @@ class Launcher:
     async def _hand_off(self, local: LocalRun) -> None:
         try:
             await self._ownership.hand_off(local.execution_id, local.fence)
-        except Conflict:
+        except (OwnerMoved, WrongStatus):
             return  # another owner took it already, or it ended: nothing to hand off
         log.info("execution handed off", extra={"executionId": local.execution_id})
 
@@ -249,7 +250,7 @@ class Launcher:
         # The run stops counting among its tenant's before its end can be seen, so a
         # client that saw it end may start another at once (left again when it lets
         # go); a pause goes on counting, as its own entry.
-        handed_off = (task.cancelled() and local.stop_reason == "handoff") or (
+        handed_off = (task.cancelled() and local.stop_reason is StopReason.HANDOFF) or (
             not task.cancelled() and isinstance(task.exception(), HandedOff)
         )
         try:
@@ -277,7 +278,7 @@ class Launcher:
         if task.cancelled():
             reason = local.stop_reason
             log.info("execution stopped", extra={**extra, "reason": reason})
-            if reason == "fenced":
+            if reason is StopReason.FENCED:
                 log.warning("execution taken over by another process", extra=extra)
                 return  # the new owner writes the end; we may not
             emitter.emit(EXECUTION_CANCELLED, {"reason": "cancelled"})
@@ -368,10 +369,10 @@ def ending_body(ending: Ending) -> Body:
 def identity_of(meta: ExecutionMeta) -> dict[str, str]:
     """The fields a writer recreates the metadata with if the store loses it."""
     return {
-        "workflowId": meta.workflow_id,
-        "tenant": meta.tenant,
-        "createdAt": meta.created_at,
-        "inlineFiles": "1" if meta.inline_files else "",
-        "recoveries": str(meta.recoveries),
-        "crashes": str(meta.crashes),
+        Field.WORKFLOW_ID.value: meta.workflow_id,
+        Field.TENANT.value: meta.tenant,
+        Field.CREATED_AT.value: meta.created_at,
+        Field.INLINE_FILES.value: "1" if meta.inline_files else "",
+        Field.RECOVERIES.value: str(meta.recoveries),
+        Field.CRASHES.value: str(meta.crashes),
     }

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lib.backoff import Backoff
-from lib.errors import Conflict, FlowcastError, NotFound
+from lib.errors import Fenced, FlowcastError, RecordLost
 from lib.execution.ownership import Ownership
+from lib.execution.record import StopReason
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class LocalRun:
     tenant: str
     task: asyncio.Task[None] | None = None  # the run: first event to last, then let go
     work: asyncio.Task[Any] | None = None  # the part a stop cancels: blocks, pause save
-    stop_reason: str | None = None  # why its work was cancelled: cancel, handoff, fenced
+    stop_reason: StopReason | None = None  # why its work was cancelled
     checked_at: float = 0.0  # when its lease was last renewed, or tried in an outage
     pending: Callable[[], int] = lambda: 0  # events emitted and not stored yet
     stored: Callable[[], int] = lambda: 0  # the last id its writer stored
@@ -54,7 +55,7 @@ class LocalRun:
         """Start no more blocks: once the running ones finish, the run is handed off."""
         self.draining.set()
 
-    def stop(self, reason: str) -> None:
+    def stop(self, reason: StopReason) -> None:
         """Cancel the run's work; the run itself still writes its last event.
 
         Only the work is cancelled, never the run's task: a run told to stop before
@@ -98,7 +99,7 @@ class LeaseKeeper:
             runs = [
                 run
                 for run in self._runs.values()
-                if run.checked_at <= due and run.stop_reason != "fenced"  # no lease to keep
+                if run.checked_at <= due and run.stop_reason is not StopReason.FENCED  # no lease
             ]
             if runs:
                 await asyncio.gather(*(self._renew(run) for run in runs))
@@ -109,10 +110,10 @@ class LeaseKeeper:
             cancel_requested = await self._ownership.renew(
                 run.execution_id, run.fence, run.epoch, run.tenant, run.stored()
             )
-        except Conflict:
-            run.stop("fenced")
+        except Fenced:
+            run.stop(StopReason.FENCED)
             return
-        except NotFound:
+        except RecordLost:
             log.warning(
                 "the buffer lost a running execution, or some of its events",
                 extra={"executionId": run.execution_id},
@@ -134,7 +135,7 @@ class LeaseKeeper:
             return
         run.checked_at = started
         if cancel_requested:
-            run.stop("cancel")
+            run.stop(StopReason.CANCEL)
 
     async def control_loop(self, on_handoff: Callable[[str, str], Awaitable[None]]) -> None:
         """Deliver cancels for the runs here, and hand-offs to ``on_handoff``, as they
@@ -151,7 +152,7 @@ class LeaseKeeper:
                 for execution_id in cancels:
                     run = self._runs.get(execution_id)
                     if run is not None:
-                        run.stop("cancel")
+                        run.stop(StopReason.CANCEL)
                 for execution_id, fence in handed:
                     await on_handoff(execution_id, fence)
             except FlowcastError as exc:

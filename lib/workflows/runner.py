@@ -25,6 +25,7 @@ import logging
 import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from enum import Enum
 from typing import Any
 
 import orjson
@@ -33,7 +34,10 @@ from lib.errors import (
     Conflict,
     FlowcastError,
     InvalidInput,
+    LeaseHeld,
+    NotDue,
     NotFound,
+    NotPausedThere,
     ShuttingDown,
     TooBusy,
 )
@@ -48,12 +52,13 @@ from lib.execution.hub import Hub
 from lib.execution.log import ExecutionLog
 from lib.execution.offload import OffloadPolicy
 from lib.execution.ownership import Claim, Ownership, node_of, paused_member
+from lib.execution.record import Field, Mode, RecoveryReason, Status, StopReason
 from lib.execution.values import ValueStore
 from lib.metrics import Metrics
 from lib.workflows.checkpoint import answer_field
 from lib.workflows.executor import Executor, RunState
 from lib.workflows.finals import Finals
-from lib.workflows.janitor import Ending, Janitor, cancelled, worker_lost
+from lib.workflows.janitor import Janitor, approval_timeout, cancelled, worker_lost
 from lib.workflows.launcher import Launcher, Outcome, ending_body, identity_of
 from lib.workflows.leases import LeaseKeeper, LocalRun
 from lib.workflows.model import Workflow
@@ -76,6 +81,14 @@ def new_execution_id() -> str:
 class Started:
     execution_id: str
     status: str
+
+
+class Claimed(Enum):
+    """How a transition the janitor found due went."""
+
+    WON = "won"  # this process owns it now
+    NOT_YET = "not_yet"  # refused for now (the lease runs, the store settles, not due)
+    SETTLED = "settled"  # refused for good (another owner or status, gone): forget it
 
 
 class Runner:
@@ -144,25 +157,17 @@ class Runner:
             await self._ownership.store()
         except FlowcastError as exc:
             log.warning("the buffer is not reachable at start", extra={"error": str(exc)})
-        janitor = Janitor(
-            ownership=self._ownership,
-            lease_seconds=self._lease_seconds,
-            is_local=self._locals.__contains__,
-            finish=self._claim_and_end,
-            recover=self._recover,
-            accepting=lambda: self.accepting,
-            restarted=self._finals.reassert,
-        )
+        janitor = Janitor(ownership=self._ownership, lease_seconds=self._lease_seconds)
         control = asyncio.create_task(
             self._keeper.control_loop(
-                lambda eid, fence: janitor.take_over(eid, fence, handoff_only=True)
+                lambda eid, fence: self._take_over(eid, fence, handoff_only=True)
             ),
             name="control-listener",
         )
         self._loops = [
             asyncio.create_task(self._keeper.renew_loop(), name="lease-renewal"),
             control,
-            asyncio.create_task(janitor.run(), name="janitor"),
+            asyncio.create_task(self._tend(janitor), name="janitor"),
         ]
         return self
 
@@ -177,7 +182,7 @@ class Runner:
             log.info("draining executions", extra={"count": len(running), "grace": self._grace})
             await asyncio.wait(running, timeout=self._grace)
         for local in list(self._locals.values()):
-            local.stop("handoff")
+            local.stop(StopReason.HANDOFF)
         if remaining := self._tasks():
             await asyncio.wait(remaining, timeout=10)
         control = next(task for task in self._loops if task.get_name() == "control-listener")
@@ -232,11 +237,11 @@ class Runner:
         fence = self._fence()
         await self._admit(tenant, fence)
         now = datetime.now(UTC)
-        identity = {
-            "workflowId": workflow.id,
-            "tenant": tenant,
-            "createdAt": utc_timestamp(now),
-            "inlineFiles": "1" if inline_files else "",
+        identity: dict[str, str] = {
+            Field.WORKFLOW_ID.value: workflow.id,
+            Field.TENANT.value: tenant,
+            Field.CREATED_AT.value: utc_timestamp(now),
+            Field.INLINE_FILES.value: "1" if inline_files else "",
         }
         try:
             # What a resume or a recovery needs is there from the start, in the same
@@ -248,9 +253,9 @@ class Runner:
                 fence=fence,
                 workflow_id=workflow.id,
                 tenant=tenant,
-                created_at=identity["createdAt"],
+                created_at=identity[Field.CREATED_AT],
                 created_ms=int(now.timestamp() * 1000),
-                extra={"inlineFiles": identity["inlineFiles"]},
+                extra={Field.INLINE_FILES.value: identity[Field.INLINE_FILES]},
                 state=saved,
             )
         except FlowcastError:
@@ -277,23 +282,18 @@ class Runner:
         if not self.accepting:
             raise ShuttingDown("the server is shutting down and resumes nothing")
         meta = await self._owned(execution_id, tenant)
-        if meta.status != "paused" or not isinstance(meta.pause, dict):
+        if meta.status != Status.PAUSED or not isinstance(meta.pause, dict):
             raise Conflict(
                 "not_paused", f"the execution is {meta.status}, not paused", status=meta.status
             )
         paused_at = str(meta.pause.get("blockId", ""))
         if block_id is not None and block_id != paused_at:
-            raise Conflict(
-                "not_paused_there",
-                f"the execution is paused at {paused_at!r}, not at {block_id!r}",
-                status="paused",
-                pausedAt=paused_at,
-            )
+            raise NotPausedThere(execution_id, paused_at=paused_at, asked=block_id)
         _check_answer(meta.pause.get("schema") or {}, input)
         fence = self._fence()
         await self._admit(tenant, fence, replaces=paused_member(execution_id))
         claim = await self._claim(
-            execution_id, "resume", fence, tenant, block_id=paused_at, answer=orjson.dumps(input)
+            execution_id, Mode.RESUME, fence, tenant, block_id=paused_at, answer=orjson.dumps(input)
         )
 
         async def body(local: LocalRun, emitter: ExecutionLog) -> None:
@@ -324,8 +324,8 @@ class Runner:
         """
         meta = await self._owned(execution_id, tenant)
         fence = self._fence()
-        claim = await self._claim(execution_id, "cancel", fence, tenant)
-        if claim.status_before != "running":
+        claim = await self._claim(execution_id, Mode.CANCEL, fence, tenant)
+        if claim.status_before is not Status.RUNNING:
             self._launcher.launch(
                 execution_id,
                 claim,
@@ -337,7 +337,7 @@ class Runner:
         await self._launcher.quietly(execution_id, self._ownership.release(execution_id, fence))
         local = self._locals.get(execution_id)
         if local is not None and local.fence == claim.owner:
-            local.stop("cancel")
+            local.stop(StopReason.CANCEL)
         else:
             # The flag reaches the owner with its next write or renewal anyway.
             await self._launcher.quietly(
@@ -370,7 +370,7 @@ class Runner:
     async def _claim(
         self,
         execution_id: str,
-        mode: str,
+        mode: Mode,
         fence: str,
         tenant: str,
         *,
@@ -399,47 +399,81 @@ class Runner:
         except FlowcastError:
             await self._launcher.quietly(execution_id, self._ownership.leave(tenant, fence))
             raise
-        if claim.status_before == "paused":
+        if claim.status_before is Status.PAUSED:
             # The pause stops counting as such: its new owner counts (or it ends).
             await self._launcher.quietly(
                 execution_id, self._ownership.leave(tenant, paused_member(execution_id))
             )
         return claim
 
-    async def _claim_and_end(
-        self, execution_id: str, mode: str, expected: str, ending: Ending
-    ) -> str | None:
-        """The janitor's endings (a pause past its deadline: ``expire``): win the
-        transition, then write ``ending``."""
+    # -- what the janitor found due ------------------------------------------------
+
+    async def _tend(self, janitor: Janitor) -> None:
+        """Act on what each janitor pass finds due, in order: re-assert into a store
+        that changed servers, take over the expired leases, end the expired pauses."""
+        async for due in janitor.passes():
+            if not self.accepting:
+                continue  # shutting down: this process takes nothing over any more
+            try:
+                if due.restarted:
+                    await self._finals.reassert()
+                for execution_id, fence in due.leases:
+                    await self._take_over(execution_id, fence, handoff_only=due.handoff_only)
+                for execution_id in due.deadlines:
+                    if await self._expire(execution_id) is not Claimed.NOT_YET:
+                        await self._ownership.forget_deadline(execution_id)
+            except FlowcastError as exc:
+                # As a failed pass: owners need a lease to renew before anyone may
+                # call their lease expired.
+                janitor.distrust()
+                log.warning("janitor pass failed", extra={"error": str(exc)})
+
+    async def _take_over(self, execution_id: str, fence: str, *, handoff_only: bool) -> None:
+        """Take over an execution from ``fence`` and recover it, if it is due."""
+        if execution_id in self._locals or not self.accepting:
+            return
+        if await self._recover(execution_id, fence, handoff_only) is not Claimed.NOT_YET:
+            # Recovered now by a new owner (whose own entry watches it from here on),
+            # or settled already: this entry names nothing left to do.
+            await self._ownership.forget_lease(execution_id, fence)
+
+    async def _expire(self, execution_id: str) -> Claimed:
+        """End a pause past its approval deadline: win ``expire``, then write the
+        ``approval_timeout`` failure."""
         fence = self._fence()
         try:
             meta = await self._buffer.meta(execution_id)
             await self._ownership.hold(execution_id, fence)
-            claim = await self._ownership.claim(execution_id, mode, fence, expected=expected)
+            claim = await self._ownership.claim(execution_id, Mode.EXPIRE, fence)
         except (Conflict, NotFound) as exc:
             await self._launcher.quietly(execution_id, self._ownership.release(execution_id, fence))
-            return exc.code
-        log.warning("ending an execution", extra={"executionId": execution_id, "mode": mode})
+            return Claimed.NOT_YET if isinstance(exc, NotDue) else Claimed.SETTLED
+        extra = {"executionId": execution_id, "mode": Mode.EXPIRE.value}
+        log.warning("ending an execution", extra=extra)
         self._launcher.launch(
-            execution_id, claim, identity=identity_of(meta), body=ending_body(ending), meta=meta
+            execution_id,
+            claim,
+            identity=identity_of(meta),
+            body=ending_body(approval_timeout),
+            meta=meta,
         )
-        return None
+        return Claimed.WON
 
-    async def _recover(self, execution_id: str, expected: str, handoff_only: bool) -> str | None:
-        """The janitor's takeover: win the execution from ``expected`` (only if it handed
-        off, when ``handoff_only``), then carry it on from its checkpoint here."""
+    async def _recover(self, execution_id: str, expected: str, handoff_only: bool) -> Claimed:
+        """Win the execution from ``expected`` (only if it handed off, when
+        ``handoff_only``), then carry it on from its checkpoint here."""
         fence = self._fence()
         try:
             if (await self._ownership.store()).settling_seconds > 0:
-                return "settling"
+                return Claimed.NOT_YET
             meta = await self._buffer.meta(execution_id)
             await self._ownership.hold(execution_id, fence)
             claim = await self._ownership.claim(
-                execution_id, "takeover", fence, expected=expected, handoff_only=handoff_only
+                execution_id, Mode.TAKEOVER, fence, expected=expected, handoff_only=handoff_only
             )
         except (Conflict, NotFound) as exc:
             await self._launcher.quietly(execution_id, self._ownership.release(execution_id, fence))
-            return exc.code
+            return Claimed.NOT_YET if isinstance(exc, LeaseHeld) else Claimed.SETTLED
         # The new owner counts for the tenant in place of the one it took over from.
         await self._launcher.quietly(
             execution_id,
@@ -450,20 +484,20 @@ class Runner:
         # number and the crashes so far are part of what it must not forget.
         identity = {
             **identity_of(meta),
-            "recoveries": str(claim.recovery),
-            "crashes": str(claim.crashes),
+            Field.RECOVERIES.value: str(claim.recovery),
+            Field.CRASHES.value: str(claim.crashes),
         }
         extra = {
             "executionId": execution_id,
             "reason": claim.reason,
             "recovery": claim.recovery,
         }
-        if claim.reason == "worker_lost" and claim.crashes > self._max_recoveries:
+        if claim.reason is RecoveryReason.WORKER_LOST and claim.crashes > self._max_recoveries:
             log.warning("execution lost its owner too often; ending it", extra=extra)
             self._launcher.launch(
                 execution_id, claim, identity=identity, body=ending_body(worker_lost), meta=meta
             )
-            return None
+            return Claimed.WON
         log.warning("recovering an execution", extra=extra)
 
         async def body(local: LocalRun, emitter: ExecutionLog) -> None:
@@ -488,7 +522,7 @@ class Runner:
             await self._launcher.execute(local, emitter, work)
 
         self._launcher.launch(execution_id, claim, identity=identity, body=body, meta=meta)
-        return None
+        return Claimed.WON
 
     # -- running -------------------------------------------------------------------
 

@@ -1,0 +1,293 @@
+"""The execution record: what Redis holds of one execution, defined once.
+
+An execution's record is its metadata hash ``<prefix>:{<eid>}:meta``. Its field names
+are ``Field``; its ``status`` is a ``Status``; the transitions that change its owner are
+claim.lua's ``Mode``s (the table of who may ask what is drawn in ownership.py); a
+takeover says why in ``recoveryReason`` (``RecoveryReason``); and a run of this process
+stops its work for a ``StopReason``.
+
+Every refusal a script replies with (an error reply whose first word is the ``Reply``)
+becomes one typed exception, in one place: ``REFUSALS`` maps each (script, reply) to
+its leaf of ``lib.errors``, and ``refused`` translates a script's ``ResponseError``
+through it. A reply the map does not know is the store's own trouble (OOM at
+maxmemory, READONLY, MISCONF): ``BufferUnavailable``, an outage, never a state.
+tests/execution/test_record.py reads every ``.lua`` under ``lib/`` and fails if any
+of its refusals is not in the map.
+
+    script      reply             exception          meaning
+    ----------  ----------------  -----------------  ------------------------------------
+    append.lua  NOEXEC            WriteGone          no metadata (the store lost it)
+    append.lua  FENCED <owner>    WriteFenced        another owner, same or later epoch
+    append.lua  ORDER <lastId>    WriteOutOfOrder    the batch does not follow lastId
+    append.lua  CANCEL            CancelWins         a cancel wins over the final event
+    claim.lua   NOEXEC            NotFound           no such execution (or it expired)
+    claim.lua   STATUS <status>   WrongStatus        not in a status this applies to
+    claim.lua   BLOCK <blockId>   NotPausedThere     paused at another block
+    claim.lua   LEASE             LeaseHeld          the lease runs (or no hand-off)
+    claim.lua   MOVED             OwnerMoved         another owner than the one named
+    claim.lua   NOTDUE            NotDue             the approval deadline has not passed
+    claim.lua   MODE <mode>       UnknownTransition  no such transition (a bug)
+    renew.lua   GONE              RecordLost         no metadata: the writer recreates it
+    renew.lua   FENCED            Fenced             another owner, same or later epoch
+    renew.lua   BEHIND            RecordLost         lost writes: the writer writes back
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Final
+
+from redis.exceptions import ResponseError
+
+from lib.errors import (
+    BufferUnavailable,
+    CancelWins,
+    Fenced,
+    FlowcastError,
+    LeaseHeld,
+    NotDue,
+    NotFound,
+    NotPausedThere,
+    OwnerMoved,
+    RecordLost,
+    UnknownTransition,
+    WriteFenced,
+    WriteGone,
+    WriteOutOfOrder,
+    WrongStatus,
+)
+
+
+class Field(StrEnum):
+    """The fields of an execution's metadata hash (start.lua creates it)."""
+
+    # Identity, written when it is created (and again when the store lost it).
+    WORKFLOW_ID = "workflowId"
+    TENANT = "tenant"
+    CREATED_AT = "createdAt"
+    UPDATED_AT = "updatedAt"
+    INLINE_FILES = "inlineFiles"  # "1": file values kept inline up to their own cap
+    # Ownership (claim.lua, renew.lua; append.lua lets a newer epoch take it back).
+    STATUS = "status"
+    OWNER = "owner"  # the owner's fencing token; "" once handed off
+    EPOCH = "epoch"  # one more at every claim that changes the owner
+    LEASE_UNTIL = "leaseUntil"  # ms, Redis's clock
+    HANDOFF = "handoff"  # the fence that let go at a shutdown, until taken over
+    CANCEL_REQUESTED = "cancelRequested"  # "1": the next final event is the cancel
+    PAUSE_BLOCK = "pauseBlock"  # the block a pause waits at
+    PAUSE_DEADLINE = "pauseDeadline"  # ms, Redis's clock; "" for none
+    RECOVERIES = "recoveries"  # execution:recovered events stored
+    RECOVERY_REASON = "recoveryReason"  # why the latest takeover happened
+    CRASHES = "crashes"  # takeovers after an owner died
+    # The replay buffer (append.lua).
+    LAST_ID = "lastId"
+    FIRST_ID = "firstId"  # the oldest id retained
+    BYTES = "bytes"  # the retained events' envelope bytes
+    COUNT = "count"  # the retained events
+    RESERVED = "reserved"  # ids an owner may show live above lastId
+    CHECKPOINT_BYTES = "ckptBytes"  # outputs and answers the checkpoint holds inline
+    # Outcomes, as JSON (or {"$event": id} naming the event that holds a large one).
+    OUTPUT = "output"
+    ERROR = "error"
+    PAUSE = "pause"
+
+
+class Status(StrEnum):
+    """An execution's status (SPEC §3). Nothing is ``queued`` yet: the queue (SPEC §14)
+    adds queued -> running as a transition of its own."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    PAUSED = "paused"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+TERMINAL: Final = frozenset({Status.COMPLETED, Status.FAILED, Status.CANCELLED})
+
+
+class Mode(StrEnum):
+    """The transitions claim.lua makes (its ARGV[1])."""
+
+    RESUME = "resume"
+    CANCEL = "cancel"
+    TAKEOVER = "takeover"
+    HANDOFF = "handoff"
+    EXPIRE = "expire"
+
+
+class RecoveryReason(StrEnum):
+    """Why a takeover happened (``recoveryReason``, and execution:recovered's reason)."""
+
+    HANDOFF = "handoff"  # the owner let go at a shutdown
+    WORKER_LOST = "worker_lost"  # the owner stopped renewing its lease
+
+
+class StopReason(StrEnum):
+    """Why a run here had its work cancelled."""
+
+    CANCEL = "cancel"  # a cancel was accepted: the run ends cancelled
+    HANDOFF = "handoff"  # a shutdown: another process goes on with it
+    FENCED = "fenced"  # another owner replaced this one: it may write nothing more
+
+
+class Script(StrEnum):
+    """The Lua scripts that read or write an execution's record."""
+
+    START = "start.lua"
+    APPEND = "append.lua"
+    READ = "read.lua"
+    CLAIM = "claim.lua"
+    RENEW = "renew.lua"
+    ADMIT = "admit.lua"
+    WATCH = "watch.lua"
+    STORE = "store.lua"
+    SLOTS = "slots.lua"
+
+
+class Reply(StrEnum):
+    """The first word of a script's error reply (the rest, if any, is its detail)."""
+
+    NOEXEC = "NOEXEC"
+    FENCED = "FENCED"
+    ORDER = "ORDER"
+    CANCEL = "CANCEL"
+    STATUS = "STATUS"
+    BLOCK = "BLOCK"
+    LEASE = "LEASE"
+    MOVED = "MOVED"
+    NOTDUE = "NOTDUE"
+    MODE = "MODE"
+    GONE = "GONE"
+    BEHIND = "BEHIND"
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What the caller asked, for the exception to say: the execution, and for a
+    resume the block it answers."""
+
+    execution_id: str
+    block_id: str = ""
+
+
+# Builds the exception of one refusal from what was asked and the reply's detail.
+Build = Callable[[Asked, str], FlowcastError]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One error reply of one script, what it means and what it becomes."""
+
+    script: Script
+    reply: Reply
+    error: type[FlowcastError]
+    meaning: str
+    build: Build
+    detail: str = ""  # what follows the reply's first word, if anything
+
+
+def _not_found(asked: Asked, _detail: str) -> FlowcastError:
+    return NotFound("execution", asked.execution_id)
+
+
+REFUSALS: Final[tuple[Refusal, ...]] = (
+    Refusal(
+        Script.APPEND, Reply.NOEXEC, WriteGone, "no metadata (the store lost it)",
+        lambda asked, _detail: WriteGone(asked.execution_id),
+    ),
+    Refusal(
+        Script.APPEND, Reply.FENCED, WriteFenced, "another owner, same or later epoch",
+        lambda asked, detail: WriteFenced(asked.execution_id, owner=detail),
+        detail="<owner>",
+    ),
+    Refusal(
+        Script.APPEND, Reply.ORDER, WriteOutOfOrder, "the batch does not follow lastId",
+        lambda asked, detail: WriteOutOfOrder(asked.execution_id, last_id=int(detail)),
+        detail="<lastId>",
+    ),
+    Refusal(
+        Script.APPEND, Reply.CANCEL, CancelWins, "a cancel wins over the final event",
+        lambda asked, _detail: CancelWins(asked.execution_id),
+    ),
+    Refusal(
+        Script.CLAIM, Reply.NOEXEC, NotFound, "no such execution (or it expired)",
+        _not_found,
+    ),
+    Refusal(
+        Script.CLAIM, Reply.STATUS, WrongStatus, "not in a status this applies to",
+        lambda asked, detail: WrongStatus(asked.execution_id, detail),
+        detail="<status>",
+    ),
+    Refusal(
+        Script.CLAIM, Reply.BLOCK, NotPausedThere, "paused at another block",
+        lambda asked, detail: NotPausedThere(
+            asked.execution_id, paused_at=detail, asked=asked.block_id
+        ),
+        detail="<blockId>",
+    ),
+    Refusal(
+        Script.CLAIM, Reply.LEASE, LeaseHeld, "the lease runs (or no hand-off)",
+        lambda asked, _detail: LeaseHeld(asked.execution_id),
+    ),
+    # A reply of one word reaches the client as "ERR MOVED" (the server adds the code),
+    # so redis-py never reads it as a cluster redirect; "MOVED <detail>" would be one.
+    Refusal(
+        Script.CLAIM, Reply.MOVED, OwnerMoved, "another owner than the one named",
+        lambda asked, _detail: OwnerMoved(asked.execution_id),
+    ),
+    Refusal(
+        Script.CLAIM, Reply.NOTDUE, NotDue, "the approval deadline has not passed",
+        lambda asked, _detail: NotDue(asked.execution_id),
+    ),
+    Refusal(
+        Script.CLAIM, Reply.MODE, UnknownTransition, "no such transition (a bug)",
+        lambda asked, detail: UnknownTransition(asked.execution_id, detail),
+        detail="<mode>",
+    ),
+    Refusal(
+        Script.RENEW, Reply.GONE, RecordLost, "no metadata: the writer recreates it",
+        lambda asked, _detail: RecordLost(asked.execution_id, whole=True),
+    ),
+    Refusal(
+        Script.RENEW, Reply.FENCED, Fenced, "another owner, same or later epoch",
+        lambda asked, _detail: Fenced(asked.execution_id),
+    ),
+    Refusal(
+        Script.RENEW, Reply.BEHIND, RecordLost, "lost writes: the writer writes back",
+        lambda asked, _detail: RecordLost(asked.execution_id, whole=False),
+    ),
+)  # fmt: skip
+
+_BY_REPLY: Final[dict[tuple[Script, str], Refusal]] = {
+    (refusal.script, refusal.reply.value): refusal for refusal in REFUSALS
+}
+
+
+def refusal_of(script: Script, exc: ResponseError) -> tuple[Refusal, str] | None:
+    """The refusal a script's error reply is, with its detail; None for an error of
+    the store's own (OOM, READONLY, …)."""
+    reply, _, detail = str(exc).partition(" ")
+    found = _BY_REPLY.get((script, reply))
+    return None if found is None else (found, detail)
+
+
+def refused(script: Script, exc: ResponseError, asked: Asked) -> FlowcastError:
+    """The typed exception for a script's error reply (see ``REFUSALS``)."""
+    found = refusal_of(script, exc)
+    if found is None:
+        return BufferUnavailable(f"the buffer refused {script}: {exc}")
+    refusal, detail = found
+    return refusal.build(asked, detail)
+
+
+def draw_refusals() -> str:
+    """``REFUSALS`` as the table this module's docstring shows."""
+    return "".join(
+        f"    {r.script:<10}  {f'{r.reply} {r.detail}'.strip():<16}  "
+        f"{r.error.__name__:<17}  {r.meaning}\n"
+        for r in REFUSALS
+    )

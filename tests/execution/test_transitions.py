@@ -1,0 +1,427 @@
+"""Each row of the ownership state machine (``ownership.TRANSITIONS``), on a real Valkey.
+
+One test per row: it drives the transition through the module that makes it
+(``Ownership``; the owner's pause and ending are its writer's appends, ``EventBuffer``),
+checks the record it leaves in the metadata hash, then provokes every refusal the row
+lists and checks the typed exception it becomes (``record.REFUSALS``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import pytest
+from redis.asyncio import Redis
+
+from lib.errors import NotFound, RecordLost, WriteFenced, WriteOutOfOrder, WrongStatus
+from lib.execution.buffer import EventBuffer
+from lib.execution.events import (
+    EXECUTION_COMPLETED,
+    EXECUTION_PAUSED,
+    EXECUTION_STARTED,
+    Event,
+)
+from lib.execution.ownership import TRANSITIONS, Ownership, Transition, lease_member
+from lib.execution.record import (
+    REFUSALS,
+    Field,
+    Mode,
+    RecoveryReason,
+    Reply,
+    Status,
+)
+from lib.execution.writer import batch_meta
+
+LEASE_SECONDS = 30.0
+TESTED: dict[tuple[Status | None, str], str] = {}
+
+
+def row_test(before: Status | None, name: str) -> Callable[[Any], Any]:
+    """Mark a test as the one of the row (``before``, ``name``)."""
+
+    def mark(test: Any) -> Any:
+        TESTED[(before, name)] = test.__name__
+        return test
+
+    return mark
+
+
+def row_of(before: Status | None, name: str) -> Transition:
+    return next(row for row in TRANSITIONS if row.before == before and row.name == name)
+
+
+@dataclass
+class RowCheck:
+    """Checks the refusals of one row: each as its typed exception, every one tried."""
+
+    row: Transition
+    tried: set[Reply] = field(default_factory=set)
+
+    async def refused(self, reply: Reply, attempt: Awaitable[Any]) -> BaseException:
+        assert reply in self.row.refusals, f"{reply} is not a refusal of {self.row.name}"
+        expected = next(
+            r.error for r in REFUSALS if r.script is self.row.script and r.reply is reply
+        )
+        with pytest.raises(expected) as caught:
+            await attempt
+        assert type(caught.value) is expected
+        self.tried.add(reply)
+        return caught.value
+
+    def every_refusal_tried(self) -> None:
+        assert self.tried == set(self.row.refusals)
+
+
+@dataclass
+class Machine:
+    redis: Redis
+    buffer: EventBuffer
+    ownership: Ownership
+
+    def with_lease(self, seconds: float) -> Ownership:
+        return Ownership(buffer=self.buffer, lease_seconds=seconds)
+
+    async def record(self, execution_id: str) -> dict[str, str]:
+        raw: dict[bytes, bytes] = await self.redis.hgetall(self.buffer.keys.meta(execution_id))
+        return {name.decode(): value.decode() for name, value in raw.items()}
+
+    async def start(self, fence: str = "node-a:1", ownership: Ownership | None = None) -> str:
+        execution_id = f"ex_{uuid.uuid4().hex}"
+        await (ownership or self.ownership).start(
+            execution_id,
+            fence=fence,
+            workflow_id="wf",
+            tenant="t",
+            created_at="2026-01-01T00:00:00.000Z",
+            created_ms=1,
+            state={"input": orjson.dumps({"v": 1})},
+        )
+        return execution_id
+
+    async def append(
+        self, execution_id: str, types: list[str], *, fence: str, epoch: int = 1, first: int = 1
+    ) -> None:
+        events = [
+            Event(
+                id=first + i,
+                type=kind,
+                execution_id=execution_id,
+                workflow_id="wf",
+                data={"blockId": "ask", "prompt": "ok?"} if kind == EXECUTION_PAUSED else {},
+            )
+            for i, kind in enumerate(types)
+        ]
+        await self.buffer.append(
+            execution_id, events, fence=fence, epoch=epoch, meta=batch_meta(events)
+        )
+
+    async def paused(self, fence: str = "node-a:1", *, deadline_ms: int | None = None) -> str:
+        execution_id = await self.start(fence)
+        await self.append(execution_id, [EXECUTION_STARTED, EXECUTION_PAUSED], fence=fence)
+        await self.ownership.save_state(execution_id, {}, deadline_ms=deadline_ms)
+        return execution_id
+
+    async def finished(self, fence: str = "node-a:1") -> str:
+        execution_id = await self.start(fence)
+        await self.append(execution_id, [EXECUTION_STARTED, EXECUTION_COMPLETED], fence=fence)
+        return execution_id
+
+    async def until_lease_ended(self, execution_id: str) -> None:
+        """Poll Redis's clock until the execution's lease is over."""
+        until = int((await self.record(execution_id))[Field.LEASE_UNTIL])
+        for _ in range(10_000):
+            if await self.ownership.now_ms() > until:
+                return
+        raise AssertionError("the lease never ended on Redis's clock")
+
+
+@pytest.fixture
+async def machine(redis: Redis) -> AsyncIterator[Machine]:
+    buffer = EventBuffer(redis=redis, prefix=f"tr{uuid.uuid4().hex[:6]}")
+    yield Machine(redis, buffer, Ownership(buffer=buffer, lease_seconds=LEASE_SECONDS))
+
+
+def missing() -> str:
+    return f"ex_missing_{uuid.uuid4().hex}"
+
+
+def claim(
+    machine: Machine, execution_id: str, mode: Mode, fence: str, **options: Any
+) -> Coroutine[Any, Any, Any]:
+    return machine.ownership.claim(execution_id, mode, fence, **options)
+
+
+# -- the rows ---------------------------------------------------------------------
+
+
+@row_test(None, "start")
+async def test_start_creates_a_running_record_owned_by_its_creator_with_a_watched_lease(
+    machine: Machine,
+) -> None:
+    execution_id = await machine.start("node-a:1")
+    record = await machine.record(execution_id)
+    assert record[Field.STATUS] == Status.RUNNING
+    assert record[Field.OWNER] == "node-a:1" and record[Field.EPOCH] == "1"
+    assert record[Field.LAST_ID] == "0" and record[Field.RESERVED] == "0"
+    assert int(record[Field.LEASE_UNTIL]) > await machine.ownership.now_ms()
+    lease = await machine.redis.zscore(
+        machine.buffer.keys.leases, lease_member(execution_id, "node-a:1")
+    )
+    assert lease is not None
+    RowCheck(row_of(None, "start")).every_refusal_tried()
+
+
+@row_test(Status.RUNNING, "pause")
+async def test_the_owner_pauses_by_storing_its_paused_event(machine: Machine) -> None:
+    check = RowCheck(row_of(Status.RUNNING, "pause"))
+    execution_id = await machine.start("node-a:1")
+    await machine.append(execution_id, [EXECUTION_STARTED, EXECUTION_PAUSED], fence="node-a:1")
+    record = await machine.record(execution_id)
+    assert record[Field.STATUS] == Status.PAUSED and record[Field.PAUSE_BLOCK] == "ask"
+    assert record[Field.LAST_ID] == "2" and record[Field.RESERVED] == "2"
+
+    await check.refused(
+        Reply.NOEXEC, machine.append(missing(), [EXECUTION_PAUSED], fence="node-a:1")
+    )
+    other = await machine.start("node-b:1")
+    fenced = await check.refused(
+        Reply.FENCED, machine.append(other, [EXECUTION_PAUSED], fence="node-a:1")
+    )
+    assert isinstance(fenced, WriteFenced) and fenced.owner == "node-b:1"
+    order = await check.refused(
+        Reply.ORDER, machine.append(other, [EXECUTION_PAUSED], fence="node-b:1", first=5)
+    )
+    assert isinstance(order, WriteOutOfOrder) and order.last_id == 0
+    await machine.ownership.claim(other, Mode.CANCEL, "node-c:1")
+    await check.refused(
+        Reply.CANCEL,
+        machine.append(other, [EXECUTION_STARTED, EXECUTION_PAUSED], fence="node-b:1"),
+    )
+    assert (await machine.record(other))[Field.LAST_ID] == "0", "a refused batch wrote"
+    check.every_refusal_tried()
+
+
+@row_test(Status.RUNNING, "complete")
+async def test_the_owner_ends_the_run_by_storing_its_terminal_event(machine: Machine) -> None:
+    check = RowCheck(row_of(Status.RUNNING, "complete"))
+    execution_id = await machine.finished("node-a:1")
+    record = await machine.record(execution_id)
+    assert record[Field.STATUS] == Status.COMPLETED and record[Field.LAST_ID] == "2"
+    ttl = await machine.redis.ttl(machine.buffer.keys.meta(execution_id))
+    assert 0 < ttl <= machine.buffer.retention_seconds
+
+    await check.refused(
+        Reply.NOEXEC, machine.append(missing(), [EXECUTION_COMPLETED], fence="node-a:1")
+    )
+    # A stalled owner that wakes after a takeover is fenced out of its ending.
+    stale = await machine.start("node-a:1", machine.with_lease(0.05))
+    await machine.until_lease_ended(stale)
+    await machine.ownership.claim(stale, Mode.TAKEOVER, "node-b:1", expected="node-a:1")
+    await check.refused(
+        Reply.FENCED, machine.append(stale, [EXECUTION_COMPLETED], fence="node-a:1")
+    )
+    await check.refused(
+        Reply.ORDER,
+        machine.append(execution_id, [EXECUTION_COMPLETED], fence="node-a:1", first=2),
+    )
+    cancelled = await machine.start("node-a:1")
+    await machine.ownership.claim(cancelled, Mode.CANCEL, "node-c:1")
+    await check.refused(
+        Reply.CANCEL,
+        machine.append(cancelled, [EXECUTION_STARTED, EXECUTION_COMPLETED], fence="node-a:1"),
+    )
+    assert (await machine.record(cancelled))[Field.STATUS] == Status.RUNNING
+    check.every_refusal_tried()
+
+
+@row_test(Status.RUNNING, "renew")
+async def test_the_owner_renews_its_lease_and_hears_of_a_cancel(machine: Machine) -> None:
+    check = RowCheck(row_of(Status.RUNNING, "renew"))
+    ownership = machine.ownership
+    execution_id = await machine.start("node-a:1")
+    before = int((await machine.record(execution_id))[Field.LEASE_UNTIL])
+    assert await ownership.renew(execution_id, "node-a:1", 1, "t") is False
+    after = int((await machine.record(execution_id))[Field.LEASE_UNTIL])
+    assert after >= before
+    await ownership.claim(execution_id, Mode.CANCEL, "node-c:1")
+    assert await ownership.renew(execution_id, "node-a:1", 1, "t") is True
+    assert (await machine.record(execution_id))[Field.OWNER] == "node-a:1"
+
+    lost = await check.refused(Reply.GONE, ownership.renew(missing(), "node-a:1", 1, "t"))
+    assert isinstance(lost, RecordLost) and lost.whole
+    await check.refused(Reply.FENCED, ownership.renew(execution_id, "node-b:1", 1, "t"))
+    behind = await check.refused(
+        Reply.BEHIND, ownership.renew(execution_id, "node-a:1", 1, "t", stored_id=9)
+    )
+    assert isinstance(behind, RecordLost) and not behind.whole
+    check.every_refusal_tried()
+
+
+@row_test(Status.PAUSED, "resume")
+async def test_any_process_resumes_a_pause_once_with_its_answer_checkpointed(
+    machine: Machine,
+) -> None:
+    check = RowCheck(row_of(Status.PAUSED, "resume"))
+    execution_id = await machine.paused("node-a:1")
+    won = await claim(
+        machine, execution_id, Mode.RESUME, "node-b:1", block_id="ask", answer=b'{"ok":true}'
+    )
+    assert won.status_before is Status.PAUSED and won.owner == "node-b:1" and won.epoch == 2
+    assert won.last_id == 2 and won.base == 2
+    record = await machine.record(execution_id)
+    assert record[Field.STATUS] == Status.RUNNING and record[Field.OWNER] == "node-b:1"
+    assert record[Field.PAUSE_BLOCK] == "" and Field.CANCEL_REQUESTED not in record
+    state = await machine.redis.hget(machine.buffer.keys.state(execution_id), "a:ask")
+    assert state == b'{"ok":true}'
+
+    await check.refused(Reply.NOEXEC, claim(machine, missing(), Mode.RESUME, "node-c:1"))
+    status = await check.refused(
+        Reply.STATUS, claim(machine, execution_id, Mode.RESUME, "node-c:1")
+    )
+    assert isinstance(status, WrongStatus) and status.status == Status.RUNNING
+    other = await machine.paused("node-a:1")
+    block = await check.refused(
+        Reply.BLOCK, claim(machine, other, Mode.RESUME, "node-c:1", block_id="elsewhere")
+    )
+    assert block.paused_at == "ask" and block.asked == "elsewhere"  # type: ignore[attr-defined]
+    check.every_refusal_tried()
+
+
+@row_test(Status.PAUSED, "cancel")
+async def test_any_process_cancelling_a_pause_owns_it_to_write_the_cancel(
+    machine: Machine,
+) -> None:
+    check = RowCheck(row_of(Status.PAUSED, "cancel"))
+    execution_id = await machine.paused("node-a:1")
+    won = await claim(machine, execution_id, Mode.CANCEL, "node-b:1")
+    assert won.status_before is Status.PAUSED and won.owner == "node-b:1" and won.epoch == 2
+    record = await machine.record(execution_id)
+    assert record[Field.STATUS] == Status.RUNNING and record[Field.OWNER] == "node-b:1"
+    assert record[Field.CANCEL_REQUESTED] == "1"
+
+    await check.refused(Reply.NOEXEC, claim(machine, missing(), Mode.CANCEL, "node-c:1"))
+    finished = await machine.finished()
+    status = await check.refused(Reply.STATUS, claim(machine, finished, Mode.CANCEL, "node-c:1"))
+    assert isinstance(status, WrongStatus) and status.code == "execution_completed"
+    check.every_refusal_tried()
+
+
+@row_test(Status.RUNNING, "cancel")
+async def test_any_process_cancelling_a_running_execution_flags_it_for_its_owner(
+    machine: Machine,
+) -> None:
+    check = RowCheck(row_of(Status.RUNNING, "cancel"))
+    execution_id = await machine.start("node-a:1")
+    won = await claim(machine, execution_id, Mode.CANCEL, "node-b:1")
+    assert won.status_before is Status.RUNNING
+    assert won.owner == "node-a:1" and won.epoch == 1, "a flag, not a new owner"
+    record = await machine.record(execution_id)
+    assert record[Field.OWNER] == "node-a:1" and record[Field.CANCEL_REQUESTED] == "1"
+
+    await check.refused(Reply.NOEXEC, claim(machine, missing(), Mode.CANCEL, "node-c:1"))
+    finished = await machine.finished()
+    await check.refused(Reply.STATUS, claim(machine, finished, Mode.CANCEL, "node-c:1"))
+    check.every_refusal_tried()
+
+
+@row_test(Status.PAUSED, "expire")
+async def test_a_janitor_expires_a_pause_only_past_its_deadline(machine: Machine) -> None:
+    check = RowCheck(row_of(Status.PAUSED, "expire"))
+    now = await machine.ownership.now_ms()
+    execution_id = await machine.paused("node-a:1", deadline_ms=now - 1)
+    won = await claim(machine, execution_id, Mode.EXPIRE, "node-b:1")
+    assert won.status_before is Status.PAUSED and won.owner == "node-b:1" and won.epoch == 2
+    record = await machine.record(execution_id)
+    assert record[Field.STATUS] == Status.RUNNING and record[Field.PAUSE_DEADLINE] == ""
+
+    await check.refused(Reply.NOEXEC, claim(machine, missing(), Mode.EXPIRE, "node-c:1"))
+    await check.refused(Reply.STATUS, claim(machine, execution_id, Mode.EXPIRE, "node-c:1"))
+    later = await machine.paused("node-a:1", deadline_ms=now + 3_600_000)
+    await check.refused(Reply.NOTDUE, claim(machine, later, Mode.EXPIRE, "node-c:1"))
+    never = await machine.paused("node-a:1")
+    await check.refused(Reply.NOTDUE, claim(machine, never, Mode.EXPIRE, "node-c:1"))
+    assert (await machine.record(later))[Field.OWNER] == "node-a:1"
+    check.every_refusal_tried()
+
+
+@row_test(Status.RUNNING, "take over")
+async def test_a_janitor_takes_over_past_the_lease_or_once_handed_off(machine: Machine) -> None:
+    check = RowCheck(row_of(Status.RUNNING, "take over"))
+    execution_id = await machine.start("node-a:1", machine.with_lease(0.05))
+    await machine.append(execution_id, [EXECUTION_STARTED], fence="node-a:1")
+    await machine.until_lease_ended(execution_id)
+    won = await claim(machine, execution_id, Mode.TAKEOVER, "node-b:1", expected="node-a:1")
+    assert won.status_before is Status.RUNNING and won.owner == "node-b:1" and won.epoch == 2
+    assert won.reason is RecoveryReason.WORKER_LOST and won.recovery == 1 and won.crashes == 1
+    record = await machine.record(execution_id)
+    assert record[Field.OWNER] == "node-b:1" and record[Field.CRASHES] == "1"
+    assert record[Field.RECOVERY_REASON] == RecoveryReason.WORKER_LOST
+
+    handed = await machine.start("node-a:1")
+    await machine.ownership.hand_off(handed, "node-a:1")
+    won = await claim(
+        machine, handed, Mode.TAKEOVER, "node-b:1", expected="node-a:1", handoff_only=True
+    )
+    assert won.reason is RecoveryReason.HANDOFF and won.crashes == 0
+    assert Field.HANDOFF not in await machine.record(handed)
+
+    await check.refused(Reply.NOEXEC, claim(machine, missing(), Mode.TAKEOVER, "node-c:1"))
+    paused = await machine.paused("node-a:1")
+    await check.refused(Reply.STATUS, claim(machine, paused, Mode.TAKEOVER, "node-c:1"))
+    alive = await machine.start("node-a:1")
+    await check.refused(
+        Reply.LEASE, claim(machine, alive, Mode.TAKEOVER, "node-c:1", expected="node-a:1")
+    )
+    await check.refused(
+        Reply.LEASE,
+        claim(machine, alive, Mode.TAKEOVER, "node-c:1", expected="", handoff_only=True),
+    )
+    await check.refused(
+        Reply.MOVED, claim(machine, alive, Mode.TAKEOVER, "node-c:1", expected="node-z:1")
+    )
+    assert (await machine.record(alive))[Field.OWNER] == "node-a:1"
+    check.every_refusal_tried()
+
+
+@row_test(Status.RUNNING, "hand off")
+async def test_the_owner_hands_off_at_a_shutdown_leaving_no_owner(machine: Machine) -> None:
+    check = RowCheck(row_of(Status.RUNNING, "hand off"))
+    keys = machine.buffer.keys
+    execution_id = await machine.start("node-a:1")
+    await machine.ownership.hand_off(execution_id, "node-a:1")
+    record = await machine.record(execution_id)
+    assert record[Field.STATUS] == Status.RUNNING and record[Field.OWNER] == ""
+    assert record[Field.HANDOFF] == "node-a:1" and record[Field.LEASE_UNTIL] == "0"
+    lease = await machine.redis.zscore(keys.leases, lease_member(execution_id, "node-a:1"))
+    assert lease == 0, "due at once for every janitor"
+    announced = await machine.redis.xrange(keys.handoffs)
+    assert any(fields[b"executionId"] == execution_id.encode() for _, fields in announced)
+
+    await check.refused(Reply.NOEXEC, machine.ownership.hand_off(missing(), "node-a:1"))
+    paused = await machine.paused("node-a:1")
+    await check.refused(Reply.STATUS, machine.ownership.hand_off(paused, "node-a:1"))
+    other = await machine.start("node-b:1")
+    await check.refused(Reply.MOVED, machine.ownership.hand_off(other, "node-a:1"))
+    assert (await machine.record(other))[Field.OWNER] == "node-b:1"
+    check.every_refusal_tried()
+
+
+def test_every_row_of_the_table_has_its_test() -> None:
+    rows = {(row.before, row.name) for row in TRANSITIONS}
+    assert rows == set(TESTED), "a row without a test, or a test without a row"
+    assert len(TRANSITIONS) == len(rows), "two rows with the same state and transition"
+
+
+async def test_a_refused_claim_leaves_the_record_as_it_was(machine: Machine) -> None:
+    execution_id = await machine.finished("node-a:1")
+    before = await machine.record(execution_id)
+    for mode in (Mode.RESUME, Mode.CANCEL, Mode.TAKEOVER, Mode.HANDOFF, Mode.EXPIRE):
+        with pytest.raises(WrongStatus):
+            await claim(machine, execution_id, mode, "node-b:1")
+    assert await machine.record(execution_id) == before
+    with pytest.raises(NotFound):
+        await claim(machine, missing(), Mode.RESUME, "node-b:1")
