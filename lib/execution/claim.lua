@@ -30,12 +30,16 @@ neither end a healthy execution nor keep a dead one.
 A claim sent again (its first answer was lost) finds the caller already owning the
 execution and answers as the first run did, with the status it replaced.
 
-Returns {lastId, base, statusBefore, owner, epoch, recovery, reason, crashes} on
-success: a new owner numbers its events from base + 1 (base is above every id the
-previous owner may have shown live; ids between lastId and base are recorded as dropped
-by its first batch). A takeover is a recovery: `recovery` numbers it (the recovered
+Returns {lastId, base, statusBefore, owner, epoch, recovery, reason, crashes,
+cancelRequested} on success: a new owner numbers its events from base + 1 (base is
+above every id the previous owner may have shown live; ids between lastId and base are
+recorded as dropped by its first batch). A takeover is a recovery: `recovery` numbers it (the recovered
 events stored so far, plus one), `reason` is "handoff" when the owner let go, else
-"worker_lost", and `crashes` counts the takeovers for "worker_lost". Error replies:
+"worker_lost", and `crashes` counts the takeovers for "worker_lost". `cancelRequested`
+is "1" when a cancel was accepted and the execution did not end yet: a takeover that
+finds it ends the execution cancelled without running anything (the owner died before
+it wrote the cancel), so the claim itself tells the new owner, with no window between
+the claim and a first write that would tell it too late. Error replies:
   "NOEXEC"          no such execution (or it expired)
   "STATUS <status>" the execution is not in a state this transition applies to
   "BLOCK <blockId>" resume names a block the execution is not paused at
@@ -54,7 +58,7 @@ local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 
 local state = redis.call("HMGET", meta, "status", "lastId", "owner", "leaseUntil",
   "pauseBlock", "pauseDeadline", "epoch", "reserved", "handoff", "recoveries",
-  "recoveryReason", "crashes")
+  "recoveryReason", "crashes", "cancelRequested")
 local status = state[1]
 if not status then
   return redis.error_reply("NOEXEC")
@@ -64,6 +68,7 @@ local base = math.max(last, tonumber(state[8]) or 0)
 
 local recoveries = tonumber(state[10]) or 0
 local crashes = tonumber(state[12]) or 0
+local cancel = state[13] or "0"
 
 if state[3] == token and mode ~= "handoff" then
   local before = "paused"
@@ -75,7 +80,7 @@ if state[3] == token and mode ~= "handoff" then
     recovery = recoveries + 1
   end
   return {last, base, before, token, tonumber(state[7]) or 0, recovery, state[11] or "",
-    crashes}
+    crashes, cancel}
 end
 
 local function own(keep_cancel, reason)
@@ -85,6 +90,7 @@ local function own(keep_cancel, reason)
   redis.call("HDEL", meta, "handoff")
   if not keep_cancel then
     redis.call("HDEL", meta, "cancelRequested")
+    cancel = "0"
   end
   if reason then
     -- `recoveries` counts the execution:recovered events stored (append.lua); this
@@ -94,9 +100,9 @@ local function own(keep_cancel, reason)
       crashes = crashes + 1
     end
     redis.call("HSET", meta, "recoveryReason", reason, "crashes", crashes)
-    return {last, base, status, token, epoch, recoveries + 1, reason, crashes}
+    return {last, base, status, token, epoch, recoveries + 1, reason, crashes, cancel}
   end
-  return {last, base, status, token, epoch, recoveries, "", crashes}
+  return {last, base, status, token, epoch, recoveries, "", crashes, cancel}
 end
 
 if mode == "resume" then
@@ -114,7 +120,8 @@ if mode == "resume" then
 elseif mode == "cancel" then
   if status == "running" then
     redis.call("HSET", meta, "cancelRequested", "1")
-    return {last, base, status, state[3], tonumber(state[7]) or 0, recoveries, "", crashes}
+    return {last, base, status, state[3], tonumber(state[7]) or 0, recoveries, "", crashes,
+      "1"}
   end
   if status ~= "paused" then
     return redis.error_reply("STATUS " .. status)
@@ -123,6 +130,7 @@ elseif mode == "cancel" then
   -- The caller now writes the cancel. Should it die first, the cancel still holds: a
   -- takeover keeps this flag, so the execution's next owner ends it cancelled too.
   redis.call("HSET", meta, "cancelRequested", "1")
+  won[9] = "1"
   return won
 elseif mode == "takeover" then
   if status ~= "running" then
@@ -156,7 +164,8 @@ elseif mode == "handoff" then
   end
   -- No owner now: its writer and its renewals are fenced out (append.lua, renew.lua).
   redis.call("HSET", meta, "owner", "", "handoff", token, "leaseUntil", 0)
-  return {last, base, status, "", tonumber(state[7]) or 0, recoveries, "handoff", crashes}
+  return {last, base, status, "", tonumber(state[7]) or 0, recoveries, "handoff", crashes,
+    cancel}
 elseif mode == "expire" then
   if status ~= "paused" then
     return redis.error_reply("STATUS " .. status)

@@ -12,7 +12,9 @@
     paused     expire      claim.lua   running   any janitor, past the approval deadline
     running    take over   claim.lua   running   any janitor, past the owner's lease, or
                                                  any process once the owner handed it off;
-                                                 the new owner recovers the run
+                                                 the new owner recovers the run, or ends
+                                                 it cancelled if the claim says a cancel
+                                                 was accepted (nothing runs again)
     running    hand off    claim.lua   running   the owner, shutting down: no owner, for
                                                  another process to take over at once
 
@@ -73,6 +75,8 @@ class Claim:
     recovery: int = 0  # a takeover: which recovery of the execution this is (1, 2, …)
     reason: str = ""  # a takeover: "handoff" or "worker_lost"
     crashes: int = 0  # a takeover: recoveries for "worker_lost" so far, this one included
+    # A cancel was accepted and is not written yet: a takeover ends the run cancelled.
+    cancel_requested: bool = False
 
 
 def node_of(token: str) -> str:
@@ -162,7 +166,17 @@ class Ownership:
         """
         argument = block_id if mode == "resume" else expected
         try:
-            last, base, status, owner, epoch, recovery, reason, crashes = await self._claim(
+            (
+                last,
+                base,
+                status,
+                owner,
+                epoch,
+                recovery,
+                reason,
+                crashes,
+                cancel,
+            ) = await self._claim(
                 keys=[self.keys.meta(execution_id), self.keys.state(execution_id)],
                 args=[
                     mode,
@@ -198,6 +212,7 @@ class Ownership:
             int(recovery),
             reason.decode(),
             int(crashes),
+            cancel == b"1",
         )
 
     @translated

@@ -54,7 +54,7 @@ from lib.workflows.checkpoint import answer_field
 from lib.workflows.executor import Executor, RunState
 from lib.workflows.finals import Finals
 from lib.workflows.janitor import Ending, Janitor, cancelled, worker_lost
-from lib.workflows.launcher import Launcher, Outcome, ending_body, identity_of
+from lib.workflows.launcher import Body, Launcher, Outcome, ending_body, identity_of
 from lib.workflows.leases import LeaseKeeper, LocalRun
 from lib.workflows.model import Workflow
 from lib.workflows.runstate import RunStates
@@ -458,6 +458,14 @@ class Runner:
             "reason": claim.reason,
             "recovery": claim.recovery,
         }
+        if claim.cancel_requested:
+            # Its owner accepted a cancel and stopped before writing it (F5): the
+            # cancel is honoured before anything runs again, so no block starts here.
+            log.warning("recovering a cancelled execution; ending it", extra=extra)
+            self._launcher.launch(
+                execution_id, claim, identity=identity, body=self._cancelled(claim), meta=meta
+            )
+            return None
         if claim.reason == "worker_lost" and claim.crashes > self._max_recoveries:
             log.warning("execution lost its owner too often; ending it", extra=extra)
             self._launcher.launch(
@@ -470,25 +478,34 @@ class Runner:
             async def work() -> Outcome:
                 workflow, given, run = await self._load_run(local, emitter)
                 run.recovered = True
-                if claim.base == 0:
-                    # Its owner died before anything was stored or shown, even its first
-                    # event: the log starts as every log does.
-                    emitter.emit(EXECUTION_STARTED, {"input": given})
-                completed = [b.id for b in workflow.blocks if b.id in run.outputs]
                 rerun = [b.id for b in workflow.blocks if b.id in run.unfinished()]
-                data = {
-                    "reason": claim.reason,
-                    "recovery": claim.recovery,
-                    "rerun": rerun,
-                    "completed": completed,
-                }
-                emitter.emit(EXECUTION_RECOVERED, data)
+                _announce_recovery(emitter, claim, workflow, given, run, rerun)
                 return await self._launcher.run_workflow(local, emitter, workflow, given, run)
 
             await self._launcher.execute(local, emitter, work)
 
         self._launcher.launch(execution_id, claim, identity=identity, body=body, meta=meta)
         return None
+
+    def _cancelled(self, claim: Claim) -> Body:
+        """A takeover of an execution whose cancel was accepted: ``execution:recovered``
+        (nothing to run again), then ``execution:cancelled``.
+
+        The recovered event says why the ids may jump (the previous owner died) and
+        what the checkpoint kept, as every takeover does; the cancel is its ending.
+        """
+
+        async def body(local: LocalRun, emitter: ExecutionLog) -> None:
+            async def work() -> Outcome:
+                workflow, given, run = await self._load_run(local, emitter)
+                _announce_recovery(emitter, claim, workflow, given, run, rerun=[])
+                # Ended as a stopped run ends: its last event is the cancel.
+                local.stop("cancel")
+                raise asyncio.CancelledError
+
+            await self._launcher.execute(local, emitter, work)
+
+        return body
 
     # -- running -------------------------------------------------------------------
 
@@ -500,6 +517,30 @@ class Runner:
                 f"this tenant already runs {self._per_tenant} executions; try again shortly",
                 retry_after=max(1, round(self._lease_seconds / 3)),
             )
+
+
+def _announce_recovery(
+    emitter: ExecutionLog,
+    claim: Claim,
+    workflow: Workflow,
+    given: Any,
+    run: RunState,
+    rerun: list[str],
+) -> None:
+    """The first events of a run taken over: ``execution:recovered`` naming the blocks
+    that run again and those kept from the checkpoint."""
+    if claim.base == 0:
+        # Its owner died before anything was stored or shown, even its first event:
+        # the log starts as every log does.
+        emitter.emit(EXECUTION_STARTED, {"input": given})
+    completed = [b.id for b in workflow.blocks if b.id in run.outputs]
+    data = {
+        "reason": claim.reason,
+        "recovery": claim.recovery,
+        "rerun": rerun,
+        "completed": completed,
+    }
+    emitter.emit(EXECUTION_RECOVERED, data)
 
 
 def _check_answer(schema: dict[str, Any], answer: Any) -> None:
