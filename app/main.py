@@ -24,6 +24,7 @@ from app.connections import connect
 from app.embedded import EmbeddedValkey
 from app.idempotency import Idempotency
 from app.limits import BodyLimit, StreamSlots
+from app.node import claim_node
 from app.routes import executions, health, live, page, secrets, streams, values, workflows
 from app.services import Services
 from app.settings import Settings
@@ -190,6 +191,10 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
         )
 
         metrics = Metrics()
+        # Held until the process exits: the proof, for the next process on this data
+        # directory, that this one is dead (its runs are then taken over at once).
+        node = claim_node(settings.data_dir)
+        stack.callback(node.close)
         hub = await stack.enter_async_context(
             Hub(
                 buffer=buffer,
@@ -217,6 +222,8 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
                     inline_file_bytes=settings.inline_file_bytes,
                 ),
                 max_pending_events=settings.max_pending_events,
+                node_id=node.id,
+                dead_nodes=node.dead,
             )
         )
         open_streams = await stack.enter_async_context(

@@ -18,7 +18,9 @@ ARGV[2]  the caller's new fencing token
 ARGV[3]  lease length in milliseconds
 ARGV[4]  resume: the paused block the caller answers ("" = whichever it is);
          takeover: the owner whose lease the caller found expired (or who handed off)
-ARGV[5]  takeover: "handoff" to take it over only if its owner handed it off
+ARGV[5]  takeover: "handoff" to take it over only if its owner handed it off; "dead"
+         to take it over from the owner ARGV[4] although its lease has not ended (the
+         caller knows that owner is dead: an earlier process of its own node)
 ARGV[6]  resume: the answer, as JSON. It goes into the checkpoint (`a:<block>`) with the
          claim, so the 202 holds even if the caller dies before it stores
          execution:resumed: whoever recovers the execution finds the block answered.
@@ -46,7 +48,8 @@ the claim and a first write that would tell it too late. Error replies:
   "LEASE"           takeover: the lease has not expired
   "MOVED"           takeover or handoff: the execution has another owner than the one
                     expected
-  "NOTDUE"          expire: the deadline has not passed
+  "NOTDUE"          expire: the deadline has not passed, or the pause is not stored
+                    yet (running, with the deadline its pause saved)
 A new owner token in `owner` fences the previous owner out of append.lua.
 ]]
 
@@ -150,7 +153,11 @@ elseif mode == "takeover" then
   if ARGV[4] ~= "" and ARGV[4] ~= state[3] then
     return redis.error_reply("MOVED")
   end
-  if (tonumber(state[4]) or 0) >= now then
+  if ARGV[5] == "dead" then
+    if ARGV[4] == "" or ARGV[4] ~= state[3] then
+      return redis.error_reply("MOVED")
+    end
+  elseif (tonumber(state[4]) or 0) >= now then
     return redis.error_reply("LEASE")
   end
   -- A cancel asked of the dead owner still holds: its ending will be the cancel.
@@ -167,10 +174,15 @@ elseif mode == "handoff" then
   return {last, base, status, "", tonumber(state[7]) or 0, recoveries, "handoff", crashes,
     cancel}
 elseif mode == "expire" then
+  local deadline = tonumber(state[6])
+  if status == "running" and deadline then
+    -- Its pause saved the deadline but is not stored yet (a slow write): still due
+    -- once it is, so the janitors keep watching it.
+    return redis.error_reply("NOTDUE")
+  end
   if status ~= "paused" then
     return redis.error_reply("STATUS " .. status)
   end
-  local deadline = tonumber(state[6])
   if not deadline or deadline > now then
     return redis.error_reply("NOTDUE")
   end

@@ -7,9 +7,16 @@ deadline passed with ``execution:failed`` (``approval_timeout``). Each starts wi
 fenced claim (take over, expire), so of all the janitors exactly one wins, and the old
 owner can never append after it. Times are Redis's (see ownership.py).
 
-Hand-offs are announced on a stream every process reads (leases.py), so one is taken
-over within moments; a process that starts takes over the ones handed off while none was running
-at its first sweep, and the crashed ones once it has watched the store for a lease.
+It looks often (every ``Ownership.check_seconds``, a fraction of a second): which Redis
+server answers (when another one does, this process re-asserts what it knows at once,
+and ownership waits a short settle for every process to do so), and which approval
+deadlines passed, so a deadline fires within about a second, also right after a restart
+of Redis or of this process. Leases are swept every half lease: a crashed owner's lease
+proves nothing until the store has answered well for a whole lease (it may have been
+unable to renew). Hand-offs are announced on a stream every process reads (leases.py),
+so one is taken over within moments; and a process that starts takes over at once the
+executions of the earlier processes of its node (``dead_nodes``: it proved them dead),
+so a lone server that restarts picks up its own orphaned runs without waiting a lease.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from collections.abc import Awaitable, Callable
 from lib.errors import FlowcastError
 from lib.execution.events import EXECUTION_CANCELLED, EXECUTION_FAILED
 from lib.execution.log import ExecutionLog
-from lib.execution.ownership import Ownership
+from lib.execution.ownership import Ownership, Takeover
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +40,9 @@ Ending = Callable[[ExecutionLog], None]
 # Claims an execution by a transition (expire) and writes an ending. None when it did;
 # else why the claim was refused ("notdue", "execution_completed", "not_found", …).
 Finish = Callable[[str, str, str, Ending], Awaitable[str | None]]
-# Takes over an execution from the owner named (only if it handed off, when the flag
-# says so) and recovers it; None when it did, else why the claim was refused.
-Recover = Callable[[str, str, bool], Awaitable[str | None]]
+# Takes over an execution from the owner named (which owner it may replace: see
+# Takeover) and recovers it; None when it did, else why the claim was refused.
+Recover = Callable[[str, str, Takeover], Awaitable[str | None]]
 
 
 def cancelled(emitter: ExecutionLog) -> None:
@@ -53,7 +60,7 @@ def approval_timeout(emitter: ExecutionLog) -> None:
 
 
 class Janitor:
-    """Watches the expired leases and the due approval deadlines."""
+    """Watches the expired leases, the due approval deadlines and the store's identity."""
 
     def __init__(
         self,
@@ -65,6 +72,7 @@ class Janitor:
         recover: Recover,
         accepting: Callable[[], bool] = lambda: True,
         restarted: Callable[[], Awaitable[None]] | None = None,
+        dead_nodes: tuple[str, ...] = (),
     ) -> None:
         self._ownership = ownership
         self._lease_seconds = lease_seconds
@@ -75,14 +83,17 @@ class Janitor:
         # Told when another Redis server answers than before (a restart, a failover).
         self._restarted = restarted
         self._store_id: str | None = None
+        # Earlier processes of this node, dead: their runs are taken over at first.
+        self._dead_nodes = dead_nodes
 
     async def run(self) -> None:
-        """Sweep at once, then every half lease (jittered), until cancelled."""
+        """Look at once, then every ``check_seconds``, until cancelled."""
         healthy_since = time.monotonic()
+        next_sweep = 0.0  # the leases are swept at the first look, then every half lease
         first = True
         while True:
             if not first:
-                await asyncio.sleep(self._lease_seconds / 2 * random.uniform(0.8, 1.2))
+                await asyncio.sleep(self._ownership.check_seconds)
             first = False
             if not self._accepting():
                 continue  # shutting down: this process takes nothing over any more
@@ -107,8 +118,18 @@ class Janitor:
                     # ...before anyone may end an execution it holds (see ownership.py).
                     healthy_since = time.monotonic()
                     continue
-                if not await self.sweep(healthy_since):
-                    healthy_since = time.monotonic()
+                # A deadline needs no lease of trust: the store decides, atomically,
+                # whether the pause is still there to expire (after an outage it forgot
+                # nothing; after it changed servers, the settle just passed).
+                await self.expire_deadlines()
+                if self._dead_nodes:
+                    await self.take_over_dead()
+                if time.monotonic() >= next_sweep:
+                    next_sweep = time.monotonic() + (
+                        self._lease_seconds / 2 * random.uniform(0.8, 1.2)
+                    )
+                    if not await self.sweep(healthy_since):
+                        healthy_since = time.monotonic()
             except FlowcastError as exc:
                 # After an outage every owner needs a full lease to renew before anyone
                 # may call its lease expired.
@@ -116,12 +137,12 @@ class Janitor:
                 log.warning("janitor pass failed", extra={"error": str(exc)})
 
     async def sweep(self, healthy_since: float) -> bool:
-        """One pass; False when the store answered too slowly to trust its leases.
+        """One pass over the leases; False when the store answered too slowly to trust
+        them.
 
-        Nothing is taken from an owner until the store has answered well for a lease:
-        not a lease (its owner could not renew), nor a pause's deadline (an owner that
-        resumed it may still have to re-assert its resume into a store that forgot
-        it). Executions their owner handed off are taken at once.
+        Nothing is taken from an owner until the store has answered well for a lease
+        (its owner may have been unable to renew). Executions their owner handed off
+        are taken at once.
         """
         trusted = time.monotonic() - healthy_since >= self._lease_seconds
         asked = time.monotonic()
@@ -130,22 +151,40 @@ class Janitor:
             # A stalled store: owners could not renew either, so their leases
             # prove nothing until a lease has passed with the store answering.
             return False
+        how = Takeover.EXPIRED if trusted else Takeover.HANDOFF
         for execution_id, fence in due:
-            await self.take_over(execution_id, fence, handoff_only=not trusted)
-        if not trusted:
-            return True
+            await self.take_over(execution_id, fence, how=how)
+        return True
+
+    async def expire_deadlines(self) -> None:
+        """End the pauses whose approval deadline passed (the claim says which)."""
         for execution_id in await self._ownership.due_deadlines():
             code = await self._finish(execution_id, "expire", "", approval_timeout)
             if code != "notdue":
                 await self._ownership.forget_deadline(execution_id)
-        return True
 
-    async def take_over(self, execution_id: str, fence: str, *, handoff_only: bool) -> None:
-        """Take over an execution from ``fence`` and recover it, if it is due."""
+    async def take_over_dead(self) -> None:
+        """Take over every run of the earlier processes of this node, lease or not; once
+        all are taken (or settled), this process is done with them."""
+        found = await self._ownership.leases_of(self._dead_nodes)
+        left = 0
+        for execution_id, fence in found:
+            if await self.take_over(execution_id, fence, how=Takeover.DEAD) == "settling":
+                left += 1
+        if found:
+            extra = {"count": len(found) - left, "nodes": list(self._dead_nodes)}
+            log.info("took over the runs of this node's earlier processes", extra=extra)
+        if not left:
+            self._dead_nodes = ()
+
+    async def take_over(self, execution_id: str, fence: str, *, how: Takeover) -> str | None:
+        """Take over an execution from ``fence`` and recover it, if it is due; None when
+        it did, else why not."""
         if self._is_local(execution_id) or not self._accepting():
-            return
-        code = await self._recover(execution_id, fence, handoff_only)
+            return "local"
+        code = await self._recover(execution_id, fence, how)
         if code not in ("lease", "settling"):
             # Recovered now by a new owner (whose own entry watches it from here on),
             # or settled already: this entry names nothing left to do.
             await self._ownership.forget_lease(execution_id, fence)
+        return code

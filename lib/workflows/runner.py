@@ -30,6 +30,7 @@ from typing import Any
 import orjson
 
 from lib.errors import (
+    BufferUnavailable,
     Conflict,
     FlowcastError,
     InvalidInput,
@@ -47,7 +48,7 @@ from lib.execution.events import (
 from lib.execution.hub import Hub
 from lib.execution.log import ExecutionLog
 from lib.execution.offload import OffloadPolicy
-from lib.execution.ownership import Claim, Ownership, node_of, paused_member
+from lib.execution.ownership import Claim, Ownership, Takeover, node_of, paused_member
 from lib.execution.values import ValueStore
 from lib.metrics import Metrics
 from lib.workflows.checkpoint import answer_field
@@ -97,6 +98,7 @@ class Runner:
         max_recoveries: int = 3,
         metrics: Metrics | None = None,
         node_id: str | None = None,
+        dead_nodes: tuple[str, ...] = (),
     ) -> None:
         self._buffer = buffer
         self._hub = hub
@@ -112,6 +114,8 @@ class Runner:
         self._max_recoveries = max_recoveries
         self._metrics = metrics
         self.node_id = node_id or secrets.token_hex(6)
+        # Earlier processes of this node, known dead: their runs are this one's at once.
+        self._dead_nodes = dead_nodes
         self._locals: dict[str, LocalRun] = {}
         self._finals = Finals(buffer=buffer, ownership=ownership, states=self._states)
         self._keeper = LeaseKeeper(
@@ -151,13 +155,15 @@ class Runner:
             finish=self._claim_and_end,
             recover=self._recover,
             accepting=lambda: self.accepting,
-            restarted=self._finals.reassert,
+            restarted=self._reassert,
+            dead_nodes=self._dead_nodes,
         )
+
+        async def handed_off(execution_id: str, fence: str) -> None:
+            await janitor.take_over(execution_id, fence, how=Takeover.HANDOFF)
+
         control = asyncio.create_task(
-            self._keeper.control_loop(
-                lambda eid, fence: janitor.take_over(eid, fence, handoff_only=True)
-            ),
-            name="control-listener",
+            self._keeper.control_loop(handed_off), name="control-listener"
         )
         self._loops = [
             asyncio.create_task(self._keeper.renew_loop(), name="lease-renewal"),
@@ -201,6 +207,13 @@ class Runner:
                     for frame in task.get_stack()
                 ]
                 log.warning("tasks did not stop", extra={"tasks": names, "where": where})
+
+    async def _reassert(self) -> None:
+        """Another Redis server answers: tell it at once what it may have forgotten (the
+        runs here, by renewing their leases; how the latest runs here ended), within
+        the short settle every process waits for."""
+        await self._keeper.renew_now()
+        await self._finals.reassert()
 
     def _tasks(self) -> list[asyncio.Task[None]]:
         return [local.task for local in self._locals.values() if local.task is not None]
@@ -425,17 +438,19 @@ class Runner:
         )
         return None
 
-    async def _recover(self, execution_id: str, expected: str, handoff_only: bool) -> str | None:
-        """The janitor's takeover: win the execution from ``expected`` (only if it handed
-        off, when ``handoff_only``), then carry it on from its checkpoint here."""
+    async def _recover(self, execution_id: str, expected: str, how: Takeover) -> str | None:
+        """The janitor's takeover: win the execution from ``expected`` (the owner it may
+        replace: see Takeover), then carry it on from its checkpoint here."""
         fence = self._fence()
         try:
-            if (await self._ownership.store()).settling_seconds > 0:
-                return "settling"
+            await self._ownership.check_settled()
+        except BufferUnavailable:
+            return "settling"
+        try:
             meta = await self._buffer.meta(execution_id)
             await self._ownership.hold(execution_id, fence)
             claim = await self._ownership.claim(
-                execution_id, "takeover", fence, expected=expected, handoff_only=handoff_only
+                execution_id, "takeover", fence, expected=expected, takeover=how
             )
         except (Conflict, NotFound) as exc:
             await self._launcher.quietly(execution_id, self._ownership.release(execution_id, fence))
