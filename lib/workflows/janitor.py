@@ -110,6 +110,13 @@ class Janitor:
                     # lost...
                     first_look = self._store_id is None
                     self._store_id = store.identity
+                    if not first_look:
+                        log.warning(
+                            "the event store answers from another server now (restarted "
+                            "or failed over); ownership waits about a second while every "
+                            "process tells it what it holds",
+                            extra={"settleSeconds": store.settling_seconds},
+                        )
                     if self._restarted is not None and (
                         not first_look or store.settling_seconds > 0
                     ):
