@@ -29,6 +29,7 @@ from app.connections import connect
 from app.embedded import EmbeddedValkey
 from app.idempotency import Idempotency
 from app.limits import StreamSlots
+from app.node import claim_node
 from app.settings import Settings
 from app.sse import OpenStreams
 from app.tokens import StreamTokens, load_secret
@@ -273,6 +274,10 @@ async def start_runtime(
     """The hub, the runner and the open SSE streams; leaving the stack ends the streams
     first, then drains the runner (its exit hands off or finishes the executions)."""
     metrics = Metrics()
+    # Held until the process exits: the proof, for the next process on this data
+    # directory, that this one is dead (its runs are then taken over at once).
+    node = claim_node(settings.data_dir)
+    stack.callback(node.close)
     # Idle tails look for an execution the store lost about once a lease.
     tail_block_ms = min(TAIL_BLOCK_MS, max(100, int(settings.lease_seconds * 1000)))
     hub = await stack.enter_async_context(
@@ -302,6 +307,8 @@ async def start_runtime(
                 inline_file_bytes=settings.inline_file_bytes,
             ),
             max_pending_events=settings.max_pending_events,
+            node_id=node.id,
+            dead_nodes=node.dead,
         )
     )
     open_streams = await stack.enter_async_context(

@@ -18,7 +18,9 @@ ARGV[2]  the caller's new fencing token
 ARGV[3]  lease length in milliseconds
 ARGV[4]  resume: the paused block the caller answers ("" = whichever it is);
          takeover: the owner whose lease the caller found expired (or who handed off)
-ARGV[5]  takeover: "handoff" to take it over only if its owner handed it off
+ARGV[5]  takeover: "handoff" to take it over only if its owner handed it off; "dead"
+         to take it over from the owner ARGV[4] although its lease has not ended (the
+         caller knows that owner is dead: an earlier process of its own node)
 ARGV[6]  resume: the answer, as JSON. It goes into the checkpoint (`a:<block>`) with the
          claim, so the 202 holds even if the caller dies before it stores
          execution:resumed: whoever recovers the execution finds the block answered.
@@ -32,19 +34,24 @@ execution and answers as the first run did, with the status it replaced; its `re
 is the stored one (the last takeover's), whatever the mode. A handoff sent again is
 refused MOVED: the caller owns the execution no more.
 
-Returns {lastId, base, statusBefore, owner, epoch, recovery, reason, crashes} on
-success: a new owner numbers its events from base + 1 (base is above every id the
-previous owner may have shown live; ids between lastId and base are recorded as dropped
-by its first batch). A takeover is a recovery: `recovery` numbers it (the recovered
+Returns {lastId, base, statusBefore, owner, epoch, recovery, reason, crashes,
+cancelRequested} on success: a new owner numbers its events from base + 1 (base is
+above every id the previous owner may have shown live; ids between lastId and base are
+recorded as dropped by its first batch). A takeover is a recovery: `recovery` numbers it (the recovered
 events stored so far, plus one), `reason` is "handoff" when the owner let go, else
-"worker_lost", and `crashes` counts the takeovers for "worker_lost". Error replies:
+"worker_lost", and `crashes` counts the takeovers for "worker_lost". `cancelRequested`
+is "1" when a cancel was accepted and the execution did not end yet: a takeover that
+finds it ends the execution cancelled without running anything (the owner died before
+it wrote the cancel), so the claim itself tells the new owner, with no window between
+the claim and a first write that would tell it too late. Error replies:
   "NOEXEC"          no such execution (or it expired)
   "STATUS <status>" the execution is not in a state this transition applies to
   "BLOCK <blockId>" resume names a block the execution is not paused at
   "LEASE"           takeover: the lease has not expired
   "MOVED"           takeover or handoff: the execution has another owner than the one
                     expected
-  "NOTDUE"          expire: the deadline has not passed
+  "NOTDUE"          expire: the deadline has not passed, or the pause is not stored
+                    yet (running, with the deadline its pause saved)
   "MODE <mode>"     ARGV[1] names no transition
 A new owner token in `owner` fences the previous owner out of append.lua.
 ]]
@@ -56,7 +63,7 @@ local now = now_ms()
 
 local state = redis.call("HMGET", meta, "status", "lastId", "owner", "leaseUntil",
   "pauseBlock", "pauseDeadline", "epoch", "reserved", "handoff", "recoveries",
-  "recoveryReason", "crashes")
+  "recoveryReason", "crashes", "cancelRequested")
 local status = state[1]
 if not status then
   return redis.error_reply("NOEXEC")
@@ -66,6 +73,7 @@ local base = math.max(last, tonumber(state[8]) or 0)
 
 local recoveries = tonumber(state[10]) or 0
 local crashes = tonumber(state[12]) or 0
+local cancel = state[13] or "0"
 
 if state[3] == token and mode ~= "handoff" then
   local before = "paused"
@@ -77,7 +85,7 @@ if state[3] == token and mode ~= "handoff" then
     recovery = recoveries + 1
   end
   return {last, base, before, token, tonumber(state[7]) or 0, recovery, state[11] or "",
-    crashes}
+    crashes, cancel}
 end
 
 local function own(keep_cancel, reason)
@@ -87,6 +95,7 @@ local function own(keep_cancel, reason)
   redis.call("HDEL", meta, "handoff")
   if not keep_cancel then
     redis.call("HDEL", meta, "cancelRequested")
+    cancel = "0"
   end
   if reason then
     -- `recoveries` counts the execution:recovered events stored (append.lua); this
@@ -96,9 +105,9 @@ local function own(keep_cancel, reason)
       crashes = crashes + 1
     end
     redis.call("HSET", meta, "recoveryReason", reason, "crashes", crashes)
-    return {last, base, status, token, epoch, recoveries + 1, reason, crashes}
+    return {last, base, status, token, epoch, recoveries + 1, reason, crashes, cancel}
   end
-  return {last, base, status, token, epoch, recoveries, "", crashes}
+  return {last, base, status, token, epoch, recoveries, "", crashes, cancel}
 end
 
 if mode == "resume" then
@@ -116,7 +125,8 @@ if mode == "resume" then
 elseif mode == "cancel" then
   if status == "running" then
     redis.call("HSET", meta, "cancelRequested", "1")
-    return {last, base, status, state[3], tonumber(state[7]) or 0, recoveries, "", crashes}
+    return {last, base, status, state[3], tonumber(state[7]) or 0, recoveries, "", crashes,
+      "1"}
   end
   if status ~= "paused" then
     return redis.error_reply("STATUS " .. status)
@@ -125,6 +135,7 @@ elseif mode == "cancel" then
   -- The caller now writes the cancel. Should it die first, the cancel still holds: a
   -- takeover keeps this flag, so the execution's next owner ends it cancelled too.
   redis.call("HSET", meta, "cancelRequested", "1")
+  won[9] = "1"
   return won
 elseif mode == "takeover" then
   if status ~= "running" then
@@ -144,7 +155,11 @@ elseif mode == "takeover" then
   if ARGV[4] ~= "" and ARGV[4] ~= state[3] then
     return redis.error_reply("MOVED")
   end
-  if (tonumber(state[4]) or 0) >= now then
+  if ARGV[5] == "dead" then
+    if ARGV[4] == "" or ARGV[4] ~= state[3] then
+      return redis.error_reply("MOVED")
+    end
+  elseif (tonumber(state[4]) or 0) >= now then
     return redis.error_reply("LEASE")
   end
   -- A cancel asked of the dead owner still holds: its ending will be the cancel.
@@ -158,12 +173,18 @@ elseif mode == "handoff" then
   end
   -- No owner now: its writer and its renewals are fenced out (append.lua, renew.lua).
   redis.call("HSET", meta, "owner", "", "handoff", token, "leaseUntil", 0)
-  return {last, base, status, "", tonumber(state[7]) or 0, recoveries, "handoff", crashes}
+  return {last, base, status, "", tonumber(state[7]) or 0, recoveries, "handoff", crashes,
+    cancel}
 elseif mode == "expire" then
+  local deadline = tonumber(state[6])
+  if status == "running" and deadline then
+    -- Its pause saved the deadline but is not stored yet (a slow write): still due
+    -- once it is, so the janitors keep watching it.
+    return redis.error_reply("NOTDUE")
+  end
   if status ~= "paused" then
     return redis.error_reply("STATUS " .. status)
   end
-  local deadline = tonumber(state[6])
   if not deadline or deadline > now then
     return redis.error_reply("NOTDUE")
   end

@@ -22,9 +22,13 @@ against a real server, and checks that this drawing is the table):
                                                refused: NOEXEC STATUS
     paused   expire      claim.lua   running   any janitor, past the approval deadline
                                                refused: NOEXEC STATUS NOTDUE
-    running  take over   claim.lua   running   any janitor, past the owner's lease, or
-                                               any process once the owner handed it off;
-                                               the new owner recovers the run
+    running  take over   claim.lua   running   any janitor, past the owner's lease; any
+                                               process once the owner handed it off; the
+                                               next process of the owner's node, which
+                                               proved it dead, at once. The new owner
+                                               recovers the run, or ends it cancelled
+                                               if the claim says a cancel was accepted
+                                               (nothing runs again)
                                                refused: NOEXEC STATUS LEASE MOVED
     running  hand off    claim.lua   running   the owner, shutting down: no owner, for
                                                another process to take over at once
@@ -40,6 +44,11 @@ writer, so a stalled old owner can never append after it. An owner whose epoch i
 the stored one is the owner a store restored from an older snapshot forgot; it takes
 its execution back. Leases and deadlines are on Redis's clock (``TIME``).
 
+When another Redis server starts answering (a restart, a replica promoted), it may have
+forgotten recent transitions: every process notices within ``check_seconds`` and
+re-asserts what it holds at once, and no ownership moves until a short settle
+(``settle_seconds``) has let them; a request that would move one waits it out.
+
 Two watch lists tell the janitors what to look at: ``leases`` holds one member
 ``"<eid> <fence>"`` per running ownership, scored by lease end, so the cleanup of one
 run can never remove the entry of the next; ``deadlines`` holds paused executions by
@@ -51,7 +60,9 @@ announced on the ``handoffs`` stream that every process reads.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -69,12 +80,22 @@ from lib.execution.record import (
     Reply,
     Script,
     Status,
+    Takeover,
     refused,
 )
 
 # How many leases a dead owner's run goes on counting for its tenant, waiting for a
 # janitor to take it over (admit.lua).
 COUNTED_LEASES = 10
+# After another Redis server starts answering, how long ownership waits for the owners
+# to re-assert what it may have forgotten (store.lua). Every process looks at which
+# server answers four times within it and re-asserts at once when it changed, so a
+# short wait covers them; it is also what an approval deadline may be late by.
+SETTLE_SECONDS = 1.0
+# What a request that moves ownership (a resume, a cancel) waits of a settle, beyond
+# the settle itself, before it answers 503 (the store keeps changing servers).
+SETTLE_GRACE_SECONDS = 1.0
+
 
 
 @dataclass(frozen=True)
@@ -131,8 +152,10 @@ TRANSITIONS: tuple[Transition, ...] = (
     ),
     Transition(
         Status.RUNNING, "take over", Script.CLAIM, Mode.TAKEOVER, (Status.RUNNING,),
-        "any janitor, past the owner's lease, or\nany process once the owner handed it off;"
-        "\nthe new owner recovers the run",
+        "any janitor, past the owner's lease; any\nprocess once the owner handed it off; the"
+        "\nnext process of the owner's node, which\nproved it dead, at once. The new owner"
+        "\nrecovers the run, or ends it cancelled\nif the claim says a cancel was accepted"
+        "\n(nothing runs again)",
         (Reply.NOEXEC, Reply.STATUS, Reply.LEASE, Reply.MOVED),
     ),
     Transition(
@@ -185,6 +208,8 @@ class Claim:
     recovery: int = 0  # a takeover: which recovery of the execution this is (1, 2, …)
     reason: RecoveryReason | None = None  # a takeover: why
     crashes: int = 0  # a takeover: recoveries for "worker_lost" so far, this one included
+    # A cancel was accepted and is not written yet: a takeover ends the run cancelled.
+    cancel_requested: bool = False
 
 
 def node_of(token: str) -> str:
@@ -214,7 +239,9 @@ class Ownership:
         self.redis = buffer.redis
         self.keys = buffer.keys
         self.lease_ms = int(lease_seconds * 1000)
-        self.settle_seconds = 2 * lease_seconds
+        self.settle_seconds = min(SETTLE_SECONDS, 2 * lease_seconds)
+        # How often each process asks which server answers (and looks at deadlines).
+        self.check_seconds = self.settle_seconds / 4
         package = __package__
         self._claim = register(self.redis, package, "claim.lua")
         self._renew = register(self.redis, package, "renew.lua")
@@ -264,7 +291,7 @@ class Ownership:
         *,
         block_id: str = "",
         expected: str = "",
-        handoff_only: bool = False,
+        takeover: Takeover = Takeover.EXPIRED,
         answer: bytes = b"",
     ) -> Claim:
         """Win a transition (see claim.lua); its refusal otherwise (``WrongStatus`` with
@@ -275,14 +302,24 @@ class Ownership:
         """
         argument = block_id if mode is Mode.RESUME else expected
         try:
-            last, base, status, owner, epoch, recovery, reason, crashes = await self._claim(
+            (
+                last,
+                base,
+                status,
+                owner,
+                epoch,
+                recovery,
+                reason,
+                crashes,
+                cancel,
+            ) = await self._claim(
                 keys=[self.keys.meta(execution_id), self.keys.state(execution_id)],
                 args=[
                     mode,
                     fence,
                     self.lease_ms,
                     argument,
-                    Mode.HANDOFF if handoff_only else "",
+                    takeover.value,
                     answer,
                 ],
             )
@@ -297,6 +334,7 @@ class Ownership:
             int(recovery),
             RecoveryReason(reason.decode()) if reason else None,
             int(crashes),
+            cancel == b"1",
         )
 
     @translated
@@ -392,17 +430,33 @@ class Ownership:
         return Store(identity, int(remaining) / 1000)
 
     async def check_settled(self) -> None:
-        """Refuse to move ownership (BufferUnavailable) while the store settles.
+        """Wait out the rest of a settle before moving ownership; BufferUnavailable only
+        if it lasts past the settle and a grace (the store keeps changing servers).
 
         Data that now answers from another server (a restart, a replica promoted) may
         have forgotten recent transitions; until every process had a chance to
-        re-assert what it knows (two leases), a claim could hand out ids that clients
-        already saw.
+        re-assert what it knows (``settle_seconds``), a claim could hand out ids that
+        clients already saw. The wait is short, so a request waits, not the client.
         """
-        if (await self.store()).settling_seconds > 0:
-            raise BufferUnavailable(
-                "the buffer restarted moments ago; ownership moves again shortly"
-            )
+        deadline = time.monotonic() + self.settle_seconds + SETTLE_GRACE_SECONDS
+        while (remaining := (await self.store()).settling_seconds) > 0:
+            if time.monotonic() + remaining > deadline:
+                raise BufferUnavailable(
+                    "the event store restarted just now and is still being checked; "
+                    "try again in a second"
+                )
+            await asyncio.sleep(remaining)
+
+    @translated
+    async def leases_of(self, nodes: tuple[str, ...]) -> list[tuple[str, str]]:
+        """(execution id, fence) of every lease held by the processes ``nodes``."""
+        found: list[tuple[str, str]] = []
+        for node in nodes:
+            async for member, _score in self.redis.zscan_iter(
+                self.keys.leases, match=f"* {node}:*"
+            ):
+                found.append(parse_member(member))
+        return found
 
     @translated
     async def now_ms(self) -> int:

@@ -119,6 +119,15 @@ class Mode(StrEnum):
     EXPIRE = "expire"
 
 
+class Takeover(StrEnum):
+    """Which owner a takeover may replace (claim.lua's ARGV[5])."""
+
+    EXPIRED = ""  # one whose lease ended, or that handed off
+    HANDOFF = "handoff"  # only one that handed off (the store's leases are not trusted yet)
+    DEAD = "dead"  # one known dead, its lease still running: an earlier process of this
+    # node (the caller proved it: it holds what that process held until it died)
+
+
 class RecoveryReason(StrEnum):
     """Why a takeover happened (``recoveryReason``, and execution:recovered's reason)."""
 

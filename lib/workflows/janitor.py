@@ -9,9 +9,16 @@ before, re-assert what the store may have forgotten. Each takeover or ending sta
 a fenced claim (take over, expire), so of all the janitors exactly one wins, and the old
 owner can never append after it. Times are Redis's (see ownership.py).
 
-Hand-offs are announced on a stream every process reads (leases.py), so one is taken
-over within moments; a process that starts takes over the ones handed off while none was running
-at its first sweep, and the crashed ones once it has watched the store for a lease.
+It looks often (every ``Ownership.check_seconds``, a fraction of a second): which Redis
+server answers (when another one does, this process re-asserts what it knows at once,
+and ownership waits a short settle for every process to do so), and which approval
+deadlines passed, so a deadline fires within about a second, also right after a restart
+of Redis or of this process. Leases are swept every half lease: a crashed owner's lease
+proves nothing until the store has answered well for a whole lease (it may have been
+unable to renew). Hand-offs are announced on a stream every process reads (leases.py),
+so one is taken over within moments; and a process that starts takes over at once the
+executions of the earlier processes of its node (``dead_nodes``: it proved them dead),
+so a lone server that restarts picks up its own orphaned runs without waiting a lease.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from lib.errors import FlowcastError
 from lib.execution.events import EXECUTION_CANCELLED, EXECUTION_FAILED
 from lib.execution.log import ExecutionLog
 from lib.execution.ownership import Ownership
-from lib.execution.record import RecoveryReason
+from lib.execution.record import RecoveryReason, Takeover
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +67,16 @@ class Due:
     # Another Redis server answers than before: re-assert what this process knows
     # before anything is taken over (it may have forgotten how runs here ended).
     restarted: bool = False
-    # (execution id, fence) of the leases that ended, on Redis's clock.
+    # (execution id, fence) of the runs of this node's earlier processes, dead: taken
+    # over at once, lease or not (Takeover.DEAD).
+    dead: tuple[tuple[str, str], ...] = ()
+    # (execution id, fence) of the leases that ended, on Redis's clock (every half
+    # lease; empty in the passes between).
     leases: tuple[tuple[str, str], ...] = ()
-    # The store has not answered well for a lease yet: take over only the executions
-    # their owner handed off (a lease proves nothing when its owner could not renew).
-    handoff_only: bool = True
+    # Which owners those leases may be taken from: until the store has answered well
+    # for a lease, only the ones that handed off (a lease proves nothing when its owner
+    # could not renew).
+    takeover: Takeover = Takeover.HANDOFF
     # Paused executions whose approval deadline passed.
     deadlines: tuple[str, ...] = ()
 
@@ -72,19 +84,24 @@ class Due:
 class Janitor:
     """Watches the expired leases, the due approval deadlines and the store's identity."""
 
-    def __init__(self, *, ownership: Ownership, lease_seconds: float) -> None:
+    def __init__(
+        self, *, ownership: Ownership, lease_seconds: float, dead_nodes: tuple[str, ...] = ()
+    ) -> None:
         self._ownership = ownership
         self._lease_seconds = lease_seconds
         self._store_id: str | None = None
         self._healthy_since = time.monotonic()
+        self._next_sweep = 0.0  # the leases are swept at the first look, then every half lease
+        # Earlier processes of this node, dead: looked for until none of their runs is left.
+        self._dead_nodes = dead_nodes
 
     def distrust(self) -> None:
         """The store failed (or acting on a pass did): every owner needs a full lease
-        to renew before anyone may call its lease expired, or a deadline due."""
+        to renew before anyone may call its lease expired."""
         self._healthy_since = time.monotonic()
 
     async def passes(self) -> AsyncIterator[Due]:
-        """What is due, at once, then every half lease (jittered), until cancelled.
+        """What is due, at once, then every ``check_seconds``, until cancelled.
 
         A pass that fails is logged and counts as an outage (``distrust``); so should
         the owner's acting on one that fails.
@@ -92,7 +109,7 @@ class Janitor:
         first = True
         while True:
             if not first:
-                await asyncio.sleep(self._lease_seconds / 2 * random.uniform(0.8, 1.2))
+                await asyncio.sleep(self._ownership.check_seconds)
             first = False
             try:
                 due = await self._look()
@@ -106,10 +123,9 @@ class Janitor:
     async def _look(self) -> Due | None:
         """One pass; None when there is nothing to act on.
 
-        Nothing is taken from an owner until the store has answered well for a lease:
-        not a lease (its owner could not renew), nor a pause's deadline (an owner that
-        resumed it may still have to re-assert its resume into a store that forgot
-        it). Executions their owner handed off are taken at once.
+        A deadline needs no lease of trust: the store decides, atomically, whether the
+        pause is still there to expire (after an outage it forgot nothing; after it
+        changed servers, the settle just passed). Leases do (see ``distrust``).
         """
         asked = time.monotonic()
         store = await self._ownership.store()
@@ -124,17 +140,37 @@ class Janitor:
             first_look = self._store_id is None
             self._store_id = store.identity
             restarted = not first_look or store.settling_seconds > 0
+            if not first_look:
+                log.warning(
+                    "the event store answers from another server now (restarted or failed "
+                    "over); ownership waits about a second while every process tells it "
+                    "what it holds",
+                    extra={"settleSeconds": store.settling_seconds},
+                )
         if store.settling_seconds > 0:
             # ...before anyone may end an execution it holds (see ownership.py).
             self.distrust()
             return Due(restarted=True) if restarted else None
+        dead: list[tuple[str, str]] = []
+        if self._dead_nodes:
+            dead = await self._ownership.leases_of(self._dead_nodes)
+            if not dead:
+                self._dead_nodes = ()  # all taken over (or settled): done with them
+        leases: list[tuple[str, str]] = []
         trusted = time.monotonic() - self._healthy_since >= self._lease_seconds
-        asked = time.monotonic()
-        leases = await self._ownership.due_leases()
-        if time.monotonic() - asked > self._lease_seconds / 3:
-            # A stalled store: owners could not renew either, so their leases prove
-            # nothing until a lease has passed with the store answering.
-            self.distrust()
-            return Due(restarted=True) if restarted else None
-        deadlines = await self._ownership.due_deadlines() if trusted else []
-        return Due(restarted, tuple(leases), not trusted, tuple(deadlines))
+        if time.monotonic() >= self._next_sweep:
+            self._next_sweep = time.monotonic() + (
+                self._lease_seconds / 2 * random.uniform(0.8, 1.2)
+            )
+            asked = time.monotonic()
+            leases = await self._ownership.due_leases()
+            if time.monotonic() - asked > self._lease_seconds / 3:
+                # A stalled store: owners could not renew either, so their leases prove
+                # nothing until a lease has passed with the store answering.
+                self.distrust()
+                leases, trusted = [], False
+        deadlines = await self._ownership.due_deadlines()
+        if not (restarted or dead or leases or deadlines):
+            return None
+        how = Takeover.EXPIRED if trusted else Takeover.HANDOFF
+        return Due(restarted, tuple(dead), tuple(leases), how, tuple(deadlines))

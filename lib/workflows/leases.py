@@ -104,6 +104,14 @@ class LeaseKeeper:
             if runs:
                 await asyncio.gather(*(self._renew(run) for run in runs))
 
+    async def renew_now(self) -> None:
+        """Renew every run's lease at once: another Redis server answers, and it must
+        learn who owns what (renew.lua lets an owner it forgot back in) within its
+        settle."""
+        runs = [run for run in self._runs.values() if run.stop_reason != "fenced"]
+        if runs:
+            await asyncio.gather(*(self._renew(run) for run in runs))
+
     async def _renew(self, run: LocalRun) -> None:
         started = time.monotonic()
         try:

@@ -31,6 +31,7 @@ from typing import Any
 import orjson
 
 from lib.errors import (
+    BufferUnavailable,
     Conflict,
     FlowcastError,
     InvalidInput,
@@ -52,14 +53,14 @@ from lib.execution.hub import Hub
 from lib.execution.log import ExecutionLog
 from lib.execution.offload import OffloadPolicy
 from lib.execution.ownership import Claim, Ownership, node_of, paused_member
-from lib.execution.record import Field, Mode, RecoveryReason, Status, StopReason
+from lib.execution.record import Field, Mode, RecoveryReason, Status, StopReason, Takeover
 from lib.execution.values import ValueStore
 from lib.metrics import Metrics
 from lib.workflows.checkpoint import answer_field
 from lib.workflows.executor import Executor, RunState
 from lib.workflows.finals import Finals
 from lib.workflows.janitor import Janitor, approval_timeout, cancelled, worker_lost
-from lib.workflows.launcher import Launcher, Outcome, ending_body, identity_of
+from lib.workflows.launcher import Body, Launcher, Outcome, ending_body, identity_of
 from lib.workflows.leases import LeaseKeeper, LocalRun
 from lib.workflows.model import Workflow
 from lib.workflows.runstate import RunStates
@@ -110,6 +111,7 @@ class Runner:
         max_recoveries: int = 3,
         metrics: Metrics | None = None,
         node_id: str | None = None,
+        dead_nodes: tuple[str, ...] = (),
     ) -> None:
         self._buffer = buffer
         self._hub = hub
@@ -125,6 +127,8 @@ class Runner:
         self._max_recoveries = max_recoveries
         self._metrics = metrics
         self.node_id = node_id or secrets.token_hex(6)
+        # Earlier processes of this node, known dead: their runs are this one's at once.
+        self._dead_nodes = dead_nodes
         self._locals: dict[str, LocalRun] = {}
         self._finals = Finals(buffer=buffer, ownership=ownership, states=self._states)
         self._keeper = LeaseKeeper(
@@ -157,11 +161,17 @@ class Runner:
             await self._ownership.store()
         except FlowcastError as exc:
             log.warning("the buffer is not reachable at start", extra={"error": str(exc)})
-        janitor = Janitor(ownership=self._ownership, lease_seconds=self._lease_seconds)
+        janitor = Janitor(
+            ownership=self._ownership,
+            lease_seconds=self._lease_seconds,
+            dead_nodes=self._dead_nodes,
+        )
+
+        async def handed_off(execution_id: str, fence: str) -> None:
+            await self._take_over(execution_id, fence, how=Takeover.HANDOFF)
+
         control = asyncio.create_task(
-            self._keeper.control_loop(
-                lambda eid, fence: self._take_over(eid, fence, handoff_only=True)
-            ),
+            self._keeper.control_loop(handed_off),
             name="control-listener",
         )
         self._loops = [
@@ -416,9 +426,11 @@ class Runner:
                 continue  # shutting down: this process takes nothing over any more
             try:
                 if due.restarted:
-                    await self._finals.reassert()
+                    await self._reassert()
+                for execution_id, fence in due.dead:
+                    await self._take_over(execution_id, fence, how=Takeover.DEAD)
                 for execution_id, fence in due.leases:
-                    await self._take_over(execution_id, fence, handoff_only=due.handoff_only)
+                    await self._take_over(execution_id, fence, how=due.takeover)
                 for execution_id in due.deadlines:
                     if await self._expire(execution_id) is not Claimed.NOT_YET:
                         await self._ownership.forget_deadline(execution_id)
@@ -428,11 +440,18 @@ class Runner:
                 janitor.distrust()
                 log.warning("janitor pass failed", extra={"error": str(exc)})
 
-    async def _take_over(self, execution_id: str, fence: str, *, handoff_only: bool) -> None:
+    async def _reassert(self) -> None:
+        """Another Redis server answers: tell it at once what it may have forgotten (the
+        runs here, by renewing their leases; how the latest runs here ended), within
+        the short settle every process waits for."""
+        await self._keeper.renew_now()
+        await self._finals.reassert()
+
+    async def _take_over(self, execution_id: str, fence: str, *, how: Takeover) -> None:
         """Take over an execution from ``fence`` and recover it, if it is due."""
         if execution_id in self._locals or not self.accepting:
             return
-        if await self._recover(execution_id, fence, handoff_only) is not Claimed.NOT_YET:
+        if await self._recover(execution_id, fence, how) is not Claimed.NOT_YET:
             # Recovered now by a new owner (whose own entry watches it from here on),
             # or settled already: this entry names nothing left to do.
             await self._ownership.forget_lease(execution_id, fence)
@@ -459,17 +478,19 @@ class Runner:
         )
         return Claimed.WON
 
-    async def _recover(self, execution_id: str, expected: str, handoff_only: bool) -> Claimed:
-        """Win the execution from ``expected`` (only if it handed off, when
-        ``handoff_only``), then carry it on from its checkpoint here."""
+    async def _recover(self, execution_id: str, expected: str, how: Takeover) -> Claimed:
+        """Win the execution from ``expected`` (the owner it may replace: see
+        Takeover), then carry it on from its checkpoint here."""
         fence = self._fence()
         try:
-            if (await self._ownership.store()).settling_seconds > 0:
-                return Claimed.NOT_YET
+            await self._ownership.check_settled()
+        except BufferUnavailable:
+            return Claimed.NOT_YET
+        try:
             meta = await self._buffer.meta(execution_id)
             await self._ownership.hold(execution_id, fence)
             claim = await self._ownership.claim(
-                execution_id, Mode.TAKEOVER, fence, expected=expected, handoff_only=handoff_only
+                execution_id, Mode.TAKEOVER, fence, expected=expected, takeover=how
             )
         except (Conflict, NotFound) as exc:
             await self._launcher.quietly(execution_id, self._ownership.release(execution_id, fence))
@@ -492,6 +513,14 @@ class Runner:
             "reason": claim.reason,
             "recovery": claim.recovery,
         }
+        if claim.cancel_requested:
+            # Its owner accepted a cancel and stopped before writing it (F5): the
+            # cancel is honoured before anything runs again, so no block starts here.
+            log.warning("recovering a cancelled execution; ending it", extra=extra)
+            self._launcher.launch(
+                execution_id, claim, identity=identity, body=self._cancelled(claim), meta=meta
+            )
+            return Claimed.WON
         if claim.reason is RecoveryReason.WORKER_LOST and claim.crashes > self._max_recoveries:
             log.warning("execution lost its owner too often; ending it", extra=extra)
             self._launcher.launch(
@@ -504,25 +533,34 @@ class Runner:
             async def work() -> Outcome:
                 workflow, given, run = await self._load_run(local, emitter)
                 run.recovered = True
-                if claim.base == 0:
-                    # Its owner died before anything was stored or shown, even its first
-                    # event: the log starts as every log does.
-                    emitter.emit(EXECUTION_STARTED, {"input": given})
-                completed = [b.id for b in workflow.blocks if b.id in run.outputs]
                 rerun = [b.id for b in workflow.blocks if b.id in run.unfinished()]
-                data = {
-                    "reason": claim.reason,
-                    "recovery": claim.recovery,
-                    "rerun": rerun,
-                    "completed": completed,
-                }
-                emitter.emit(EXECUTION_RECOVERED, data)
+                _announce_recovery(emitter, claim, workflow, given, run, rerun)
                 return await self._launcher.run_workflow(local, emitter, workflow, given, run)
 
             await self._launcher.execute(local, emitter, work)
 
         self._launcher.launch(execution_id, claim, identity=identity, body=body, meta=meta)
         return Claimed.WON
+
+    def _cancelled(self, claim: Claim) -> Body:
+        """A takeover of an execution whose cancel was accepted: ``execution:recovered``
+        (nothing to run again), then ``execution:cancelled``.
+
+        The recovered event says why the ids may jump (the previous owner died) and
+        what the checkpoint kept, as every takeover does; the cancel is its ending.
+        """
+
+        async def body(local: LocalRun, emitter: ExecutionLog) -> None:
+            async def work() -> Outcome:
+                workflow, given, run = await self._load_run(local, emitter)
+                _announce_recovery(emitter, claim, workflow, given, run, rerun=[])
+                # Ended as a stopped run ends: its last event is the cancel.
+                local.stop(StopReason.CANCEL)
+                raise asyncio.CancelledError
+
+            await self._launcher.execute(local, emitter, work)
+
+        return body
 
     # -- running -------------------------------------------------------------------
 
@@ -534,6 +572,30 @@ class Runner:
                 f"this tenant already runs {self._per_tenant} executions; try again shortly",
                 retry_after=max(1, round(self._lease_seconds / 3)),
             )
+
+
+def _announce_recovery(
+    emitter: ExecutionLog,
+    claim: Claim,
+    workflow: Workflow,
+    given: Any,
+    run: RunState,
+    rerun: list[str],
+) -> None:
+    """The first events of a run taken over: ``execution:recovered`` naming the blocks
+    that run again and those kept from the checkpoint."""
+    if claim.base == 0:
+        # Its owner died before anything was stored or shown, even its first event:
+        # the log starts as every log does.
+        emitter.emit(EXECUTION_STARTED, {"input": given})
+    completed = [b.id for b in workflow.blocks if b.id in run.outputs]
+    data = {
+        "reason": claim.reason,
+        "recovery": claim.recovery,
+        "rerun": rerun,
+        "completed": completed,
+    }
+    emitter.emit(EXECUTION_RECOVERED, data)
 
 
 def _check_answer(schema: dict[str, Any], answer: Any) -> None:

@@ -8,6 +8,7 @@ from redis.asyncio import Redis
 
 from lib.execution.buffer import EventBuffer
 from lib.execution.ownership import Ownership
+from lib.execution.record import Takeover
 from lib.workflows.janitor import Due, Janitor
 
 LEASE_SECONDS = 0.2
@@ -26,12 +27,14 @@ async def test_a_pass_reports_ended_leases_and_due_deadlines_once_the_store_is_t
 
     passes = Janitor(ownership=ownership, lease_seconds=LEASE_SECONDS).passes()
     first = await anext(passes)
-    # A store not watched for a lease yet proves nothing about leases or deadlines:
-    # only hand-offs may be taken over.
-    assert first == Due(leases=((crashed, "node-a:1"),), handoff_only=True)
+    # A store not watched for a lease yet proves nothing about leases: only hand-offs
+    # may be taken over. A deadline needs no such trust (the claim decides).
+    assert first == Due(
+        leases=((crashed, "node-a:1"),), takeover=Takeover.HANDOFF, deadlines=(paused,)
+    )
     for _ in range(100):
         due = await anext(passes)
-        if not due.handoff_only:
+        if due.leases and due.takeover is Takeover.EXPIRED:
             break
     else:
         raise AssertionError("the store was never trusted")

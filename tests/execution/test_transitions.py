@@ -33,6 +33,7 @@ from lib.execution.record import (
     RecoveryReason,
     Reply,
     Status,
+    Takeover,
 )
 from lib.execution.writer import batch_meta
 
@@ -364,10 +365,18 @@ async def test_a_janitor_takes_over_past_the_lease_or_once_handed_off(machine: M
     handed = await machine.start("node-a:1")
     await machine.ownership.hand_off(handed, "node-a:1")
     won = await claim(
-        machine, handed, Mode.TAKEOVER, "node-b:1", expected="node-a:1", handoff_only=True
+        machine, handed, Mode.TAKEOVER, "node-b:1", expected="node-a:1", takeover=Takeover.HANDOFF
     )
     assert won.reason is RecoveryReason.HANDOFF and won.crashes == 0
     assert Field.HANDOFF not in await machine.record(handed)
+
+    # The next process of a node proved dead takes its runs at once, lease or not, but
+    # only from the owner it names.
+    orphan = await machine.start("node-d:1")
+    won = await claim(
+        machine, orphan, Mode.TAKEOVER, "node-d2:1", expected="node-d:1", takeover=Takeover.DEAD
+    )
+    assert won.reason is RecoveryReason.WORKER_LOST and won.owner == "node-d2:1"
 
     await check.refused(Reply.NOEXEC, claim(machine, missing(), Mode.TAKEOVER, "node-c:1"))
     paused = await machine.paused("node-a:1")
@@ -378,10 +387,16 @@ async def test_a_janitor_takes_over_past_the_lease_or_once_handed_off(machine: M
     )
     await check.refused(
         Reply.LEASE,
-        claim(machine, alive, Mode.TAKEOVER, "node-c:1", expected="", handoff_only=True),
+        claim(machine, alive, Mode.TAKEOVER, "node-c:1", expected="", takeover=Takeover.HANDOFF),
     )
     await check.refused(
         Reply.MOVED, claim(machine, alive, Mode.TAKEOVER, "node-c:1", expected="node-z:1")
+    )
+    await check.refused(
+        Reply.MOVED,
+        claim(
+            machine, alive, Mode.TAKEOVER, "node-c:1", expected="node-z:1", takeover=Takeover.DEAD
+        ),
     )
     assert (await machine.record(alive))[Field.OWNER] == "node-a:1"
     check.every_refusal_tried()

@@ -61,7 +61,7 @@ async def test_resume_gives_a_paused_execution_to_the_caller_with_the_answer(
     )  # fmt: skip
     before = await now_ms(redis, keys.meta(eid))
     reply = await claim(redis, keys, eid, "resume", argument="q", answer='{"ok": true}')
-    assert reply == [5, 9, b"paused", NEW.encode(), 3, 2, b"", 1]
+    assert reply == [5, 9, b"paused", NEW.encode(), 3, 2, b"", 1, b"0"]
     await assert_owned_by_new(redis, keys, eid, before)
     assert "cancelRequested" not in await meta(redis, keys, eid)
     assert await redis.hgetall(keys.state(eid)) == {b"a:q": b'{"ok": true}'}
@@ -107,7 +107,7 @@ async def test_cancel_of_a_running_execution_only_flags_it_for_its_owner(
     await execution(redis, keys, eid, recoveries=1, crashes=1)
     before = await meta(redis, keys, eid)
     reply = await claim(redis, keys, eid, "cancel")
-    assert reply == [5, 9, b"running", OWNER.encode(), 2, 1, b"", 1]
+    assert reply == [5, 9, b"running", OWNER.encode(), 2, 1, b"", 1, b"1"]
     assert await meta(redis, keys, eid) == {**before, "cancelRequested": "1"}
 
 
@@ -117,7 +117,7 @@ async def test_cancel_of_a_paused_execution_gives_it_to_the_caller_flagged(
     await execution(redis, keys, eid, status="paused", owner="", pauseBlock="q")
     before = await now_ms(redis, keys.meta(eid))
     reply = await claim(redis, keys, eid, "cancel")
-    assert reply == [5, 9, b"paused", NEW.encode(), 3, 0, b"", 0]
+    assert reply == [5, 9, b"paused", NEW.encode(), 3, 0, b"", 0, b"1"]
     await assert_owned_by_new(redis, keys, eid, before)
     assert (await meta(redis, keys, eid))["cancelRequested"] == "1"
 
@@ -130,7 +130,7 @@ async def test_takeover_past_the_lease_is_a_crash_that_keeps_a_requested_cancel(
     await execution(redis, keys, eid, leaseUntil=past, cancelRequested="1", recoveries=1, crashes=2)
     before = await now_ms(redis, keys.meta(eid))
     reply = await claim(redis, keys, eid, "takeover", argument=expected)
-    assert reply == [5, 9, b"running", NEW.encode(), 3, 2, b"worker_lost", 3]
+    assert reply == [5, 9, b"running", NEW.encode(), 3, 2, b"worker_lost", 3, b"1"]
     await assert_owned_by_new(redis, keys, eid, before)
     stored = await meta(redis, keys, eid)
     assert (stored["recoveryReason"], stored["crashes"], stored["cancelRequested"]) == (
@@ -145,7 +145,7 @@ async def test_takeover_of_a_handed_off_execution_is_no_crash(
     await execution(redis, keys, eid, owner="", handoff=OWNER, leaseUntil=0, crashes=1)
     before = await now_ms(redis, keys.meta(eid))
     reply = await claim(redis, keys, eid, "takeover", argument=OWNER, handoff_only=handoff_only)
-    assert reply == [5, 9, b"running", NEW.encode(), 3, 1, b"handoff", 1]
+    assert reply == [5, 9, b"running", NEW.encode(), 3, 1, b"handoff", 1, b"0"]
     await assert_owned_by_new(redis, keys, eid, before)
     assert (await meta(redis, keys, eid))["recoveryReason"] == "handoff"
 
@@ -162,7 +162,7 @@ async def test_a_takeover_sent_again_answers_with_the_recovery_it_started(
 async def test_handoff_lets_go_of_the_callers_execution(redis: Redis, keys: Keys, eid: str) -> None:
     await execution(redis, keys, eid, recoveries=1, crashes=1)
     reply = await claim(redis, keys, eid, "handoff", OWNER)
-    assert reply == [5, 9, b"running", b"", 2, 1, b"handoff", 1]
+    assert reply == [5, 9, b"running", b"", 2, 1, b"handoff", 1, b"0"]
     stored = await meta(redis, keys, eid)
     assert (stored["owner"], stored["handoff"], stored["leaseUntil"]) == ("", OWNER, "0")
     assert (stored["status"], stored["epoch"]) == ("running", "2")
@@ -175,7 +175,7 @@ async def test_expire_gives_a_pause_past_its_deadline_to_the_caller(
     await execution(redis, keys, eid, status="paused", pauseBlock="q", pauseDeadline=past)
     before = await now_ms(redis, keys.meta(eid))
     reply = await claim(redis, keys, eid, "expire")
-    assert reply == [5, 9, b"paused", NEW.encode(), 3, 0, b"", 0]
+    assert reply == [5, 9, b"paused", NEW.encode(), 3, 0, b"", 0, b"0"]
     await assert_owned_by_new(redis, keys, eid, before)
 
 
@@ -209,7 +209,9 @@ async def test_noexec_for_an_execution_that_does_not_exist(
 async def test_status_names_a_state_the_transition_does_not_apply_to(
     redis: Redis, keys: Keys, eid: str, status: str, mode: str
 ) -> None:
-    await execution(redis, keys, eid, status=status, leaseUntil=0, pauseDeadline=0)
+    # No saved deadline: a running execution with one is NOTDUE to expire (its pause is
+    # not stored yet), see test_notdue_before_the_deadline_or_without_one.
+    await execution(redis, keys, eid, status=status, leaseUntil=0, pauseDeadline="")
     before = await meta(redis, keys, eid)
     assert await refusal(claim(redis, keys, eid, mode, OWNER + "x")) == f"STATUS {status}"
     assert await meta(redis, keys, eid) == before

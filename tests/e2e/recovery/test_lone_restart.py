@@ -1,0 +1,228 @@
+"""A lone server that restarts picks up its own orphaned runs at once, and a request
+right after its store restarted waits a moment instead of failing (SPEC §6, §7).
+
+Found by the step 15 fault review (F6): restarting a lone ``flowcast serve`` left a run
+in flight "running" for ~38 s (its new process waited for the dead one's lease, after a
+settle of two leases, since the embedded engine restarts with it), and ``resume``
+answered 503 "the buffer restarted moments ago; ownership moves again shortly" for ~35 s.
+
+Servers run with the default lease (15 s), so "at once" is well under a lease; each bound
+is measured against a probe run beside it on the same server: a plain 1 s ``delay``
+started as the restarted server answers, timed the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.api import all_events, delay_workflow, put
+from tests.support.faults import crash_and_restart, fresh_replica, kill_replica
+from tests.support.logcheck import check_log
+from tests.support.servers import FlowcastServer, ValkeyServer
+
+pytestmark = pytest.mark.timeout(120)
+
+LEASE_SECONDS = 15.0  # the default
+# How much later than the probe the orphan may end: its takeover, then a settle (1 s)
+# when the store restarted with the process.
+MARGIN_SECONDS = 2.5
+SCHEMA = {"type": "object", "required": ["approved"]}
+
+
+def probe_workflow(workflow_id: str) -> dict[str, Any]:
+    return {
+        "id": workflow_id,
+        "blocks": [{"id": "wait", "type": "delay", "config": {"ms": 1000}}],
+        "edges": [],
+    }
+
+
+def approval_workflow(workflow_id: str) -> dict[str, Any]:
+    return {
+        "id": workflow_id,
+        "blocks": [
+            {"id": "ask", "type": "approval", "config": {"prompt": "Go?", "schema": SCHEMA}},
+            {"id": "done", "type": "transform", "config": {"value": "{{ blocks.ask.output }}"}},
+        ],
+        "edges": [{"from": "ask", "to": "done"}],
+    }
+
+
+def lone_server(data_dir: Path, valkey: ValkeyServer | None) -> FlowcastServer:
+    """One server with the default lease: on ``valkey``, or else on the embedded engine
+    in its data directory (as ``flowcast serve`` runs with no configuration)."""
+    env = {"FLOWCAST_REDIS_PREFIX": f"lone{uuid.uuid4().hex[:6]}"}
+    if valkey is not None:
+        env["FLOWCAST_REDIS_URL"] = valkey.url
+    return FlowcastServer(data_dir=data_dir, env=env)
+
+
+async def execute(client: httpx.AsyncClient, workflow_id: str) -> str:
+    response = await client.post(f"/api/workflows/{workflow_id}/execute", json={"input": {}})
+    assert response.status_code == 202, response.text
+    execution_id: str = response.json()["executionId"]
+    return execution_id
+
+
+async def has_event(client: httpx.AsyncClient, execution_id: str, wanted: str) -> bool:
+    return any(event["type"] == wanted for event in await all_events(client, execution_id))
+
+
+async def until_event(client: httpx.AsyncClient, execution_id: str, wanted: str) -> None:
+    async with asyncio.timeout(20):
+        while not await has_event(client, execution_id, wanted):
+            await asyncio.sleep(0.02)
+
+
+async def ended(client: httpx.AsyncClient, execution_id: str, timeout: float = 60) -> float:
+    """Poll until the execution ends; when it was seen ended (monotonic time)."""
+    async with asyncio.timeout(timeout):
+        while True:
+            snapshot = (await client.get(f"/api/executions/{execution_id}")).json()
+            if snapshot["status"] in ("completed", "failed", "cancelled"):
+                assert snapshot["status"] == "completed", snapshot
+                return time.monotonic()
+            await asyncio.sleep(0.02)
+
+
+async def engine_gone(server: FlowcastServer) -> None:
+    """Wait until the killed server's embedded engine (it dies with its parent) stopped
+    answering, so the next one does not start on data still being written."""
+    ports = [
+        int(line.split("port=")[1].split(".")[0].split()[0])
+        for line in (server.data_dir / "valkey" / "valkey.log").read_text().splitlines()
+        if "Running mode=" in line and "port=" in line
+    ]
+    async with asyncio.timeout(20):
+        while True:
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", ports[-1])) != 0:
+                    return
+            await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("engine", ["shared valkey", "embedded engine"])
+async def test_a_lone_server_killed_mid_run_recovers_it_at_once_when_started_again(
+    valkey: ValkeyServer, tmp_path: Path, unique: str, engine: str
+) -> None:
+    only = lone_server(tmp_path / "only", valkey if engine == "shared valkey" else None)
+    again: FlowcastServer | None = None
+    try:
+        await only.start()
+        async with httpx.AsyncClient(base_url=only.url, timeout=20) as client:
+            await put(client, delay_workflow(f"orphan-{unique}", ms=1000))
+            await put(client, probe_workflow(f"probe-{unique}"))
+            orphan = await execute(client, f"orphan-{unique}")
+            await until_event(client, orphan, "block:started")
+        await kill_replica(only)
+        if engine == "embedded engine":
+            await engine_gone(only)
+        again = await fresh_replica(only)
+        async with httpx.AsyncClient(base_url=again.url, timeout=20) as client:
+            started = time.monotonic()
+            probe = await execute(client, f"probe-{unique}")
+            probe_end, orphan_end = await asyncio.gather(
+                ended(client, probe), ended(client, orphan)
+            )
+            log = await all_events(client, orphan)
+    finally:
+        await only.stop(signal.SIGKILL)
+        if again is not None:
+            await again.stop(signal.SIGKILL)
+    check_log(log)
+    recovered = [event for event in log if event["type"] == "execution:recovered"]
+    assert [event["data"]["reason"] for event in recovered] == ["worker_lost"]
+    took, probed = orphan_end - started, probe_end - started
+    assert took <= probed + MARGIN_SECONDS, (
+        f"the orphaned run ended {took:.2f} s after the restarted server answered; a 1 s "
+        f"delay started then took {probed:.2f} s"
+    )
+    assert took < LEASE_SECONDS / 2, took
+
+
+async def test_a_resume_right_after_a_lone_server_restarts_is_accepted(
+    tmp_path: Path, unique: str
+) -> None:
+    """The embedded engine restarts with the server: the store settles, and a resume
+    sent meanwhile waits out the rest of it, then is accepted (never a 503)."""
+    only = lone_server(tmp_path / "only", None)
+    again: FlowcastServer | None = None
+    try:
+        await only.start()
+        async with httpx.AsyncClient(base_url=only.url, timeout=20) as client:
+            await put(client, approval_workflow(f"ask-{unique}"))
+            paused = await execute(client, f"ask-{unique}")
+            await until_event(client, paused, "execution:paused")
+        await kill_replica(only)
+        await engine_gone(only)
+        again = await fresh_replica(only)
+        async with httpx.AsyncClient(base_url=again.url, timeout=20) as client:
+            answer = await client.post(
+                f"/api/executions/{paused}/resume", json={"input": {"approved": True}}
+            )
+            assert answer.status_code == 202, answer.text
+            await ended(client, paused)
+            log = await all_events(client, paused)
+    finally:
+        await only.stop(signal.SIGKILL)
+        if again is not None:
+            await again.stop(signal.SIGKILL)
+    check_log(log)
+    types = [event["type"] for event in log]
+    assert types.count("execution:resumed") == 1 and types[-1] == "execution:completed", types
+
+
+async def test_a_resume_right_after_redis_restarts_is_accepted(
+    own_valkey: ValkeyServer, tmp_path: Path, unique: str
+) -> None:
+    """Redis restarted from its data under a running server: a resume sent at once
+    waits out the short settle, then is accepted (never a 503)."""
+    server = lone_server(tmp_path / "server", own_valkey)
+    await server.start()
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=20) as client:
+            await put(client, approval_workflow(f"ask-{unique}"))
+            paused = await execute(client, f"ask-{unique}")
+            await until_event(client, paused, "execution:paused")
+            await crash_and_restart(own_valkey)
+            answer = await client.post(
+                f"/api/executions/{paused}/resume", json={"input": {"approved": True}}
+            )
+            assert answer.status_code == 202, answer.text
+            await ended(client, paused)
+            check_log(await all_events(client, paused))
+    finally:
+        await server.stop(signal.SIGKILL)
+
+
+async def test_a_second_live_server_on_the_same_data_directory_takes_nothing_over(
+    valkey: ValkeyServer, tmp_path: Path, unique: str
+) -> None:
+    """Only a process that holds the data directory's node lock may take its earlier
+    processes' runs early: a second live one on the same directory (it cannot get the
+    lock) must leave the first one's run alone until its lease says otherwise."""
+    first = lone_server(tmp_path / "shared", valkey)
+    second = FlowcastServer(data_dir=first.data_dir, env=first.env)
+    try:
+        await first.start()
+        async with httpx.AsyncClient(base_url=first.url, timeout=20) as client:
+            await put(client, delay_workflow(f"mine-{unique}", ms=3000))
+            running = await execute(client, f"mine-{unique}")
+            await until_event(client, running, "block:started")
+            await second.start()
+            await ended(client, running)
+            log = await all_events(client, running)
+        assert "another live process uses this data directory" in second.logs()
+    finally:
+        await asyncio.gather(first.stop(signal.SIGKILL), second.stop(signal.SIGKILL))
+    check_log(log)
+    assert not [event for event in log if event["type"] == "execution:recovered"], log
