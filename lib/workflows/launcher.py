@@ -35,6 +35,7 @@ from lib.execution.log import ExecutionLog
 from lib.execution.offload import OffloadPolicy
 from lib.execution.ownership import Claim, Ownership, paused_member
 from lib.execution.values import ValueStore
+from lib.execution.writer import LiveGate
 from lib.metrics import Metrics
 from lib.workflows.checkpoint import Keeper
 from lib.workflows.executor import BlockFailed, Executor, HandedOff, Pause, Paused, RunState
@@ -104,8 +105,11 @@ class Launcher:
     ) -> None:
         """Run ``body`` here as the owner ``claim`` made this process."""
         tenant = identity["tenant"]
+        claimed_at = time.monotonic()
+        # The claim just gave this process the lease: open until a renewal fails.
+        gate = LiveGate(lease_seconds=self._lease_seconds, renewed_at=claimed_at)
         local = LocalRun(
-            execution_id, claim.owner, claim.epoch, tenant, checked_at=time.monotonic()
+            execution_id, claim.owner, claim.epoch, tenant, gate=gate, checked_at=claimed_at
         )
         events = ExecutionLog(
             buffer=self._buffer,
@@ -120,8 +124,7 @@ class Launcher:
             base_id=claim.base,
             retained_bytes=meta.retained_bytes if meta is not None else 0,
             checkpoint_bytes=meta.checkpoint_bytes if meta is not None else 0,
-            live_for_seconds=self._lease_seconds,
-            renewed_at=lambda: local.checked_at,
+            gate=gate,
             on_cancel=lambda: local.stop("cancel"),
             on_lost=lambda: self._rewatch(execution_id, local),
             max_pending=self._max_pending,

@@ -2,8 +2,10 @@
 
 Each execution running here is a ``LocalRun``. Its lease is renewed every third of a
 lease period (a refusal means another process fenced it out: the run stops at once; a
-store that lost the execution gets it recreated by the run's writer), and the time of
-the last check opens or closes the run's live gate. Cancels for runs here arrive on
+store that lost the execution gets it recreated by the run's writer). Each renewal that
+succeeds renews the run's live gate; one that fails closes it at once (SPEC §5): from
+here a store down for everyone and a store lost by this process alone look the same,
+and in the second case another process may be about to take over. Cancels for runs here arrive on
 this process's control stream, read with a blocking read (with the hand-offs every
 process may take over), and with every renewal.
 """
@@ -20,6 +22,7 @@ from typing import Any
 from lib.backoff import Backoff
 from lib.errors import Conflict, FlowcastError, NotFound
 from lib.execution.ownership import Ownership
+from lib.execution.writer import LiveGate
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +38,11 @@ class LocalRun:
     fence: str
     epoch: int
     tenant: str
+    gate: LiveGate  # open while its lease is known held: events may be shown live
     task: asyncio.Task[None] | None = None  # the run: first event to last, then let go
     work: asyncio.Task[Any] | None = None  # the part a stop cancels: blocks, pause save
     stop_reason: str | None = None  # why its work was cancelled: cancel, handoff, fenced
-    checked_at: float = 0.0  # when its lease was last renewed, or tried in an outage
+    checked_at: float = 0.0  # when its lease renewal was last tried
     pending: Callable[[], int] = lambda: 0  # events emitted and not stored yet
     stored: Callable[[], int] = lambda: 0  # the last id its writer stored
     retained: Callable[[], int] = lambda: 0  # bytes its ring retains, as modelled
@@ -110,6 +114,7 @@ class LeaseKeeper:
                 run.execution_id, run.fence, run.epoch, run.tenant, run.stored()
             )
         except Conflict:
+            run.gate.close()
             run.stop("fenced")
             return
         except NotFound:
@@ -117,22 +122,22 @@ class LeaseKeeper:
                 "the buffer lost a running execution, or some of its events",
                 extra={"executionId": run.execution_id},
             )
+            # Nobody else can own what the store does not have: the lease holds.
             run.checked_at = started
+            run.gate.renewed(started)
             run.repair()
             return
         except FlowcastError as exc:
-            # Nobody can take over while the buffer is unreachable for everyone, so an
-            # outage keeps the live gate open; only a stall of this process closes it.
-            # A stall past the lease before the outage did let another process take
-            # over: then the gate stays shut until a renewal succeeds.
-            if started - run.checked_at < self._lease_seconds:
-                run.checked_at = started
+            # Tried again in a third of a lease; meanwhile nothing is shown live.
+            run.checked_at = started
+            run.gate.close()
             log.warning(
                 "lease renewal failed",
                 extra={"executionId": run.execution_id, "error": str(exc)},
             )
             return
         run.checked_at = started
+        run.gate.renewed(started)
         if cancel_requested:
             run.stop("cancel")
 
