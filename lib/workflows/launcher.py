@@ -190,7 +190,7 @@ class Launcher:
         if local.handoff and writer.refused is None:
             # Let go for another process to take over now (its lease entry, due at
             # once, stays watched until then). If this fails, the lease expires.
-            work.append(self._hand_off(local))
+            work.append(self._hand_off(local, writer.shown_id))
         elif settled:
             work.append(self._ownership.release(local.execution_id, local.fence))
         else:
@@ -200,9 +200,12 @@ class Launcher:
             )
         await self.quietly(local.execution_id, *work)
 
-    async def _hand_off(self, local: LocalRun) -> None:
+    async def _hand_off(self, local: LocalRun, shown_id: int) -> None:
+        # The ids this run reserved but never showed go back with it: the next owner
+        # numbers from the last one a client may have seen, and reports no gap for
+        # ids no event ever had.
         try:
-            await self._ownership.hand_off(local.execution_id, local.fence)
+            await self._ownership.hand_off(local.execution_id, local.fence, shown_id=shown_id)
         except Conflict:
             return  # another owner took it already, or it ended: nothing to hand off
         log.info("execution handed off", extra={"executionId": local.execution_id})
