@@ -35,23 +35,23 @@ if needed, writes the run's checkpoint back as it had stored it (with the batch,
 atomically), and carries on above every id it handed out. No id is ever given to two
 events.
 
-The writer's state says what its next append must do; one state, changed only by the
-transitions below (a repair never steps down to a weaker one, only success ends it):
+The writer's state says what its next append must do. It is one ``WriterState``,
+changed only by a ``Transition`` through ``TRANSITIONS``; a repair never steps down to
+a weaker one, only an append that went through ends it, and a refusal is final:
 
-    state         next append                          transitions
-    ------------  -----------------------------------  ---------------------------------
-    IN_STEP       the queued batch, if any             check -> CHECKING;
-                                                       lost_writes -> WRITING_BACK;
-                                                       lost_execution -> RECREATING;
-                                                       refused -> REFUSED
-    CHECKING      the batch, or an empty one if idle   settle -> IN_STEP; lost_writes,
-                  (the store may have lost the         lost_execution, refused as above
-                  execution: an append tells)
-    WRITING_BACK  with the identity and the whole      settle -> IN_STEP;
-                  checkpoint as stored so far          lost_execution, refused
-    RECREATING    as WRITING_BACK, recreating the      settle -> IN_STEP; refused
-                  metadata if it is missing
-    REFUSED       none: another owner took over        (final)
+    state         next append                        check / lost writes /     settle
+                                                     lost execution            refuse
+    ------------  ---------------------------------  ------------------------  --------
+    IN_STEP       the queued batch, if any           CHECKING / WRITING_BACK   IN_STEP
+                                                     / RECREATING              REFUSED
+    CHECKING      the batch, or an empty one even    CHECKING / WRITING_BACK   IN_STEP
+                  when idle: its reply tells whether / RECREATING              REFUSED
+                  the store lost the execution
+    WRITING_BACK  with the identity and the whole    WRITING_BACK /            IN_STEP
+                  checkpoint as stored so far        WRITING_BACK / RECREATING REFUSED
+    RECREATING    as WRITING_BACK, recreating the    RECREATING (all three)    IN_STEP
+                  metadata if it is missing                                    REFUSED
+    REFUSED       none: another owner took over      REFUSED                   REFUSED
 """
 
 from __future__ import annotations
@@ -166,11 +166,46 @@ class LiveGate:
 class WriterState(enum.Enum):
     """What the writer's next append must do (the table in the module doc)."""
 
-    IN_STEP = 0
-    CHECKING = 1
-    WRITING_BACK = 2
-    RECREATING = 3
-    REFUSED = 4
+    IN_STEP = "in step"
+    CHECKING = "checking"
+    WRITING_BACK = "writing back"
+    RECREATING = "recreating"
+    REFUSED = "refused"
+
+
+class Transition(enum.Enum):
+    """What moves the writer from one state to another."""
+
+    CHECK = "check"  # the lease keeper found the execution missing (request_repair)
+    LOST_WRITES = "lost writes"  # an append found the store behind this writer
+    LOST_EXECUTION = "lost execution"  # an append found no metadata ("NOEXEC")
+    SETTLE = "settle"  # an append went through: the store has all this writer stored
+    REFUSE = "refuse"  # another owner took over ("FENCED")
+
+
+_IN_STEP, _CHECKING, _WRITING_BACK, _RECREATING, _REFUSED = WriterState
+# The table of the module doc: a repair never steps down to a weaker one; only an
+# append that went through ends it; a refusal is final.
+TRANSITIONS: dict[tuple[WriterState, Transition], WriterState] = {
+    (_IN_STEP, Transition.CHECK): _CHECKING,
+    (_IN_STEP, Transition.LOST_WRITES): _WRITING_BACK,
+    (_IN_STEP, Transition.LOST_EXECUTION): _RECREATING,
+    (_IN_STEP, Transition.SETTLE): _IN_STEP,
+    (_CHECKING, Transition.CHECK): _CHECKING,
+    (_CHECKING, Transition.LOST_WRITES): _WRITING_BACK,
+    (_CHECKING, Transition.LOST_EXECUTION): _RECREATING,
+    (_CHECKING, Transition.SETTLE): _IN_STEP,
+    (_WRITING_BACK, Transition.CHECK): _WRITING_BACK,
+    (_WRITING_BACK, Transition.LOST_WRITES): _WRITING_BACK,
+    (_WRITING_BACK, Transition.LOST_EXECUTION): _RECREATING,
+    (_WRITING_BACK, Transition.SETTLE): _IN_STEP,
+    (_RECREATING, Transition.CHECK): _RECREATING,
+    (_RECREATING, Transition.LOST_WRITES): _RECREATING,
+    (_RECREATING, Transition.LOST_EXECUTION): _RECREATING,
+    (_RECREATING, Transition.SETTLE): _IN_STEP,
+    **{(state, Transition.REFUSE): _REFUSED for state in WriterState},
+    **{(_REFUSED, move): _REFUSED for move in Transition},
+}
 
 
 class EventWriter:
@@ -285,25 +320,14 @@ class EventWriter:
     def request_repair(self) -> None:
         """The store may have lost this execution: check it now, even if idle (the
         append tells, and the writer recreates or writes back what is missing)."""
-        if self._step_up(WriterState.CHECKING):
+        if self._move(Transition.CHECK) is not WriterState.REFUSED:
             self._idle.clear()
             self._wakeup.set()
 
-    # -- transitions of the state (see the table in the module doc) -------------------
-
-    def _step_up(self, state: WriterState) -> bool:
-        """check, lost_writes, lost_execution: to ``state`` unless already there or in
-        a stronger repair (or refused); True when the writer has work to do for it."""
-        if self.state is WriterState.REFUSED:
-            return False
-        if state.value > self.state.value:
-            self.state = state
-        return True
-
-    def _settle(self) -> None:
-        """An append went through: the store has everything this writer stored."""
-        if self.state is not WriterState.REFUSED:
-            self.state = WriterState.IN_STEP
+    def _move(self, transition: Transition) -> WriterState:
+        """Take ``transition`` (TRANSITIONS); the new state."""
+        self.state = TRANSITIONS[self.state, transition]
+        return self.state
 
     @property
     def writing_back(self) -> bool:
@@ -424,7 +448,7 @@ class EventWriter:
                         "toId": first - 1,
                     },
                 )
-            self._settle()
+            self._move(Transition.SETTLE)
             waiting = len(self._waiting)
             self._ahead = min(waiting, self._max_pending) if waiting >= BURST_EVENTS else 0
             self.reserved = max(self.reserved, result.reserved)
@@ -454,7 +478,7 @@ class EventWriter:
             # The store came back empty: recreate the metadata under this owner and
             # record every id before this batch as dropped.
             log.warning("the buffer lost the execution; recreating it", extra=self._extra())
-            self._lose_down_to(0, first, WriterState.RECREATING)
+            self._lose_down_to(0, first, Transition.LOST_EXECUTION)
             return True
         if exc.reason == "order" and exc.last_id is not None:
             last = exc.last_id
@@ -462,7 +486,7 @@ class EventWriter:
                 self._stored(batch, first)  # an earlier try was applied; its reply was lost
                 return True
             if not batch and last >= first - 1:
-                self._settle()  # the store has all this writer stored
+                self._move(Transition.SETTLE)  # the store has all this writer stored
                 return True
             if last < first - 1:
                 # The store is behind what this writer stored: it lost writes.
@@ -470,13 +494,13 @@ class EventWriter:
                     "the buffer lost events; recording them as dropped",
                     extra={**self._extra(), "storedLastId": last, "nextId": first},
                 )
-                self._lose_down_to(last, first, WriterState.WRITING_BACK)
+                self._lose_down_to(last, first, Transition.LOST_WRITES)
                 return True
         return False
 
-    def _lose_down_to(self, last: int, first: int, state: WriterState) -> None:
-        """lost_writes / lost_execution: the store has this run only up to ``last``."""
-        self._step_up(state)
+    def _lose_down_to(self, last: int, first: int, transition: Transition) -> None:
+        """The store has this run only up to ``last``: write the rest back."""
+        self._move(transition)
         self.stored_id = min(self.stored_id, last)
         self._last_dropped = max(self._last_dropped, first - 1)
 
@@ -525,7 +549,7 @@ class EventWriter:
             },
         )
         self.refused = exc
-        self.state = WriterState.REFUSED
+        self._move(Transition.REFUSE)
         self._in_flight = []
         self._waiting.clear()
         self._unshown.clear()

@@ -26,7 +26,7 @@ from lib.execution.buffer import AppendResult, EventBuffer, Page
 from lib.execution.events import Event
 from lib.execution.hub import Hub
 from lib.execution.stream import StreamReader
-from lib.execution.writer import EventWriter, LiveGate
+from lib.execution.writer import TRANSITIONS, EventWriter, LiveGate, Transition, WriterState
 from tests.support.logcheck import check_log, check_view
 from tests.support.sse import Frame, parse_frame
 
@@ -505,3 +505,16 @@ async def test_in_an_outage_only_the_ids_reserved_ahead_are_shown(
     assert shown == list(range(1, total + 1))
     page = await read_page(faulty, execution_id)
     check_log(stored_envelopes(page))
+
+
+def test_the_writer_state_table_covers_every_move_and_never_steps_a_repair_down() -> None:
+    strength = list(WriterState)  # in order: in step, checking, writing back, recreating
+    for state in WriterState:
+        for move in Transition:
+            after = TRANSITIONS[state, move]
+            if state is WriterState.REFUSED or move is Transition.REFUSE:
+                assert after is WriterState.REFUSED
+            elif move is Transition.SETTLE:
+                assert after is WriterState.IN_STEP
+            else:
+                assert strength.index(after) >= strength.index(state), (state, move, after)
