@@ -349,6 +349,8 @@ class EventWriter:
     def _show(self) -> None:
         """Publish, in order, the events that may be shown now (see the module doc)."""
         unshown = self._unshown
+        if not unshown or not self._gate.open:
+            return
         while unshown:
             event = unshown[0]
             if event.id in self._dropped_unshown:
@@ -356,8 +358,6 @@ class EventWriter:
                 self._dropped_unshown.discard(event.id)
                 unshown.popleft()
                 continue
-            if not self._gate.open:
-                return
             if event.type in FINAL_TYPES:
                 if event.id > self.stored_id:
                     return
