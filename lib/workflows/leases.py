@@ -5,9 +5,9 @@ lease period (a refusal means another process fenced it out: the run stops at on
 store that lost the execution gets it recreated by the run's writer). Each renewal that
 succeeds renews the run's live gate; one that fails closes it at once (SPEC §5): from
 here a store down for everyone and a store lost by this process alone look the same,
-and in the second case another process may be about to take over. Cancels for runs here arrive on
-this process's control stream, read with a blocking read (with the hand-offs every
-process may take over), and with every renewal.
+and in the second case another process may be about to take over. Cancels for runs
+here arrive on this process's control stream, read with a blocking read (with the
+hand-offs every process may take over), and with every renewal.
 """
 
 from __future__ import annotations
