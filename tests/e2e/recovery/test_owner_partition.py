@@ -216,3 +216,64 @@ async def follow_to_end(client: httpx.AsyncClient, execution_id: str, cursor: in
                 return []
             assert response.status_code == 200, await response.aread()
             return [frame async for frame in events(response)]
+
+
+async def test_a_short_cut_closes_the_live_gate_and_the_stream_resumes_whole_once_it_heals(
+    valkey: ValkeyServer, tmp_path: Path, unique: str
+) -> None:
+    """A's link is cut for less than a lease: its renewal fails (the gate closes, the
+    client is shown nothing more), then the link heals before anyone could take over.
+    The next renewal opens the gate again: the client gets every event held back, in
+    order, no gap, and the stored log is what it saw; nobody recovered the run."""
+    lease = {"FLOWCAST_LEASE_SECONDS": "5"}
+    async with TcpLink(valkey.port) as link:
+        a = replica(valkey, tmp_path, "a", FLOWCAST_REDIS_URL=link.url, **lease)
+        try:
+            await a.start()
+            async with httpx.AsyncClient(base_url=a.url, timeout=30) as on_a:
+                text = " ".join(f"w{i}" for i in range(600))
+                workflow = {
+                    "id": f"short-{unique}",
+                    "blocks": [
+                        {
+                            "id": "talk",
+                            "type": "generate",
+                            "config": {"text": text, "tokensPerSecond": 100},
+                        }
+                    ],
+                    "edges": [],
+                }
+                await put(on_a, workflow)
+                response = await on_a.post(f"/api/workflows/{workflow['id']}/execute", json={})
+                assert response.status_code == 202, response.text
+                execution_id = response.json()["executionId"]
+                follower = Follower(a, execution_id)
+                try:
+                    await until(_async(lambda: follower.last_id() >= 20), "the client follows")
+                    link.cut()
+                    await until(
+                        _async(lambda: "lease renewal failed" in a.logs()),
+                        "A found it could not renew its lease",
+                    )
+                    shown_at_failure = follower.last_id()
+                    link.heal()
+                    await until(_async(follower.done.is_set), "the client got to the end")
+                finally:
+                    await follower.close()
+                seen = follower.seen()
+                log = await stored(on_a, execution_id)
+        finally:
+            await a.stop(signal.SIGKILL)
+    assert not [frame for frame in follower.frames if frame.event == "replay:gap"]
+    assert seen == log, "what the client saw is not what is stored"
+    assert seen[-1]["type"] == "execution:completed"
+    assert [e["id"] for e in seen] == list(range(1, len(seen) + 1))
+    assert not [e for e in seen if e["type"] == "execution:recovered"]
+    assert seen[-1]["id"] > shown_at_failure
+
+
+def _async(check: Any) -> Any:
+    async def wrapped() -> bool:
+        return bool(check())
+
+    return wrapped
