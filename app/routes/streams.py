@@ -109,8 +109,10 @@ async def stream(
     if not caller.may_read(meta.tenant, execution_id):
         reader.detach()
         raise NotFound("execution", execution_id)
-    if meta.finished and cursor >= meta.last_id:
+    if meta.finished and cursor == meta.last_id:
         reader.detach()
-        # 204 tells EventSource the stream is over and not to reconnect.
+        # 204 tells EventSource the stream is over and not to reconnect. A cursor above
+        # the stored terminal event saw ids that were never stored: it gets the terminal
+        # event instead (SPEC §5), never a bare 204.
         return Response(status_code=204, headers={"X-Execution-Id": execution_id})
     return sse_response(svc, execution_id, cursor=cursor, tenant=meta.tenant, reader=reader)

@@ -17,7 +17,9 @@ ARGV[1]  transition:
 ARGV[2]  the caller's new fencing token
 ARGV[3]  lease length in milliseconds
 ARGV[4]  resume: the paused block the caller answers ("" = whichever it is);
-         takeover: the owner whose lease the caller found expired (or who handed off)
+         takeover: the owner whose lease the caller found expired (or who handed off);
+         handoff: the highest id the caller showed live (its reservation above that
+         is handed back: the next owner numbers from there)
 ARGV[5]  takeover: "handoff" to take it over only if its owner handed it off; "dead"
          to take it over from the owner ARGV[4] although its lease has not ended (the
          caller knows that owner is dead: an earlier process of its own node)
@@ -173,6 +175,17 @@ elseif mode == "handoff" then
   end
   -- No owner now: its writer and its renewals are fenced out (append.lua, renew.lua).
   redis.call("HSET", meta, "owner", "", "handoff", token, "leaseUntil", 0)
+  -- Ids reserved but shown to nobody named no event: handed back, the next owner
+  -- numbers from the last id a client may have seen, and reports no gap for the rest.
+  -- Never below what was shown (nor the stored last id), never above the reservation.
+  local shown = tonumber(ARGV[4])
+  if shown then
+    local keep = math.max(last, shown)
+    if keep < base then
+      redis.call("HSET", meta, "reserved", keep)
+      base = keep
+    end
+  end
   return {last, base, status, "", tonumber(state[7]) or 0, recoveries, "handoff", crashes,
     cancel}
 elseif mode == "expire" then

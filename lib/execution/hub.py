@@ -19,6 +19,9 @@ has already sent. A reader that sees a hole in the ids fills it from Redis. A ta
 starts from what is stored, never from a client's cursor, so no reader's cursor changes
 what another gets; and a tail whose execution is gone from the store (it came back
 empty and nobody recreated it) ends its readers' streams instead of waiting forever.
+A tail that starts above the stored log (this process showed events it could not store
+before another one took the execution over) still hands its readers the execution's
+terminal event once it is stored, whatever its id: their streams end with it.
 
 The same connection listens to the ``status`` channel too: each execution's status
 changes, for the live lists of executions open in this process (``statuses``, see
@@ -35,7 +38,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from lib.backoff import Backoff
-from lib.errors import FlowcastError
+from lib.errors import FlowcastError, NotFound
 from lib.execution.buffer import EventBuffer
 from lib.execution.events import Event
 from lib.execution.listing import StatusFeed
@@ -97,6 +100,9 @@ class Channel:
         self.publisher: LocalPublisher | None = None
         self.unstored: Callable[[], list[Event]] = list
         self.last_published = 0
+        # The highest id known stored; below last_published only after this process
+        # showed events it did not store (see _terminal_below).
+        self.stored_last = 0
         self.finished = False
         self.tail_task: asyncio.Task[None] | None = None
         self.wake = asyncio.Event()
@@ -114,6 +120,13 @@ class Channel:
         for event in events:
             self.publish(event)
 
+    def publish_end(self, terminal: Event) -> None:
+        """Hand every reader the stored terminal event, though its id is at or below
+        what was published here (they saw ids that were never stored)."""
+        self.finished = True
+        for subscriber in self.subscribers:
+            subscriber.push(terminal)
+
     @property
     def local(self) -> bool:
         return self.publisher is not None
@@ -125,29 +138,26 @@ class Channel:
 
 
 class LocalPublisher:
-    """The emitting side of a channel for an execution this process runs.
+    """The emitting side of a channel for an execution this process runs. What may be
+    shown, and when, the writer decides (its reservation and the owner's live gate)."""
 
-    ``gate`` says whether this process may still show events live: an owner that has
-    not been able to check its lease for a lease period (it was stalled) might have been
-    fenced out, so it holds its events back until it knows; readers then get them from
-    memory or the buffer, and never an event the buffer will refuse.
-    """
-
-    def __init__(self, channel: Channel, gate: Callable[[], bool]) -> None:
+    def __init__(self, channel: Channel) -> None:
         self._channel = channel
-        self._gate = gate
         self.execution_id = channel.execution_id
 
     def publish(self, event: Event) -> None:
         """Deliver an emitted event to the readers attached here."""
-        if self._channel.publisher is self and self._gate():
+        if self._channel.publisher is self:
             self._channel.publish(event)
 
-    def detach(self) -> None:
-        """This process stops running the execution (finished, paused or handed over)."""
+    def detach(self, *, stored_id: int | None = None) -> None:
+        """This process stops running the execution (finished, paused or handed over);
+        ``stored_id`` is the last id its writer stored (by default, all it published)."""
         channel = self._channel
         if channel.publisher is not self:
             return  # a later run of the same execution attached here since
+        stored = channel.last_published if stored_id is None else stored_id
+        channel.stored_last = max(channel.stored_last, stored)
         channel.publisher = None
         channel.unstored = list
         channel.hub._release(channel)
@@ -204,7 +214,7 @@ class Hub:
             channel.stop_tail()
             self._channels.pop(channel.execution_id, None)
         elif channel.subscribers and not channel.local:
-            self.ensure_tail(channel.execution_id, after=channel.last_published)
+            self.ensure_tail(channel.execution_id, after=channel.stored_last)
 
     def attach_local(
         self,
@@ -212,7 +222,6 @@ class Hub:
         *,
         last_id: int,
         unstored: Callable[[], list[Event]],
-        gate: Callable[[], bool] = lambda: True,
     ) -> LocalPublisher:
         """Make this process the source of an execution's live events.
 
@@ -223,7 +232,8 @@ class Hub:
         channel.finished = False
         channel.unstored = unstored
         channel.last_published = last_id
-        channel.publisher = LocalPublisher(channel, gate)
+        channel.stored_last = 0
+        channel.publisher = LocalPublisher(channel)
         return channel.publisher
 
     def unstored(self, execution_id: str) -> list[Event]:
@@ -261,6 +271,7 @@ class Hub:
         ):
             return
         channel.last_published = max(channel.last_published, after)
+        channel.stored_last = max(channel.stored_last, after)
         task = asyncio.create_task(self._tail(channel), name=f"tail:{execution_id}")
         channel.tail_task = task
         self._tasks.add(task)
@@ -343,6 +354,9 @@ class Hub:
                 # Cleared before reading: a wake-up during the read means "read again".
                 channel.wake.clear()
                 events = await self.buffer.after(channel.execution_id, after=channel.last_published)
+                if not events and channel.last_published > channel.stored_last:
+                    if await self._terminal_below(channel):
+                        break
                 if not events:
                     try:
                         await asyncio.wait_for(channel.wake.wait(), self.tail_block_ms / 1000)
@@ -365,11 +379,39 @@ class Hub:
                 await backoff.wait()
                 continue
             backoff.reset()
+            if events:
+                channel.stored_last = events[-1].id
             channel.publish_all(events)
             if events and events[-1].terminal:
                 break
         if channel.tail_task is asyncio.current_task():
             channel.tail_task = None
+
+    async def _terminal_below(self, channel: Channel) -> bool:
+        """The tail is above the stored log: True, with its readers handed the terminal
+        event, when the log ended below what they saw."""
+        try:
+            meta = await self.buffer.meta(channel.execution_id)
+        except NotFound:
+            return False  # gone from the store: _check_gone ends its readers
+        if meta.last_id > channel.last_published:
+            return False  # stored meanwhile: the next read takes it
+        if not meta.finished:
+            channel.stored_last = max(channel.stored_last, meta.last_id)
+            return False
+        found = await self.buffer.after(channel.execution_id, after=meta.last_id - 1, count=1)
+        if not found or not found[0].terminal:
+            return False  # its terminal event is gone with the rest: see _check_gone
+        log.warning(
+            "the execution ended below ids shown here; handing its readers its end",
+            extra={
+                "executionId": channel.execution_id,
+                "terminalId": meta.last_id,
+                "shownId": channel.last_published,
+            },
+        )
+        channel.publish_end(found[0])
+        return True
 
     async def _check_gone(self, channel: Channel, missing_since: float | None) -> float | None:
         """After an idle read: end the readers of an execution the store no longer has."""

@@ -5,7 +5,8 @@ carry it). Behind it, the path of one event is a short straight line:
 
     emit ─► Emitter: the next id; compacted by the Compactor when large (in order)
          ─► EventWriter: batched, fenced append to the buffer (append.lua)
-         ─► shown live once its id is reserved (or stored, for the last event)
+         ─► shown live once its id is reserved (or stored, for the last event),
+            while the owner's live gate is open (its lease renewed, none failed since)
          ─► LocalPublisher ─► the hub's readers here ─► each client's SSE frame
 
 Readers on other processes follow the buffer. Constructing the log makes this process
@@ -16,7 +17,6 @@ here over to the buffer.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -29,7 +29,7 @@ from lib.execution.events import Checkpoint, Event
 from lib.execution.hub import Hub
 from lib.execution.offload import Compactor, OffloadPolicy
 from lib.execution.values import ValueStore
-from lib.execution.writer import EventWriter
+from lib.execution.writer import EventWriter, LiveGate
 from lib.metrics import Metrics
 
 
@@ -51,8 +51,7 @@ class ExecutionLog:
         base_id: int,
         retained_bytes: int = 0,
         checkpoint_bytes: int = 0,
-        live_for_seconds: float,
-        renewed_at: Callable[[], float],
+        gate: LiveGate,
         on_cancel: Callable[[], None],
         on_lost: Callable[[], Awaitable[None]],
         max_pending: int = 10_000,
@@ -67,6 +66,7 @@ class ExecutionLog:
             epoch=epoch,
             stored_id=stored_id,
             base_id=base_id,
+            gate=gate,
             on_cancel=on_cancel,
             on_lost=on_lost,
             identity={k: v for k, v in identity.items() if v},
@@ -90,13 +90,8 @@ class ExecutionLog:
             metrics=metrics,
             last_id=base_id,
         )
-        # Live only while the lease was renewed lately: a stalled owner shows nothing
-        # that a new owner may number again.
         self._publisher = hub.attach_local(
-            execution_id,
-            last_id=base_id,
-            unstored=self._writer.unstored,
-            gate=lambda: time.monotonic() - renewed_at() < live_for_seconds,
+            execution_id, last_id=base_id, unstored=self._writer.unstored
         )
         self._writer.show_to(self._publisher.publish)
 
@@ -114,7 +109,7 @@ class ExecutionLog:
             finally:
                 await self._writer.__aexit__(*exc_info)
         finally:
-            self._publisher.detach()
+            self._publisher.detach(stored_id=self._writer.stored_id)
 
     def emit(self, type: str, data: dict[str, Any], checkpoint: Checkpoint = ()) -> None:
         """Emit one event now (never waits); ``checkpoint`` fields are stored with it."""
@@ -141,6 +136,11 @@ class ExecutionLog:
     def pending(self) -> int:
         """Events emitted and not stored yet."""
         return self._writer.pending
+
+    @property
+    def shown_id(self) -> int:
+        """The highest id shown live (a hand-off records it for the next owner)."""
+        return self._writer.shown_id
 
     @property
     def stored_id(self) -> int:

@@ -338,11 +338,12 @@ class Ownership:
         )
 
     @translated
-    async def hand_off(self, execution_id: str, fence: str) -> None:
+    async def hand_off(self, execution_id: str, fence: str, *, shown_id: int) -> None:
         """Let go of a running execution now (a shutdown) and announce it, so another
-        process takes it over at once. ``OwnerMoved`` when ``fence`` no longer owns it,
-        ``WrongStatus`` when it is no longer running."""
-        await self.claim(execution_id, Mode.HANDOFF, fence)
+        process takes it over at once; ``shown_id`` is the highest id it showed live
+        (the ids it reserved above that go back). ``OwnerMoved`` when ``fence`` no
+        longer owns it, ``WrongStatus`` when it is no longer running."""
+        await self.claim(execution_id, Mode.HANDOFF, fence, expected=str(shown_id))
         # Due at once for every janitor, should the announcement be missed.
         await self.redis.zadd(self.keys.leases, {lease_member(execution_id, fence): 0})
         await self.redis.xadd(

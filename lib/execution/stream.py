@@ -10,7 +10,9 @@ outage). A client is never silently skipped past events.
 A client's cursor is its own: it may be above every stored id (the client saw live
 events that are not stored yet, or it is simply odd). Such a reader skips what it has
 seen, follows the tail from what is stored, and still ends at the terminal event,
-whatever its id. An execution that disappears from the store ends the stream.
+whatever its id: a terminal event stored below the cursor (the events the client saw
+above it were never stored) is sent all the same, so that client too learns how the
+execution ended (SPEC §5). An execution that disappears from the store ends the stream.
 """
 
 from __future__ import annotations
@@ -144,6 +146,10 @@ class StreamReader:
             if chunk:
                 yield chunk
             if page.meta.finished and self.last_sent >= page.meta.last_id:
+                if self.last_sent > page.meta.last_id:
+                    chunk = await self._terminal_below(page.meta.last_id)
+                    if chunk:
+                        yield chunk
                 self.finished = True  # the cursor is at or past the terminal event
             if len(page.events) < REPLAY_PAGE or self.closed:
                 break
@@ -177,7 +183,9 @@ class StreamReader:
                 break
             if event.id <= self.last_sent:
                 if event.terminal:
-                    self.finished = True  # seen, or under a cursor past its id
+                    if event.id < self.last_sent:
+                        parts.append(event.frame)  # ended below what this client saw
+                    self.finished = True
                 continue
             if event.id > self.last_sent + 1:
                 await self._fill(event.id, parts)
@@ -188,6 +196,13 @@ class StreamReader:
             if event.terminal:
                 self.finished = True
         return b"".join(parts)
+
+    async def _terminal_below(self, last_id: int) -> bytes:
+        """The frame of the stored terminal event ``last_id``, for a cursor above it."""
+        found = await self._buffer.after(self._execution_id, after=last_id - 1, count=1)
+        if found and found[0].terminal:
+            return found[0].frame
+        return b""
 
     async def _fill(self, before: int, parts: list[bytes]) -> None:
         """Send the events between the last one sent and ``before``: stored ones from the

@@ -6,33 +6,60 @@ writes whatever is queued as one atomic batch. When Redis is idle the batch is a
 event written at once; under load the events that arrive while a write is in flight
 form the next batch, so the write rate adapts without a timer.
 
-What is shown live: an event whose id the buffer has reserved for this owner, so a
-process that takes over after this one dies numbers its events above every id shown
-here. Each append reserves every id emitted when it was sent, plus, in a burst (64 or
-more events arrived during the previous append), as many again; so an event at a calm
-moment is shown once the append that carries it is acknowledged (a crash then leaves no
-hole in the ids), and a burst is shown as it is emitted (a crash in it is reported as
-a dropped range). The final event of a run (``execution:paused`` or a terminal one) is
-shown only once stored: the store decides whether a cancel accepted before it wins
-("CANCEL"), and then the final event becomes ``execution:cancelled`` under the same id,
-never shown.
+What is shown live: an event whose id the buffer has reserved for this owner, while the
+owner's ``LiveGate`` is open (its lease was renewed lately, and no renewal failed
+since). A process that takes over numbers its events above every reserved id, so no
+event a client saw here can ever be stored as another one. Each append reserves every
+id emitted when it was sent, plus, in a burst (64 or more events arrived during the
+previous append), as many again; so an event at a calm moment is shown once the append
+that carries it is acknowledged (a crash then leaves no hole in the ids), and a burst
+is shown as it is emitted, up to the block reserved (a crash in it is reported as a
+dropped range). Past the reserved block events wait in memory, unshown, until an
+append reserves them: while the buffer is unreachable from here, whether it is down
+for everyone or only this process lost it (and another one may be taking over), no
+event is shown that Redis has not reserved. The final event of a run
+(``execution:paused`` or a terminal one) is shown only once stored: the store decides
+whether a cancel accepted before it wins ("CANCEL"), and then the final event becomes
+``execution:cancelled`` under the same id, never shown. ``shown_id`` is the highest id
+shown: a hand-off records it, so the next owner numbers from there and the ids only
+reserved are handed back instead of being reported as lost.
 
 While the buffer is unreachable the batch in flight is retried as it is, with jittered
-exponential backoff, and new events wait behind it (and are shown live: nobody can take
-over while the store is down for everyone). Past ``max_pending`` the oldest waiting
-events are dropped; the next batch that reaches Redis records their id range atomically
-with itself, so replay reports it as a ``dropped`` gap and the terminal event still
-lands after everything before it. A store that comes back behind (restarted from an
-older snapshot, a lagging replica promoted) or empty is told so by the next batch: the
-writer records the ids it lost as dropped, recreates the metadata if needed, writes the
-run's checkpoint back as it had stored it (with the batch, atomically), and carries on
-above every id it handed out. No id is ever given to two events.
+exponential backoff, and new events wait behind it. Past ``max_pending`` the oldest
+waiting events are dropped; the next batch that reaches Redis records their id range
+atomically with itself, so replay reports it as a ``dropped`` gap and the terminal
+event still lands after everything before it. A store that comes back behind
+(restarted from an older snapshot, a lagging replica promoted) or empty is told so by
+the next batch: the writer records the ids it lost as dropped, recreates the metadata
+if needed, writes the run's checkpoint back as it had stored it (with the batch,
+atomically), and carries on above every id it handed out. No id is ever given to two
+events.
+
+The writer's state says what its next append must do. It is one ``WriterState``,
+changed only by a ``Transition`` through ``TRANSITIONS``; a repair never steps down to
+a weaker one, only an append that went through ends it, and a refusal is final:
+
+    state         next append                        check / lost writes /     settle
+                                                     lost execution            refuse
+    ------------  ---------------------------------  ------------------------  --------
+    IN_STEP       the queued batch, if any           CHECKING / WRITING_BACK   IN_STEP
+                                                     / RECREATING              REFUSED
+    CHECKING      the batch, or an empty one even    CHECKING / WRITING_BACK   IN_STEP
+                  when idle: its reply tells whether / RECREATING              REFUSED
+                  the store lost the execution
+    WRITING_BACK  with the identity and the whole    WRITING_BACK /            IN_STEP
+                  checkpoint as stored so far        WRITING_BACK / RECREATING REFUSED
+    RECREATING    as WRITING_BACK, recreating the    RECREATING (all three)    IN_STEP
+                  metadata if it is missing                                    REFUSED
+    REFUSED       none: another owner took over      REFUSED                   REFUSED
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 
@@ -95,6 +122,92 @@ def _outcome(meta: dict[str, str], field: str, value: object, event_id: int) -> 
         meta[field] = orjson.dumps({"$event": event_id}).decode()
 
 
+class LiveGate:
+    """Whether an owner may show its events live: open while its lease is known held.
+
+    The owner's lease keeper renews it with every lease renewal that succeeded and
+    closes it at once when one fails: from inside, a store down for everyone and a store
+    lost by this process alone look the same, and in the second case another process
+    may take over. A lease period without a renewal (the process stalled) closes it too.
+    Closed, the writer holds events back; it shows them once the gate opens again.
+    """
+
+    def __init__(self, *, lease_seconds: float, renewed_at: float | None = None) -> None:
+        self._lease_seconds = lease_seconds
+        self._renewed_at = time.monotonic() if renewed_at is None else renewed_at
+        self._closed = False
+        self._listeners: list[Callable[[], None]] = []
+
+    @classmethod
+    def always_open(cls) -> LiveGate:
+        """A gate for a writer with no lease to keep (tests, tools)."""
+        return cls(lease_seconds=float("inf"))
+
+    @property
+    def open(self) -> bool:
+        return not self._closed and time.monotonic() - self._renewed_at < self._lease_seconds
+
+    def renewed(self, at: float) -> None:
+        """The lease was renewed by a call that began at ``at`` (monotonic seconds)."""
+        self._renewed_at = max(self._renewed_at, at)
+        self._closed = False
+        for listener in self._listeners:
+            listener()
+
+    def close(self) -> None:
+        """A renewal failed, or the owner was fenced out: show nothing more for now."""
+        self._closed = True
+
+    def when_open(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` whenever a renewal (re)opens the gate."""
+        self._listeners.append(listener)
+
+
+class WriterState(enum.Enum):
+    """What the writer's next append must do (the table in the module doc)."""
+
+    IN_STEP = "in step"
+    CHECKING = "checking"
+    WRITING_BACK = "writing back"
+    RECREATING = "recreating"
+    REFUSED = "refused"
+
+
+class Transition(enum.Enum):
+    """What moves the writer from one state to another."""
+
+    CHECK = "check"  # the lease keeper found the execution missing (request_repair)
+    LOST_WRITES = "lost writes"  # an append found the store behind this writer
+    LOST_EXECUTION = "lost execution"  # an append found no metadata ("NOEXEC")
+    SETTLE = "settle"  # an append went through: the store has all this writer stored
+    REFUSE = "refuse"  # another owner took over ("FENCED")
+
+
+_IN_STEP, _CHECKING, _WRITING_BACK, _RECREATING, _REFUSED = WriterState
+# The table of the module doc: a repair never steps down to a weaker one; only an
+# append that went through ends it; a refusal is final.
+TRANSITIONS: dict[tuple[WriterState, Transition], WriterState] = {
+    (_IN_STEP, Transition.CHECK): _CHECKING,
+    (_IN_STEP, Transition.LOST_WRITES): _WRITING_BACK,
+    (_IN_STEP, Transition.LOST_EXECUTION): _RECREATING,
+    (_IN_STEP, Transition.SETTLE): _IN_STEP,
+    (_CHECKING, Transition.CHECK): _CHECKING,
+    (_CHECKING, Transition.LOST_WRITES): _WRITING_BACK,
+    (_CHECKING, Transition.LOST_EXECUTION): _RECREATING,
+    (_CHECKING, Transition.SETTLE): _IN_STEP,
+    (_WRITING_BACK, Transition.CHECK): _WRITING_BACK,
+    (_WRITING_BACK, Transition.LOST_WRITES): _WRITING_BACK,
+    (_WRITING_BACK, Transition.LOST_EXECUTION): _RECREATING,
+    (_WRITING_BACK, Transition.SETTLE): _IN_STEP,
+    (_RECREATING, Transition.CHECK): _RECREATING,
+    (_RECREATING, Transition.LOST_WRITES): _RECREATING,
+    (_RECREATING, Transition.LOST_EXECUTION): _RECREATING,
+    (_RECREATING, Transition.SETTLE): _IN_STEP,
+    **{(state, Transition.REFUSE): _REFUSED for state in WriterState},
+    **{(_REFUSED, move): _REFUSED for move in Transition},
+}
+
+
 class EventWriter:
     """Writes one execution's events to the buffer, in order, retrying with backoff."""
 
@@ -108,6 +221,7 @@ class EventWriter:
         stored_id: int = 0,
         base_id: int | None = None,
         publish: Publish | None = None,
+        gate: LiveGate | None = None,
         on_cancel: Callable[[], None] | None = None,
         on_lost: Callable[[], Awaitable[None]] | None = None,
         identity: Mapping[str, str] | None = None,
@@ -121,6 +235,8 @@ class EventWriter:
         self._fence = fence
         self._epoch = epoch
         self._publish = publish
+        self._gate = gate or LiveGate.always_open()
+        self._gate.when_open(self._show)
         self._on_cancel = on_cancel
         # Called when the store lost writes of this run, before they are written back:
         # the owner watches its lease again first (so a recreated execution is never
@@ -151,13 +267,10 @@ class EventWriter:
         # while the last one was in flight. Idle, it is 0 (a takeover leaves no hole);
         # in a burst, events are shown as they are emitted, up to the next reservation.
         self._ahead = 0
-        self._outage = False
-        self._recreate = False
-        # The store lost writes of this run: the next batch writes back the identity
-        # and the whole checkpoint as stored so far (and the run state's other fields).
-        self._reassert = False
+        self.state = WriterState.IN_STEP
+        # What a write-back writes: the checkpoint as stored so far (and the run
+        # state's other fields, see remember).
         self._mirror: dict[str, bytes] = {}
-        self._repair = False
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -187,7 +300,7 @@ class EventWriter:
 
     def put(self, event: Event) -> None:
         """Queue one event for storing; never blocks. Drops the oldest waiting past the cap."""
-        if self.refused is not None:
+        if self.state is WriterState.REFUSED:
             return
         self._emitted = event.id
         self._waiting.append(event)
@@ -205,10 +318,25 @@ class EventWriter:
         self._publish = publish
 
     def request_repair(self) -> None:
-        """The store lost this execution's metadata: recreate it now, even if idle."""
-        self._repair = True
-        self._idle.clear()
-        self._wakeup.set()
+        """The store may have lost this execution: check it now, even if idle (the
+        append tells, and the writer recreates or writes back what is missing)."""
+        if self._move(Transition.CHECK) is not WriterState.REFUSED:
+            self._idle.clear()
+            self._wakeup.set()
+
+    def _move(self, transition: Transition) -> WriterState:
+        """Take ``transition`` (TRANSITIONS); the new state."""
+        self.state = TRANSITIONS[self.state, transition]
+        return self.state
+
+    @property
+    def writing_back(self) -> bool:
+        return self.state in (WriterState.WRITING_BACK, WriterState.RECREATING)
+
+    @property
+    def shown_id(self) -> int:
+        """The highest id shown live by this writer (its base when it showed none)."""
+        return self._shown
 
     def _drop(self, event: Event) -> None:
         self._last_dropped = event.id
@@ -221,6 +349,8 @@ class EventWriter:
     def _show(self) -> None:
         """Publish, in order, the events that may be shown now (see the module doc)."""
         unshown = self._unshown
+        if not unshown or not self._gate.open:
+            return
         while unshown:
             event = unshown[0]
             if event.id in self._dropped_unshown:
@@ -231,7 +361,7 @@ class EventWriter:
             if event.type in FINAL_TYPES:
                 if event.id > self.stored_id:
                     return
-            elif event.id > self.reserved and not self._outage:
+            elif event.id > self.reserved:
                 return
             unshown.popleft()
             self._shown = event.id
@@ -264,7 +394,7 @@ class EventWriter:
         backoff = Backoff(base=self._retry_base, cap=self._retry_max)
         while True:
             if not self._in_flight:
-                if not self._waiting and not self._repair:
+                if not self._waiting and self.state is WriterState.IN_STEP:
                     self._idle.set()
                     self._wakeup.clear()
                     await self._wakeup.wait()
@@ -277,7 +407,7 @@ class EventWriter:
             # by the batch that follows it.
             after_drop = self._last_dropped > self.stored_id and first > self.stored_id + 1
             meta = batch_meta(batch)
-            if self._recreate or self._reassert:
+            if self.writing_back:
                 meta = {**self._identity, **meta}
             try:
                 result = await self._buffer.append(
@@ -289,13 +419,13 @@ class EventWriter:
                     meta=meta,
                     after_drop=after_drop,
                     reserve=self._emitted + self._ahead,
-                    recreate=self._recreate,
-                    checkpoint=self._mirror if self._reassert else None,
+                    recreate=self.state is WriterState.RECREATING,
+                    checkpoint=self._mirror if self.writing_back else None,
                 )
             except WriteRefused as exc:
                 if self._refused_but_handled(exc, batch, first):
                     backoff.reset()
-                    if self._reassert and self._on_lost is not None:
+                    if self.writing_back and self._on_lost is not None:
                         try:
                             await self._on_lost()
                         except BufferUnavailable as lost:
@@ -318,7 +448,7 @@ class EventWriter:
                         "toId": first - 1,
                     },
                 )
-            self._recreate = self._repair = self._outage = self._reassert = False
+            self._move(Transition.SETTLE)
             waiting = len(self._waiting)
             self._ahead = min(waiting, self._max_pending) if waiting >= BURST_EVENTS else 0
             self.reserved = max(self.reserved, result.reserved)
@@ -348,8 +478,7 @@ class EventWriter:
             # The store came back empty: recreate the metadata under this owner and
             # record every id before this batch as dropped.
             log.warning("the buffer lost the execution; recreating it", extra=self._extra())
-            self._recreate = True
-            self._lose_down_to(0, first)
+            self._lose_down_to(0, first, Transition.LOST_EXECUTION)
             return True
         if isinstance(exc, WriteOutOfOrder) and exc.last_id is not None:
             last = exc.last_id
@@ -357,7 +486,7 @@ class EventWriter:
                 self._stored(batch, first)  # an earlier try was applied; its reply was lost
                 return True
             if not batch and last >= first - 1:
-                self._repair = False  # the store has all this writer stored
+                self._move(Transition.SETTLE)  # the store has all this writer stored
                 return True
             if last < first - 1:
                 # The store is behind what this writer stored: it lost writes.
@@ -365,12 +494,13 @@ class EventWriter:
                     "the buffer lost events; recording them as dropped",
                     extra={**self._extra(), "storedLastId": last, "nextId": first},
                 )
-                self._lose_down_to(last, first)
+                self._lose_down_to(last, first, Transition.LOST_WRITES)
                 return True
         return False
 
-    def _lose_down_to(self, last: int, first: int) -> None:
-        self._reassert = True
+    def _lose_down_to(self, last: int, first: int, transition: Transition) -> None:
+        """The store has this run only up to ``last``: write the rest back."""
+        self._move(transition)
         self.stored_id = min(self.stored_id, last)
         self._last_dropped = max(self._last_dropped, first - 1)
 
@@ -387,9 +517,6 @@ class EventWriter:
                 "error": str(exc),
             },
         )
-        if not self._outage:
-            self._outage = True
-            self._show()
 
     def remember(self, fields: Mapping[str, bytes]) -> None:
         """Run state fields saved outside the events (the workflow version, the input),
@@ -422,6 +549,7 @@ class EventWriter:
             },
         )
         self.refused = exc
+        self._move(Transition.REFUSE)
         self._in_flight = []
         self._waiting.clear()
         self._unshown.clear()

@@ -36,6 +36,7 @@ from lib.execution.offload import OffloadPolicy
 from lib.execution.ownership import Claim, Ownership, paused_member
 from lib.execution.record import Field, StopReason
 from lib.execution.values import ValueStore
+from lib.execution.writer import LiveGate
 from lib.metrics import Metrics
 from lib.workflows.checkpoint import Keeper
 from lib.workflows.executor import BlockFailed, Executor, HandedOff, Pause, Paused, RunState
@@ -105,8 +106,11 @@ class Launcher:
     ) -> None:
         """Run ``body`` here as the owner ``claim`` made this process."""
         tenant = identity[Field.TENANT]
+        claimed_at = time.monotonic()
+        # The claim just gave this process the lease: open until a renewal fails.
+        gate = LiveGate(lease_seconds=self._lease_seconds, renewed_at=claimed_at)
         local = LocalRun(
-            execution_id, claim.owner, claim.epoch, tenant, checked_at=time.monotonic()
+            execution_id, claim.owner, claim.epoch, tenant, gate=gate, checked_at=claimed_at
         )
         events = ExecutionLog(
             buffer=self._buffer,
@@ -121,8 +125,7 @@ class Launcher:
             base_id=claim.base,
             retained_bytes=meta.retained_bytes if meta is not None else 0,
             checkpoint_bytes=meta.checkpoint_bytes if meta is not None else 0,
-            live_for_seconds=self._lease_seconds,
-            renewed_at=lambda: local.checked_at,
+            gate=gate,
             on_cancel=lambda: local.stop(StopReason.CANCEL),
             on_lost=lambda: self._rewatch(execution_id, local),
             max_pending=self._max_pending,
@@ -188,7 +191,7 @@ class Launcher:
         if local.handoff and writer.refused is None:
             # Let go for another process to take over now (its lease entry, due at
             # once, stays watched until then). If this fails, the lease expires.
-            work.append(self._hand_off(local))
+            work.append(self._hand_off(local, writer.shown_id))
         elif settled:
             work.append(self._ownership.release(local.execution_id, local.fence))
         else:
@@ -198,9 +201,12 @@ class Launcher:
             )
         await self.quietly(local.execution_id, *work)
 
-    async def _hand_off(self, local: LocalRun) -> None:
+    async def _hand_off(self, local: LocalRun, shown_id: int) -> None:
+        # The ids this run reserved but never showed go back with it: the next owner
+        # numbers from the last one a client may have seen, and reports no gap for
+        # ids no event ever had.
         try:
-            await self._ownership.hand_off(local.execution_id, local.fence)
+            await self._ownership.hand_off(local.execution_id, local.fence, shown_id=shown_id)
         except (OwnerMoved, WrongStatus):
             return  # another owner took it already, or it ended: nothing to hand off
         log.info("execution handed off", extra={"executionId": local.execution_id})

@@ -2,10 +2,12 @@
 
 Each execution running here is a ``LocalRun``. Its lease is renewed every third of a
 lease period (a refusal means another process fenced it out: the run stops at once; a
-store that lost the execution gets it recreated by the run's writer), and the time of
-the last check opens or closes the run's live gate. Cancels for runs here arrive on
-this process's control stream, read with a blocking read (with the hand-offs every
-process may take over), and with every renewal.
+store that lost the execution gets it recreated by the run's writer). Each renewal that
+succeeds renews the run's live gate; one that fails closes it at once (SPEC §5): from
+here a store down for everyone and a store lost by this process alone look the same,
+and in the second case another process may be about to take over. Cancels for runs
+here arrive on this process's control stream, read with a blocking read (with the
+hand-offs every process may take over), and with every renewal.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from lib.backoff import Backoff
 from lib.errors import Fenced, FlowcastError, RecordLost
 from lib.execution.ownership import Ownership
 from lib.execution.record import StopReason
+from lib.execution.writer import LiveGate
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +39,11 @@ class LocalRun:
     fence: str
     epoch: int
     tenant: str
+    gate: LiveGate  # open while its lease is known held: events may be shown live
     task: asyncio.Task[None] | None = None  # the run: first event to last, then let go
     work: asyncio.Task[Any] | None = None  # the part a stop cancels: blocks, pause save
     stop_reason: StopReason | None = None  # why its work was cancelled
-    checked_at: float = 0.0  # when its lease was last renewed, or tried in an outage
+    checked_at: float = 0.0  # when its lease renewal was last tried
     pending: Callable[[], int] = lambda: 0  # events emitted and not stored yet
     stored: Callable[[], int] = lambda: 0  # the last id its writer stored
     retained: Callable[[], int] = lambda: 0  # bytes its ring retains, as modelled
@@ -108,7 +112,7 @@ class LeaseKeeper:
         """Renew every run's lease at once: another Redis server answers, and it must
         learn who owns what (renew.lua lets an owner it forgot back in) within its
         settle."""
-        runs = [run for run in self._runs.values() if run.stop_reason != "fenced"]
+        runs = [run for run in self._runs.values() if run.stop_reason is not StopReason.FENCED]
         if runs:
             await asyncio.gather(*(self._renew(run) for run in runs))
 
@@ -119,6 +123,7 @@ class LeaseKeeper:
                 run.execution_id, run.fence, run.epoch, run.tenant, run.stored()
             )
         except Fenced:
+            run.gate.close()
             run.stop(StopReason.FENCED)
             return
         except RecordLost:
@@ -126,22 +131,24 @@ class LeaseKeeper:
                 "the buffer lost a running execution, or some of its events",
                 extra={"executionId": run.execution_id},
             )
+            # Nobody else can own what the store does not have: the lease holds.
             run.checked_at = started
+            run.gate.renewed(started)
             run.repair()
             return
         except FlowcastError as exc:
-            # Nobody can take over while the buffer is unreachable for everyone, so an
-            # outage keeps the live gate open; only a stall of this process closes it.
-            # A stall past the lease before the outage did let another process take
-            # over: then the gate stays shut until a renewal succeeds.
-            if started - run.checked_at < self._lease_seconds:
-                run.checked_at = started
+            # Nothing is shown live until a renewal succeeds: tried again sooner than a
+            # renewal is due (a quarter of the period), so live events resume soon
+            # after the store is back, without a hot loop while it is away.
+            run.checked_at = started - self._lease_seconds / 4
+            run.gate.close()
             log.warning(
                 "lease renewal failed",
                 extra={"executionId": run.execution_id, "error": str(exc)},
             )
             return
         run.checked_at = started
+        run.gate.renewed(started)
         if cancel_requested:
             run.stop(StopReason.CANCEL)
 

@@ -106,16 +106,22 @@ async def test_stream_resumes_after_last_event_id_without_duplicates(
     assert check_view(tail, after=3) == envelopes[3:]
 
 
-async def test_stream_at_or_past_the_terminal_event_answers_204(
+async def test_stream_at_the_terminal_event_answers_204_and_past_it_gets_the_terminal(
     client: httpx.AsyncClient, unique: str
 ) -> None:
+    """A cursor past the stored terminal event saw ids that were never stored: it gets
+    the terminal event, never a bare 204 (SPEC §5; step 15 fault review, F1)."""
     await put(client, streaming_workflow(f"end-{unique}", words=3))
     started = (await client.post(f"/api/workflows/end-{unique}/execute", json={})).json()
     snapshot = await wait_finished(client, started["executionId"])
     last = snapshot["lastEventId"]
-    for cursor in (last, last + 5):
-        response = await client.get(started["streamUrl"], headers={"Last-Event-ID": str(cursor)})
-        assert response.status_code == 204
+    response = await client.get(started["streamUrl"], headers={"Last-Event-ID": str(last)})
+    assert response.status_code == 204
+    response, frames = await collect(
+        client, started["streamUrl"], headers={"Last-Event-ID": str(last + 5)}
+    )
+    assert response.status_code == 200
+    assert [(frame.id, frame.event) for frame in frames] == [(str(last), "execution:completed")]
     _, frames = await collect(
         client, started["streamUrl"], headers={"Last-Event-ID": str(last - 1)}
     )

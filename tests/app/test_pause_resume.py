@@ -556,9 +556,10 @@ async def test_a_buffer_outage_after_a_resume_degrades_to_live_delivery(
                 assert answer.status_code == 202, answer.text
                 await follower.until(lambda f: f.event == "block:chunk" and "w4 " in f.data)
                 valkey.kill()
-                killed_at = len(follower.events)
-                # These arrive live while nothing can be stored.
-                await follower.until(lambda f: len(follower.events) >= killed_at + 40)
+                # Down while 40 chunks are emitted (the fault's length). They are shown
+                # live only under ids Redis reserved (SPEC §5 as amended in step 15);
+                # the rest wait in memory and reach the same stream once it is back.
+                await asyncio.sleep(40 / 50)
                 await valkey.start()
                 view = await follower.to_the_end()
             assert view[-1]["type"] == "execution:completed"

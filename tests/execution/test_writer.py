@@ -26,7 +26,7 @@ from lib.execution.buffer import AppendResult, EventBuffer, Page
 from lib.execution.events import Event
 from lib.execution.hub import Hub
 from lib.execution.stream import StreamReader
-from lib.execution.writer import EventWriter
+from lib.execution.writer import TRANSITIONS, EventWriter, LiveGate, Transition, WriterState
 from tests.support.logcheck import check_log, check_view
 from tests.support.sse import Frame, parse_frame
 
@@ -255,7 +255,8 @@ async def test_events_put_during_an_outage_are_kept_and_all_stored_once_it_clear
                 await asyncio.sleep(0.01)
         await wait_for(lambda: writer.failures >= 5)
         assert writer.pending == 299
-        assert [e.id for e in writer.unstored()] == list(range(1, 300))
+        # Nothing was reserved before the outage: nothing is shown (SPEC §5).
+        assert writer.unstored() == [] and writer.shown_id == 0
         assert (await read_page(faulty, execution_id)).events == []
         writer.put(event(execution_id, 300, last=300))
         faulty.down = False
@@ -310,8 +311,7 @@ async def test_past_max_pending_the_oldest_waiting_events_are_dropped_and_replay
         for event_id in range(6, total + 1):
             writer.put(event(execution_id, event_id, last=total))
         assert writer.pending == 10
-        # Shown live, not stored yet; the terminal event is shown only once stored.
-        assert [e.id for e in writer.unstored()] == [1, 2, 3, 4, 5, 36, 37, 38, 39]
+        assert writer.unstored() == []  # no id reserved yet: none shown
         assert writer.dropped_events == 30
         faulty.down = False
     page = await read_page(faulty, execution_id)
@@ -348,9 +348,7 @@ async def test_the_newest_event_is_never_dropped_even_when_the_batch_in_flight_f
         # waiting, and the newest (here the terminal one) is always kept.
         for event_id in range(4, 10):
             writer.put(event(execution_id, event_id, last=9))
-            # The terminal event is shown (and so listed here) only once stored.
-            shown = [event_id] if event_id < 9 else []
-            assert [e.id for e in writer.unstored()] == [1, 2, 3, *shown]
+            assert writer.unstored() == []  # no id reserved: none shown
         faulty.down = False
     page = await read_page(faulty, execution_id)
     assert_consistent(page)
@@ -371,15 +369,17 @@ async def test_events_dropped_while_a_batch_after_a_drop_is_in_flight_are_record
         await wait_for(lambda: len(faulty.attempts) >= 1)
         for event_id in range(4, 21):
             writer.put(event(execution_id, event_id, last=total))
-        assert [e.id for e in writer.unstored()] == [1, 2, 3, *range(14, 21)]
+        assert writer.unstored() == []
         # The buffer comes back, but the batch that records the first drop is slow.
         faulty.holds = lambda batch: batch[0].id == 14
         faulty.down = False
         await wait_for(faulty.holding.is_set)
         for event_id in range(21, total + 1):
             writer.put(event(execution_id, event_id, last=total))
-        # The store answers again: new events are shown once an append reserves them.
+        # The append that stored 1-3 reserved every id emitted by then (up to 20): those
+        # are shown; the ones emitted since wait for the next append to reserve them.
         assert [e.id for e in writer.unstored()] == [*range(14, 21)]
+        assert writer.shown_id == 20
         faulty.release.set()
     assert writer.refused is None, writer.refused
     page = await read_page(faulty, execution_id)
@@ -395,11 +395,11 @@ async def test_events_dropped_while_a_batch_after_a_drop_is_in_flight_are_record
     assert check_view(frames)[-1]["id"] == total
 
 
-async def test_a_reader_on_the_owning_process_reports_drops_not_yet_recorded_as_dropped(
+async def test_a_reader_on_the_owning_process_gets_a_dropped_gap_for_events_never_shown(
     faulty: FaultyBuffer,
 ) -> None:
-    # Appends fail but reads work: the reader replays an empty log, then takes the
-    # writer's unstored events from memory, which have a hole where events were dropped.
+    # Appends fail but reads work: the reader replays an empty log and is shown
+    # nothing (no id is reserved); events dropped meanwhile reach it as a gap.
     total = 30
     execution_id = await create(faulty)
     faulty.down = True
@@ -412,25 +412,109 @@ async def test_a_reader_on_the_owning_process_reports_drops_not_yet_recorded_as_
             await wait_for(lambda: len(faulty.attempts) >= 1)
             for event_id in range(4, total):
                 writer.put(event(execution_id, event_id, last=total))
-            assert [e.id for e in writer.unstored()] == [1, 2, 3, *range(23, 30)]
             reader = StreamReader(buffer=faulty, hub=hub, execution_id=execution_id, cursor=0)
             reading = asyncio.create_task(read_frames(reader))
-            await wait_for(lambda: reader.last_sent == total - 1)
-            terminal = event(execution_id, total, last=total)
-            publisher.publish(terminal)
-            writer.put(terminal)
+            await wait_for(lambda: len(faulty.attempts) >= 5)
+            assert reader.last_sent == 0 and writer.unstored() == []
+            writer.put(event(execution_id, total, last=total))
             faulty.down = False
-        publisher.detach()
+        publisher.detach(stored_id=writer.stored_id)
         frames = await asyncio.wait_for(reading, 10)
+    # The terminal event pushed one more waiting event (23) out.
     assert [f.json for f in frames if f.event == "replay:gap"] == [
-        {"after": 3, "resumeAt": 23, "reason": "dropped"}
+        {"after": 3, "resumeAt": 24, "reason": "dropped"}
     ]
-    assert check_view(frames)[-1]["id"] == total
+    assert [e["id"] for e in check_view(frames)] == [1, 2, 3, *range(24, total + 1)]
     page = await read_page(faulty, execution_id)
-    # The terminal event pushed one more waiting event (23) out after the reader had it.
     assert page.dropped == [(4, 23)] and page.meta.status == "completed"
 
 
 async def read_frames(reader: StreamReader) -> list[Frame]:
     data = b"".join([chunk async for chunk in reader.frames()])
     return [parse_frame(raw) for raw in data.split(b"\n\n") if raw]
+
+
+async def test_a_closed_live_gate_holds_events_back_until_a_renewal_opens_it(
+    faulty: FaultyBuffer,
+) -> None:
+    """A failed lease renewal closes the gate at once: stored or not, nothing more is
+    shown until a renewal succeeds (SPEC §5; step 15 fault review, F1)."""
+    execution_id = await create(faulty)
+    gate = LiveGate(lease_seconds=60)
+    shown: list[int] = []
+    writer = EventWriter(
+        buffer=faulty,
+        execution_id=execution_id,
+        fence=FENCE,
+        gate=gate,
+        publish=lambda shown_event: shown.append(shown_event.id),
+    )
+    async with writer:
+        writer.put(event(execution_id, 1, last=4))
+        await wait_for(lambda: shown == [1])
+        gate.close()
+        for event_id in range(2, 5):
+            writer.put(event(execution_id, event_id, last=4))
+        await wait_for(lambda: writer.stored_id == 4)
+        assert shown == [1] and writer.shown_id == 1
+        gate.renewed(time.monotonic())
+        assert shown == [1, 2, 3, 4]
+    # A gate not renewed for a lease period is closed too (a stalled process).
+    stale = LiveGate(lease_seconds=0.05, renewed_at=time.monotonic() - 0.1)
+    assert not stale.open
+    stale.renewed(time.monotonic())
+    assert stale.open
+
+
+async def test_in_an_outage_only_the_ids_reserved_ahead_are_shown(
+    faulty: FaultyBuffer, redis: Redis
+) -> None:
+    """A burst reserves a block ahead with its append; when the buffer then becomes
+    unreachable, events are shown up to that block and no further: past it they wait
+    in memory (SPEC §5; step 15 fault review, F1)."""
+    total = 300
+    execution_id = await create(faulty)
+    shown: list[int] = []
+    writer = EventWriter(
+        buffer=faulty,
+        execution_id=execution_id,
+        fence=FENCE,
+        publish=lambda shown_event: shown.append(shown_event.id),
+        retry_base_seconds=0.005,
+        retry_max_seconds=0.05,
+    )
+    faulty.holds = lambda batch: batch[0].id == 1
+    async with writer:
+        writer.put(event(execution_id, 1, last=total))
+        await wait_for(faulty.holding.is_set)
+        for event_id in range(2, 102):  # a burst: 100 events during one append
+            writer.put(event(execution_id, event_id, last=total))
+        faulty.holds = lambda _batch: False
+        faulty.release.set()
+        await wait_for(lambda: writer.stored_id == 101)
+        reserved = int(await redis.hget(faulty.keys.meta(execution_id), "reserved") or 0)
+        assert reserved == writer.reserved > 101
+        faulty.down = True
+        for event_id in range(102, total):
+            writer.put(event(execution_id, event_id, last=total))
+        await wait_for(lambda: writer.failures >= 3)
+        assert shown == list(range(1, reserved + 1))
+        assert writer.shown_id == reserved
+        writer.put(event(execution_id, total, last=total))
+        faulty.down = False
+    assert shown == list(range(1, total + 1))
+    page = await read_page(faulty, execution_id)
+    check_log(stored_envelopes(page))
+
+
+def test_the_writer_state_table_covers_every_move_and_never_steps_a_repair_down() -> None:
+    strength = list(WriterState)  # in order: in step, checking, writing back, recreating
+    for state in WriterState:
+        for move in Transition:
+            after = TRANSITIONS[state, move]
+            if state is WriterState.REFUSED or move is Transition.REFUSE:
+                assert after is WriterState.REFUSED
+            elif move is Transition.SETTLE:
+                assert after is WriterState.IN_STEP
+            else:
+                assert strength.index(after) >= strength.index(state), (state, move, after)

@@ -241,3 +241,80 @@ class Dropper:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+
+
+class TcpLink:
+    """One process's own TCP link to a server (a replica's to Valkey), through a proxy
+    on a free 127.0.0.1 port, that a test can cut: every connection through it is
+    dropped at once and new ones are closed as they arrive, until it is healed. Only the
+    process pointed at ``url`` loses the server; every other one keeps it."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.port = 0
+        self.cut_count = 0
+        self._cut = False
+        self._server: asyncio.Server | None = None
+        self._open: set[asyncio.StreamWriter] = set()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def is_cut(self) -> bool:
+        return self._cut
+
+    def cut(self) -> None:
+        """Drop every connection through the link now; refuse new ones until healed."""
+        self._cut = True
+        self.cut_count += 1
+        for writer in list(self._open):
+            writer.transport.abort()
+        self._open.clear()
+
+    def heal(self) -> None:
+        self._cut = False
+
+    async def _serve(self, client: asyncio.StreamReader, to_client: asyncio.StreamWriter) -> None:
+        if self._cut:
+            to_client.transport.abort()
+            return
+        try:
+            server, to_server = await asyncio.open_connection("127.0.0.1", self.target)
+        except OSError:
+            to_client.transport.abort()
+            return
+        if self._cut:  # cut while connecting
+            to_client.transport.abort()
+            to_server.transport.abort()
+            return
+        self._open.update((to_client, to_server))
+        try:
+            await asyncio.gather(self._pump(client, to_server), self._pump(server, to_client))
+        finally:
+            for writer in (to_client, to_server):
+                self._open.discard(writer)
+                writer.transport.abort()
+
+    @staticmethod
+    async def _pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        try:
+            while data := await source.read(65536):
+                sink.write(data)
+                await sink.drain()
+        except (ConnectionError, OSError):
+            pass  # the other side went, or the link was cut: the caller closes both
+        finally:
+            sink.transport.abort()
+
+    async def __aenter__(self) -> TcpLink:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.cut()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
