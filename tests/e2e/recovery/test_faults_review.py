@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.app.test_faults import (
+from tests.e2e.recovery.test_faults import (
     approval_workflow,
     clients,
     execute,

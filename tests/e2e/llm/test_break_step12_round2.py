@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.app.test_break_step12 import (
+from tests.e2e.llm.test_break_step12 import (
     ALPHA,
     BETA,
     authed,

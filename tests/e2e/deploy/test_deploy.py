@@ -2,7 +2,7 @@
 
 No Docker engine runs on the development machines or in CI, so these tests read the
 files: the stages, the user, the healthchecks, the wiring between services. (The proxy's
-configuration runs for real in tests/app/test_proxy.py.)
+configuration runs for real in tests/e2e/deploy/test_proxy.py.)
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import yaml
 
 from app.settings import Settings
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 TEMPLATE = ROOT / "deploy" / "nginx.conf.template"
 
 

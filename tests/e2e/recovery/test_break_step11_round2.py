@@ -23,7 +23,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from tests.app.test_break_step11 import (
+from tests.e2e.recovery.test_break_step11 import (
     DEADLINE,
     _dropped_ranges,
     chain,
