@@ -45,7 +45,6 @@ async def settled(valkey: FaultyValkey) -> None:
     await wait_store_settled(valkey, timeout=DEADLINE, flush=True)
 
 
-
 @contextlib.asynccontextmanager
 async def running(*servers: FlowcastServer) -> AsyncIterator[list[FlowcastServer]]:
     """Start the servers; SIGKILL whatever is still up at the end (extras appended too)."""
