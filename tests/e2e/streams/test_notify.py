@@ -1,7 +1,7 @@
-"""Step 13 review: attempts to break the notify-channel wake-ups of remote tails (one
-pub/sub subscription per process instead of an ``XREAD BLOCK`` per tail), with real
-processes: the execution runs on A, the SSE readers attach through B. Each test here
-demonstrates one confirmed break."""
+"""Remote tails woken through the notify channel (one pub/sub subscription per process
+instead of an ``XREAD BLOCK`` per tail), with real processes: the execution runs on A,
+the SSE readers attach through B. The connection that carries the wake-ups can drop, or
+die silently, without a tail missing an event."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 from redis.asyncio import Redis
 
-from tests.support.api import delay_workflow, put
+from tests.support.api import delay_workflow, execute, put, wait_finished
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import Frame, frames
 
@@ -27,22 +27,6 @@ async def start_servers(
     servers = [FlowcastServer(data_dir=root / name, env=shared) for name in names]
     await asyncio.gather(*(server.start() for server in servers))
     return servers
-
-
-async def execute(client: httpx.AsyncClient, workflow_id: str) -> str:
-    response = await client.post(f"/api/workflows/{workflow_id}/execute", json={"input": {}})
-    assert response.status_code == 202, response.text
-    execution_id: str = response.json()["executionId"]
-    return execution_id
-
-
-async def until_finished(client: httpx.AsyncClient, execution_id: str, timeout: float) -> None:
-    async with asyncio.timeout(timeout):
-        while True:
-            status = (await client.get(f"/api/executions/{execution_id}")).json()["status"]
-            if status in ("completed", "failed", "cancelled"):
-                return
-            await asyncio.sleep(0.02)
 
 
 async def command_calls(redis: Redis, command: str) -> int:
@@ -118,6 +102,7 @@ async def test_a_notify_connection_dropped_while_redis_is_up_wakes_every_tail_wh
     (lib/execution/hub.py:266-293), so ``_wake_all()`` (hub.py:275) never runs after
     that reconnect, and every message published meanwhile is lost for good. A loop of
     such kills never logs "notify listener lost" at all.
+    Found by the step 13 review.
     """
     root = tmp_path
     a, b = await start_servers(own_valkey, root, ("a", "b"))
@@ -129,7 +114,7 @@ async def test_a_notify_connection_dropped_while_redis_is_up_wakes_every_tail_wh
             httpx.AsyncClient(base_url=b.url, timeout=20) as on_b,
         ):
             await put(on_a, delay_workflow("quiet", 2000))
-            execution_id = await execute(on_a, "quiet")
+            execution_id = await execute(on_a, "quiet", {})
             reader = Reader(on_b, execution_id)
             # B's tail has read the events up to the delay, and now waits to be woken.
             await reader.until_type("block:started", timeout=10)
@@ -145,7 +130,7 @@ async def test_a_notify_connection_dropped_while_redis_is_up_wakes_every_tail_wh
             os.kill(b.pid, signal.SIGSTOP)
             stopped = True
             await admin.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
-            await until_finished(on_a, execution_id, timeout=10)
+            await wait_finished(on_a, execution_id, timeout=10)
             os.kill(b.pid, signal.SIGCONT)
             stopped = False
             resumed = time.monotonic()
@@ -257,6 +242,7 @@ async def test_a_silently_dead_notify_connection_is_replaced(
     (``continue``), and redis-py's pub/sub health check only *sends* a PING every 30 s
     (``health_check_interval=30``, app/connections.py:53) without ever expecting its
     reply. Nothing bounds how long the subscription may stay silent.
+    Found by the step 13 review.
     """
     async with Proxy(own_valkey.port) as proxy:
         a = FlowcastServer(
@@ -283,7 +269,7 @@ async def test_a_silently_dead_notify_connection_is_replaced(
                 async with asyncio.timeout(20):
                     while proxy.subscriptions <= before:
                         await asyncio.sleep(0.05)
-                execution_id = await execute(on_a, "quiet")
+                execution_id = await execute(on_a, "quiet", {})
                 reader = Reader(on_b, execution_id)
                 await asyncio.wait_for(reader.task, timeout=10)
                 assert reader.ids == list(range(1, len(reader.ids) + 1))
