@@ -263,6 +263,23 @@ def test_list_tokens_name_their_tenant_expire_and_never_pass_for_stream_tokens()
         assert tokens.list_tenant(odd, now=1_000) is None
 
 
+def test_a_list_token_with_its_tenant_cut_off_opens_no_execution() -> None:
+    # A list token is "<tenant>.<expiry>.<mac>" with the mac over "list:<tenant>.<expiry>";
+    # a stream token is "<expiry>.<mac>" with the mac over "<eid>.<expiry>". Without its
+    # first part a list token is a well-formed stream token for the "execution"
+    # "list:<tenant>": the tokens module promises neither kind ever passes for the
+    # other, and no execution id contains ":".
+    """Found by the step 14 review."""
+    from app.tokens import StreamTokens
+
+    tokens = StreamTokens(secret=b"s" * 32, lifetime_seconds=60)
+    token = tokens.issue_list("t_abc", now=1_000)
+    cut = token.split(".", 1)[1]
+    assert not tokens.check(cut, "list:t_abc", now=1_000)
+    # An execution's own tokens still work.
+    assert tokens.check(tokens.issue("ex_1", now=1_000), "ex_1", now=1_000)
+
+
 # ---------------------------------------------------------------- two processes
 
 

@@ -1,7 +1,9 @@
-"""API keys as tenants, and stream tokens scoped to one execution."""
+"""API keys as tenants, stream tokens scoped to one execution, relayed requests refused
+by a keyless server, and /metrics behind keys."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,6 +22,7 @@ from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import collect
 
 ALICE, BOB = "alice-key-" + "a" * 20, "bob-key-" + "b" * 20
+LIVE = "/api/executions/live"
 
 
 @pytest.fixture(scope="module")
@@ -324,3 +327,83 @@ async def through_loopback_only(scope: Scope) -> tuple[bool, list[Message]]:
 
     await LoopbackOnly(app)(scope, receive, send)
     return bool(reached), sent
+
+
+async def _status_line(port: int, request: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        async with asyncio.timeout(10):
+            return (await reader.readline()).strip()
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+
+@pytest.mark.timeout(60)
+async def test_a_keyless_server_refuses_relayed_requests_however_the_headers_are_spelled(
+    valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """Found by the step 14 review."""
+    server = FlowcastServer(
+        data_dir=tmp_path,
+        env={"FLOWCAST_REDIS_URL": valkey.url, "FLOWCAST_REDIS_PREFIX": "b14open"},
+    )
+    await server.start()
+    try:
+        for path in (b"/api/workflows", b"/api/executions/live", b"/metrics", b"/"):
+            for headers in (
+                b"Host: x\r\nX-Forwarded-For: 203.0.113.9\r\n",
+                b"Host: x\r\nx-FORWARDED-for: 203.0.113.9\r\n",
+                b"Host: x\r\nX-Forwarded-Proto: https\r\n",
+                b"Host: x\r\nX-Forwarded-For: 127.0.0.1\r\nX-Forwarded-For: 203.0.113.9\r\n",
+                b"Host: x\r\nForwarded: for=203.0.113.9\r\n",
+                b"Host: x\r\nVia: 1.1 proxy\r\n",
+                b"Host: x\r\nX-Real-IP: 203.0.113.9\r\n",
+            ):
+                for version in (b"HTTP/1.1", b"HTTP/1.0"):
+                    request = b"GET " + path + b" " + version + b"\r\n" + headers + b"\r\n"
+                    line = await _status_line(server.port, request)
+                    assert line.split()[1] == b"403", (request, line)
+            # This machine's own client, unrelayed, is answered.
+            ok = await _status_line(server.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert ok.split()[1] == b"200"
+    finally:
+        await server.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_metrics_behind_keys_take_only_a_key(valkey: ValkeyServer, tmp_path: Path) -> None:
+    """Found by the step 14 review."""
+    key = "metrics-key-" + "m" * 20
+    server = FlowcastServer(
+        data_dir=tmp_path,
+        env={
+            "FLOWCAST_REDIS_URL": valkey.url,
+            "FLOWCAST_REDIS_PREFIX": "b14metrics",
+            "FLOWCAST_API_KEYS": key,
+        },
+    )
+    await server.start()
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=20) as client:
+            auth = {"Authorization": f"Bearer {key}"}
+            list_token = (await client.post(f"{LIVE}/token", headers=auth)).json()["streamToken"]
+            for url, headers in (
+                ("/metrics", {}),
+                ("/metrics", {"Authorization": "Bearer nope"}),
+                (f"/metrics?token={list_token}", {}),
+                (f"/metrics?%74oken={list_token}", {}),
+                ("/metrics", {"Authorization": f"Basic {key}"}),
+            ):
+                response = await client.get(url, headers=headers)
+                assert response.status_code == 401, (url, headers, response.status_code)
+            for path in (b"/metrics/", b"/Metrics", b"//metrics", b"/metrics%2F", b"/./metrics"):
+                request = b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+                line = await _status_line(server.port, request)
+                # Not found, or a redirect to /metrics (which takes a key, as above).
+                assert line.split()[1] in (b"401", b"404", b"307"), (path, line)
+            assert (await client.get("/metrics", headers=auth)).status_code == 200
+    finally:
+        await server.stop()
