@@ -23,7 +23,14 @@ import httpx
 import pytest
 from playwright.async_api import Browser, Page, Request, Route, async_playwright, expect
 
-from tests.support.api import all_events, flaky_workflow, put, streaming_workflow, wait_finished
+from tests.support.api import (
+    all_events,
+    execute,
+    flaky_workflow,
+    put,
+    streaming_workflow,
+    wait_finished,
+)
 from tests.support.llm import FakeLLM, Reply
 from tests.support.servers import ROOT, FlowcastServer, ValkeyServer
 
@@ -1111,13 +1118,6 @@ def quick_workflow(workflow_id: str) -> dict[str, Any]:
 
 def list_row(page: Page, execution_id: str) -> Any:
     return page.locator(f'#list-rows tr[data-execution-id="{execution_id}"]')
-
-
-async def execute(client: httpx.AsyncClient, workflow_id: str, input: Any = None) -> str:
-    response = await client.post(f"/api/workflows/{workflow_id}/execute", json={"input": input})
-    assert response.status_code == 202, response.text
-    execution_id: str = response.json()["executionId"]
-    return execution_id
 
 
 async def listed_ids(page: Page) -> list[str]:

@@ -121,9 +121,7 @@ async def paused_execution(client: httpx.AsyncClient, workflow_id: str) -> str:
     response = await client.post(f"/api/workflows/{workflow_id}/execute", json={"input": {}})
     assert response.status_code == 202, response.text
     execution_id: str = response.json()["executionId"]
-    async with asyncio.timeout(20):
-        while (await client.get(f"/api/executions/{execution_id}")).json()["status"] != "paused":
-            await asyncio.sleep(0.02)
+    await wait_status(client, execution_id, "paused", timeout=20)
     return execution_id
 
 
@@ -161,3 +159,11 @@ async def until(
             return found
     except TimeoutError:
         raise AssertionError(f"timed out waiting for: {what}") from None
+
+
+async def sse_clients(client: httpx.AsyncClient) -> float:
+    """The server's ``flowcast_sse_clients`` gauge, read from /metrics."""
+    for line in (await client.get("/metrics")).text.splitlines():
+        if line.startswith("flowcast_sse_clients "):
+            return float(line.split()[1])
+    raise AssertionError("no flowcast_sse_clients in /metrics")

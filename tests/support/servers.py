@@ -119,7 +119,7 @@ ALPHA, BETA = "alpha-key-" + "a" * 20, "beta-key-" + "b" * 20
 
 def prefix() -> str:
     """A Redis prefix of a test's own."""
-    return f"b12{uuid.uuid4().hex[:6]}"
+    return f"own{uuid.uuid4().hex[:6]}"
 
 
 async def started_server(tmp_path: Path, name: str, **env: str) -> FlowcastServer:
@@ -135,3 +135,18 @@ def authed(server: FlowcastServer, key: str | None = None) -> httpx.AsyncClient:
     """A client of ``server``, with ``key`` as its bearer token when given."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.AsyncClient(base_url=server.url, headers=headers, timeout=30)
+
+
+async def flowcast_on(valkey: ValkeyServer, root: Path, **settings: str) -> FlowcastServer:
+    """A Flowcast server on ``valkey`` under ``root``, on a Redis prefix of its own;
+    ``settings`` are named without ``FLOWCAST_`` (``lease_seconds="3"``)."""
+    server = FlowcastServer(
+        data_dir=root,
+        env={
+            "FLOWCAST_REDIS_URL": valkey.url,
+            "FLOWCAST_REDIS_PREFIX": prefix(),
+            **{f"FLOWCAST_{name.upper()}": value for name, value in settings.items()},
+        },
+    )
+    await server.start()
+    return server

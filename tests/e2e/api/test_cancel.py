@@ -13,7 +13,14 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.api import all_events, delay_workflow, put, talking_workflow, wait_finished
+from tests.support.api import (
+    all_events,
+    delay_workflow,
+    execute,
+    put,
+    talking_workflow,
+    wait_finished,
+)
 from tests.support.logcheck import TERMINAL, check_log, check_view
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import Frame, events
@@ -62,13 +69,6 @@ def approval_workflow(workflow_id: str) -> dict[str, Any]:
         ],
         "edges": [{"from": "draft", "to": "review"}, {"from": "review", "to": "send"}],
     }
-
-
-async def execute(client: httpx.AsyncClient, workflow_id: str) -> str:
-    response = await client.post(f"/api/workflows/{workflow_id}/execute", json={"input": {}})
-    assert response.status_code == 202, response.text
-    execution_id: str = response.json()["executionId"]
-    return execution_id
 
 
 async def wait_for_event(
@@ -131,7 +131,7 @@ async def test_cancel_of_a_running_execution_ends_it_with_cancelled_on_every_str
 ) -> None:
     on_a, on_b = clients
     await put(on_a, delay_workflow(f"slow-{receiver}-{unique}"))
-    execution_id = await execute(on_a, f"slow-{receiver}-{unique}")
+    execution_id = await execute(on_a, f"slow-{receiver}-{unique}", {})
     followers = [Follower(on_a, execution_id), Follower(on_b, execution_id)]
     await wait_for_event(on_a, execution_id, "block:started", "think")
     await asyncio.gather(*(follower.attached.wait() for follower in followers))
@@ -159,7 +159,7 @@ async def test_cancel_received_by_another_process_lands_well_under_a_second(
     await put(on_a, delay_workflow(f"quick-{unique}"))
     latencies = []
     for _ in range(5):
-        execution_id = await execute(on_a, f"quick-{unique}")
+        execution_id = await execute(on_a, f"quick-{unique}", {})
         follower = Follower(on_b, execution_id)
         await wait_for_event(on_a, execution_id, "block:started", "think")
         await follower.attached.wait()
@@ -183,7 +183,7 @@ async def test_cancel_stops_a_streaming_generate_block_mid_text(
 ) -> None:
     on_a, on_b = clients
     await put(on_a, talking_workflow(f"talk-{receiver}-{unique}", words=300, tps=20))
-    execution_id = await execute(on_a, f"talk-{receiver}-{unique}")
+    execution_id = await execute(on_a, f"talk-{receiver}-{unique}", {})
     follower = Follower(on_b, execution_id)
     await wait_for_event(on_a, execution_id, "block:chunk", "talk")
     response = await (on_a if receiver == "owner" else on_b).post(
@@ -205,7 +205,7 @@ async def test_cancel_of_a_paused_execution_ends_it_and_closes_the_open_stream(
 ) -> None:
     on_a, on_b = clients
     await put(on_a, approval_workflow(f"pause-{receiver}-{unique}"))
-    execution_id = await execute(on_a, f"pause-{receiver}-{unique}")
+    execution_id = await execute(on_a, f"pause-{receiver}-{unique}", {})
     followers = [Follower(on_a, execution_id), Follower(on_b, execution_id)]
     await wait_for_event(on_a, execution_id, "execution:paused")
     assert (await on_a.get(f"/api/executions/{execution_id}")).json()["status"] == "paused"
@@ -233,7 +233,7 @@ async def test_cancel_of_a_paused_execution_ends_it_and_closes_the_open_stream(
 async def finished_execution(client: httpx.AsyncClient, unique: str, status: str) -> str:
     if status == "completed":
         await put(client, delay_workflow(f"done-{unique}", ms=0))
-        execution_id = await execute(client, f"done-{unique}")
+        execution_id = await execute(client, f"done-{unique}", {})
     elif status == "failed":
         workflow = {
             "id": f"broken-{unique}",
@@ -241,10 +241,10 @@ async def finished_execution(client: httpx.AsyncClient, unique: str, status: str
             "edges": [],
         }
         await put(client, workflow)
-        execution_id = await execute(client, f"broken-{unique}")
+        execution_id = await execute(client, f"broken-{unique}", {})
     else:
         await put(client, delay_workflow(f"gone-{unique}"))
-        execution_id = await execute(client, f"gone-{unique}")
+        execution_id = await execute(client, f"gone-{unique}", {})
         assert (await client.post(f"/api/executions/{execution_id}/cancel")).status_code == 202
     snapshot = await asyncio.wait_for(wait_finished(client, execution_id), 10)
     assert snapshot["status"] == status
@@ -284,7 +284,7 @@ async def test_concurrent_cancels_on_both_processes_end_the_execution_once(
 ) -> None:
     on_a, on_b = clients
     await put(on_a, delay_workflow(f"twice-{unique}"))
-    execution_id = await execute(on_a, f"twice-{unique}")
+    execution_id = await execute(on_a, f"twice-{unique}", {})
     await wait_for_event(on_a, execution_id, "block:started", "think")
     answers = await asyncio.gather(
         *(client.post(f"/api/executions/{execution_id}/cancel") for client in (on_a, on_b) * 3)

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.api import put, streaming_workflow, wait_finished
+from tests.support.api import put, streaming_workflow, wait_finished, wait_status
 from tests.support.servers import FlowcastServer, ValkeyServer
 
 SCHEMATHESIS = Path(sys.executable).with_name("schemathesis")
@@ -87,11 +87,6 @@ async def execute(client: httpx.AsyncClient, workflow_id: str, body: Any) -> dic
     return started
 
 
-async def wait_paused(client: httpx.AsyncClient, execution_id: str) -> None:
-    while (await client.get(f"/api/executions/{execution_id}")).json()["status"] != "paused":
-        await asyncio.sleep(0.02)
-
-
 def first_ref(value: Any) -> dict[str, Any] | None:
     """The first large-value ref inside a JSON value, depth first."""
     if isinstance(value, dict):
@@ -120,7 +115,7 @@ async def seed(client: httpx.AsyncClient) -> Seeds:
     ref = first_ref(snapshot["output"])
     assert ref is not None, snapshot
     paused = (await execute(client, "approve-refund", {"input": {"amount": 3}}))["executionId"]
-    await wait_paused(client, paused)
+    await wait_status(client, paused, "paused", timeout=None)
     running = await execute(client, "fuzz-long", {"input": {"name": "fuzz"}})
     doomed = (await execute(client, "fuzz-long", {"input": {"name": "doomed"}}))["executionId"]
     return Seeds(

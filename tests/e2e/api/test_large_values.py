@@ -24,7 +24,7 @@ from redis.asyncio import Redis
 
 from lib.workflows.blocks.file import file_content
 from lib.workflows.blocks.payload import make_payload
-from tests.support.api import all_events, put, wait_finished
+from tests.support.api import all_events, execute, put, wait_finished
 from tests.support.logcheck import check_log, check_view
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import collect
@@ -83,18 +83,11 @@ def refs_in(value: Any) -> list[dict[str, Any]]:
     return []
 
 
-async def execute(client: httpx.AsyncClient, workflow_id: str, body: Any = None) -> str:
-    response = await client.post(f"/api/workflows/{workflow_id}/execute", json=body or {})
-    assert response.status_code == 202, response.text
-    execution_id: str = response.json()["executionId"]
-    return execution_id
-
-
 async def run_to_end(
     client: httpx.AsyncClient, workflow_id: str, body: Any = None
 ) -> tuple[str, list[dict[str, Any]]]:
     """Execute, wait for the end, return the id and the whole stored log."""
-    execution_id = await execute(client, workflow_id, body)
+    execution_id = await execute(client, workflow_id, body=body or {})
     snapshot = await wait_finished(client, execution_id)
     assert snapshot["status"] == "completed", snapshot
     events = await all_events(client, execution_id)
@@ -243,7 +236,7 @@ async def test_an_execution_producing_1_gib_keeps_its_redis_footprint_within_the
             prefix = server.env["FLOWCAST_REDIS_PREFIX"]
             await put(client, chain("gigabyte", blocks))
             started = time.monotonic()
-            execution_id = await execute(client, "gigabyte")
+            execution_id = await execute(client, "gigabyte", body={})
             names = ("events", "meta", "dropped", "state")  # the checkpoint counts too
             keys = [f"{prefix}:{{{execution_id}}}:{name}" for name in names]
             samples: list[int] = []

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.api import execute, put, wait_status
+from tests.support.api import execute, put, sse_clients, wait_status
 from tests.support.servers import ROOT, FlowcastServer, ValkeyServer
 
 
@@ -53,10 +53,7 @@ def talking(workflow_id: str, *, words: int, tps: float) -> dict[str, Any]:
 
 async def _sse_clients(url: str) -> float:
     async with httpx.AsyncClient(base_url=url, headers=PROXY_AUTH, timeout=10) as client:
-        for line in (await client.get("/metrics")).text.splitlines():
-            if line.startswith("flowcast_sse_clients "):
-                return float(line.split()[1])
-    raise AssertionError("no flowcast_sse_clients in /metrics")
+        return await sse_clients(client)
 
 
 @asynccontextmanager

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from app.embedded import free_port
-from tests.support.api import all_events, put, talking_workflow
+from tests.support.api import all_events, put, start_execution, talking_workflow
 from tests.support.logcheck import TERMINAL, check_log
 from tests.support.proxy import NGINX, Dropper, NginxProxy
 from tests.support.servers import FlowcastServer, ValkeyServer
@@ -94,15 +94,6 @@ def approval_workflow(workflow_id: str) -> dict[str, Any]:
     }
 
 
-async def execute(client: httpx.AsyncClient, workflow_id: str, **headers: str) -> dict[str, Any]:
-    response = await client.post(
-        f"/api/workflows/{workflow_id}/execute", json={"input": {}}, headers=headers
-    )
-    assert response.status_code == 202, response.text
-    started: dict[str, Any] = response.json()
-    return started
-
-
 def test_the_repository_config_passes_nginx_t(tmp_path: Path) -> None:
     nginx = NginxProxy(directory=tmp_path, replicas=("127.0.0.1:8001", "127.0.0.1:8002"))
     result = nginx.check()
@@ -141,9 +132,11 @@ async def test_reconnects_through_the_proxy_land_on_both_replicas_and_get_exactl
 ) -> None:
     await put(through, talking_workflow(f"hop-{unique}", words=30, tps=20))
     key = {"Idempotency-Key": f"hop-{unique}"}
-    started = await execute(through, f"hop-{unique}", **key)
+    started = await start_execution(through, f"hop-{unique}", {}, headers=key)
     # The same start again (on whichever replica): the same execution, nothing new.
-    assert (await execute(through, f"hop-{unique}", **key))["executionId"] == started["executionId"]
+    assert (await start_execution(through, f"hop-{unique}", {}, headers=key))[
+        "executionId"
+    ] == started["executionId"]
     seen: list[dict[str, Any]] = []
     connections = 0
     async with asyncio.timeout(30):
@@ -171,7 +164,7 @@ async def test_a_pause_resumed_through_the_proxy_goes_on_on_the_same_stream(
     through: httpx.AsyncClient, proxy: NginxProxy, unique: str
 ) -> None:
     await put(through, approval_workflow(f"ask-{unique}"))
-    started = await execute(through, f"ask-{unique}")
+    started = await start_execution(through, f"ask-{unique}", {})
     eid = started["executionId"]
     stream_path = started["streamUrl"]
     received: list[dict[str, Any]] = []
@@ -262,7 +255,7 @@ async def test_with_a_replica_stopped_every_request_through_the_proxy_is_answere
     await b.stop()
     try:
         path = f"/api/workflows/left-{unique}/execute"
-        started = [await execute(through, f"left-{unique}") for _ in range(4)]
+        started = [await start_execution(through, f"left-{unique}", {}) for _ in range(4)]
         # b refused the connection, so nothing had been sent: that POST went on to a.
         posts = await proxy.logged(lambda entry: entry.path == path, count=len(started))
         assert [address(b), address(a)] in [entry.upstreams for entry in posts], posts

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.api import all_events, put
+from tests.support.api import all_events, execute, put
 from tests.support.logcheck import TERMINAL, check_log, check_view
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import Frame, frames
@@ -124,13 +124,6 @@ async def finished(
 
 
 _TERMINAL_STATUSES = ("completed", "failed", "cancelled")
-
-
-async def execute(client: httpx.AsyncClient, workflow_id: str, input: Any) -> str:
-    response = await client.post(f"/api/workflows/{workflow_id}/execute", json={"input": input})
-    assert response.status_code == 202, response.text
-    execution_id: str = response.json()["executionId"]
-    return execution_id
 
 
 async def resume(client: httpx.AsyncClient, execution_id: str, **body: Any) -> httpx.Response:

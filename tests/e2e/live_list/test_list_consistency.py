@@ -293,7 +293,9 @@ async def test_a_live_list_ends_up_as_a_reload_shows_it_after_a_burst_with_lost_
                 view.apply(await anext(frames))
 
                 async def start_all() -> list[str]:
-                    return await asyncio.gather(*(execute(client, workflow_id) for _ in range(120)))
+                    return await asyncio.gather(
+                        *(execute(client, workflow_id, {}) for _ in range(120))
+                    )
 
                 starting = asyncio.create_task(start_all())
                 for _ in range(3):
@@ -336,7 +338,9 @@ async def test_an_execution_started_while_the_list_is_read_is_never_dropped_from
 
             readers = [asyncio.create_task(read_lists()) for _ in range(3)]
             try:
-                started = await asyncio.gather(*(execute(client, workflow_id) for _ in range(120)))
+                started = await asyncio.gather(
+                    *(execute(client, workflow_id, {}) for _ in range(120))
+                )
             finally:
                 done.set()
                 await asyncio.gather(*readers)

@@ -17,7 +17,7 @@ import pytest
 from redis.asyncio import Redis
 
 from app.tokens import StreamTokens
-from tests.support.api import put, wait_finished
+from tests.support.api import execute, put, sse_clients, start_execution, wait_finished
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import Frame, collect, events, frames
 
@@ -101,13 +101,6 @@ async def live(
         yield Live(response)
 
 
-async def execute(client: httpx.AsyncClient, workflow_id: str) -> dict[str, Any]:
-    response = await client.post(f"/api/workflows/{workflow_id}/execute", json={"input": {}})
-    assert response.status_code == 202, response.text
-    started: dict[str, Any] = response.json()
-    return started
-
-
 # ---------------------------------------------------------------- one server
 
 
@@ -116,7 +109,7 @@ async def test_the_list_comes_first_then_each_status_change_as_it_happens(
 ) -> None:
     workflow_id = f"live-{unique}"
     await put(client, approval_workflow(workflow_id))
-    earlier = (await execute(client, workflow_id))["executionId"]
+    earlier = await execute(client, workflow_id, {})
     async with live(client, f"workflowId={workflow_id}") as stream:
         (row,) = await stream.rows()
         assert row["id"] == earlier and row["workflowId"] == workflow_id
@@ -131,7 +124,7 @@ async def test_the_list_comes_first_then_each_status_change_as_it_happens(
         if row["status"] == "running":
             assert await stream.until(earlier, "paused") == ["paused"]
 
-        execution_id = (await execute(client, workflow_id))["executionId"]
+        execution_id = await execute(client, workflow_id, {})
         started = await stream.until(execution_id, "running")
         assert started == ["running"]
         # Started and paused may be stored in one batch: "paused" is what it shows then.
@@ -161,12 +154,12 @@ async def test_filters_hold_for_the_list_and_a_row_leaving_the_status_filter_is_
     workflow_id = f"filter-{unique}"
     await put(client, approval_workflow(workflow_id))
     await put(client, quick_workflow(f"other-{unique}"))
-    done = (await execute(client, f"other-{unique}"))["executionId"]
+    done = await execute(client, f"other-{unique}", {})
     await wait_finished(client, done)
 
     async with live(client, f"workflowId={workflow_id}&status=paused&limit=5") as stream:
         assert await stream.rows() == []
-        execution_id = (await execute(client, workflow_id))["executionId"]
+        execution_id = await execute(client, workflow_id, {})
         # Not sent while running (it does not match), sent once paused.
         frame = await stream.next()
         assert (frame.event, frame.json["id"], frame.json["status"]) == (
@@ -223,16 +216,10 @@ async def test_an_open_live_list_counts_among_the_sse_clients(
     client: httpx.AsyncClient, unique: str
 ) -> None:
     # SPEC §10: "SSE clients connected": a live list is one, as much as a stream.
-    async def connected() -> float:
-        for line in (await client.get("/metrics")).text.splitlines():
-            if line.startswith("flowcast_sse_clients "):
-                return float(line.split()[1])
-        raise AssertionError("no flowcast_sse_clients in /metrics")
-
     async with live(client, f"workflowId=counted-{unique}") as shown:
         assert await shown.rows() == []
         async with asyncio.timeout(FRAME_SECONDS):
-            while await connected() < 1:
+            while await sse_clients(client) < 1:
                 await asyncio.sleep(0.05)
 
 
@@ -310,7 +297,7 @@ async def test_an_execution_run_by_another_process_shows_and_finishes(
         await put(on_a, approval_workflow(workflow_id))
         async with live(on_b, f"workflowId={workflow_id}") as stream:
             assert await stream.rows() == []
-            execution_id = (await execute(on_a, workflow_id))["executionId"]
+            execution_id = await execute(on_a, workflow_id, {})
             assert await stream.until(execution_id, "running") == ["running"]
             assert await stream.until(execution_id, "paused") == ["paused"]
             # Resumed through B: A ran it, whichever runs it now, B's list shows it.
@@ -360,7 +347,7 @@ async def test_the_live_list_needs_a_key_or_a_list_token(
     alice: httpx.AsyncClient, anonymous: httpx.AsyncClient, unique: str
 ) -> None:
     await put(alice, quick_workflow(f"auth-{unique}"))
-    started = await execute(alice, f"auth-{unique}")
+    started = await start_execution(alice, f"auth-{unique}", {})
     for headers in ({}, as_("wrong-key"), {"Authorization": "Basic abc"}):
         for method, url in (("GET", LIVE), ("POST", f"{LIVE}/token")):
             response = await anonymous.request(method, url, headers=headers)
@@ -405,8 +392,8 @@ async def test_each_tenant_sees_only_its_own_executions_live(
             live(alice, f"workflowId={workflow_id}") as alices,
         ):
             assert await bobs.rows() == [] and await alices.rows() == []
-            alices_run = (await execute(alice, workflow_id))["executionId"]
-            bobs_run = (await execute(bob, workflow_id))["executionId"]
+            alices_run = await execute(alice, workflow_id, {})
+            bobs_run = await execute(bob, workflow_id, {})
             await alices.until(alices_run, "completed")
             # Bob's stream has only Bob's run, in order, though Alice's came first.
             await bobs.until(bobs_run, "completed")
@@ -451,7 +438,7 @@ async def test_after_a_pubsub_reconnect_the_list_is_sent_again(
                 killed = await redis.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
                 assert killed >= 1
                 assert await stream.rows() == []
-                execution_id = (await execute(client, workflow_id))["executionId"]
+                execution_id = await execute(client, workflow_id, {})
                 await stream.until(execution_id, "completed")
     finally:
         await redis.aclose()

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.api import all_events, put, wait_finished
+from tests.support.api import all_events, execute, put, wait_finished
 from tests.support.llm import FakeLLM, Reply
 from tests.support.servers import FlowcastServer, ValkeyServer
 
@@ -87,9 +87,7 @@ def llm_workflow(workflow_id: str, **config: Any) -> dict[str, Any]:
 
 async def run(client: httpx.AsyncClient, workflow: dict[str, Any], **input: Any) -> list[Any]:
     await put(client, workflow)
-    started = await client.post(f"/api/workflows/{workflow['id']}/execute", json={"input": input})
-    assert started.status_code == 202, started.text
-    execution_id = started.json()["executionId"]
+    execution_id = await execute(client, workflow["id"], input)
     await wait_finished(client, execution_id)
     return await all_events(client, execution_id)
 

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from tests.support.api import all_events, put, talking_workflow
+from tests.support.api import all_events, put, talking_workflow, wait_status
 from tests.support.faults import (
     FaultyValkey,
     crash_and_restart,
@@ -32,7 +32,7 @@ from tests.support.faults import (
 )
 from tests.support.logcheck import TERMINAL, check_view
 from tests.support.servers import FlowcastServer
-from tests.support.sse import Frame, events
+from tests.support.sse import Frame, events, follow
 
 TERMINAL_STATUSES = ("completed", "failed", "cancelled")
 # Every stream on an execution ends within about a lease plus the grace: far below this.
@@ -83,23 +83,6 @@ async def execute(client: httpx.AsyncClient, workflow_id: str, input: Any = None
     return execution_id
 
 
-async def follow(
-    client: httpx.AsyncClient, execution_id: str, *, cursor: int = 0, started: Any = None
-) -> list[Frame]:
-    """Read a stream to its end (it must end); ``started`` is set once it is open."""
-    headers = {"Last-Event-ID": str(cursor)}
-    async with asyncio.timeout(STREAM_DEADLINE):
-        async with client.stream(
-            "GET", f"/api/executions/{execution_id}/stream", headers=headers
-        ) as response:
-            if started is not None:
-                started.set()
-            if response.status_code == 204:
-                return []
-            assert response.status_code == 200, await response.aread()
-            return [frame async for frame in events(response)]
-
-
 def approval_workflow(workflow_id: str, *, wait_ms: int = 0) -> dict[str, Any]:
     schema = {"type": "object", "required": ["ok"], "properties": {"ok": {"type": "boolean"}}}
     return {
@@ -111,12 +94,6 @@ def approval_workflow(workflow_id: str, *, wait_ms: int = 0) -> dict[str, Any]:
         ],
         "edges": [{"from": "wait", "to": "review"}, {"from": "review", "to": "after"}],
     }
-
-
-async def wait_status(client: httpx.AsyncClient, execution_id: str, status: str) -> None:
-    async with asyncio.timeout(STREAM_DEADLINE):
-        while (await client.get(f"/api/executions/{execution_id}")).json()["status"] != status:
-            await asyncio.sleep(0.02)
 
 
 def same_events(seen: list[dict[str, Any]], stored: list[dict[str, Any]]) -> None:
@@ -143,10 +120,12 @@ async def test_an_odd_cursor_on_one_reader_does_not_stall_another(
         execution_id = await execute(a, f"odd-{unique}")
         opened = asyncio.Event()
         # On B, which does not run it: first a reader with a cursor far above the end...
-        odd = asyncio.create_task(follow(b, execution_id, cursor=1000, started=opened))
+        odd = asyncio.create_task(
+            follow(b, execution_id, cursor=1000, started=opened, timeout=STREAM_DEADLINE)
+        )
         await opened.wait()
         # ...then one from the start, which must get every event, to the terminal one.
-        plain = await follow(b, execution_id)
+        plain = await follow(b, execution_id, timeout=STREAM_DEADLINE)
         assert (await odd) == []
         stored = await all_events(a, execution_id)
     covered(stored, plain)
@@ -159,7 +138,9 @@ async def test_a_cursor_above_the_last_id_still_ends_at_the_terminal_event(
     async with clients(pair) as (a, b):
         await put(a, talking_workflow(f"above-{unique}", words=4, tps=8))
         execution_id = await execute(a, f"above-{unique}")
-        frames = await follow(a if on == "owner" else b, execution_id, cursor=1000)
+        frames = await follow(
+            a if on == "owner" else b, execution_id, cursor=1000, timeout=STREAM_DEADLINE
+        )
         snapshot = await wait_finished(a, execution_id)
     assert frames == []
     assert snapshot["status"] == "completed" and snapshot["lastEventId"] < 1000
@@ -171,7 +152,7 @@ async def test_a_cancel_while_the_pause_is_being_saved_ends_the_execution(
     async with clients(pair) as (a, b):
         await put(a, approval_workflow(f"pausing-{unique}", wait_ms=300))
         execution_id = await execute(a, f"pausing-{unique}")
-        reader = asyncio.create_task(follow(b, execution_id))
+        reader = asyncio.create_task(follow(b, execution_id, timeout=STREAM_DEADLINE))
         await asyncio.sleep(0.1)  # inside the delay block: the pause is saved after it
         # Writes stall while the run saves its pause; the cancel arrives meanwhile.
         await pause_writes(valkey, 1500)
@@ -216,7 +197,7 @@ async def test_resume_and_cancel_at_the_same_instant_each_take_effect_or_get_409
             else:
                 assert cancel.json()["error"]["code"] == "execution_completed", cancel.text
                 assert snapshot["status"] == "completed"
-            covered(stored, await follow(b, execution_id))
+            covered(stored, await follow(b, execution_id, timeout=STREAM_DEADLINE))
 
 
 async def test_outputs_no_event_could_carry_are_made_carriable_without_an_id_hole(
@@ -234,7 +215,7 @@ async def test_outputs_no_event_could_carry_are_made_carriable_without_an_id_hol
     async with clients(pair) as (a, _b):
         await put(a, workflow)
         execution_id = await execute(a, workflow["id"])
-        live = await follow(a, execution_id)
+        live = await follow(a, execution_id, timeout=STREAM_DEADLINE)
         stored = await all_events(a, execution_id)
     covered(stored, live)
     assert stored[-1]["type"] == "execution:completed", stored
@@ -251,7 +232,7 @@ async def test_a_store_restored_from_an_older_snapshot_never_reuses_an_id(
     async with clients(pair) as (a, b):
         await put(a, talking_workflow(f"older-{unique}", words=60, tps=30))
         execution_id = await execute(a, f"older-{unique}")
-        live = asyncio.create_task(follow(a, execution_id))
+        live = asyncio.create_task(follow(a, execution_id, timeout=STREAM_DEADLINE))
         await wait_last_id(a, execution_id, 10)
         snapshot = await take_snapshot(valkey, tmp_path / "older.rdb")
         await wait_last_id(a, execution_id, 25)
@@ -259,7 +240,7 @@ async def test_a_store_restored_from_an_older_snapshot_never_reuses_an_id(
         finished = await wait_finished(a, execution_id)
         seen = check_view(await live)
         stored = await all_events(a, execution_id)
-        replayed = await follow(b, execution_id)
+        replayed = await follow(b, execution_id, timeout=STREAM_DEADLINE)
     assert finished["status"] == "completed", finished
     assert seen[-1]["type"] == "execution:completed"
     same_events(seen, stored)
@@ -274,8 +255,8 @@ async def test_a_store_that_comes_back_empty_is_recreated_by_the_owner(
     async with clients(pair) as (a, b):
         await put(a, talking_workflow(f"empty-{unique}", words=60, tps=30))
         execution_id = await execute(a, f"empty-{unique}")
-        live = asyncio.create_task(follow(a, execution_id))
-        elsewhere = asyncio.create_task(follow(b, execution_id))
+        live = asyncio.create_task(follow(a, execution_id, timeout=STREAM_DEADLINE))
+        elsewhere = asyncio.create_task(follow(b, execution_id, timeout=STREAM_DEADLINE))
         await wait_last_id(a, execution_id, 15)
         await crash_and_wipe(valkey)
         await put(a, talking_workflow(f"empty-{unique}", words=60, tps=30))
@@ -303,7 +284,7 @@ async def test_a_replica_whose_clock_runs_ahead_ends_no_healthy_execution(
         async with clients(pair) as (a, _b):
             await put(a, talking_workflow(f"skew-{unique}", words=12, tps=4))
             execution_id = await execute(a, f"skew-{unique}")
-            frames = await follow(a, execution_id)
+            frames = await follow(a, execution_id, timeout=STREAM_DEADLINE)
             snapshot = await wait_finished(a, execution_id)
     finally:
         await skewed.stop(signal.SIGKILL)
@@ -473,7 +454,7 @@ async def test_a_sigterm_while_the_pause_is_being_saved_still_ends_the_execution
         ):
             await put(a, approval_workflow(f"term-{unique}", wait_ms=300))
             execution_id = await execute(a, f"term-{unique}")
-            reader = asyncio.create_task(follow(b, execution_id))
+            reader = asyncio.create_task(follow(b, execution_id, timeout=STREAM_DEADLINE))
             await asyncio.sleep(0.1)
             await pause_writes(valkey, 1500)
             await asyncio.sleep(0.4)  # the run now waits to save its pause
@@ -545,7 +526,7 @@ async def test_a_run_that_ended_before_a_rollback_is_not_ended_twice(
     async with clients(pair) as (a, b):
         await put(a, talking_workflow(f"ended-{unique}", words=20, tps=40))
         execution_id = await execute(a, f"ended-{unique}")
-        live = asyncio.create_task(follow(a, execution_id))
+        live = asyncio.create_task(follow(a, execution_id, timeout=STREAM_DEADLINE))
         await wait_last_id(a, execution_id, 6)
         snapshot = await take_snapshot(valkey, tmp_path / "before-the-end.rdb")
         seen = check_view(await live)
@@ -555,7 +536,7 @@ async def test_a_run_that_ended_before_a_rollback_is_not_ended_twice(
         await crash_and_restore(valkey, snapshot)
         finished = await wait_finished(b, execution_id)
         stored = await all_events(b, execution_id)
-        replayed = await follow(b, execution_id)
+        replayed = await follow(b, execution_id, timeout=STREAM_DEADLINE)
     assert ended["status"] == finished["status"] == "completed", finished
     assert stored[-1] == seen[-1], (stored[-1], seen[-1])
     same_events(seen, stored)
@@ -576,7 +557,7 @@ async def test_a_second_resume_after_a_rollback_never_renames_seen_events(
         execution_id = await execute(a, f"rollback-{unique}")
         await wait_status(a, execution_id, "paused")
         snapshot = await take_snapshot(valkey, tmp_path / "paused.rdb")
-        live = asyncio.create_task(follow(a, execution_id))
+        live = asyncio.create_task(follow(a, execution_id, timeout=STREAM_DEADLINE))
         await asyncio.sleep(0.2)
         first = await a.post(f"/api/executions/{execution_id}/resume", json={"input": {"ok": True}})
         assert first.status_code == 202, first.text
@@ -715,7 +696,7 @@ async def test_a_claim_whose_reply_was_lost_still_takes_effect(
                 assert (await a.post(f"/api/executions/{warm}/resume", json=answer)).is_success
                 execution_id = await execute(b, f"lost-{unique}")
                 await wait_status(b, execution_id, "paused")
-                stream = asyncio.create_task(follow(b, execution_id))
+                stream = asyncio.create_task(follow(b, execution_id, timeout=STREAM_DEADLINE))
                 dropper.word = f"${len(operation)}\r\n{operation}\r\n".encode()
                 body = answer if operation == "resume" else None
                 response = await a.post(f"/api/executions/{execution_id}/{operation}", json=body)

@@ -9,7 +9,6 @@ import contextlib
 import os
 import signal
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -25,22 +24,8 @@ from tests.support.api import (
 )
 from tests.support.faults import wait_store_settled
 from tests.support.logcheck import same_ids_same_events
-from tests.support.servers import FlowcastServer, ValkeyServer
+from tests.support.servers import FlowcastServer, ValkeyServer, flowcast_on
 from tests.support.sse import events
-
-
-async def started(valkey: ValkeyServer, root: Path, **env: str) -> FlowcastServer:
-    server = FlowcastServer(
-        data_dir=root,
-        env={
-            "FLOWCAST_REDIS_URL": valkey.url,
-            "FLOWCAST_REDIS_PREFIX": f"b13r2{uuid.uuid4().hex[:6]}",
-            **{f"FLOWCAST_{name.upper()}": value for name, value in env.items()},
-        },
-    )
-    await server.start()
-    return server
-
 
 # ------------------------------------------------------------------ heartbeats
 
@@ -69,7 +54,7 @@ async def test_a_renewal_refused_for_memory_is_an_outage_not_a_fencing(
     The execution stays ``running`` forever (SPEC §7 "Nothing is ever stuck", "Redis
     refusing writes"), while the appends refused by the same OOM are (correctly) retried
     as an outage. Found by the step 13 review (round 2)."""
-    server = await started(own_valkey, tmp_path, lease_seconds="3")
+    server = await flowcast_on(own_valkey, tmp_path, lease_seconds="3")
     redis = Redis.from_url(own_valkey.url)
     try:
         await wait_store_settled(own_valkey, timeout=30)

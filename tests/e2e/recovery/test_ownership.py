@@ -23,7 +23,7 @@ import httpx
 import orjson
 from redis.asyncio import Redis
 
-from tests.support.api import all_events, delay_workflow, put, talking_workflow
+from tests.support.api import all_events, delay_workflow, execute, put, talking_workflow
 from tests.support.logcheck import check_log, check_view
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import Frame, events
@@ -55,13 +55,6 @@ async def running(*flowcasts: FlowcastServer) -> AsyncIterator[None]:
             with contextlib.suppress(AssertionError, ProcessLookupError):
                 os.kill(server.pid, signal.SIGCONT)
         await asyncio.gather(*(server.stop(signal.SIGKILL) for server in flowcasts))
-
-
-async def execute(client: httpx.AsyncClient, workflow_id: str) -> str:
-    response = await client.post(f"/api/workflows/{workflow_id}/execute", json={"input": {}})
-    assert response.status_code == 202, response.text
-    execution_id: str = response.json()["executionId"]
-    return execution_id
 
 
 async def eventually(
@@ -138,7 +131,7 @@ async def test_a_killed_owner_s_execution_is_recovered_by_another_process(
         httpx.AsyncClient(base_url=b.url, timeout=20) as on_b,
     ):
         await put(on_a, delay_workflow(f"lost-{unique}", ms=1_500))
-        execution_id = await execute(on_a, f"lost-{unique}")
+        execution_id = await execute(on_a, f"lost-{unique}", {})
         follower = asyncio.create_task(read_stream(on_b, execution_id))
         await eventually(
             lambda: _has(on_b, execution_id, "block:started"), "the delay block started"
@@ -189,7 +182,7 @@ async def test_with_recovery_turned_off_a_killed_owner_s_execution_ends_worker_l
         httpx.AsyncClient(base_url=b.url, timeout=20) as on_b,
     ):
         await put(on_a, delay_workflow(f"lost-{unique}"))
-        execution_id = await execute(on_a, f"lost-{unique}")
+        execution_id = await execute(on_a, f"lost-{unique}", {})
         follower = asyncio.create_task(read_stream(on_b, execution_id))
         await eventually(
             lambda: _has(on_b, execution_id, "block:started"), "the delay block started"
@@ -235,7 +228,7 @@ async def test_a_stalled_owner_that_wakes_up_is_fenced_out(
         httpx.AsyncClient(base_url=b.url, timeout=20) as on_b,
     ):
         await put(on_a, talking_workflow(f"stall-{unique}", words=100, tps=50))
-        execution_id = await execute(on_a, f"stall-{unique}")
+        execution_id = await execute(on_a, f"stall-{unique}", {})
         follower = asyncio.create_task(read_stream(on_b, execution_id))
 
         async def chunks_stored() -> bool:
@@ -289,7 +282,7 @@ async def test_a_client_attached_to_a_stalled_owner_gets_the_terminal_event(
         httpx.AsyncClient(base_url=b.url, timeout=20) as on_b,
     ):
         await put(on_a, talking_workflow(f"stall-client-{unique}", words=100, tps=50))
-        execution_id = await execute(on_a, f"stall-client-{unique}")
+        execution_id = await execute(on_a, f"stall-client-{unique}", {})
         on_owner = LiveReader(on_a, execution_id)
 
         async def chunks_stored() -> bool:
@@ -343,7 +336,7 @@ async def test_sigterm_lets_the_running_block_finish_and_hands_the_rest_off(
         httpx.AsyncClient(base_url=b.url, timeout=20) as on_b,
     ):
         await put(on_a, delay_workflow(f"short-{unique}", ms=1_000))
-        execution_id = await execute(on_a, f"short-{unique}")
+        execution_id = await execute(on_a, f"short-{unique}", {})
         follower = asyncio.create_task(read_stream(on_b, execution_id))
         await eventually(
             lambda: _has(on_a, execution_id, "block:started"), "the delay block started"
@@ -378,7 +371,7 @@ async def test_sigterm_hands_an_execution_longer_than_the_grace_off_to_another_p
         httpx.AsyncClient(base_url=b.url, timeout=20) as on_b,
     ):
         await put(on_a, delay_workflow(f"long-{unique}", ms=4_000))
-        execution_id = await execute(on_a, f"long-{unique}")
+        execution_id = await execute(on_a, f"long-{unique}", {})
         on_owner = asyncio.create_task(read_stream(on_a, execution_id, cut_ok=True))
         on_other = LiveReader(on_b, execution_id)
         await eventually(
@@ -463,7 +456,7 @@ async def test_sigterm_after_the_grace_still_stores_a_terminal_event_already_emi
             httpx.AsyncClient(base_url=b.url, timeout=20) as on_b,
         ):
             await put(on_a, delay_workflow(f"stall-end-{unique}", ms=300))
-            execution_id = await execute(on_a, f"stall-end-{unique}")
+            execution_id = await execute(on_a, f"stall-end-{unique}", {})
             live = LiveReader(on_a, execution_id)
             await eventually(lambda: _has(on_b, execution_id, "block:started"), "started")
 

@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from tests.support.api import all_events, delay_workflow, put
+from tests.support.api import all_events, delay_workflow, put, until
 from tests.support.faults import (
     fresh_replica,
     kill_replica,
@@ -72,12 +72,6 @@ async def start(client: httpx.AsyncClient, workflow_id: str) -> str:
 
 async def stored_types(client: httpx.AsyncClient, execution_id: str) -> list[str]:
     return [event["type"] for event in await all_events(client, execution_id)]
-
-
-async def until(check: Any, what: str, timeout: float = 20.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not await check():
-            await asyncio.sleep(0.02)
 
 
 async def finished(client: httpx.AsyncClient, execution_id: str, timeout: float = 30) -> str:
@@ -145,7 +139,7 @@ async def test_sigterm_hands_ten_running_executions_off_and_none_fails(
             types = [await stored_types(on_b, eid) for eid in started]
             return all("block:started" in kinds for kinds in types)
 
-        await until(all_running, "every execution runs a block")
+        await until(all_running, "every execution runs a block", timeout=20.0)
         signalled = time.monotonic()
         stopping = asyncio.create_task(terminate_replica(a))
         views = await asyncio.wait_for(asyncio.gather(*followers), 30)
@@ -187,7 +181,7 @@ async def test_a_rolling_restart_of_both_replicas_under_load_loses_and_fails_not
             up = [a, b]
             loader = asyncio.create_task(load(up))
             try:
-                await until(lambda: _at_least(started, 6), "load started")
+                await until(lambda: _at_least(started, 6), "load started", timeout=20.0)
                 # Restart A, then B, each replaced by a fresh process.
                 for old in (a, b):
                     up.remove(old)
@@ -196,7 +190,9 @@ async def test_a_rolling_restart_of_both_replicas_under_load_loses_and_fails_not
                     extra.append(new)
                     up.append(new)
                     target = len(started) + 3
-                    await until(lambda t=target: _at_least(started, t), "load goes on")
+                    await until(
+                        lambda t=target: _at_least(started, t), "load goes on", timeout=20.0
+                    )
             finally:
                 stop_load.set()
                 await loader
@@ -236,7 +232,9 @@ async def test_a_single_replica_killed_and_started_again_recovers_its_own_work(
             await put(client, delay_workflow(f"alone-{unique}", ms=1_000))
             execution_id = await start(client, f"alone-{unique}")
             await until(
-                lambda: _has(client, execution_id, "block:started"), "the delay block started"
+                lambda: _has(client, execution_id, "block:started"),
+                "the delay block started",
+                timeout=20.0,
             )
         await kill_replica(only)
         again = await fresh_replica(only)
@@ -268,9 +266,13 @@ async def test_past_max_recoveries_a_crashing_execution_ends_worker_lost(
             await put(on_b, chain_workflow(f"crashy-{unique}", blocks=10, ms=1_500))
             async with httpx.AsyncClient(base_url=a.url, timeout=20) as on_a:
                 execution_id = await start(on_a, f"crashy-{unique}")
-            await until(lambda: _has(on_b, execution_id, "block:started"), "started on A")
+            await until(
+                lambda: _has(on_b, execution_id, "block:started"), "started on A", timeout=20.0
+            )
             await kill_replica(a)  # crash 1: B recovers it
-            await until(lambda: _has(on_b, execution_id, "execution:recovered"), "on B")
+            await until(
+                lambda: _has(on_b, execution_id, "execution:recovered"), "on B", timeout=20.0
+            )
             spare = await fresh_replica(a)
             await kill_replica(b)  # crash 2: past the limit of 1
             async with httpx.AsyncClient(base_url=spare.url, timeout=20) as on_spare:
@@ -402,7 +404,7 @@ async def test_the_checkpoint_holds_exactly_the_completed_blocks_and_a_pause_add
             snapshot = (await client.get(f"/api/executions/{execution_id}")).json()
             return bool(snapshot["status"] == "paused")
 
-        await until(paused, "paused")
+        await until(paused, "paused", timeout=20.0)
         state = await redis.hgetall(f"fc:{{{execution_id}}}:state")
         fields = {key.decode(): value for key, value in state.items()}
         assert fields["o:small"] == b'{"n":1}'

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
+from tests.support.api import start_execution
 from tests.support.logcheck import TERMINAL, check_log, check_view
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import Frame, collect, frames
@@ -93,13 +94,6 @@ async def put(client: httpx.AsyncClient, workflow: dict[str, Any]) -> None:
     assert response.status_code in (200, 201), response.text
 
 
-async def execute(client: httpx.AsyncClient, workflow_id: str) -> dict[str, Any]:
-    response = await client.post(f"/api/workflows/{workflow_id}/execute", json={"input": {}})
-    assert response.status_code == 202, response.text
-    started: dict[str, Any] = response.json()
-    return started
-
-
 async def stored_log(client: httpx.AsyncClient, execution_id: str) -> list[dict[str, Any]]:
     found: list[dict[str, Any]] = []
     after = 0
@@ -130,7 +124,7 @@ async def test_a_stream_on_another_process_receives_each_event_as_it_is_written(
         httpx.AsyncClient(base_url=b.url, timeout=20) as on_b,
     ):
         await put(on_a, paced_workflow(f"push-{unique}", words=40))
-        started = await execute(on_a, f"push-{unique}")
+        started = await start_execution(on_a, f"push-{unique}", {})
         # B knows the execution at once: it was created in the shared buffer before 202.
         received: list[tuple[Frame, float]] = []
         headers = {"Accept": "text/event-stream"}
@@ -169,7 +163,7 @@ async def test_several_streams_on_another_process_all_follow_the_execution(
         httpx.AsyncClient(base_url=b.url, timeout=20) as on_b,
     ):
         await put(on_a, paced_workflow(f"many-{unique}", words=20))
-        started = await execute(on_a, f"many-{unique}")
+        started = await start_execution(on_a, f"many-{unique}", {})
         url = started["streamUrl"]
         views = await asyncio.gather(
             collect(on_b, url),
@@ -195,7 +189,7 @@ async def test_idle_streams_carry_ping_comments(
         httpx.AsyncClient(base_url=reader.url, timeout=20) as on_reader,
     ):
         await put(on_a, idle_workflow(f"idle-{side}-{unique}", ms=2_500))
-        started = await execute(on_a, f"idle-{side}-{unique}")
+        started = await start_execution(on_a, f"idle-{side}-{unique}", {})
         seen: list[Frame] = []
         reads: list[int] = []
         headers = {"Accept": "text/event-stream"}
@@ -251,7 +245,7 @@ async def test_connection_cap_closes_cleanly_and_the_reconnect_loses_nothing(
         httpx.AsyncClient(base_url=reader.url, timeout=20) as on_reader,
     ):
         await put(on_a, paced_workflow(f"capped-{side}-{unique}", words=60))
-        started = await execute(on_a, f"capped-{side}-{unique}")
+        started = await start_execution(on_a, f"capped-{side}-{unique}", {})
         received, ages = await read_capped(on_reader, started["streamUrl"])
         envelopes = check_view(received)
         check_log(envelopes)

@@ -10,20 +10,15 @@ import os
 import signal
 import socket
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.support.api import (
-    delay_workflow,
-    paused_execution,
-    put,
-)
+from tests.support.api import delay_workflow, paused_execution, put, sse_clients
 from tests.support.faults import command, pause_writes, wait_store_settled
-from tests.support.servers import FlowcastServer, ValkeyServer
+from tests.support.servers import ValkeyServer, flowcast_on
 
 
 def approval(workflow_id: str) -> dict[str, Any]:
@@ -31,19 +26,6 @@ def approval(workflow_id: str) -> dict[str, Any]:
         "id": workflow_id,
         "blocks": [{"id": "ask", "type": "approval", "config": {"prompt": "?", "schema": {}}}],
     }
-
-
-async def started(valkey: ValkeyServer, root: Path, **env: str) -> FlowcastServer:
-    server = FlowcastServer(
-        data_dir=root,
-        env={
-            "FLOWCAST_REDIS_URL": valkey.url,
-            "FLOWCAST_REDIS_PREFIX": f"b13r2{uuid.uuid4().hex[:6]}",
-            **{f"FLOWCAST_{name.upper()}": value for name, value in env.items()},
-        },
-    )
-    await server.start()
-    return server
 
 
 async def slot_back_within(client: httpx.AsyncClient, url: str, seconds: float) -> int:
@@ -56,13 +38,6 @@ async def slot_back_within(client: httpx.AsyncClient, url: str, seconds: float) 
         if status == 200 or time.monotonic() > deadline:
             return status
         await asyncio.sleep(0.1)
-
-
-async def sse_clients(client: httpx.AsyncClient) -> float:
-    for line in (await client.get("/metrics")).text.splitlines():
-        if line.startswith("flowcast_sse_clients "):
-            return float(line.split()[1])
-    raise AssertionError("no flowcast_sse_clients in /metrics")
 
 
 async def sse_clients_settled(client: httpx.AsyncClient, seconds: float) -> float:
@@ -124,7 +99,7 @@ async def test_a_stream_whose_request_body_never_came_still_pings_and_frees_its_
 
     With sse-starlette the same exception in its disconnect listener ended the whole
     response (its task group), and the slot came back. Found by the step 13 review (round 2)."""
-    server = await started(
+    server = await flowcast_on(
         valkey,
         tmp_path,
         max_streams_per_tenant="1",
@@ -186,7 +161,7 @@ async def test_a_stream_waiting_on_a_stalled_replay_read_still_sends_heartbeats(
     keep the server waiting to write the second page until the client reads; Valkey is
     stopped (SIGSTOP) before that, so the third page's read meets the stall.
     Found by the step 13 review (round 2)."""
-    server = await started(own_valkey, tmp_path, sse_ping_seconds="0.5")
+    server = await flowcast_on(own_valkey, tmp_path, sse_ping_seconds="0.5")
     try:
         await wait_store_settled(own_valkey, timeout=30)
         words = " ".join(f"w{i}" for i in range(2_500))  # three replay pages
@@ -259,7 +234,7 @@ async def test_a_stream_opens_and_replays_while_writes_are_paused(
     PAUSE … WRITE`` (a failover's first step) a finished execution still replays at
     once, where an unflagged script would wait out the pause before the headers.
     Found by the step 13 review (round 2)."""
-    server = await started(own_valkey, tmp_path)
+    server = await flowcast_on(own_valkey, tmp_path)
     try:
         await wait_store_settled(own_valkey, timeout=30)
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
