@@ -28,6 +28,7 @@ from tests.support.api import (
     execute,
     flaky_workflow,
     put,
+    quick_workflow,
     streaming_workflow,
     wait_finished,
 )
@@ -1105,14 +1106,6 @@ def approval_workflow(workflow_id: str) -> dict[str, Any]:
             {"id": "ship", "type": "transform", "config": {"value": "shipped"}},
         ],
         "edges": [{"from": "review", "to": "ship"}],
-    }
-
-
-def quick_workflow(workflow_id: str) -> dict[str, Any]:
-    return {
-        "id": workflow_id,
-        "blocks": [{"id": "only", "type": "transform", "config": {"value": 1}}],
-        "edges": [],
     }
 
 

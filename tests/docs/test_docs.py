@@ -8,15 +8,17 @@ import re
 import shlex
 import shutil
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.support.docs import ROOT, commands, run_examples, shell_blocks
-from tests.support.llm import FakeLLM
+from tests.support.llm import FakeLLM, llm
 from tests.support.servers import FlowcastServer, ValkeyServer
+
+__all__ = ["llm"]  # the module's fake provider (tests/support/llm.py)
 
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
@@ -30,12 +32,6 @@ def serve_settings() -> dict[str, str]:
             if words[-2:] == [".venv/bin/flowcast", "serve"]:
                 return dict(word.split("=", 1) for word in words[:-2])
     raise AssertionError("docs/workflows.md shows no `flowcast serve` line")
-
-
-@pytest.fixture(scope="module")
-def llm() -> Iterator[FakeLLM]:
-    with FakeLLM() as fake:
-        yield fake
 
 
 @pytest.fixture(scope="module")

@@ -100,6 +100,27 @@ async def execute(
     return str(started["executionId"])
 
 
+def quick_workflow(workflow_id: str) -> dict[str, Any]:
+    """One transform block: a run that completes at once."""
+    return {
+        "id": workflow_id,
+        "blocks": [{"id": "only", "type": "transform", "config": {"value": 1}}],
+        "edges": [],
+    }
+
+
+def approval_workflow(workflow_id: str) -> dict[str, Any]:
+    """review (an approval, any answer) → done: a run that waits for a resume."""
+    return {
+        "id": workflow_id,
+        "blocks": [
+            {"id": "review", "type": "approval", "config": {"prompt": "ok?", "schema": {}}},
+            {"id": "done", "type": "transform", "config": {"value": 1}},
+        ],
+        "edges": [{"from": "review", "to": "done"}],
+    }
+
+
 async def put(client: httpx.AsyncClient, workflow: dict[str, Any]) -> None:
     response = await client.put(f"/api/workflows/{workflow['id']}", json=workflow)
     assert response.status_code in (200, 201), response.text
@@ -167,3 +188,18 @@ async def sse_clients(client: httpx.AsyncClient) -> float:
         if line.startswith("flowcast_sse_clients "):
             return float(line.split()[1])
     raise AssertionError("no flowcast_sse_clients in /metrics")
+
+
+async def stored_types(client: httpx.AsyncClient, execution_id: str) -> list[str]:
+    """The types of the execution's stored events, in order."""
+    return [event["type"] for event in await all_events(client, execution_id)]
+
+
+async def has_stored(client: httpx.AsyncClient, execution_id: str, event_type: str) -> bool:
+    """Whether the stored log holds an event of ``event_type`` yet."""
+    return event_type in await stored_types(client, execution_id)
+
+
+def of_type(log: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """The envelopes of one type in a log."""
+    return [envelope for envelope in log if envelope["type"] == kind]

@@ -15,6 +15,7 @@ import pytest
 from tests.conftest import SESSION_PREFIX
 from tests.support.api import (
     all_events,
+    of_type,
     paused_execution,
     put,
     streaming_workflow,
@@ -74,10 +75,6 @@ async def listed(client: httpx.AsyncClient, workflow_id: str) -> list[str]:
     response = await client.get(f"/api/executions?workflowId={workflow_id}&limit=200")
     assert response.status_code == 200, response.text
     return [execution["id"] for execution in response.json()["executions"]]
-
-
-def of_type(log: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [envelope for envelope in log if envelope["type"] == kind]
 
 
 # -- execute -----------------------------------------------------------------------------

@@ -17,20 +17,15 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.api import execute, put, sse_clients, wait_status
+from tests.support.api import (
+    approval_workflow,
+    execute,
+    put,
+    quick_workflow,
+    sse_clients,
+    wait_status,
+)
 from tests.support.servers import ROOT, FlowcastServer, ValkeyServer
-
-
-def approval_workflow(workflow_id: str) -> dict[str, Any]:
-    return {
-        "id": workflow_id,
-        "blocks": [
-            {"id": "review", "type": "approval", "config": {"prompt": "ok?", "schema": {}}},
-            {"id": "done", "type": "transform", "config": {"value": 1}},
-        ],
-        "edges": [{"from": "review", "to": "done"}],
-    }
-
 
 # ---------------------------------------------------------------- nginx, the CLI, a SIGKILL
 
@@ -96,14 +91,6 @@ def _parse_plain(lines: list[str]) -> tuple[list[tuple[int, str]], list[tuple[in
             number, kind = line.split()[:2]
             seen.append((int(number), kind))
     return seen, gaps
-
-
-def quick_workflow(workflow_id: str) -> dict[str, Any]:
-    return {
-        "id": workflow_id,
-        "blocks": [{"id": "only", "type": "transform", "config": {"value": 1}}],
-        "edges": [],
-    }
 
 
 @pytest.mark.skipif(not Path("/usr/sbin/nginx").exists(), reason="nginx is missing")

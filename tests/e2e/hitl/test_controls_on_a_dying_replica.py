@@ -18,20 +18,8 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from tests.support.api import execute, put, wait_status
+from tests.support.api import approval_workflow, execute, put, wait_status
 from tests.support.servers import FlowcastServer, ValkeyServer
-
-
-def approval_workflow(workflow_id: str) -> dict[str, Any]:
-    return {
-        "id": workflow_id,
-        "blocks": [
-            {"id": "review", "type": "approval", "config": {"prompt": "ok?", "schema": {}}},
-            {"id": "done", "type": "transform", "config": {"value": 1}},
-        ],
-        "edges": [{"from": "review", "to": "done"}],
-    }
-
 
 # ---------------------------------------------------------------- a 202, then the replica dies
 

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.api import all_events, execute, put
+from tests.support.api import all_events, execute, of_type, put
 from tests.support.logcheck import TERMINAL, check_log, check_view
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import Frame, frames
@@ -128,10 +128,6 @@ _TERMINAL_STATUSES = ("completed", "failed", "cancelled")
 
 async def resume(client: httpx.AsyncClient, execution_id: str, **body: Any) -> httpx.Response:
     return await client.post(f"/api/executions/{execution_id}/resume", json=body)
-
-
-def of_type(log: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [envelope for envelope in log if envelope["type"] == kind]
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,14 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from tests.support.api import execute, put, wait_finished, wait_status
+from tests.support.api import (
+    approval_workflow,
+    execute,
+    put,
+    quick_workflow,
+    wait_finished,
+    wait_status,
+)
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import Frame, events
 from tests.support.sse import frames as sse_frames
@@ -27,17 +34,6 @@ LIVE = "/api/executions/live"
 
 
 FRAME_SECONDS = 10
-
-
-def approval_workflow(workflow_id: str) -> dict[str, Any]:
-    return {
-        "id": workflow_id,
-        "blocks": [
-            {"id": "review", "type": "approval", "config": {"prompt": "ok?", "schema": {}}},
-            {"id": "done", "type": "transform", "config": {"value": 1}},
-        ],
-        "edges": [{"from": "review", "to": "done"}],
-    }
 
 
 class View:
@@ -135,14 +131,6 @@ async def _opens_within(client: httpx.AsyncClient, seconds: float) -> int:
     while (status := await _opens(client)) != 200 and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     return status
-
-
-def quick_workflow(workflow_id: str) -> dict[str, Any]:
-    return {
-        "id": workflow_id,
-        "blocks": [{"id": "only", "type": "transform", "config": {"value": 1}}],
-        "edges": [],
-    }
 
 
 # ---------------------------------------------------------------- the live list

@@ -17,7 +17,14 @@ import pytest
 from redis.asyncio import Redis
 
 from app.tokens import StreamTokens
-from tests.support.api import execute, put, sse_clients, start_execution, wait_finished
+from tests.support.api import (
+    execute,
+    put,
+    quick_workflow,
+    sse_clients,
+    start_execution,
+    wait_finished,
+)
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import Frame, collect, events, frames
 
@@ -36,14 +43,6 @@ def approval_workflow(workflow_id: str) -> dict[str, Any]:
             {"id": "done", "type": "transform", "config": {"value": "{{ blocks.review.output }}"}},
         ],
         "edges": [{"from": "review", "to": "done"}],
-    }
-
-
-def quick_workflow(workflow_id: str) -> dict[str, Any]:
-    return {
-        "id": workflow_id,
-        "blocks": [{"id": "only", "type": "transform", "config": {"value": 1}}],
-        "edges": [],
     }
 
 

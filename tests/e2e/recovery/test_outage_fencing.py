@@ -22,17 +22,12 @@ from tests.support.api import (
     put,
     streaming_workflow,
 )
-from tests.support.faults import wait_store_settled
+from tests.support.faults import stopped, wait_store_settled
 from tests.support.logcheck import same_ids_same_events
 from tests.support.servers import FlowcastServer, ValkeyServer, flowcast_on
 from tests.support.sse import events
 
 # ------------------------------------------------------------------ heartbeats
-
-
-def stopped(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
 # ------------------------------------------------------------------ lease renewals

@@ -23,7 +23,15 @@ import httpx
 import orjson
 from redis.asyncio import Redis
 
-from tests.support.api import all_events, delay_workflow, execute, put, talking_workflow
+from tests.support.api import (
+    all_events,
+    delay_workflow,
+    execute,
+    has_stored,
+    put,
+    stored_types,
+    talking_workflow,
+)
 from tests.support.logcheck import check_log, check_view
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import Frame, events
@@ -66,10 +74,6 @@ async def eventually(
         assert time.monotonic() < deadline, f"{what}: not within {timeout}s"
         await asyncio.sleep(0.02)
     return time.monotonic()
-
-
-async def stored_types(client: httpx.AsyncClient, execution_id: str) -> list[str]:
-    return [event["type"] for event in await all_events(client, execution_id)]
 
 
 async def read_stream(
@@ -134,7 +138,7 @@ async def test_a_killed_owner_s_execution_is_recovered_by_another_process(
         execution_id = await execute(on_a, f"lost-{unique}", {})
         follower = asyncio.create_task(read_stream(on_b, execution_id))
         await eventually(
-            lambda: _has(on_b, execution_id, "block:started"), "the delay block started"
+            lambda: has_stored(on_b, execution_id, "block:started"), "the delay block started"
         )
         owner_before = (await meta(redis, execution_id))["owner"]
 
@@ -185,7 +189,7 @@ async def test_with_recovery_turned_off_a_killed_owner_s_execution_ends_worker_l
         execution_id = await execute(on_a, f"lost-{unique}", {})
         follower = asyncio.create_task(read_stream(on_b, execution_id))
         await eventually(
-            lambda: _has(on_b, execution_id, "block:started"), "the delay block started"
+            lambda: has_stored(on_b, execution_id, "block:started"), "the delay block started"
         )
 
         await a.stop(signal.SIGKILL)
@@ -212,10 +216,6 @@ async def test_with_recovery_turned_off_a_killed_owner_s_execution_ends_worker_l
             headers={"Last-Event-ID": str(stored[-1]["id"])},
         )
         assert response.status_code == 204
-
-
-async def _has(client: httpx.AsyncClient, execution_id: str, event_type: str) -> bool:
-    return event_type in await stored_types(client, execution_id)
 
 
 async def test_a_stalled_owner_that_wakes_up_is_fenced_out(
@@ -339,7 +339,7 @@ async def test_sigterm_lets_the_running_block_finish_and_hands_the_rest_off(
         execution_id = await execute(on_a, f"short-{unique}", {})
         follower = asyncio.create_task(read_stream(on_b, execution_id))
         await eventually(
-            lambda: _has(on_a, execution_id, "block:started"), "the delay block started"
+            lambda: has_stored(on_a, execution_id, "block:started"), "the delay block started"
         )
         terminated = time.monotonic()
         assert exited_on_sigterm(await a.stop(signal.SIGTERM))
@@ -375,7 +375,7 @@ async def test_sigterm_hands_an_execution_longer_than_the_grace_off_to_another_p
         on_owner = asyncio.create_task(read_stream(on_a, execution_id, cut_ok=True))
         on_other = LiveReader(on_b, execution_id)
         await eventually(
-            lambda: _has(on_a, execution_id, "block:started"), "the delay block started"
+            lambda: has_stored(on_a, execution_id, "block:started"), "the delay block started"
         )
         owner_before = (await meta(redis, execution_id))["owner"]
         terminated = time.monotonic()
@@ -458,7 +458,7 @@ async def test_sigterm_after_the_grace_still_stores_a_terminal_event_already_emi
             await put(on_a, delay_workflow(f"stall-end-{unique}", ms=300))
             execution_id = await execute(on_a, f"stall-end-{unique}", {})
             live = LiveReader(on_a, execution_id)
-            await eventually(lambda: _has(on_b, execution_id, "block:started"), "started")
+            await eventually(lambda: has_stored(on_b, execution_id, "block:started"), "started")
 
             os.kill(stalled.pid, signal.SIGSTOP)
             # think's completion, bye's three events and the terminal wait in memory.

@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from tests.support.api import all_events, delay_workflow, put, until
+from tests.support.api import all_events, delay_workflow, has_stored, put, stored_types, until
 from tests.support.faults import (
     fresh_replica,
     kill_replica,
@@ -68,10 +68,6 @@ async def start(client: httpx.AsyncClient, workflow_id: str) -> str:
     assert response.status_code == 202, response.text
     execution_id: str = response.json()["executionId"]
     return execution_id
-
-
-async def stored_types(client: httpx.AsyncClient, execution_id: str) -> list[str]:
-    return [event["type"] for event in await all_events(client, execution_id)]
 
 
 async def finished(client: httpx.AsyncClient, execution_id: str, timeout: float = 30) -> str:
@@ -232,7 +228,7 @@ async def test_a_single_replica_killed_and_started_again_recovers_its_own_work(
             await put(client, delay_workflow(f"alone-{unique}", ms=1_000))
             execution_id = await start(client, f"alone-{unique}")
             await until(
-                lambda: _has(client, execution_id, "block:started"),
+                lambda: has_stored(client, execution_id, "block:started"),
                 "the delay block started",
                 timeout=20.0,
             )
@@ -251,10 +247,6 @@ async def test_a_single_replica_killed_and_started_again_recovers_its_own_work(
             await again.stop(signal.SIGKILL)
 
 
-async def _has(client: httpx.AsyncClient, execution_id: str, event_type: str) -> bool:
-    return event_type in await stored_types(client, execution_id)
-
-
 async def test_past_max_recoveries_a_crashing_execution_ends_worker_lost(
     valkey: ValkeyServer, tmp_path: Path, unique: str
 ) -> None:
@@ -267,11 +259,13 @@ async def test_past_max_recoveries_a_crashing_execution_ends_worker_lost(
             async with httpx.AsyncClient(base_url=a.url, timeout=20) as on_a:
                 execution_id = await start(on_a, f"crashy-{unique}")
             await until(
-                lambda: _has(on_b, execution_id, "block:started"), "started on A", timeout=20.0
+                lambda: has_stored(on_b, execution_id, "block:started"),
+                "started on A",
+                timeout=20.0,
             )
             await kill_replica(a)  # crash 1: B recovers it
             await until(
-                lambda: _has(on_b, execution_id, "execution:recovered"), "on B", timeout=20.0
+                lambda: has_stored(on_b, execution_id, "execution:recovered"), "on B", timeout=20.0
             )
             spare = await fresh_replica(a)
             await kill_replica(b)  # crash 2: past the limit of 1

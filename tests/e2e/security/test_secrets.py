@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -13,19 +13,14 @@ import pytest
 from redis.asyncio import Redis
 
 from tests.support.api import all_events, wait_finished
-from tests.support.llm import FakeLLM, Reply
-from tests.support.servers import FlowcastServer, ValkeyServer
+from tests.support.llm import FakeLLM, Reply, llm
+from tests.support.servers import ALPHA, BETA, FlowcastServer, ValkeyServer
 
-ALPHA, BETA = "alpha-key-" + "a" * 20, "beta-key-" + "b" * 20
+__all__ = ["llm"]  # the module's fake provider (tests/support/llm.py)
+
 # Two words, so the fake model echoes it over two chunks.
 SECRET = "sk-live-7Hq2 ZpX9w4"
 PREFIX = f"sec{uuid.uuid4().hex[:6]}"
-
-
-@pytest.fixture(scope="module")
-def llm() -> Iterator[FakeLLM]:
-    with FakeLLM() as fake:
-        yield fake
 
 
 @pytest.fixture(scope="module")

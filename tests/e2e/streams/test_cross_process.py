@@ -16,7 +16,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from tests.support.api import start_execution
+from tests.support.api import put, start_execution
 from tests.support.logcheck import TERMINAL, check_log, check_view
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import Frame, collect, frames
@@ -87,11 +87,6 @@ def idle_workflow(workflow_id: str, ms: int) -> dict[str, Any]:
         ],
         "edges": [{"from": "hello", "to": "think"}, {"from": "think", "to": "bye"}],
     }
-
-
-async def put(client: httpx.AsyncClient, workflow: dict[str, Any]) -> None:
-    response = await client.put(f"/api/workflows/{workflow['id']}", json=workflow)
-    assert response.status_code in (200, 201), response.text
 
 
 async def stored_log(client: httpx.AsyncClient, execution_id: str) -> list[dict[str, Any]]:

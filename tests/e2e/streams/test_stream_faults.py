@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.support.api import delay_workflow, paused_execution, put, sse_clients
-from tests.support.faults import command, pause_writes, wait_store_settled
+from tests.support.faults import command, pause_writes, stopped, wait_store_settled
 from tests.support.servers import ValkeyServer, flowcast_on
 
 
@@ -68,11 +68,6 @@ async def read_for(
 
 
 # ------------------------------------------------------------------ heartbeats
-
-
-def stopped(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
 # ------------------------------------------------------------------ the client's leaving
