@@ -6,7 +6,6 @@ is read. With real processes."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -26,63 +25,12 @@ from tests.support.api import (
     wait_finished,
     wait_status,
 )
+from tests.support.live_list import LIVE, View, live_frames, settles_on
 from tests.support.servers import FlowcastServer, ValkeyServer
-from tests.support.sse import Frame, events
+from tests.support.sse import events
 from tests.support.sse import frames as sse_frames
 
-LIVE = "/api/executions/live"
-
-
 FRAME_SECONDS = 10
-
-
-class View:
-    """What a client of the live list shows, applying its frames as documented
-    (app/routes/live.py): replace, insert or update (newest first by createdAt, at most
-    ``limit``), drop."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.rows: list[dict[str, Any]] = []
-
-    def apply(self, frame: Frame) -> None:
-        if frame.event == "executions":
-            self.rows = list(frame.json["executions"])
-        elif frame.event == "execution":
-            row = frame.json
-            others = [shown for shown in self.rows if shown["id"] != row["id"]]
-            others.append(row)
-            others.sort(key=lambda shown: (shown["createdAt"], shown["id"]), reverse=True)
-            self.rows = others[: self.limit]
-        elif frame.event == "execution:unlisted":
-            self.rows = [shown for shown in self.rows if shown["id"] != frame.json["id"]]
-        else:
-            raise AssertionError(f"unexpected frame {frame}")
-
-    def shown(self) -> list[tuple[str, str]]:
-        return [(row["id"], row["status"]) for row in self.rows]
-
-
-@asynccontextmanager
-async def live_frames(
-    client: httpx.AsyncClient, query: str = ""
-) -> AsyncIterator[AsyncIterator[Frame]]:
-    async with client.stream("GET", f"{LIVE}?{query}") as response:
-        if response.status_code != 200:
-            await response.aread()
-        assert response.status_code == 200, response.text
-        yield events(response)
-
-
-async def settles_on(
-    frames: AsyncIterator[Frame], view: View, truth: list[tuple[str, str]], seconds: float
-) -> list[tuple[str, str]]:
-    """Apply frames until the view shows ``truth`` or ``seconds`` pass; what it shows."""
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(seconds):
-            while view.shown() != truth:
-                view.apply(await anext(frames))
-    return view.shown()
 
 
 # ---------------------------------------------------------------- the status messages

@@ -8,7 +8,6 @@ import asyncio
 import signal
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +24,12 @@ from tests.support.api import (
     start_execution,
     wait_finished,
 )
+from tests.support.live_list import FRAME_SECONDS, LIVE, live
 from tests.support.servers import FlowcastServer, ValkeyServer
-from tests.support.sse import Frame, collect, events, frames
+from tests.support.sse import Frame, collect, frames
 
-LIVE = "/api/executions/live"
 ALICE, BOB = "alice-key-" + "l" * 20, "bob-key-" + "m" * 20
 CAROL = "carol-key-" + "n" * 20  # only the stream cap test opens streams as Carol
-FRAME_SECONDS = 15  # how long a test waits for the frame it expects
 
 
 def approval_workflow(workflow_id: str) -> dict[str, Any]:
@@ -44,60 +42,6 @@ def approval_workflow(workflow_id: str) -> dict[str, Any]:
         ],
         "edges": [{"from": "review", "to": "done"}],
     }
-
-
-class Live:
-    """One open live list, read frame by frame."""
-
-    def __init__(self, response: httpx.Response) -> None:
-        self.response = response
-        self._events = events(response)
-        self.row: dict[str, Any] = {}  # the last row until() read
-
-    async def next(self) -> Frame:
-        async with asyncio.timeout(FRAME_SECONDS):
-            return await anext(self._events)
-
-    async def rows(self) -> list[dict[str, Any]]:
-        """The next frame, which must be the whole list."""
-        frame = await self.next()
-        assert frame.event == "executions", frame
-        assert frame.id is None
-        rows: list[dict[str, Any]] = frame.json["executions"]
-        return rows
-
-    async def until(self, execution_id: str, status: str) -> list[str]:
-        """Read this execution's frames until it shows ``status``; the statuses seen."""
-        seen: list[str] = []
-        while True:
-            frame = await self.next()
-            assert frame.event == "execution", frame
-            assert frame.id is None
-            self.row = frame.json
-            assert self.row["id"] == execution_id, self.row
-            seen.append(self.row["status"])
-            if self.row["status"] == status:
-                return seen
-
-    async def rest(self) -> list[Frame]:
-        """Every frame until the server ends the stream."""
-        found: list[Frame] = []
-        async with asyncio.timeout(FRAME_SECONDS):
-            async for frame in self._events:
-                found.append(frame)
-        return found
-
-
-@asynccontextmanager
-async def live(
-    client: httpx.AsyncClient, query: str = "", headers: dict[str, str] | None = None
-) -> AsyncIterator[Live]:
-    async with client.stream("GET", f"{LIVE}?{query}", headers=headers) as response:
-        if response.status_code != 200:
-            await response.aread()
-        assert response.status_code == 200, response.text
-        assert response.headers["content-type"].startswith("text/event-stream")
-        yield Live(response)
 
 
 # ---------------------------------------------------------------- one server

@@ -17,12 +17,12 @@ from starlette.types import Message, Receive, Scope, Send
 from app.auth import LoopbackOnly
 from app.tokens import StreamTokens, load_secret
 from tests.support.api import put, streaming_workflow, wait_finished
+from tests.support.live_list import LIVE
 from tests.support.logcheck import check_log, check_view
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import collect
 
 ALICE, BOB = "alice-key-" + "a" * 20, "bob-key-" + "b" * 20
-LIVE = "/api/executions/live"
 
 
 @pytest.fixture(scope="module")
