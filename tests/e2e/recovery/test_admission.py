@@ -46,7 +46,7 @@ async def _status(client: httpx.AsyncClient, eid: str, status: str) -> bool:
     return False
 
 
-# -- 3. tenant admission around a recovery and a store loss ---------------------------
+# -- tenant admission around a recovery and a store loss ---------------------------
 
 
 @pytest.mark.timeout(180)

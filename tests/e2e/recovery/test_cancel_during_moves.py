@@ -40,7 +40,7 @@ from tests.support.sse import follow
 __all__ = ["settled", "valkey"]  # the module's FaultyValkey (tests/support/recovery.py)
 
 
-# -- 4. cancel racing a hand-off / a takeover ----------------------------------------
+# -- cancel racing a hand-off / a takeover ----------------------------------------
 
 
 @pytest.mark.timeout(150)
@@ -106,7 +106,7 @@ async def test_a_cancel_of_a_crashed_execution_racing_its_takeover_ends_it_cance
         assert status == "cancelled", (status, types)
 
 
-# -- 10. handed off with nobody left, then cancel on a new replica ----------------------------
+# -- handed off with nobody left, then cancel on a new replica ----------------------------
 
 
 @pytest.mark.timeout(150)

@@ -45,7 +45,7 @@ from tests.support.sse import follow
 __all__ = ["settled", "valkey"]  # the module's FaultyValkey (tests/support/recovery.py)
 
 
-# -- 1. two replicas SIGTERMed at once, then a new one --------------------------------
+# -- two replicas SIGTERMed at once, then a new one --------------------------------
 
 
 @pytest.mark.timeout(150)
@@ -82,7 +82,7 @@ async def test_both_replicas_sigtermed_at_once_then_a_new_one_finishes_everythin
         assert stored[-1]["data"]["output"] == {"end": {"waitedMs": 500}}
 
 
-# -- 2. double crash: the replica that just took over is SIGKILLed too ----------------
+# -- double crash: the replica that just took over is SIGKILLed too ----------------
 
 
 @pytest.mark.timeout(150)
@@ -146,7 +146,7 @@ async def test_the_new_owner_killed_right_after_its_claim_still_numbers_recoveri
     )
 
 
-# -- 6. retries across a recovery ------------------------------------------------------
+# -- retries across a recovery ------------------------------------------------------
 
 
 @pytest.mark.timeout(150)
@@ -193,7 +193,7 @@ async def test_retries_across_a_recovery_continue_the_attempts_and_keep_the_budg
     )
 
 
-# -- 7. large outputs across a recovery --------------------------------------------------
+# -- large outputs across a recovery --------------------------------------------------
 
 
 @pytest.mark.timeout(150)
@@ -261,7 +261,7 @@ async def test_recovered_outputs_kept_as_refs_feed_downstream_templates(
     }, snapshot["output"]
 
 
-# -- 8. MAX_RECOVERIES=0 and a SIGTERM ------------------------------------------------------
+# -- MAX_RECOVERIES=0 and a SIGTERM ------------------------------------------------------
 
 
 @pytest.mark.timeout(150)
@@ -282,7 +282,7 @@ async def test_recovery_off_still_hands_off_at_sigterm(
     check_recovered(stored, moves=1)
 
 
-# -- 9. parallel branches killed mid-flight --------------------------------------------------
+# -- parallel branches killed mid-flight --------------------------------------------------
 
 
 @pytest.mark.timeout(150)
@@ -319,7 +319,7 @@ async def test_parallel_branches_killed_mid_flight_rerun_only_the_unfinished(
     assert not kept & rerun
 
 
-# -- 4. large input, owner killed at the 202 ------------------------------------------------
+# -- large input, owner killed at the 202 ------------------------------------------------
 
 
 @pytest.mark.timeout(180)

@@ -77,7 +77,7 @@ def _async(check: Any) -> Any:
     return wrapped
 
 
-# -- 3. the store loses the checkpoint of a running execution, then it is handed off ---
+# -- the store loses the checkpoint of a running execution, then it is handed off ---
 
 
 @pytest.mark.timeout(150)
@@ -154,7 +154,7 @@ async def test_blocks_completed_after_an_older_snapshot_are_not_run_again_after_
     )
 
 
-# -- 11. the store forgets a recovery -----------------------------------------------------
+# -- the store forgets a recovery -----------------------------------------------------
 
 
 @pytest.mark.timeout(150)
@@ -262,7 +262,7 @@ async def test_writes_paused_across_a_handoff_still_hand_off_and_complete(
     check_recovered(stored, moves=1)
 
 
-# -- 1. the store comes back from an older snapshot while the owner sits in a block -----
+# -- the store comes back from an older snapshot while the owner sits in a block -----
 
 
 @pytest.mark.timeout(180)
@@ -360,7 +360,7 @@ async def test_older_snapshot_from_before_a_recovery_while_the_new_owner_is_idle
     same_ids_same_events(seen, stored_now)
 
 
-# -- 2. the owner dies while the store is down ----------------------------------------
+# -- the owner dies while the store is down ----------------------------------------
 
 
 @pytest.mark.timeout(180)
@@ -411,7 +411,7 @@ async def test_owner_killed_while_valkey_is_down_its_live_ids_are_not_given_agai
     assert snapshot["status"] == "completed", snapshot
 
 
-# -- 5. shutdown with the store paused or down ------------------------------------------------
+# -- shutdown with the store paused or down ------------------------------------------------
 
 
 @pytest.mark.timeout(180)
