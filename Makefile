@@ -53,8 +53,8 @@ typecheck: install
 # servers from inside it, and after the rest of the suite one check (a 408'd connection
 # closed within 3 s) failed in every full run while passing on its own.
 unit: install browser nginx
-	$(BIN)/pytest --ignore=tests/app/test_stress.py
-	$(BIN)/pytest tests/app/test_stress.py
+	$(BIN)/pytest --ignore=tests/e2e/limits/test_stress.py
+	$(BIN)/pytest tests/e2e/limits/test_stress.py
 
 test: lint typecheck unit
 

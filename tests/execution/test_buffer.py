@@ -152,3 +152,44 @@ async def test_a_hole_above_the_first_retained_id_is_dropped_never_evicted(
     assert page.meta.first_id > 1 and page.dropped == []
     assert page.gap_reason(0, page.meta.first_id) == "evicted"
     assert page.gap_reason(page.meta.last_id, page.meta.last_id + 5) == "dropped"
+
+
+@pytest.mark.timeout(30)
+async def test_a_batch_that_writes_back_a_large_checkpoint_is_stored_whole(
+    redis: Redis,
+) -> None:
+    # After the store lost writes, a writer writes its whole checkpoint back with its
+    # next batch (writer.py: checkpoint=self._mirror): two fields per block run (its
+    # attempt and its output), so over 4000 for a workflow of some 2000 blocks.
+    # append.lua set them with HSET(unpack(...)), and Lua unpacks at most ~8000 values:
+    # the script failed after storing the events and the metadata, so the batch was
+    # half applied, the writer took the retry's ORDER for success, and the checkpoint
+    # (what a recovery goes on from) was never written back.
+    """Found by the step 14 review."""
+    from lib.execution.buffer import EventBuffer
+    from lib.execution.events import Event
+
+    buffer = EventBuffer(redis=redis, prefix=f"b14c{uuid.uuid4().hex[:6]}")
+    execution_id = f"ex_{uuid.uuid4().hex}"
+    await buffer.create(
+        execution_id,
+        workflow_id="wf",
+        tenant="t",
+        owner="owner-1",
+        created_at="2026-01-01T00:00:00.000Z",
+        created_ms=1,
+    )
+    checkpoint = {}
+    for block in range(2100):
+        checkpoint[f"t:b{block}"] = b"1"
+        checkpoint[f"o:b{block}"] = b'"done"'
+    started = Event(
+        id=1,
+        type="execution:started",
+        execution_id=execution_id,
+        workflow_id="wf",
+        data={"input": {}},
+    )
+    await buffer.append(execution_id, [started], fence="owner-1", checkpoint=checkpoint)
+    stored = await redis.hlen(buffer.keys.state(execution_id))
+    assert stored == len(checkpoint)

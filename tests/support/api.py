@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -67,6 +68,59 @@ def flaky_workflow(workflow_id: str, *, words: int = 3) -> dict[str, Any]:
     }
 
 
+async def start_execution(
+    client: httpx.AsyncClient,
+    workflow_id: str,
+    input: Any = None,
+    *,
+    body: Any = None,
+    headers: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Execute a stored workflow with ``{"input": input}`` (or ``body`` as it is); asserts
+    the 202 and returns its answer (``executionId``, ``streamUrl``, …)."""
+    payload = {"input": input} if body is None else body
+    response = await client.post(
+        f"/api/workflows/{workflow_id}/execute", json=payload, headers=headers
+    )
+    assert response.status_code == 202, response.text
+    started: dict[str, Any] = response.json()
+    return started
+
+
+async def execute(
+    client: httpx.AsyncClient,
+    workflow_id: str,
+    input: Any = None,
+    *,
+    body: Any = None,
+    headers: dict[str, str] | None = None,
+) -> str:
+    """``start_execution``, for the id only."""
+    started = await start_execution(client, workflow_id, input, body=body, headers=headers)
+    return str(started["executionId"])
+
+
+def quick_workflow(workflow_id: str) -> dict[str, Any]:
+    """One transform block: a run that completes at once."""
+    return {
+        "id": workflow_id,
+        "blocks": [{"id": "only", "type": "transform", "config": {"value": 1}}],
+        "edges": [],
+    }
+
+
+def approval_workflow(workflow_id: str) -> dict[str, Any]:
+    """review (an approval, any answer) → done: a run that waits for a resume."""
+    return {
+        "id": workflow_id,
+        "blocks": [
+            {"id": "review", "type": "approval", "config": {"prompt": "ok?", "schema": {}}},
+            {"id": "done", "type": "transform", "config": {"value": 1}},
+        ],
+        "edges": [{"from": "review", "to": "done"}],
+    }
+
+
 async def put(client: httpx.AsyncClient, workflow: dict[str, Any]) -> None:
     response = await client.put(f"/api/workflows/{workflow['id']}", json=workflow)
     assert response.status_code in (200, 201), response.text
@@ -88,15 +142,64 @@ async def paused_execution(client: httpx.AsyncClient, workflow_id: str) -> str:
     response = await client.post(f"/api/workflows/{workflow_id}/execute", json={"input": {}})
     assert response.status_code == 202, response.text
     execution_id: str = response.json()["executionId"]
-    async with asyncio.timeout(20):
-        while (await client.get(f"/api/executions/{execution_id}")).json()["status"] != "paused":
-            await asyncio.sleep(0.02)
+    await wait_status(client, execution_id, "paused", timeout=20)
     return execution_id
 
 
-async def wait_finished(client: httpx.AsyncClient, execution_id: str) -> dict[str, Any]:
-    while True:
-        snapshot = (await client.get(f"/api/executions/{execution_id}")).json()
-        if snapshot["status"] in ("completed", "failed", "cancelled"):
-            return snapshot
-        await asyncio.sleep(0.02)
+async def wait_finished(
+    client: httpx.AsyncClient, execution_id: str, *, timeout: float | None = None
+) -> dict[str, Any]:
+    """Poll the snapshot until the execution ended; the snapshot (``timeout`` None: the
+    test's own timeout bounds the wait)."""
+    async with asyncio.timeout(timeout):
+        while True:
+            snapshot: dict[str, Any] = (await client.get(f"/api/executions/{execution_id}")).json()
+            if snapshot["status"] in ("completed", "failed", "cancelled"):
+                return snapshot
+            await asyncio.sleep(0.02)
+
+
+async def wait_status(
+    client: httpx.AsyncClient, execution_id: str, status: str, *, timeout: float | None = 20
+) -> None:
+    """Poll the snapshot until the execution shows ``status``."""
+    async with asyncio.timeout(timeout):
+        while (await client.get(f"/api/executions/{execution_id}")).json()["status"] != status:
+            await asyncio.sleep(0.02)
+
+
+async def until(
+    check: Callable[[], Awaitable[Any]], what: str, timeout: float = 40.0, *, every: float = 0.02
+) -> Any:
+    """Poll ``check`` until it returns something truthy, and return that; after
+    ``timeout`` seconds (by default the fault tests' deadline) fail naming ``what``."""
+    try:
+        async with asyncio.timeout(timeout):
+            while not (found := await check()):
+                await asyncio.sleep(every)
+            return found
+    except TimeoutError:
+        raise AssertionError(f"timed out waiting for: {what}") from None
+
+
+async def sse_clients(client: httpx.AsyncClient) -> float:
+    """The server's ``flowcast_sse_clients`` gauge, read from /metrics."""
+    for line in (await client.get("/metrics")).text.splitlines():
+        if line.startswith("flowcast_sse_clients "):
+            return float(line.split()[1])
+    raise AssertionError("no flowcast_sse_clients in /metrics")
+
+
+async def stored_types(client: httpx.AsyncClient, execution_id: str) -> list[str]:
+    """The types of the execution's stored events, in order."""
+    return [event["type"] for event in await all_events(client, execution_id)]
+
+
+async def has_stored(client: httpx.AsyncClient, execution_id: str, event_type: str) -> bool:
+    """Whether the stored log holds an event of ``event_type`` yet."""
+    return event_type in await stored_types(client, execution_id)
+
+
+def of_type(log: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """The envelopes of one type in a log."""
+    return [envelope for envelope in log if envelope["type"] == kind]

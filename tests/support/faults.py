@@ -167,3 +167,9 @@ async def wait_store_settled(valkey: ValkeyServer, *, timeout: float, flush: boo
                 await asyncio.sleep(0.1)
     finally:
         await redis.aclose()
+
+
+def stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP), as /proc shows it."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] == "T"

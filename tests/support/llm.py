@@ -31,11 +31,12 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
 
+import pytest
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -410,3 +411,44 @@ def text_of(content: Any) -> str:
             if isinstance(part, dict) and isinstance(part.get("text"), str)
         )
     return ""
+
+
+# -- fixtures and workflows for tests of llm blocks against the fake
+
+
+@pytest.fixture(scope="module")
+def llm() -> Iterator[FakeLLM]:
+    """One fake provider per test module (import it with ``fresh``)."""
+    with FakeLLM() as fake:
+        yield fake
+
+
+@pytest.fixture(autouse=True)
+def fresh(llm: FakeLLM) -> None:
+    """Each test starts on an unscripted fake."""
+    llm.reset()
+
+
+def llm_block(block_id: str = "draft", **config: Any) -> dict[str, Any]:
+    """An ``llm`` block on the fake's model ``fake-1``, retried 3 times by default."""
+    retry = config.pop("retry", {"attempts": 3, "backoffMs": 10})
+    return {
+        "id": block_id,
+        "type": "llm",
+        "retry": retry,
+        "config": {
+            "model": "fake-1",
+            "messages": [{"role": "user", "content": "hi {{ input.n }}"}],
+            **config,
+        },
+    }
+
+
+def one_block(workflow_id: str, block: dict[str, Any]) -> dict[str, Any]:
+    """A workflow of that one block."""
+    return {"id": workflow_id, "blocks": [block], "edges": []}
+
+
+def slow_reply(pieces: int = 10, every: float = 0.2) -> Reply:
+    """A reply of ``pieces`` pieces, ``every`` seconds apart."""
+    return Reply(pieces=[f"p{i} " for i in range(pieces)], piece_delay=every)

@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import sys
+import uuid
 from pathlib import Path
 
 import httpx
@@ -110,3 +111,42 @@ async def wait_ready(url: str, process: Process, log_path: Path, timeout: float)
             if asyncio.get_running_loop().time() > deadline:
                 raise RuntimeError(f"server not ready after {timeout}s:\n{log_path.read_text()}")
             await asyncio.sleep(0.05)
+
+
+# Two tenants' API keys, for servers started with FLOWCAST_API_KEYS naming them.
+ALPHA, BETA = "alpha-key-" + "a" * 20, "beta-key-" + "b" * 20
+
+
+def prefix() -> str:
+    """A Redis prefix of a test's own."""
+    return f"own{uuid.uuid4().hex[:6]}"
+
+
+async def started_server(tmp_path: Path, name: str, **env: str) -> FlowcastServer:
+    """A Flowcast server under ``tmp_path / name``, started (``ACCESS_LOG="1"`` in ``env``
+    turns its access log on)."""
+    access_log = env.pop("ACCESS_LOG", "") == "1"
+    server = FlowcastServer(data_dir=tmp_path / name, env=env, access_log=access_log)
+    await server.start()
+    return server
+
+
+def authed(server: FlowcastServer, key: str | None = None) -> httpx.AsyncClient:
+    """A client of ``server``, with ``key`` as its bearer token when given."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.AsyncClient(base_url=server.url, headers=headers, timeout=30)
+
+
+async def flowcast_on(valkey: ValkeyServer, root: Path, **settings: str) -> FlowcastServer:
+    """A Flowcast server on ``valkey`` under ``root``, on a Redis prefix of its own;
+    ``settings`` are named without ``FLOWCAST_`` (``lease_seconds="3"``)."""
+    server = FlowcastServer(
+        data_dir=root,
+        env={
+            "FLOWCAST_REDIS_URL": valkey.url,
+            "FLOWCAST_REDIS_PREFIX": prefix(),
+            **{f"FLOWCAST_{name.upper()}": value for name, value in settings.items()},
+        },
+    )
+    await server.start()
+    return server

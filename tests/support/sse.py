@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,3 +79,25 @@ async def collect(
             await response.aread()
             return response, []
         return response, [frame async for frame in events(response)]
+
+
+async def follow(
+    client: httpx.AsyncClient,
+    execution_id: str,
+    *,
+    cursor: int = 0,
+    started: asyncio.Event | None = None,
+    timeout: float = 40.0,
+) -> list[Frame]:
+    """Read an execution's stream from ``cursor`` to its end (it must end within
+    ``timeout``) on the replica ``client`` talks to; a 204 (nothing after the cursor) is
+    no frame. ``started`` is set once the stream is open."""
+    url = f"/api/executions/{execution_id}/stream"
+    async with asyncio.timeout(timeout):
+        async with client.stream("GET", url, headers={"Last-Event-ID": str(cursor)}) as response:
+            if started is not None:
+                started.set()
+            if response.status_code == 204:
+                return []
+            assert response.status_code == 200, await response.aread()
+            return [frame async for frame in events(response)]

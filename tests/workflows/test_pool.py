@@ -216,3 +216,41 @@ async def test_a_hostile_transform_fails_its_block_without_retry(
         await run_workflow(definition)
     assert caught.value.code == "template_error"
     assert "too long" in caught.value.message
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.timeout(60)
+async def test_a_template_that_never_reaches_a_sandbox_check_is_still_cut_at_its_cpu_bound() -> (
+    None
+):
+    """The sandbox checks its CPU deadline only on calls, attribute and item access
+    (lib/workflows/templates.py ``_Sandbox._on_time``); ``{% set %}`` and the ``*`` the
+    sandbox intercepts (``call_binop``) never check it, so thirteen squarings of
+    ``7 ** 1024`` (one C-level multiply of ~2.5 s at the end) run unchecked. Before,
+    the pool cut any template at the bound on the wall clock. Now the pool waits
+    ``4 x bound + 2 s`` (pool.py ``wall_seconds``) and the only cut left is the worker's
+    RLIMIT_CPU, set to ``ceil(used + bound) + 1`` s (worker.py ``_Limits``): a template
+    bounded to 500 ms of CPU gets 1.5-2.5 s of CPU, 3-5x the bound SPEC §8 states
+    ("never takes more than FLOWCAST_TEMPLATE_TIMEOUT_MS of CPU"), and holds a worker
+    that long while other tenants' templates queue for it. Found by the step 13 review (round 2)."""
+    from lib.errors import BlockError
+    from lib.workflows.pool import TemplatePool
+
+    squarings = "{% set a = 7 ** 1024 %}" + "{% set a = a * a %}" * 13 + "{{ a > 1 }}"
+    async with TemplatePool(size=1, timeout_ms=500) as pool:
+        assert await pool.render("{{ 1 + 1 }}", {}) == 2  # the worker is up and idle
+        (worker,) = pool._idle
+        pid = worker.process.pid
+        before = cpu_seconds(pid)
+        children = os.times().children_user + os.times().children_system
+        with pytest.raises(BlockError):
+            await pool.render(squarings, {})
+        async with asyncio.timeout(10):
+            await worker.process.wait()
+    spent = os.times().children_user + os.times().children_system - children - before
+    assert spent < 0.5 * 1.5, f"a template bounded to 500 ms of CPU used {spent:.2f} s of CPU"

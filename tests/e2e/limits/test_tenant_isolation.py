@@ -1,0 +1,229 @@
+"""No tenant can slow another (SPEC §8): masking many or large secrets, in log lines
+and in one big reply chunk, does not stall the other tenants' requests.
+
+With real processes: Flowcast servers on the session's Valkey, the fake provider of
+tests/support/llm.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import string
+import time
+from pathlib import Path
+
+from tests.support.api import execute, put, start_execution, wait_finished
+from tests.support.llm import FakeLLM, Reply, fresh, llm, llm_block, one_block
+from tests.support.servers import (
+    ALPHA,
+    BETA,
+    ValkeyServer,
+    authed,
+    prefix,
+    started_server,
+)
+
+__all__ = ["fresh", "llm"]  # the module's fake provider (tests/support/llm.py)
+
+
+async def test_masking_log_lines_does_not_slow_other_tenants_however_many_secrets_were_read(
+    valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """Was a break (no tenant can slow another, SPEC §8): every log line was masked
+    with one regex over every spelling of every value the process ever revealed, built
+    anew per line. After one tenant's runs revealed over a thousand distinct values of
+    ~300 characters, another tenant's plain requests must be as fast as before.
+    Found by the step 12 review."""
+    server = await started_server(
+        tmp_path,
+        "slow",
+        FLOWCAST_REDIS_URL=valkey.url,
+        FLOWCAST_REDIS_PREFIX=prefix(),
+        FLOWCAST_API_KEYS=f"{ALPHA},{BETA}",
+        FLOWCAST_HTTP_ALLOW_PRIVATE="true",
+        ACCESS_LOG="1",
+    )
+    names = [f"S{i}" for i in range(64)]  # the most one workflow may read
+    reader = one_block(
+        "reader",
+        {
+            "id": "call",
+            "type": "http",
+            "config": {
+                "url": "http://127.0.0.1:1/x",
+                "headers": {name: f"{{{{ secrets.{name} }}}}" for name in names},
+                "timeoutMs": 2000,
+            },
+        },
+    )
+    try:
+        async with authed(server, ALPHA) as alpha, authed(server, BETA) as beta:
+
+            async def latency() -> float:
+                at = time.monotonic()
+                assert (await beta.get("/api/workflows")).status_code == 200
+                return time.monotonic() - at
+
+            baseline = sorted([await latency() for _ in range(10)])[5]
+            await put(alpha, reader)
+            for round_ in range(17):
+                # Distinct values each round: 1,088 values of ~300 characters in all, past
+                # the 1,000 a process keeps masking in its log lines.
+                await asyncio.gather(
+                    *(
+                        alpha.put(
+                            f"/api/secrets/{name}", json={"value": f"v{round_}-{name}-" + "x" * 300}
+                        )
+                        for name in names
+                    )
+                )
+                await wait_finished(alpha, await execute(alpha, "reader", {}), timeout=60)
+            after = sorted([await latency() for _ in range(10)])[5]
+            assert after < baseline + 0.02, (
+                f"median {baseline * 1000:.0f} ms -> {after * 1000:.0f} ms"
+            )
+    finally:
+        await server.stop()
+
+
+# --------------------------------------------------------------------------- cost
+
+
+async def test_one_big_reply_chunk_with_large_secrets_does_not_stall_other_tenants(
+    valkey: ValkeyServer, llm: FakeLLM, tmp_path: Path
+) -> None:
+    """Was a break (SPEC §8, no tenant can slow another): ``ChunkRedactor._prefix_tail`` tries,
+    for every spelling of every secret the run read, every tail length up to
+    ``min(len(spelling) - 1, len(text))``, slicing the text each time: O(spellings x
+    min(L, T)^2) per chunk, on the event loop. A provider that sends a long reply in one
+    piece (the non-streamed JSON answer llm.py supports, or a big delta) while the run
+    read a few 64 KiB secrets (the allowed size) stalls the whole process for seconds:
+    another tenant's plain GET waits that long. Found by the step 12 review (round 2)."""
+    rng = random.Random(7)
+    alphabet = string.ascii_letters + ' /"'
+    names = [f"BIG{i}" for i in range(10)]
+    server = await started_server(
+        tmp_path,
+        "cost",
+        FLOWCAST_REDIS_URL=valkey.url,
+        FLOWCAST_REDIS_PREFIX=prefix(),
+        FLOWCAST_API_KEYS=f"{ALPHA},{BETA}",
+        FLOWCAST_LLM_BASE_URL=llm.url,
+    )
+    try:
+        async with authed(server, ALPHA) as alpha, authed(server, BETA) as beta:
+            for name in names:
+                value = "".join(rng.choice(alphabet) for _ in range(8_000))  # near the cap
+                answer = await alpha.put(f"/api/secrets/{name}", json={"value": value})
+                assert answer.status_code == 201
+            block = llm_block(retry={"attempts": 1, "backoffMs": 0})
+            block["config"]["messages"] = [
+                {"role": "user", "content": f"{{{{ secrets.{name} }}}}"} for name in names
+            ]
+            await put(alpha, one_block("big", block))
+
+            async def latency() -> float:
+                at = time.monotonic()
+                assert (await beta.get("/api/workflows")).status_code == 200
+                return time.monotonic() - at
+
+            baseline = max([await latency() for _ in range(5)])
+            # An ordinary long answer (~200 KB), sent in one piece.
+            llm.default = Reply(pieces=["z" * 200_000])
+            worst = 0.0
+            stop = asyncio.Event()
+
+            async def probe() -> None:
+                nonlocal worst
+                while not stop.is_set():
+                    worst = max(worst, await latency())
+                    await asyncio.sleep(0.01)
+
+            prober = asyncio.create_task(probe())
+            await asyncio.sleep(0.2)  # the probe is measuring before the run starts
+            execution_id = await execute(alpha, "big", {})
+            snapshot = await wait_finished(alpha, execution_id, timeout=15)
+            stop.set()
+            await asyncio.wait_for(prober, 15)
+            assert snapshot["status"] == "completed", snapshot
+            assert worst < baseline + 0.5, (
+                f"another tenant's GET took {worst:.1f} s (baseline {baseline * 1000:.0f} ms)"
+            )
+    finally:
+        await server.stop(signal.SIGKILL)
+
+
+async def test_reading_large_secrets_does_not_stall_other_tenants(
+    valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """Was a break (SPEC §8, no tenant can slow another): every attempt of a block that reads
+    secrets calls ``Redactor.add`` on a fresh per-run Redactor, which computes every
+    spelling of every value (``_spellings``: three ``urllib.parse.quote`` passes,
+    JSON, base64, httpx) on the event loop, ~8 ms per 64 KiB value. A workflow reading
+    the allowed 64 secrets of 64 KiB costs ~0.5 s of the loop per attempt, before any
+    request is made; a few such executions started together freeze the process for
+    seconds for every tenant (no rotation needed; past 1,000 remembered values the log
+    mask is even rebuilt in full, ~10 s, on each fresh reveal).
+    Found by the step 12 review (round 2)."""
+    rng = random.Random(3)
+    alphabet = string.ascii_letters + ' /"|'
+    names = [f"K{i}" for i in range(64)]
+    server = await started_server(
+        tmp_path,
+        "spell",
+        FLOWCAST_REDIS_URL=valkey.url,
+        FLOWCAST_REDIS_PREFIX=prefix(),
+        FLOWCAST_API_KEYS=f"{ALPHA},{BETA}",
+        FLOWCAST_HTTP_ALLOW_PRIVATE="true",
+    )
+    try:
+        async with authed(server, ALPHA) as alpha, authed(server, BETA) as beta:
+            for name in names:
+                value = "".join(rng.choice(alphabet) for _ in range(8_000))  # near the cap
+                assert (await alpha.put(f"/api/secrets/{name}", json={"value": value})).is_success
+            reader = one_block(
+                "reader",
+                {
+                    "id": "call",
+                    "type": "http",
+                    "config": {
+                        "method": "POST",
+                        "url": "http://127.0.0.1:1/x",
+                        "json": {name: f"{{{{ secrets.{name} }}}}" for name in names},
+                        "timeoutMs": 1000,
+                    },
+                },
+            )
+            await put(alpha, reader)
+
+            async def latency() -> float:
+                at = time.monotonic()
+                assert (await beta.get("/api/workflows")).status_code == 200
+                return time.monotonic() - at
+
+            baseline = max([await latency() for _ in range(5)])
+            worst = 0.0
+            stop = asyncio.Event()
+
+            async def probe() -> None:
+                nonlocal worst
+                while not stop.is_set():
+                    worst = max(worst, await latency())
+                    await asyncio.sleep(0.01)
+
+            prober = asyncio.create_task(probe())
+            await asyncio.sleep(0.2)  # the probe is measuring before the runs start
+            started = await asyncio.gather(
+                *(start_execution(alpha, "reader", {"n": i}) for i in range(6))
+            )
+            for run in started:
+                await wait_finished(alpha, run["executionId"], timeout=20)
+            stop.set()
+            await asyncio.wait_for(prober, 15)
+            assert worst < baseline + 0.5, (
+                f"another tenant's GET took {worst:.1f} s (baseline {baseline * 1000:.0f} ms)"
+            )
+    finally:
+        await server.stop(signal.SIGKILL)
