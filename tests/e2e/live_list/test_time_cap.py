@@ -1,7 +1,7 @@
 """The connection time cap (``FLOWCAST_SSE_MAX_SECONDS``) on the live list: the server
 ends the list's stream cleanly at the cap, as it does an execution's stream (one cap in
 ``app/sse.py`` for every SSE response), and a reconnect gets the whole list again. The
-execution stream's side is ``tests/app/test_cross_process.py``'s capped pair."""
+execution stream's side is ``tests/e2e/streams/test_cross_process.py``'s capped pair."""
 
 from __future__ import annotations
 
