@@ -248,7 +248,10 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
             streams=StreamSlots(settings.max_streams_per_tenant),
             open_streams=open_streams,
             idempotency=Idempotency(
-                redis=redis, prefix=settings.redis_prefix, ttl_seconds=settings.idempotency_seconds
+                redis=redis,
+                prefix=settings.redis_prefix,
+                ttl_seconds=settings.idempotency_seconds,
+                retention_seconds=settings.retention_seconds,
             ),
         )
         if not settings.api_keys:

@@ -16,9 +16,15 @@ Publishes the new execution's list row on "<prefix>:status" as JSON {"id", "tena
 append.lua for the other status changes), best effort: a refused PUBLISH is no error.
 
 Returns the lease end in milliseconds. The execution starts `running` at epoch 1.
+Returns 0 when the execution exists already (its id was named in advance, by an
+Idempotency-Key's record, and another request created it first): nothing is written and
+nothing is published.
 ]]
 
 local meta = KEYS[1]
+if redis.call("EXISTS", meta) == 1 then
+  return 0
+end
 local time = redis.call("TIME")
 local until_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000) + tonumber(ARGV[2])
 local n = tonumber(ARGV[4])
