@@ -164,6 +164,7 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
             lease_seconds=settings.lease_seconds,
         )
         stack.push_async_callback(slots.close)
+        await slots.introduce(llm_providers)
         providers = Providers(llm_providers, http=llm_http, slots=slots)
         secret_key = load_secret(settings.secret_key, settings.data_dir)
         secrets = SecretStore(redis=redis, key=secret_key, prefix=settings.redis_prefix)

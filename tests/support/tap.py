@@ -4,7 +4,8 @@
 told to hold: that command is never sent (nor anything after it on its connection), and
 ``held`` is set. The process, blocked on the reply, is then at a known point between two
 of its writes, where a test kills it: the seam for "the process died right after X and
-before Y", exact instead of a race.
+before Y", exact instead of a race. ``when`` runs an action (e.g. stop the process)
+just before a matching command goes on: "the process stalled with X's reply on its way".
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class Tap:
         self.held = asyncio.Event()
         self.held_command = b""
         self._match: Match | None = None
+        self._before: tuple[Match, Callable[[], None]] | None = None
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: list[asyncio.StreamWriter] = []
@@ -38,6 +40,10 @@ class Tap:
         """Hold the next command ``match`` accepts (once)."""
         self.held.clear()
         self._match = match
+
+    def when(self, match: Match, action: Callable[[], None]) -> None:
+        """Run ``action`` just before the next command ``match`` accepts is sent (once)."""
+        self._before = (match, action)
 
     async def __aenter__(self) -> Tap:
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
@@ -73,6 +79,9 @@ class Tap:
                         self.held.set()
                     if stuck:
                         continue  # never sent: the process waits for a reply
+                    if self._before is not None and self._before[0](data):
+                        action, self._before = self._before[1], None
+                        action()
                     upstream_writer.write(data)
                     await upstream_writer.drain()
             upstream_writer.close()
