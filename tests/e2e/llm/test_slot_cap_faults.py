@@ -104,23 +104,18 @@ async def queued(valkey: ValkeyServer, count: int) -> None:
 async def pair(
     llm: FakeLLM, own_valkey: ValkeyServer, tmp_path: Path
 ) -> AsyncIterator[tuple[Tap, FlowcastServer, FlowcastServer]]:
-    """Replica H (its Redis through a tap) and replica C, both on one Valkey."""
+    """Replica H (its Redis through a tap) and replica C, both on one Valkey, with a 2 s
+    lease: a restart of Valkey on a busy machine stays well within one."""
+    env = {"FLOWCAST_LLM_PROVIDERS": capped(llm), "FLOWCAST_LEASE_SECONDS": "2"}
     async with Tap(own_valkey.port) as tap:
-        holder = replica(
-            own_valkey,
-            tmp_path,
-            "holder",
-            FLOWCAST_REDIS_URL=tap.url,
-            FLOWCAST_LLM_PROVIDERS=capped(llm),
-        )
-        other = replica(own_valkey, tmp_path, "other", FLOWCAST_LLM_PROVIDERS=capped(llm))
+        holder = replica(own_valkey, tmp_path, "holder", FLOWCAST_REDIS_URL=tap.url, **env)
+        other = replica(own_valkey, tmp_path, "other", **env)
         await asyncio.gather(holder.start(), other.start())
         try:
             yield tap, holder, other
         finally:
-            with_signal = holder._process is not None
-            if with_signal:
-                os.kill(holder.pid, signal.SIGCONT)
+            if holder._process is not None:
+                os.kill(holder.pid, signal.SIGCONT)  # a failed test may leave it stopped
             await asyncio.gather(holder.stop(), other.stop())
 
 
