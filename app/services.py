@@ -38,6 +38,7 @@ from lib.execution.hub import Hub
 from lib.execution.offload import OffloadPolicy
 from lib.execution.ownership import Ownership
 from lib.execution.retention import Sweeper
+from lib.execution.stream import Readers
 from lib.execution.values import LocalValueStore, ValueStore
 from lib.metrics import Metrics
 from lib.workflows.blocks import BlockTypes
@@ -67,6 +68,7 @@ class Services:
     settings: Settings
     buffer: EventBuffer
     hub: Hub
+    readers: Readers
     runner: Runner
     workflows: WorkflowStore
     tokens: StreamTokens
@@ -147,6 +149,7 @@ class Runtime:
 
     metrics: Metrics
     hub: Hub
+    readers: Readers
     runner: Runner
     open_streams: OpenStreams
 
@@ -280,9 +283,11 @@ async def start_runtime(
     stack.callback(node.close)
     # Idle tails look for an execution the store lost about once a lease.
     tail_block_ms = min(TAIL_BLOCK_MS, max(100, int(settings.lease_seconds * 1000)))
-    hub = await stack.enter_async_context(
-        Hub(
+    hub = Hub()
+    readers = await stack.enter_async_context(
+        Readers(
             buffer=stores.buffer,
+            hub=hub,
             tail_block_ms=tail_block_ms,
             gone_seconds=settings.lease_seconds,
             metrics=metrics,
@@ -319,7 +324,9 @@ async def start_runtime(
         sse_clients=open_streams.__len__,  # execution streams and live lists alike
         bytes_retained=runner.retained_bytes,
     )
-    return Runtime(metrics=metrics, hub=hub, runner=runner, open_streams=open_streams)
+    return Runtime(
+        metrics=metrics, hub=hub, readers=readers, runner=runner, open_streams=open_streams
+    )
 
 
 def build_services(
@@ -330,6 +337,7 @@ def build_services(
         settings=settings,
         buffer=stores.buffer,
         hub=runtime.hub,
+        readers=runtime.readers,
         runner=runtime.runner,
         workflows=WorkflowStore(
             redis=stores.redis,

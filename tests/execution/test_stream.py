@@ -11,10 +11,8 @@ import pytest
 from redis.asyncio import Redis
 
 from lib.execution.buffer import EventBuffer
-from lib.execution.emitter import Emitter
-from lib.execution.hub import Hub
-from lib.execution.stream import StreamReader
-from lib.execution.writer import EventWriter
+from lib.execution.log import Emitter, EventWriter
+from lib.execution.stream import Readers, StreamReader
 from tests.support.logcheck import check_log, check_view
 from tests.support.sse import parse_frame
 
@@ -57,10 +55,10 @@ async def test_readers_attaching_during_a_local_execution_get_every_event_once(
     buffer: EventBuffer,
 ) -> None:
     execution_id = await create(buffer)
-    async with Hub(buffer=buffer) as hub:
+    async with Readers(buffer=buffer) as live:
         writer = EventWriter(buffer=buffer, execution_id=execution_id, fence="me")
-        publisher = hub.attach_local(execution_id, last_id=0, unstored=writer.unstored)
-        writer.show_to(publisher.publish)
+        publisher = live.hub.attach_local(execution_id, last_id=0)
+        writer.show_to(publisher)
         async with writer:
             emitter = Emitter(execution_id=execution_id, workflow_id="wf", writer=writer)
             readers: list[tuple[int, asyncio.Task[list[object]]]] = []
@@ -68,9 +66,7 @@ async def test_readers_attaching_during_a_local_execution_get_every_event_once(
             rng = random.Random(7)
             while not producer.done():
                 cursor = rng.randint(0, emitter.last_id)
-                reader = StreamReader(
-                    buffer=buffer, hub=hub, execution_id=execution_id, cursor=cursor
-                )
+                reader = StreamReader(readers=live, execution_id=execution_id, cursor=cursor)
                 readers.append((cursor, asyncio.create_task(read_all(reader))))
                 await asyncio.sleep(0)
             await producer
@@ -91,22 +87,22 @@ async def test_readers_on_another_process_follow_the_stored_log_without_polling(
 
     async def remote_writer() -> None:
         # Another process writes; this one only ever sees Redis.
-        async with Hub(buffer=buffer) as other_hub:
+        async with Readers(buffer=buffer) as other_readers:
             writer = EventWriter(buffer=buffer, execution_id=execution_id, fence="me")
-            publisher = other_hub.attach_local(execution_id, last_id=0, unstored=writer.unstored)
-            writer.show_to(publisher.publish)
+            publisher = other_readers.hub.attach_local(execution_id, last_id=0)
+            writer.show_to(publisher)
             async with writer:
                 emitter = Emitter(execution_id=execution_id, workflow_id="wf", writer=writer)
                 await emit_all(emitter, TOTAL)
             publisher.detach()
 
-    async with Hub(buffer=buffer, tail_block_ms=1000) as hub:
+    async with Readers(buffer=buffer, tail_block_ms=1000) as live:
         producer = asyncio.create_task(remote_writer())
         readers = []
         rng = random.Random(11)
         while not producer.done():
             cursor = rng.randint(0, 50)
-            reader = StreamReader(buffer=buffer, hub=hub, execution_id=execution_id, cursor=cursor)
+            reader = StreamReader(readers=live, execution_id=execution_id, cursor=cursor)
             readers.append((cursor, asyncio.create_task(read_all(reader))))
             await asyncio.sleep(0.001)
         await producer
@@ -121,14 +117,14 @@ async def test_reader_closed_mid_stream_ends_and_a_reconnect_loses_nothing(
 ) -> None:
     """What the connection's time cap does (app/sse.py closes the reader at it)."""
     execution_id = await create(buffer)
-    async with Hub(buffer=buffer) as hub:
+    async with Readers(buffer=buffer) as live:
         writer = EventWriter(buffer=buffer, execution_id=execution_id, fence="me")
-        publisher = hub.attach_local(execution_id, last_id=0, unstored=writer.unstored)
-        writer.show_to(publisher.publish)
+        publisher = live.hub.attach_local(execution_id, last_id=0)
+        writer.show_to(publisher)
         async with writer:
             emitter = Emitter(execution_id=execution_id, workflow_id="wf", writer=writer)
             emitter.emit("execution:started", {"input": None})
-            capped = StreamReader(buffer=buffer, hub=hub, execution_id=execution_id, cursor=0)
+            capped = StreamReader(readers=live, execution_id=execution_id, cursor=0)
             cap = asyncio.get_running_loop().call_later(0.2, capped.close)
             first = await read_all(capped)
             cap.cancel()
@@ -136,6 +132,6 @@ async def test_reader_closed_mid_stream_ends_and_a_reconnect_loses_nothing(
             emitter.emit("execution:completed", {"output": {}, "durationMs": 1})
         publisher.detach()
         rest = await read_all(
-            StreamReader(buffer=buffer, hub=hub, execution_id=execution_id, cursor=capped.last_sent)
+            StreamReader(readers=live, execution_id=execution_id, cursor=capped.last_sent)
         )
     check_log(check_view(first + rest))
