@@ -126,11 +126,16 @@ class LocalPublisher:
     """The emitting side of a channel for an execution this process runs. What may be
     shown, and when, the log decides (its reservation and the owner's live gate)."""
 
-    def __init__(self, hub: Hub, channel: Channel) -> None:
+    def __init__(self, hub: Hub, channel: Channel, stored_id: int) -> None:
         self._hub = hub
         self._channel = channel
         self.execution_id = channel.execution_id
-        self._stored = 0  # the last id its log stored, as it told
+        self._stored = stored_id  # the last id its log stored, as it told
+
+    @property
+    def stored_id(self) -> int:
+        """The last id this run's log stored (the store holds nothing above it)."""
+        return self._stored
 
     def publish(self, event: Event) -> None:
         """Deliver an event that may be shown to the readers attached here."""
@@ -193,16 +198,18 @@ class Hub:
             if self._channels.get(channel.execution_id) is channel:
                 del self._channels[channel.execution_id]
 
-    def attach_local(self, execution_id: str, *, last_id: int) -> LocalPublisher:
+    def attach_local(
+        self, execution_id: str, *, last_id: int, stored_id: int = 0
+    ) -> LocalPublisher:
         """Make this process the source of an execution's live events, from ``last_id``
-        (the ids above it are its log's)."""
+        (the ids above it are its log's); ``stored_id`` is the last id the store holds."""
         channel = self._channel(execution_id)
         channel.stop_tail()
         channel.finished = False
         channel.unstored.clear()
         channel.last_published = last_id
         channel.stored_last = 0
-        channel.publisher = LocalPublisher(self, channel)
+        channel.publisher = LocalPublisher(self, channel, stored_id)
         return channel.publisher
 
     def unstored(self, execution_id: str) -> list[Event]:

@@ -492,6 +492,10 @@ class EventWriter:
             self._stored(batch, first)
             if result.cancel_requested and self._on_cancel is not None:
                 self._on_cancel()
+            # The readers woken by what was just shown write their frames before the
+            # next batch is built and sent: a first frame does not wait for a second
+            # append's work (under load the next batch only grows meanwhile).
+            await asyncio.sleep(0)
 
     def _refused_but_handled(self, exc: WriteRefused, batch: list[Event], first: int) -> bool:
         """Act on a refusal that the writer can answer; False when it must stop."""
@@ -761,7 +765,7 @@ class ExecutionLog:
             metrics=metrics,
             last_id=base_id,
         )
-        self._publisher = hub.attach_local(execution_id, last_id=base_id)
+        self._publisher = hub.attach_local(execution_id, last_id=base_id, stored_id=stored_id)
         self._writer.show_to(self._publisher)
 
     async def __aenter__(self) -> ExecutionLog:

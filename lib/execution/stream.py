@@ -390,7 +390,7 @@ class StreamReader:
             else:
                 subscription, unstored = self._hub.subscribe(self._execution_id)
             self._subscription = subscription
-            replay = self._replay(unstored, page)
+            replay = self._replay(unstored, page, self._stored_here(subscription.channel))
             # Held for the stream's life otherwise: a suspended frame keeps its locals.
             del unstored, page
             try:
@@ -417,7 +417,24 @@ class StreamReader:
             finally:
                 self._hub.unsubscribe(subscription)
 
-    async def _replay(self, unstored: list[Event], first: Page | None) -> AsyncIterator[bytes]:
+    def _stored_here(self, channel: Channel) -> int | None:
+        """The last stored id when this process runs the execution and the store holds
+        nothing after the cursor (a stream that starts with its execution): the replay
+        then needs no read, what follows is in memory or comes live. None otherwise."""
+        publisher = channel.publisher
+        if publisher is None or channel.finished or publisher.stored_id > self.last_sent:
+            return None
+        return publisher.stored_id
+
+    async def _replay(
+        self, unstored: list[Event], first: Page | None, stored_here: int | None = None
+    ) -> AsyncIterator[bytes]:
+        if first is None and stored_here is not None:
+            self._stored_last = stored_here
+            chunk = await self._accept_live(unstored)
+            if chunk:
+                yield chunk
+            return
         while not self.finished:
             page, first = first, None
             if page is None:
