@@ -5,8 +5,9 @@ resources on the lifespan's exit stack, so they close in reverse order when the 
 stops: :func:`open_stores` (the embedded engine, the Redis clients, the buffer and the
 value store with its sweeper), :func:`load_catalog` (block types, providers and the
 workflow files), :func:`open_executor` (the HTTP clients, the ``llm`` slots, secrets and
-the template workers behind the executor), :func:`start_runtime` (the hub, the runner,
-whose exit is the drain on shutdown, and the open SSE streams) and
+the template workers behind the executor), :func:`start_runtime` (the hub of live channels and
+the readers that follow the buffer, the runner, whose exit is the drain on shutdown, and
+the open SSE streams) and
 :func:`build_services`.
 """
 
@@ -58,7 +59,7 @@ from lib.workflows.validation import validate_workflow
 log = logging.getLogger("flowcast")
 
 TAIL_BLOCK_MS = 5_000
-# Blocking reads only: the hub's notify subscription, the control streams, and a
+# Blocking reads only: the readers' notify subscription, the control streams, and a
 # provider's freed-slot reader while a call waits.
 MAX_TAIL_CONNECTIONS = 64
 
@@ -145,7 +146,8 @@ class Blocks:
 
 @dataclass(frozen=True)
 class Runtime:
-    """What runs for the process's life: the hub, the runner and the open SSE streams."""
+    """What runs for the process's life: the hub and the readers, the runner and the open
+    SSE streams."""
 
     metrics: Metrics
     hub: Hub
@@ -274,8 +276,9 @@ async def open_executor(
 async def start_runtime(
     stack: AsyncExitStack, settings: Settings, stores: Stores, blocks: Blocks
 ) -> Runtime:
-    """The hub, the runner and the open SSE streams; leaving the stack ends the streams
-    first, then drains the runner (its exit hands off or finishes the executions)."""
+    """The hub, the readers, the runner and the open SSE streams; leaving the stack ends
+    the streams first, then drains the runner (its exit hands off or finishes the
+    executions)."""
     metrics = Metrics()
     # Held until the process exits: the proof, for the next process on this data
     # directory, that this one is dead (its runs are then taken over at once).

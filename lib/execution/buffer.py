@@ -25,7 +25,7 @@ from lib.execution.record import TERMINAL, Asked, Field, Script, refused
 
 # A batch whose envelopes add up to at most this is published whole on the notify
 # channel (append.lua), so a reader on another process forwards it without a read.
-INLINE_BYTES = 16 * 1024
+INLINE_BYTES = 8 * 1024
 
 # How long after an execution is listed in its tenant's index a list read may find no
 # metadata for it without taking it for expired (see recent_metas); above any clock
