@@ -15,23 +15,21 @@ Constructing the log makes this process the execution's live source (readers arr
 from then on find it here); leaving its ``async with`` stores everything emitted, the
 last event last, then lets the channel go (its readers follow the buffer).
 
-The emitter. The emitter: encodes each event, gives it its id, compacts large values, hands it on.
+The emitter (``Emitter``) encodes each event, gives it its id, compacts large values and
+hands it on. Emitting is synchronous and never waits. An event is encoded before it gets
+its id, so a value no event could carry (SPEC §2 "Block outputs are JSON") is made
+carriable first and can never leave a hole in the ids. An event whose envelope is small
+enough that no value inside can need offloading goes straight to the writer (which shows
+it live). Any other event, and every event behind it, waits in order for one compaction
+task, which offloads its large values and then hands it on; so live and stored copies
+are the same bytes and order is kept without blocking the workflow.
 
-Emitting is synchronous and never waits. An event is encoded before it gets its id, so
-a value no event could carry (SPEC §2 "Block outputs are JSON") is made carriable first
-and can never leave a hole in the ids. An event whose envelope is small enough that no
-value inside can need offloading goes straight to the writer (which shows it live).
-Any other event, and every event behind it, waits in order for one compaction task,
-which offloads its large values and then hands it on; so live and stored copies are the
-same bytes and order is kept without blocking the workflow.
-
-The flush. The flush path: an execution's events go to the buffer in order, in batches, and to
-the live readers here as soon as they may be shown.
-
-Emitting never waits for Redis. ``put`` queues the event; one flush task per execution
-writes whatever is queued as one atomic batch. When Redis is idle the batch is a single
-event written at once; under load the events that arrive while a write is in flight
-form the next batch, so the write rate adapts without a timer.
+The flush (``EventWriter``): an execution's events go to the buffer in order, in
+batches, and to the live readers here as soon as they may be shown. Emitting never waits
+for Redis. ``put`` queues the event; one flush task per execution writes whatever is
+queued as one atomic batch. When Redis is idle the batch is a single event written at
+once; under load the events that arrive while a write is in flight form the next batch,
+so the write rate adapts without a timer.
 
 What is shown live: an event whose id the buffer has reserved for this owner, while the
 owner's ``LiveGate`` is open (its lease was renewed lately, and no renewal failed
