@@ -5,8 +5,9 @@ resources on the lifespan's exit stack, so they close in reverse order when the 
 stops: :func:`open_stores` (the embedded engine, the Redis clients, the buffer and the
 value store with its sweeper), :func:`load_catalog` (block types, providers and the
 workflow files), :func:`open_executor` (the HTTP clients, the ``llm`` slots, secrets and
-the template workers behind the executor), :func:`start_runtime` (the hub, the runner,
-whose exit is the drain on shutdown, and the open SSE streams) and
+the template workers behind the executor), :func:`start_runtime` (the hub of live channels and
+the readers that follow the buffer, the runner, whose exit is the drain on shutdown, and
+the open SSE streams) and
 :func:`build_services`.
 """
 
@@ -38,6 +39,7 @@ from lib.execution.hub import Hub
 from lib.execution.offload import OffloadPolicy
 from lib.execution.ownership import Ownership
 from lib.execution.retention import Sweeper
+from lib.execution.stream import Readers
 from lib.execution.values import LocalValueStore, ValueStore
 from lib.metrics import Metrics
 from lib.workflows.blocks import BlockTypes
@@ -57,7 +59,7 @@ from lib.workflows.validation import validate_workflow
 log = logging.getLogger("flowcast")
 
 TAIL_BLOCK_MS = 5_000
-# Blocking reads only: the hub's notify subscription, the control streams, and a
+# Blocking reads only: the readers' notify subscription, the control streams, and a
 # provider's freed-slot reader while a call waits.
 MAX_TAIL_CONNECTIONS = 64
 
@@ -67,6 +69,7 @@ class Services:
     settings: Settings
     buffer: EventBuffer
     hub: Hub
+    readers: Readers
     runner: Runner
     workflows: WorkflowStore
     tokens: StreamTokens
@@ -143,10 +146,12 @@ class Blocks:
 
 @dataclass(frozen=True)
 class Runtime:
-    """What runs for the process's life: the hub, the runner and the open SSE streams."""
+    """What runs for the process's life: the hub and the readers, the runner and the open
+    SSE streams."""
 
     metrics: Metrics
     hub: Hub
+    readers: Readers
     runner: Runner
     open_streams: OpenStreams
 
@@ -272,8 +277,9 @@ async def open_executor(
 async def start_runtime(
     stack: AsyncExitStack, settings: Settings, stores: Stores, blocks: Blocks
 ) -> Runtime:
-    """The hub, the runner and the open SSE streams; leaving the stack ends the streams
-    first, then drains the runner (its exit hands off or finishes the executions)."""
+    """The hub, the readers, the runner and the open SSE streams; leaving the stack ends
+    the streams first, then drains the runner (its exit hands off or finishes the
+    executions)."""
     metrics = Metrics()
     # Held until the process exits: the proof, for the next process on this data
     # directory, that this one is dead (its runs are then taken over at once).
@@ -281,9 +287,11 @@ async def start_runtime(
     stack.callback(node.close)
     # Idle tails look for an execution the store lost about once a lease.
     tail_block_ms = min(TAIL_BLOCK_MS, max(100, int(settings.lease_seconds * 1000)))
-    hub = await stack.enter_async_context(
-        Hub(
+    hub = Hub()
+    readers = await stack.enter_async_context(
+        Readers(
             buffer=stores.buffer,
+            hub=hub,
             tail_block_ms=tail_block_ms,
             gone_seconds=settings.lease_seconds,
             metrics=metrics,
@@ -320,7 +328,9 @@ async def start_runtime(
         sse_clients=open_streams.__len__,  # execution streams and live lists alike
         bytes_retained=runner.retained_bytes,
     )
-    return Runtime(metrics=metrics, hub=hub, runner=runner, open_streams=open_streams)
+    return Runtime(
+        metrics=metrics, hub=hub, readers=readers, runner=runner, open_streams=open_streams
+    )
 
 
 def build_services(
@@ -331,6 +341,7 @@ def build_services(
         settings=settings,
         buffer=stores.buffer,
         hub=runtime.hub,
+        readers=runtime.readers,
         runner=runtime.runner,
         workflows=WorkflowStore(
             redis=stores.redis,

@@ -67,12 +67,7 @@ def sse_response(
 
 
 def _reader(svc: Services, execution_id: str, cursor: int) -> StreamReader:
-    return StreamReader(
-        buffer=svc.buffer,
-        hub=svc.hub,
-        execution_id=execution_id,
-        cursor=cursor,
-    )
+    return svc.readers.reader(execution_id, cursor=cursor)
 
 
 @router.get(

@@ -28,16 +28,21 @@ ARGV[13] k, the number of checkpoint field/value pairs that follow the metadata
 ARGV[14] the execution id (what the messages below carry)
 ARGV[15] the notify channel  fc:notify  (pub/sub, not a key)
 ARGV[16] the status channel  fc:status  (pub/sub, not a key)
-ARGV[17 .. 16+2n]        per event: type, envelope JSON
-ARGV[17+2n .. 16+2n+2m]  metadata fields and values to set (status, output, error, …;
+ARGV[17] inline cap: a batch whose envelopes add up to at most this many bytes is
+         published on ARGV[15] whole (0: never)
+ARGV[18 .. 17+2n]        per event: type, envelope JSON
+ARGV[18+2n .. 17+2n+2m]  metadata fields and values to set (status, output, error, …;
                          with ARGV[10], also the identity fields to recreate with)
-ARGV[17+2n+2m .. ]       checkpoint fields and values of the batch's events (a block's
+ARGV[18+2n+2m .. ]       checkpoint fields and values of the batch's events (a block's
                          output, skip, attempt, answer), set in the run state hash in
                          the same step as the events, so the two never disagree; the
                          outputs and answers count against the byte budget (`ckptBytes`)
 
-Publishes the execution id on ARGV[15] (the readers' wake-up) after every stored batch
-and, when the batch sets the status (paused, resumed, recovered, a terminal event; never
+Publishes on ARGV[15] after every stored batch: the execution id alone (the readers'
+wake-up: they read the store), or, for a batch within the inline cap, the batch itself
+as lines "<execution id>\n<first id>\n<type>\n<envelope>\n<type>\n<envelope>…" (a
+reader on another process forwards those events without reading them back; envelopes
+are JSON, which holds no raw newline); and, when the batch sets the status (paused, resumed, recovered, a terminal event; never
 a batch of chunks) and the metadata names a tenant, the execution's list row on ARGV[16]
 as JSON {"id", "tenant", "workflowId", "status", "createdAt", "updatedAt",
 "lastEventId"} (the live lists; the last id orders the changes of one execution). Both
@@ -83,7 +88,8 @@ local reserve = tonumber(ARGV[9])
 local recreate = ARGV[10] == "1"
 local n, m, k = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
 local execution_id, notify, status_channel = ARGV[14], ARGV[15], ARGV[16]
-local base = 16
+local inline = tonumber(ARGV[17])
+local base = 17
 
 local state = redis.call("HMGET", meta, "owner", "lastId", "firstId", "bytes", "count",
   "epoch", "reserved", "cancelRequested", "ckptBytes")
@@ -201,7 +207,22 @@ end
 -- so this also works on Redis Cluster). With pcall, as publish_row: the batch is
 -- written by now, and a refused PUBLISH must not turn it into an error reply. Messages
 -- are best-effort anyway: readers read the store again whenever they may have missed one.
-redis.pcall("PUBLISH", notify, execution_id)
+local message = execution_id
+if n > 0 and inline > 0 then
+  local size = 0
+  for i = 0, n - 1 do
+    size = size + #ARGV[base + 2 * i + 2]
+  end
+  if size <= inline then
+    local parts = {execution_id, string.format("%d", first)}
+    for i = 0, n - 1 do
+      parts[#parts + 1] = ARGV[base + 2 * i + 1]
+      parts[#parts + 1] = ARGV[base + 2 * i + 2]
+    end
+    message = table.concat(parts, "\n")
+  end
+end
+redis.pcall("PUBLISH", notify, message)
 if status then
   -- A handful of times per execution: the row every live list of its tenant shows.
   publish_row(meta, status_channel, execution_id, status, last)

@@ -23,6 +23,10 @@ from lib.errors import NotFound
 from lib.execution.events import Event
 from lib.execution.record import TERMINAL, Asked, Field, Script, refused
 
+# A batch whose envelopes add up to at most this is published whole on the notify
+# channel (append.lua), so a reader on another process forwards it without a read.
+INLINE_BYTES = 8 * 1024
+
 # How long after an execution is listed in its tenant's index a list read may find no
 # metadata for it without taking it for expired (see recent_metas); above any clock
 # skew between the replicas that write the index and read it.
@@ -142,8 +146,10 @@ class EventBuffer:
         budget_bytes: int = 64 * 1024 * 1024,
         retention_seconds: int = 86_400,
         active_ttl_seconds: int = 30 * 86_400,
+        inline_bytes: int = INLINE_BYTES,
     ) -> None:
         self.redis = redis
+        self.inline_bytes = inline_bytes
         # Blocking tail reads may use a client (a pool) of their own.
         self.tail_redis = tail_redis or redis
         self.keys = Keys(prefix)
@@ -243,7 +249,7 @@ class EventBuffer:
             pairs.update(event.checkpoint)
         args.append(len(pairs))
         # Where the script's messages go: the readers' wake-up and the live lists.
-        args += [execution_id, self.keys.notify, self.keys.status]
+        args += [execution_id, self.keys.notify, self.keys.status, self.inline_bytes]
         for event in events:
             args.append(event.type)
             args.append(event.json)
@@ -272,7 +278,7 @@ class EventBuffer:
 
     async def resolved(self, meta: ExecutionMeta) -> ExecutionMeta:
         """``meta`` with a large output, error or pause read from the event that holds
-        it (the metadata names that event instead of copying it: see writer.py)."""
+        it (the metadata names that event instead of copying it: see log.py)."""
         changes: dict[str, Any] = {}
         for name, key in (("output", "output"), ("error", "error"), ("pause", None)):
             value = getattr(meta, name)

@@ -54,7 +54,7 @@ STATUS_AFTER: Final[dict[str, str]] = {
 }
 TERMINAL_TYPES: Final = frozenset({EXECUTION_COMPLETED, EXECUTION_FAILED, EXECUTION_CANCELLED})
 TERMINAL_STATUSES: Final = frozenset({"completed", "failed", "cancelled"})
-# A run's last event: shown live only once stored (see writer.py).
+# A run's last event: shown live only once stored (see log.py).
 FINAL_TYPES: Final = frozenset({EXECUTION_PAUSED, *TERMINAL_TYPES})
 
 # Checkpoint fields an event carries to its run state: (field, JSON value) pairs.

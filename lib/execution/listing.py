@@ -6,10 +6,11 @@ terminal event; batches of chunks never do). Each then publishes the execution's
 row on ``<prefix>:status``: ``{"id", "tenant", "workflowId", "status", "createdAt",
 "updatedAt", "lastEventId"}``. One channel for every tenant: a handful of messages per execution,
 against the ``notify`` message every stored batch already sends to every process; and
-the hub's pub/sub connection subscribes to it once, beside ``notify``, instead of
-subscribing and unsubscribing tenants on a connection another task is reading.
+the readers' pub/sub connection (stream.py) subscribes to it once, beside ``notify``,
+instead of subscribing and unsubscribing tenants on a connection another task is reading.
 
-The hub hands each message to this process's :class:`StatusFeed`, which queues it for
+That connection hands each message to this process's :class:`StatusFeed` (kept in the
+registry, hub.py), which queues it for
 the lists of that tenant open here (no Redis connection per list). A
 :class:`ListReader` registers its queue first, then reads the list from the tenant's
 index, so no change falls between the two; whenever the pub/sub connection was lost and
@@ -183,7 +184,7 @@ class Watch:
 
 
 class StatusFeed:
-    """This process's live lists by tenant, fed by the hub's pub/sub connection."""
+    """This process's live lists by tenant, fed by the readers' pub/sub connection."""
 
     def __init__(self, *, list_reads: int = LIST_READS) -> None:
         self._watches: dict[str, set[Watch]] = {}

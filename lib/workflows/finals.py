@@ -21,9 +21,9 @@ import orjson
 from lib.errors import WriteRefused
 from lib.execution.buffer import EventBuffer
 from lib.execution.events import EXECUTION_PAUSED, Event
+from lib.execution.log import batch_meta
 from lib.execution.ownership import Ownership
 from lib.execution.record import Field
-from lib.execution.writer import batch_meta
 from lib.workflows.executor import RunState
 from lib.workflows.leases import LocalRun
 from lib.workflows.model import Workflow

@@ -31,12 +31,11 @@ from lib.execution.events import (
     EXECUTION_PAUSED,
 )
 from lib.execution.hub import Hub
-from lib.execution.log import ExecutionLog
+from lib.execution.log import ExecutionLog, LiveGate
 from lib.execution.offload import OffloadPolicy
 from lib.execution.ownership import Claim, Ownership, paused_member
 from lib.execution.record import Field, StopReason
 from lib.execution.values import ValueStore
-from lib.execution.writer import LiveGate
 from lib.metrics import Metrics
 from lib.workflows.checkpoint import Keeper
 from lib.workflows.executor import BlockFailed, Executor, HandedOff, Pause, Paused, RunState

@@ -21,9 +21,9 @@ from typing import Any
 
 from lib.backoff import Backoff
 from lib.errors import Fenced, FlowcastError, RecordLost
+from lib.execution.log import LiveGate
 from lib.execution.ownership import Ownership
 from lib.execution.record import StopReason
-from lib.execution.writer import LiveGate
 
 log = logging.getLogger(__name__)
 

@@ -188,7 +188,7 @@ async def test_a_batch_that_writes_back_a_large_checkpoint_is_stored_whole(
     redis: Redis,
 ) -> None:
     # After the store lost writes, a writer writes its whole checkpoint back with its
-    # next batch (writer.py: checkpoint=self._mirror): two fields per block run (its
+    # next batch (log.py: checkpoint=self._mirror): two fields per block run (its
     # attempt and its output), so over 4000 for a workflow of some 2000 blocks.
     # append.lua set them with HSET(unpack(...)), and Lua unpacks at most ~8000 values:
     # the script failed after storing the events and the metadata, so the batch was

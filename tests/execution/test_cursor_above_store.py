@@ -19,8 +19,7 @@ from redis.asyncio import Redis
 
 from lib.execution.buffer import EventBuffer
 from lib.execution.events import Event
-from lib.execution.hub import Hub
-from lib.execution.stream import StreamReader
+from lib.execution.stream import Readers, StreamReader
 from tests.support.logcheck import check_view
 from tests.support.sse import Frame, parse_frame
 
@@ -72,8 +71,8 @@ async def test_a_cursor_above_a_finished_log_gets_its_terminal_event(
 ) -> None:
     execution_id = await create(buffer)
     terminal = await store_a_short_cancelled_log(buffer, execution_id)
-    async with Hub(buffer=buffer) as hub:
-        reader = StreamReader(buffer=buffer, hub=hub, execution_id=execution_id, cursor=9)
+    async with Readers(buffer=buffer) as live:
+        reader = StreamReader(readers=live, execution_id=execution_id, cursor=9)
         await reader.open()
         frames = await asyncio.wait_for(read_frames(reader), 10)
     assert [(frame.id, frame.event) for frame in frames] == [("4", "execution:cancelled")]
@@ -86,9 +85,9 @@ async def test_readers_of_a_publisher_that_showed_unstored_ids_get_the_end_store
     """The publisher here showed ids 1-10 and stored none; the log ends at 4. Once it
     detaches, its readers' tail hands them the terminal event 4 and their streams end."""
     execution_id = await create(buffer)
-    async with Hub(buffer=buffer) as hub:
-        publisher = hub.attach_local(execution_id, last_id=0, unstored=list)
-        reader = StreamReader(buffer=buffer, hub=hub, execution_id=execution_id, cursor=0)
+    async with Readers(buffer=buffer) as live:
+        publisher = live.hub.attach_local(execution_id, last_id=0)
+        reader = StreamReader(readers=live, execution_id=execution_id, cursor=0)
         await reader.open()  # attached before anything is published
         reading = asyncio.create_task(read_frames(reader))
         shown = [event(execution_id, 1, "execution:started")]

@@ -25,6 +25,7 @@ from lib.execution.events import (
     TERMINAL_TYPES,
     Event,
 )
+from lib.execution.log import batch_meta
 from lib.execution.ownership import TRANSITIONS, draw_transitions
 from lib.execution.record import (
     REFUSALS,
@@ -38,7 +39,6 @@ from lib.execution.record import (
     refusal_of,
     refused,
 )
-from lib.execution.writer import batch_meta
 from lib.workflows.launcher import identity_of
 
 LIB = Path(lib.__file__).parent

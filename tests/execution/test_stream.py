@@ -11,10 +11,9 @@ import pytest
 from redis.asyncio import Redis
 
 from lib.execution.buffer import EventBuffer
-from lib.execution.emitter import Emitter
-from lib.execution.hub import Hub
-from lib.execution.stream import StreamReader
-from lib.execution.writer import EventWriter
+from lib.execution.events import Event
+from lib.execution.log import Emitter, EventWriter
+from lib.execution.stream import Readers, StreamReader
 from tests.support.logcheck import check_log, check_view
 from tests.support.sse import parse_frame
 
@@ -57,10 +56,10 @@ async def test_readers_attaching_during_a_local_execution_get_every_event_once(
     buffer: EventBuffer,
 ) -> None:
     execution_id = await create(buffer)
-    async with Hub(buffer=buffer) as hub:
+    async with Readers(buffer=buffer) as live:
         writer = EventWriter(buffer=buffer, execution_id=execution_id, fence="me")
-        publisher = hub.attach_local(execution_id, last_id=0, unstored=writer.unstored)
-        writer.show_to(publisher.publish)
+        publisher = live.hub.attach_local(execution_id, last_id=0)
+        writer.show_to(publisher)
         async with writer:
             emitter = Emitter(execution_id=execution_id, workflow_id="wf", writer=writer)
             readers: list[tuple[int, asyncio.Task[list[object]]]] = []
@@ -68,9 +67,7 @@ async def test_readers_attaching_during_a_local_execution_get_every_event_once(
             rng = random.Random(7)
             while not producer.done():
                 cursor = rng.randint(0, emitter.last_id)
-                reader = StreamReader(
-                    buffer=buffer, hub=hub, execution_id=execution_id, cursor=cursor
-                )
+                reader = StreamReader(readers=live, execution_id=execution_id, cursor=cursor)
                 readers.append((cursor, asyncio.create_task(read_all(reader))))
                 await asyncio.sleep(0)
             await producer
@@ -91,22 +88,22 @@ async def test_readers_on_another_process_follow_the_stored_log_without_polling(
 
     async def remote_writer() -> None:
         # Another process writes; this one only ever sees Redis.
-        async with Hub(buffer=buffer) as other_hub:
+        async with Readers(buffer=buffer) as other_readers:
             writer = EventWriter(buffer=buffer, execution_id=execution_id, fence="me")
-            publisher = other_hub.attach_local(execution_id, last_id=0, unstored=writer.unstored)
-            writer.show_to(publisher.publish)
+            publisher = other_readers.hub.attach_local(execution_id, last_id=0)
+            writer.show_to(publisher)
             async with writer:
                 emitter = Emitter(execution_id=execution_id, workflow_id="wf", writer=writer)
                 await emit_all(emitter, TOTAL)
             publisher.detach()
 
-    async with Hub(buffer=buffer, tail_block_ms=1000) as hub:
+    async with Readers(buffer=buffer, tail_block_ms=1000) as live:
         producer = asyncio.create_task(remote_writer())
         readers = []
         rng = random.Random(11)
         while not producer.done():
             cursor = rng.randint(0, 50)
-            reader = StreamReader(buffer=buffer, hub=hub, execution_id=execution_id, cursor=cursor)
+            reader = StreamReader(readers=live, execution_id=execution_id, cursor=cursor)
             readers.append((cursor, asyncio.create_task(read_all(reader))))
             await asyncio.sleep(0.001)
         await producer
@@ -121,14 +118,14 @@ async def test_reader_closed_mid_stream_ends_and_a_reconnect_loses_nothing(
 ) -> None:
     """What the connection's time cap does (app/sse.py closes the reader at it)."""
     execution_id = await create(buffer)
-    async with Hub(buffer=buffer) as hub:
+    async with Readers(buffer=buffer) as live:
         writer = EventWriter(buffer=buffer, execution_id=execution_id, fence="me")
-        publisher = hub.attach_local(execution_id, last_id=0, unstored=writer.unstored)
-        writer.show_to(publisher.publish)
+        publisher = live.hub.attach_local(execution_id, last_id=0)
+        writer.show_to(publisher)
         async with writer:
             emitter = Emitter(execution_id=execution_id, workflow_id="wf", writer=writer)
             emitter.emit("execution:started", {"input": None})
-            capped = StreamReader(buffer=buffer, hub=hub, execution_id=execution_id, cursor=0)
+            capped = StreamReader(readers=live, execution_id=execution_id, cursor=0)
             cap = asyncio.get_running_loop().call_later(0.2, capped.close)
             first = await read_all(capped)
             cap.cancel()
@@ -136,6 +133,76 @@ async def test_reader_closed_mid_stream_ends_and_a_reconnect_loses_nothing(
             emitter.emit("execution:completed", {"output": {}, "durationMs": 1})
         publisher.detach()
         rest = await read_all(
-            StreamReader(buffer=buffer, hub=hub, execution_id=execution_id, cursor=capped.last_sent)
+            StreamReader(readers=live, execution_id=execution_id, cursor=capped.last_sent)
         )
     check_log(check_view(first + rest))
+
+
+class CountingBuffer(EventBuffer):
+    """A reader process's buffer that counts the tail's reads (a seam, real Valkey)."""
+
+    reads = 0
+
+    async def after(self, execution_id: str, *, after: int, count: int = 1000) -> list[Event]:
+        self.reads += 1
+        return await super().after(execution_id, after=after, count=count)
+
+
+async def test_a_reader_on_another_process_forwards_small_batches_without_reading_them(
+    buffer: EventBuffer,
+) -> None:
+    """The notify message carries a small batch whole (append.lua): the remote tail
+    reads the store once when it starts, then forwards what it hears."""
+    execution_id = await create(buffer)
+    remote = CountingBuffer(redis=buffer.redis, prefix=buffer.prefix)
+    async with Readers(buffer=remote, tail_block_ms=60_000) as live:
+        reader = StreamReader(readers=live, execution_id=execution_id, cursor=0)
+        frames = asyncio.create_task(read_all(reader))
+        async with EventWriter(buffer=buffer, execution_id=execution_id, fence="me") as writer:
+            emitter = Emitter(execution_id=execution_id, workflow_id="wf", writer=writer)
+            emitter.emit("execution:started", {"input": None})
+            channel = live.hub.get(execution_id)
+            while channel is None or channel.tail_task is None:
+                await asyncio.sleep(0.005)  # polls the real condition: the tail is up
+                channel = live.hub.get(execution_id)
+            started_reads = remote.reads
+            for i in range(2, 40):
+                emitter.emit("block:chunk", {"blockId": "b", "text": str(i)})
+                await writer.drained()
+            emitter.emit("execution:completed", {"output": {}, "durationMs": 1})
+        envelopes = check_view(await asyncio.wait_for(frames, 10), after=0)
+    assert [e["id"] for e in envelopes] == list(range(1, 41))
+    # 39 batches stored after the tail started; at most the read of a batch that was
+    # stored while the tail's first read was in flight.
+    assert remote.reads - started_reads <= 1
+
+
+async def test_a_published_batch_that_does_not_follow_is_not_forwarded_but_read(
+    buffer: EventBuffer,
+) -> None:
+    """A notify message whose first id leaves a hole after the channel's last event is
+    never shown as it is: the tail reads the store, which tells what is there."""
+    execution_id = await create(buffer)
+    async with Readers(buffer=buffer, tail_block_ms=60_000) as live:
+        reader = StreamReader(readers=live, execution_id=execution_id, cursor=0)
+        frames = asyncio.create_task(read_all(reader))
+        async with EventWriter(buffer=buffer, execution_id=execution_id, fence="me") as writer:
+            emitter = Emitter(execution_id=execution_id, workflow_id="wf", writer=writer)
+            emitter.emit("execution:started", {"input": None})
+            await writer.drained()
+            channel = live.hub.get(execution_id)
+            while channel is None or channel.tail_task is None or channel.last_published < 1:
+                await asyncio.sleep(0.005)  # polls the real condition: the tail has id 1
+                channel = live.hub.get(execution_id)
+            forged = b'{"id":3,"type":"block:chunk","data":{"text":"never stored"}}'
+            message = b"\n".join([execution_id.encode(), b"3", b"block:chunk", forged])
+            await buffer.redis.publish(buffer.keys.notify, message)
+            emitter.emit("block:chunk", {"blockId": "b", "text": "2"})
+            emitter.emit("execution:completed", {"output": {}, "durationMs": 1})
+        envelopes = check_view(await asyncio.wait_for(frames, 10), after=0)
+    assert [e["type"] for e in envelopes] == [
+        "execution:started",
+        "block:chunk",
+        "execution:completed",
+    ]
+    assert envelopes[1]["data"]["text"] == "2"

@@ -25,6 +25,7 @@ from lib.execution.events import (
     EXECUTION_STARTED,
     Event,
 )
+from lib.execution.log import batch_meta
 from lib.execution.ownership import TRANSITIONS, Ownership, Transition, lease_member
 from lib.execution.record import (
     REFUSALS,
@@ -35,7 +36,6 @@ from lib.execution.record import (
     Status,
     Takeover,
 )
-from lib.execution.writer import batch_meta
 
 LEASE_SECONDS = 30.0
 TESTED: dict[tuple[Status | None, str], str] = {}

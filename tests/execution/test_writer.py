@@ -24,9 +24,8 @@ from redis.asyncio import Redis
 from lib.errors import BufferUnavailable
 from lib.execution.buffer import AppendResult, EventBuffer, Page
 from lib.execution.events import Event
-from lib.execution.hub import Hub
-from lib.execution.stream import StreamReader
-from lib.execution.writer import TRANSITIONS, EventWriter, LiveGate, Transition, WriterState
+from lib.execution.log import TRANSITIONS, EventWriter, LiveGate, Transition, WriterState
+from lib.execution.stream import Readers, StreamReader
 from tests.support.logcheck import check_log, check_view
 from tests.support.sse import Frame, parse_frame
 
@@ -170,8 +169,8 @@ def stored_envelopes(page: Page) -> list[dict[str, Any]]:
 
 
 async def replay(buffer: EventBuffer, execution_id: str, cursor: int) -> list[Frame]:
-    async with Hub(buffer=buffer) as hub:
-        reader = StreamReader(buffer=buffer, hub=hub, execution_id=execution_id, cursor=cursor)
+    async with Readers(buffer=buffer) as live:
+        reader = StreamReader(readers=live, execution_id=execution_id, cursor=cursor)
         data = b"".join([chunk async for chunk in reader.frames()])
     return [parse_frame(raw) for raw in data.split(b"\n\n") if raw]
 
@@ -403,16 +402,16 @@ async def test_a_reader_on_the_owning_process_gets_a_dropped_gap_for_events_neve
     total = 30
     execution_id = await create(faulty)
     faulty.down = True
-    async with Hub(buffer=faulty) as hub:
+    async with Readers(buffer=faulty) as live:
         async with writing(faulty, execution_id, max_pending=10) as writer:
-            publisher = hub.attach_local(execution_id, last_id=0, unstored=writer.unstored)
-            writer.show_to(publisher.publish)
+            publisher = live.hub.attach_local(execution_id, last_id=0)
+            writer.show_to(publisher)
             for event_id in range(1, 4):
                 writer.put(event(execution_id, event_id, last=total))
             await wait_for(lambda: len(faulty.attempts) >= 1)
             for event_id in range(4, total):
                 writer.put(event(execution_id, event_id, last=total))
-            reader = StreamReader(buffer=faulty, hub=hub, execution_id=execution_id, cursor=0)
+            reader = StreamReader(readers=live, execution_id=execution_id, cursor=0)
             reading = asyncio.create_task(read_frames(reader))
             await wait_for(lambda: len(faulty.attempts) >= 5)
             assert reader.last_sent == 0 and writer.unstored() == []

@@ -54,12 +54,13 @@ def append(
     recreate: bool = False,
     meta: Mapping[str, str] | None = None,
     checkpoint: Mapping[str, str] | None = None,
+    inline: int = 0,
 ) -> Any:
     meta, checkpoint = meta or {}, checkpoint or {}
     args: list[Any] = [
         token, epoch, first, "1" if after_drop else "0", limit, budget, retention, ttl,
         reserve, "1" if recreate else "0", len(events), len(meta), len(checkpoint),
-        eid, keys.notify, keys.status,
+        eid, keys.notify, keys.status, inline,
     ]  # fmt: skip
     for kind, body in events:
         args += [kind, body]
@@ -141,6 +142,22 @@ async def test_the_execution_id_goes_out_on_notify_and_a_status_change_on_status
         "id": eid, "tenant": "acme", "workflowId": "wf", "status": "paused",
         "createdAt": "c0", "updatedAt": "u0", "lastEventId": 3,
     }  # fmt: skip
+
+
+async def test_a_batch_within_the_inline_cap_goes_out_whole_and_a_larger_one_as_its_id(
+    redis: Redis, keys: Keys, eid: str, node_url: Callable[[str], str]
+) -> None:
+    """A reader on another process forwards a small batch without reading it back."""
+    await owned(redis, keys, eid)
+    small = [chunk(1), chunk(2)]
+    cap = sum(len(body) for _kind, body in small)
+    async with inbox(node_url(keys.meta(eid)), keys.notify) as box:
+        await append(redis, keys, eid, small, first=1, inline=cap)
+        await append(redis, keys, eid, [chunk(3), chunk(4)], first=3, inline=cap - 1)
+        await append(redis, keys, eid, [], first=5, inline=cap)
+        received = await box.received()
+    lines = [eid, "1", *(part for event in small for part in event)]
+    assert received == [(keys.notify, "\n".join(lines)), (keys.notify, eid), (keys.notify, eid)]
 
 
 async def test_a_status_change_without_a_tenant_publishes_no_row(
