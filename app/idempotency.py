@@ -1,10 +1,27 @@
 """``Idempotency-Key`` on execute, resume and cancel.
 
-The first request with a key claims it (``SET NX``) and runs; its outcome (status and
+**Execute: the key names its execution before the execution exists.** The first request
+writes the key's record (``SET NX``: the request's fingerprint and a new execution id),
+then creates the execution under that id. The record and the execution live in different
+hash slots on a cluster, so no one script writes both; instead they are written in that
+order, and whatever dies between the two writes, a repeat on any replica finds the
+record and either finds the execution or creates it itself, with the id the record
+names and its own body (the same request: the fingerprints match). start.lua creates an
+id only once, so of two requests creating it at the same moment one runs it and the
+other answers its id. No repeat waits for another request, and none starts a second
+execution. The record says the outcome (202) once the execution is known to exist; a
+request that fails below 500 before creating anything stores its error there instead,
+unless another request answered first (idempotency.lua). A record whose execution is
+missing and older than the retention of a finished execution is not created again: that
+execution may have run and expired since.
+
+**Resume and cancel** claim the key (``SET NX``) and run; their outcome (status and
 body, errors below 500 included) is stored for ``FLOWCAST_IDEMPOTENCY_SECONDS``. A
-repeat with the same key and the same request gets that outcome, also while the first
-is still running (it waits for it); the same key with a different request is 422. An
-outcome of 500 or more is not kept, so the client may retry.
+repeat with the same key and the same request gets that outcome, also while the first is
+still running (it waits for it). An outcome of 500 or more is not kept, so the client may
+retry (an execute's record stays: its retry finds or creates the execution it names).
+
+The same key with a different request is 422.
 """
 
 from __future__ import annotations
@@ -14,16 +31,16 @@ import hashlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import orjson
 from fastapi import Request
 from redis.asyncio import Redis
 
 from app.errors import ApiError, error_payload
-from lib.backend import Keys, translating
+from lib.backend import Keys, load_script, translating
 from lib.errors import BufferUnavailable, FlowcastError
-from lib.workflows.runner import Started
+from lib.workflows.runner import Started, new_execution_id
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +66,132 @@ class Outcome:
     body: dict[str, Any]
 
 
-class Idempotency:
-    """Remembers outcomes by (tenant, operation, key) in Redis."""
+def accepted(started: Started) -> Outcome:
+    """The outcome of an execute, resume or cancel that took effect."""
+    return Outcome(202, {"executionId": started.execution_id, "status": started.status})
 
-    def __init__(self, *, redis: Redis, prefix: str, ttl_seconds: int) -> None:
+
+def _checked(key: str) -> str:
+    if not key or len(key) > MAX_KEY_LENGTH or not key.isprintable():
+        raise ApiError(
+            400, "invalid_idempotency_key", "Idempotency-Key must be 1-255 printable characters"
+        )
+    return key
+
+
+def _answered(digest: str, outcome: Outcome) -> bytes:
+    """A record that holds its outcome."""
+    return orjson.dumps({"fingerprint": digest, "status": outcome.status, "body": outcome.body})
+
+
+def _reused() -> ApiError:
+    return ApiError(
+        422, "idempotency_key_reused", "this Idempotency-Key was used with a different request"
+    )
+
+
+class Idempotency:
+    """Remembers outcomes by (tenant, operation, key) in Redis.
+
+    ``retention_seconds`` is how long a finished execution's keys stay: an execute's
+    record older than that whose execution is missing is not created again.
+    """
+
+    def __init__(
+        self, *, redis: Redis, prefix: str, ttl_seconds: int, retention_seconds: int | None = None
+    ) -> None:
         self._redis = redis
         self._keys = Keys(prefix)
         self._ttl = ttl_seconds
+        self._retention = retention_seconds if retention_seconds is not None else ttl_seconds
+        self._answer = redis.register_script(load_script(__package__, "idempotency.lua"))
+
+    def _record(self, tenant: str, operation: str, key: str) -> str:
+        return self._keys.idempotency(tenant, operation, hashlib.sha256(key.encode()).hexdigest())
+
+    async def execute(
+        self,
+        request: Request,
+        *,
+        tenant: str,
+        scope: str,
+        action: Callable[[str], Awaitable[Started]],
+    ) -> Outcome:
+        """Start an execution once per the request's ``Idempotency-Key``: ``action``
+        creates the execution with the id it is given (or finds it created already)."""
+        key = request.headers.get("idempotency-key")
+        if key is None:
+            return accepted(await action(new_execution_id()))
+        redis_key = self._record(tenant, "execute", _checked(key))
+        digest = hashlib.sha256(fingerprint(scope, await request.body())).hexdigest()
+        while True:
+            execution_id = new_execution_id()
+            pending = orjson.dumps({"fingerprint": digest, "executionId": execution_id})
+            with translating("check the Idempotency-Key"):
+                claimed = await self._redis.set(redis_key, pending, nx=True, ex=self._ttl)
+            if claimed:
+                break
+            with translating("check the Idempotency-Key"):
+                raw = await self._redis.get(redis_key)
+            if raw is None:
+                continue  # expired between the two commands: claim it afresh
+            stored = orjson.loads(raw)
+            if stored["fingerprint"] != digest:
+                raise _reused()
+            if "status" in stored:
+                return Outcome(stored["status"], stored["body"])
+            if "executionId" not in stored:
+                # Claimed by a server of the previous version, which records no id.
+                return await self._repeat(redis_key, digest)
+            pending, execution_id = cast(bytes, raw), stored["executionId"]
+            if await self._existed(redis_key, execution_id):
+                outcome = Outcome(202, {"executionId": execution_id, "status": "running"})
+                await self._remember(redis_key, digest, outcome, exists=True)
+                return outcome
+            break
+        try:
+            started = await action(execution_id)
+        except FlowcastError as exc:
+            status, body = error_payload(exc)
+            if status >= 500:
+                raise  # the record stays: a retry finds or creates the execution it names
+            first = await self._answer_once(redis_key, pending, digest, Outcome(status, body))
+            if first is not None and first != Outcome(status, body):
+                return first  # another request answered first (it created the execution)
+            raise
+        outcome = accepted(started)
+        await self._remember(redis_key, digest, outcome, exists=True)
+        return outcome
+
+    async def _existed(self, redis_key: str, execution_id: str) -> bool:
+        """Whether the execution a record names exists, or may have existed: a record
+        older than a finished execution's retention is never created again."""
+        with translating("check the Idempotency-Key"):
+            if await self._redis.exists(self._keys.meta(execution_id)):
+                return True
+            left_ms = await self._redis.pttl(redis_key)
+        # The record's age on Redis's clock: its time to live is set once, when written.
+        return left_ms >= 0 and self._ttl * 1000 - left_ms >= self._retention * 1000
+
+    async def _answer_once(
+        self, redis_key: str, pending: bytes, digest: str, outcome: Outcome
+    ) -> Outcome | None:
+        """Store ``outcome`` in place of the pending record unless another request
+        answered first; the outcome the record holds afterwards (None: it expired)."""
+        value = _answered(digest, outcome)
+        try:
+            with translating("remember an Idempotency-Key"):
+                raw = await self._answer(keys=[redis_key], args=[pending, value, self._ttl])
+        except BufferUnavailable as exc:
+            # The pending record stays: a repeat finds or creates its execution.
+            log.warning("could not remember an Idempotency-Key", extra={"error": str(exc)})
+            return None
+        if raw is None:
+            return None
+        stored = orjson.loads(raw)
+        if "status" not in stored:
+            return None
+        return Outcome(stored["status"], stored["body"])
 
     async def run(
         self,
@@ -69,13 +205,8 @@ class Idempotency:
         """Run ``action`` once per key; repeats get the first outcome."""
         if key is None:
             return await action()
-        if not key or len(key) > MAX_KEY_LENGTH or not key.isprintable():
-            raise ApiError(
-                400, "invalid_idempotency_key", "Idempotency-Key must be 1-255 printable characters"
-            )
+        redis_key = self._record(tenant, operation, _checked(key))
         digest = hashlib.sha256(fingerprint).hexdigest()
-        name = hashlib.sha256(key.encode()).hexdigest()
-        redis_key = self._keys.idempotency(tenant, operation, name)
         pending = orjson.dumps({"fingerprint": digest})
         with translating("check the Idempotency-Key"):
             claimed = await self._redis.set(
@@ -110,9 +241,8 @@ class Idempotency:
         """Run an action that starts, resumes or cancels an execution, once per the
         request's ``Idempotency-Key``; its outcome is 202 with the execution's id."""
 
-        async def accepted() -> Outcome:
-            started = await action()
-            return Outcome(202, {"executionId": started.execution_id, "status": started.status})
+        async def took_effect() -> Outcome:
+            return accepted(await action())
 
         key = request.headers.get("idempotency-key")
         return await self.run(
@@ -121,7 +251,7 @@ class Idempotency:
             key=key,
             # Only a keyed request is compared with its repeats.
             fingerprint=fingerprint(scope, await request.body()) if key is not None else b"",
-            action=accepted,
+            action=took_effect,
         )
 
     async def _repeat(self, redis_key: str, digest: str) -> Outcome:
@@ -136,11 +266,7 @@ class Idempotency:
                 )
             stored = orjson.loads(raw)
             if stored["fingerprint"] != digest:
-                raise ApiError(
-                    422,
-                    "idempotency_key_reused",
-                    "this Idempotency-Key was used with a different request",
-                )
+                raise _reused()
             if "status" in stored:
                 return Outcome(stored["status"], stored["body"])
             if loop.time() > deadline:
@@ -152,14 +278,20 @@ class Idempotency:
             # The first request is still running: wait for its outcome.
             await asyncio.sleep(0.02)
 
-    async def _remember(self, redis_key: str, digest: str, outcome: Outcome) -> None:
-        value = orjson.dumps(
-            {"fingerprint": digest, "status": outcome.status, "body": outcome.body}
-        )
+    async def _remember(
+        self, redis_key: str, digest: str, outcome: Outcome, *, exists: bool = False
+    ) -> None:
+        """Store the outcome; ``exists``: an execute's, whose record names an execution
+        that exists now, so the record may only be answered (never made anew) and must
+        stay if that fails."""
+        value = _answered(digest, outcome)
         try:
             with translating("remember an Idempotency-Key"):
-                await self._redis.set(redis_key, value, ex=self._ttl)
-        except BufferUnavailable:
+                await self._redis.set(redis_key, value, ex=self._ttl, xx=exists)
+        except BufferUnavailable as exc:
+            if exists:
+                log.warning("could not remember an Idempotency-Key", extra={"error": str(exc)})
+                return
             await self._forget(redis_key)
 
     async def _forget(self, redis_key: str) -> None:

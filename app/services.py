@@ -241,6 +241,7 @@ async def open_executor(
         lease_seconds=settings.lease_seconds,
     )
     stack.push_async_callback(slots.close)
+    await slots.introduce(catalog.llm_providers)
     providers = Providers(catalog.llm_providers, http=llm_http, slots=slots)
     secret_key = load_secret(settings.secret_key, settings.data_dir)
     secrets = SecretStore(redis=stores.redis, key=secret_key, prefix=settings.redis_prefix)
@@ -352,6 +353,7 @@ def build_services(
             redis=stores.redis,
             prefix=settings.redis_prefix,
             ttl_seconds=settings.idempotency_seconds,
+            retention_seconds=settings.retention_seconds,
         ),
     )
 

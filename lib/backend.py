@@ -97,7 +97,7 @@ class Keys:
         base = f"{self.prefix}:{{llm:{provider}}}"
         return [
             f"{base}:{name}"
-            for name in ("holders", "queue", "waiters", "tickets", "freed", "pause")
+            for name in ("holders", "queue", "waiters", "tickets", "freed", "pause", "store")
         ]
 
 

@@ -134,7 +134,7 @@ async def execute(
     """Start an execution; stream it when the client accepts SSE, else answer 202."""
     request_body = body or ExecuteRequest()
 
-    async def start() -> Run:
+    async def start(execution_id: str) -> Run:
         stored = await svc.workflows.get(tenant_id, workflow_id)
         missing = svc.providers.problems(stored.workflow)
         if missing:
@@ -146,14 +146,15 @@ async def execute(
             input=request_body.input,
             tenant=tenant_id,
             inline_files=request_body.inline_files,
+            execution_id=execution_id,
         )
 
     streaming = "text/event-stream" in request.headers.get("accept", "")
     if streaming:
         svc.streams.take(tenant_id)  # before starting: a refused stream starts nothing
     try:
-        outcome = await svc.idempotency.accept(
-            request, tenant=tenant_id, operation="execute", scope=workflow_id, action=start
+        outcome = await svc.idempotency.execute(
+            request, tenant=tenant_id, scope=workflow_id, action=start
         )
     except BaseException:
         if streaming:

@@ -173,10 +173,10 @@ class EventBuffer:
         lease_ms: int = 15_000,
         extra: Mapping[str, str] | None = None,
         state: Mapping[str, bytes] | None = None,
-    ) -> None:
+    ) -> bool:
         """Create a new execution's metadata, owned by ``owner`` at epoch 1, with its run
         state fields ``state``, and list it in its tenant's index (start.lua; the lease
-        is on Redis's clock)."""
+        is on Redis's clock). False, with nothing written, when it exists already."""
         fields: list[Any] = [
             Field.WORKFLOW_ID, workflow_id, Field.TENANT, tenant,
             Field.CREATED_AT, created_at, Field.UPDATED_AT, created_at,
@@ -187,13 +187,15 @@ class EventBuffer:
         # Where its list row is published, and as which id; then the run state's fields.
         head: list[Any] = [owner, lease_ms, self.active_ttl_seconds, execution_id, self.keys.status]
         # The index is another key (another slot on a cluster): written beside it.
-        await asyncio.gather(
+        # NX: the creator that lost (start.lua found the id) leaves the listing as it was.
+        lease_end, _ = await asyncio.gather(
             self._start(
                 keys=[self.keys.meta(execution_id), self.keys.state(execution_id)],
                 args=[*head, len(pairs) // 2, *pairs, *fields],
             ),
-            self.redis.zadd(self.keys.index(tenant), {execution_id: created_ms}),
+            self.redis.zadd(self.keys.index(tenant), {execution_id: created_ms}, nx=True),
         )
+        return int(lease_end) != 0
 
     @translated
     async def index_again(self, execution_id: str, tenant: str) -> None:

@@ -265,11 +265,12 @@ class Ownership:
         created_ms: int,
         extra: dict[str, str] | None = None,
         state: dict[str, bytes] | None = None,
-    ) -> Claim:
+    ) -> Claim | None:
         """Create an execution, running and owned by ``fence`` (watched first), with its
-        run state fields ``state``."""
+        run state fields ``state``; None when it exists already (its id was named in
+        advance and another process created it first: that one runs it)."""
         await self.hold(execution_id, fence)
-        await self.buffer.create(
+        created = await self.buffer.create(
             execution_id,
             workflow_id=workflow_id,
             tenant=tenant,
@@ -280,6 +281,9 @@ class Ownership:
             extra=extra,
             state=state,
         )
+        if not created:
+            await self.forget_lease(execution_id, fence)
+            return None
         return Claim(0, 0, None, fence, 1)
 
     @translated

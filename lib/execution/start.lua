@@ -20,10 +20,16 @@ lists; see append.lua for the other status changes), only when the metadata name
 tenant, and best effort: a refused PUBLISH is no error.
 
 Returns the lease end in milliseconds. The execution starts `running` at epoch 1, with
-no events (lastId, firstId, bytes, count and reserved 0). No error reply of its own.
+no events (lastId, firstId, bytes, count and reserved 0). Returns 0 when the execution
+exists already (its id was named in advance, by an Idempotency-Key's record, and
+another request created it first): nothing is written and nothing is published. No
+error reply of its own.
 ]]
 
 local meta = KEYS[1]
+if redis.call("EXISTS", meta) == 1 then
+  return 0
+end
 local until_ms = now_ms() + tonumber(ARGV[2])
 local n = tonumber(ARGV[6])
 local fields = {"owner", ARGV[1], "epoch", 1, "leaseUntil", until_ms, "status", "running",

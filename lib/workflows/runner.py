@@ -234,16 +234,24 @@ class Runner:
     # -- the API's operations ------------------------------------------------------
 
     async def start(
-        self, workflow: Workflow, *, input: Any, tenant: str, inline_files: bool = False
+        self,
+        workflow: Workflow,
+        *,
+        input: Any,
+        tenant: str,
+        inline_files: bool = False,
+        execution_id: str | None = None,
     ) -> Started:
         """Create an execution and start running it here; returns once it is replayable.
 
         ``inline_files`` keeps file values' content inline up to their own cap, exempt
-        from the pressure threshold (SPEC §5).
+        from the pressure threshold (SPEC §5). An ``execution_id`` named in advance (an
+        Idempotency-Key's record names it before it exists) may be created by another
+        request first: then that one runs it, and this one starts nothing.
         """
         if not self.accepting:
             raise ShuttingDown("the server is shutting down and starts no new executions")
-        execution_id = new_execution_id()
+        execution_id = execution_id or new_execution_id()
         fence = self._fence()
         await self._admit(tenant, fence)
         now = datetime.now(UTC)
@@ -271,6 +279,10 @@ class Runner:
         except FlowcastError:
             await self._launcher.quietly(execution_id, self._ownership.leave(tenant, fence))
             raise
+        if claim is None:
+            await self._launcher.quietly(execution_id, self._ownership.leave(tenant, fence))
+            log.info("execution created by another request", extra={"executionId": execution_id})
+            return Started(execution_id, "running")
 
         async def body(local: LocalRun, emitter: ExecutionLog) -> None:
             emitter.emit(EXECUTION_STARTED, {"input": input})
@@ -409,6 +421,10 @@ class Runner:
         except FlowcastError:
             await self._launcher.quietly(execution_id, self._ownership.leave(tenant, fence))
             raise
+        if claim is None:
+            await self._launcher.quietly(execution_id, self._ownership.leave(tenant, fence))
+            log.info("execution created by another request", extra={"executionId": execution_id})
+            return Started(execution_id, "running")
         if claim.status_before is Status.PAUSED:
             # The pause stops counting as such: its new owner counts (or it ends).
             await self._launcher.quietly(

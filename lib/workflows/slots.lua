@@ -8,38 +8,69 @@ KEYS[3]  waiters: zset token -> alive until (ms)       fc:{llm:<provider>}:waite
 KEYS[4]  tickets: the counter that numbers arrivals    fc:{llm:<provider>}:tickets
 KEYS[5]  freed:   a stream, one entry per freed slot   fc:{llm:<provider>}:freed
 KEYS[6]  pause:   set while the provider asked to wait fc:{llm:<provider>}:pause
-ARGV[1]  operation: "acquire", "renew", "release" or "pause"
+KEYS[7]  store:   hash runId, grantsFrom               fc:{llm:<provider>}:store
+ARGV[1]  operation: "acquire", "renew", "release", "pause" or "hello"
 ARGV[2]  the caller's token
 ARGV[3]  acquire: the cap; pause: how long to pause (ms)
 ARGV[4]  lease length in milliseconds
+ARGV[5]  acquire, renew, hello: the server the caller last saw answer (a run id; ""
+         if none)
 
 Returns
-  acquire  {1, 0, "", 0} when the caller now holds a slot, else
-           {0, wait, freed, paused}: try again within `wait` ms (a holder's lease
-           ends, the pause ends, or the caller must show it is still waiting), or as
-           soon as the freed stream has an entry after id `freed` ("0-0" when it is
-           empty); `paused` is the provider's pause left in ms (0 when none)
-  renew    1 (the holder's lease is extended; a holder the store forgot is counted
-           again, since its call is in flight whatever the store remembers)
+  acquire  {1, 0, "", 0, server} when the caller now holds a slot, else
+           {0, wait, freed, paused, server}: try again within `wait` ms (a holder's
+           lease ends, the pause or the settling ends, or the caller must show it is
+           still waiting), or as soon as the freed stream has an entry after id
+           `freed` ("0-0" when it is empty); `paused` is the provider's pause left in
+           ms (0 when none); `server` is the run id of the server answering
+  renew    {1, server} when the holder's lease is extended; {0, server} when the
+           holder is gone (its lease ended, e.g. while its process stalled, and the
+           slot went on; or the store forgot it): it is never counted again, its
+           call must stop
   release  1 when a slot was freed, else 0
   pause    the pause left, in ms (the longer of the one asked and the one set)
+  hello    the server: a process learns it at start, so that it knows the server
+           changed even if its first call comes after the change
 
 Holders whose lease ended (a crashed process) and waiters that stopped asking are
 dropped on every acquire, so a dead process never keeps a slot or a place in line.
 Every key expires a while after the provider was last used.
+
+When the keys answer from another server than before (a restart, empty or from an
+older copy, or a replica promoted), told by the caller (ARGV[5]) or by the keys
+(KEYS[7]), holders may be calling whom the store forgot: no slot is granted until one
+lease later, when each of them has renewed, found itself gone and stopped. (The same
+idea as ownership's store.lua; a FLUSHALL on the same server is not noticed.)
 ]]
 
 local holders, queue, waiters, tickets, freed, pause = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local store = KEYS[7]
 local op, token = ARGV[1], ARGV[2]
 local lease = tonumber(ARGV[4])
-local time = redis.call("TIME")
-local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local now = now_ms()
 local keep = lease * 4 + 60000
 
 local function touch()
-  for _, key in ipairs({holders, queue, waiters, tickets, freed}) do
+  for _, key in ipairs({holders, queue, waiters, tickets, freed, store}) do
     redis.call("PEXPIRE", key, keep)
   end
+end
+
+-- The server answering now, and from when slots may be granted (ms, Redis's clock).
+local function server()
+  local id = string.match(redis.call("INFO", "server"), "run_id:(%w+)")
+  local known = redis.call("HMGET", store, "runId", "grantsFrom")
+  local from = tonumber(known[2]) or 0
+  local seen = ARGV[5] or ""
+  if (known[1] and known[1] ~= id) or (seen ~= "" and seen ~= id) then
+    from = math.max(from, now + lease)
+    redis.call("HSET", store, "runId", id, "grantsFrom", from)
+    redis.call("PEXPIRE", store, keep)
+  elseif not known[1] then
+    redis.call("HSET", store, "runId", id, "grantsFrom", 0)
+    redis.call("PEXPIRE", store, keep)
+  end
+  return id, from
 end
 
 local function last_freed()
@@ -54,10 +85,18 @@ local function announce()
   redis.call("XADD", freed, "MAXLEN", "~", 64, "*", "t", token)
 end
 
+if op == "hello" then
+  return (server())
+end
+
 if op == "renew" then
+  local id = server()
+  if not redis.call("ZSCORE", holders, token) then
+    return {0, id}
+  end
   redis.call("ZADD", holders, now + lease, token)
   touch()
-  return 1
+  return {1, id}
 end
 
 if op == "release" then
@@ -82,6 +121,7 @@ if op == "pause" then
 end
 
 -- acquire
+local id, grants_from = server()
 local cap = tonumber(ARGV[3])
 local expired = redis.call("ZRANGEBYSCORE", holders, "-inf", now)
 if #expired > 0 then
@@ -96,7 +136,7 @@ if redis.call("ZSCORE", holders, token) then
   -- The caller holds a slot already (its earlier acquire's reply was lost).
   redis.call("ZADD", holders, now + lease, token)
   touch()
-  return {1, 0, "", 0}
+  return {1, 0, "", 0, id}
 end
 if not redis.call("ZSCORE", queue, token) then
   redis.call("ZADD", queue, redis.call("INCR", tickets), token)
@@ -107,7 +147,10 @@ touch()
 local wait = math.max(math.floor(lease / 3), 1)
 local paused = redis.call("PTTL", pause)
 if paused > 0 then
-  return {0, math.min(wait, paused), last_freed(), paused}
+  return {0, math.min(wait, paused), last_freed(), paused, id}
+end
+if grants_from > now then
+  return {0, math.min(wait, grants_from - now), last_freed(), 0, id}
 end
 local free = cap - redis.call("ZCARD", holders)
 if free > 0 and redis.call("ZRANK", queue, token) < free then
@@ -115,10 +158,10 @@ if free > 0 and redis.call("ZRANK", queue, token) < free then
   redis.call("ZREM", waiters, token)
   redis.call("ZADD", holders, now + lease, token)
   touch()  -- holders may be new: one that dies before renewing must not keep it for ever
-  return {1, 0, "", 0}
+  return {1, 0, "", 0, id}
 end
 local first = redis.call("ZRANGE", holders, 0, 0, "WITHSCORES")
 if #first > 0 then
   wait = math.max(math.min(wait, tonumber(first[2]) - now + 1), 1)
 end
-return {0, wait, last_freed(), 0}
+return {0, wait, last_freed(), 0, id}

@@ -16,9 +16,21 @@ retries do not feed a storm. A call waits out a pause of up to ``WAIT_PAUSE_SECO
 in line; a longer one ends the wait with ``ProviderPaused``, so the call fails visibly
 (and is retried after the pause, if its budget allows) instead of hanging unseen.
 
-If Redis cannot be reached, calls go ahead under this process's own cap (logged): a
-buffer outage never stalls the work (SPEC §5), at the cost of the cross-replica cap
-for as long as it lasts.
+**A holder that lost its slot stops**, as an owner that lost its lease does: a renewal
+that finds the holder gone (its lease ended while its process stalled, and the slot went
+to the next caller; or the store forgot it) is never re-added; the call is cancelled
+and the ``with`` raises ``SlotLost``, for the block to fail its attempt as a retryable
+error. A grant whose reply arrives later than a renewal period after it was asked for
+(this process stalled meanwhile) is confirmed by a renewal before the call starts; if
+the slot is gone, the caller gets back in line. After the keys come back from another
+server (a restart, empty or not), no slot is granted for one lease, until every holder
+the store forgot has renewed and stopped (slots.lua); each process learns the server
+at start (``introduce``), so it notices the change even when its first call comes after.
+
+If Redis cannot be reached for a lease, calls go ahead under this process's own cap
+(logged): a buffer outage never stalls the work for long (SPEC §5), at the cost of the
+cross-replica cap for as long as it lasts. A shorter outage (a restart) is waited out,
+so the cap holds through it.
 """
 
 from __future__ import annotations
@@ -27,12 +39,12 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any, cast
 
 from redis.asyncio import Redis
 
-from lib.backend import Keys, load_script, translated
+from lib.backend import Keys, register, translated
 from lib.errors import BufferUnavailable, FlowcastError
 
 log = logging.getLogger(__name__)
@@ -53,6 +65,47 @@ class ProviderPaused(FlowcastError):
         )
         self.provider = provider
         self.seconds = seconds
+
+
+class SlotLost(FlowcastError):
+    """A holder's slot was gone when it renewed: its call was stopped."""
+
+    code = "llm_slot_lost"
+
+    def __init__(self, provider: str) -> None:
+        super().__init__(
+            f"this call's slot of provider {provider!r} lapsed (its process stalled past "
+            "the lease, or the store lost it) and may be someone else's: it was stopped"
+        )
+        self.provider = provider
+
+
+class _Held:
+    """One slot held by the body of a ``with`` that runs in ``task``."""
+
+    def __init__(self, task: asyncio.Task[Any], provider: str) -> None:
+        self.task = task
+        self.provider = provider
+        self.outer = task.cancelling()  # cancels asked before the body began
+        self.inside = True
+        self.cancels = 0  # ours, asked since the slot was found gone
+
+    @property
+    def lost(self) -> bool:
+        return self.cancels > 0
+
+    def lose(self) -> None:
+        """Stop the body: its slot is gone. Once it ended, its result stands."""
+        if self.inside:
+            self.cancels += 1
+            self.task.cancel(f"the slot of {self.provider!r} lapsed")
+
+    def ours(self) -> bool:
+        """Whether the body's cancel was only ours (then it becomes SlotLost)."""
+        remaining = self.task.cancelling()
+        for _ in range(self.cancels):
+            remaining = self.task.uncancel()
+        return remaining <= self.outer
 
 
 class _Line:
@@ -77,8 +130,11 @@ class Slots:
         self._tail = tail_redis
         self._keys = Keys(prefix)
         self._lease_ms = max(int(lease_seconds * 1000), 300)
-        self._script = redis.register_script(load_script(__package__, "slots.lua"))
+        self._script = register(redis, __package__, "slots.lua")
         self._lines: dict[str, _Line] = {}
+        # Per provider, the server (run id) that answered last: told to slots.lua, which
+        # holds grants back when another one answers now.
+        self._servers: dict[str, str] = {}
         self._closed = False
 
     async def close(self) -> None:
@@ -91,29 +147,69 @@ class Slots:
 
     @contextlib.asynccontextmanager
     async def hold(self, provider: str, cap: int) -> AsyncIterator[None]:
-        """Hold one of ``provider``'s ``cap`` slots for the body of the ``with``."""
+        """Hold one of ``provider``'s ``cap`` slots for the body of the ``with``;
+        ``SlotLost`` when the slot lapsed meanwhile (the body was cancelled)."""
         line = self._lines.get(provider)
         if line is None or line.cap != cap:
             line = self._lines[provider] = _Line(cap)
-        token = secrets.token_hex(8)
+        task = asyncio.current_task()
+        assert task is not None, "a slot is held by a task"
         async with line.local:
-            try:
-                shared = await self._acquire(provider, line, token)
-            except BaseException:
-                # Cancelled in line (or with the grant's reply on its way): give up the
-                # place or the slot now, not a lease later, so the calls behind go on.
-                await asyncio.shield(self._release(provider, token))
-                raise
-            renewing = asyncio.create_task(self._renew(provider, token)) if shared else None
+            token, shared = await self._take(provider, line)
+            held = _Held(task, provider)
+            renewing = asyncio.create_task(self._renew(token, held)) if shared else None
             try:
                 yield
+            except asyncio.CancelledError:
+                # Our own cancel (and no other) becomes SlotLost, as asyncio.timeout does.
+                if held.lost and held.ours():
+                    raise SlotLost(provider) from None
+                raise
             finally:
+                held.inside = False
                 if renewing is not None:
                     renewing.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await renewing
                 if shared:
                     await self._release(provider, token)
+
+    async def _take(self, provider: str, line: _Line) -> tuple[str, bool]:
+        """Wait for a shared slot: (its token, True), or (token, False) with this
+        process's cap only, when Redis cannot be reached."""
+        loop = asyncio.get_running_loop()
+        while True:
+            token = secrets.token_hex(8)
+            try:
+                asked = await self._acquire(provider, line, token)
+                if asked is None:
+                    return token, False
+                if loop.time() - asked <= self._lease_ms / 3000:
+                    return token, True
+                # The grant reached us later than a renewal period after we asked (this
+                # process stalled): its lease may have ended and the slot gone on.
+                if await self._renewed(provider, token) is not False:
+                    return token, True
+            except BaseException:
+                # Cancelled in line (or with the grant's reply on its way): give up the
+                # place or the slot now, not a lease later, so the calls behind go on.
+                await asyncio.shield(self._release(provider, token))
+                raise
+            log.warning(
+                "a slot granted too late had lapsed; back in line", extra={"provider": provider}
+            )
+
+    async def introduce(self, providers: Iterable[str]) -> None:
+        """Learn which server holds each provider's slots, at start: a store that comes
+        back empty later is then noticed by this process's first call to it."""
+        for provider in providers:
+            try:
+                await self._call(provider, "hello", "", 0)
+            except BufferUnavailable as exc:
+                log.warning(
+                    "provider slots unreachable at start",
+                    extra={"provider": provider, "error": str(exc)},
+                )
 
     async def pause(self, provider: str, seconds: float) -> None:
         """Hold every replica's next calls to ``provider`` for ``seconds`` (a 429's ask)."""
@@ -127,31 +223,48 @@ class Slots:
 
     @translated
     async def _call(self, provider: str, op: str, token: str, arg: int) -> Any:
-        return await self._script(
-            keys=self._keys.slots(provider), args=[op, token, arg, self._lease_ms]
+        reply = await self._script(
+            keys=self._keys.slots(provider),
+            args=[op, token, arg, self._lease_ms, self._servers.get(provider, "")],
         )
+        if op in ("acquire", "renew"):
+            self._servers[provider] = _text(reply[-1])
+        elif op == "hello":
+            self._servers[provider] = _text(reply)
+        return reply
 
-    async def _acquire(self, provider: str, line: _Line, token: str) -> bool:
-        """Wait for a shared slot; False when Redis is unreachable (local cap only)."""
+    async def _acquire(self, provider: str, line: _Line, token: str) -> float | None:
+        """Wait for a shared slot: when (loop time) the granting ask was sent; None
+        when Redis was unreachable for a lease (this process's cap only)."""
+        loop = asyncio.get_running_loop()
+        unreachable_since: float | None = None
         line.waiting += 1
         try:
             while True:
                 asked = line.seen
+                sent = loop.time()
                 try:
-                    granted, wait_ms, freed, paused_ms = await self._call(
+                    granted, wait_ms, freed, paused_ms, _server = await self._call(
                         provider, "acquire", token, line.cap
                     )
                 except BufferUnavailable as exc:
-                    log.warning(
-                        "provider slots unreachable: this process's cap only",
-                        extra={"provider": provider, "error": str(exc)},
-                    )
-                    return False
+                    # A restart is waited out (holders elsewhere go on calling); a long
+                    # outage must not stall the work.
+                    unreachable_since = unreachable_since or sent
+                    if loop.time() - unreachable_since >= self._lease_ms / 1000:
+                        log.warning(
+                            "provider slots unreachable: this process's cap only",
+                            extra={"provider": provider, "error": str(exc)},
+                        )
+                        return None
+                    await asyncio.sleep(self._lease_ms / 10_000)
+                    continue
+                unreachable_since = None
                 if int(granted):
-                    return True
+                    return sent
                 if int(paused_ms) > WAIT_PAUSE_SECONDS * 1000:
                     raise ProviderPaused(provider, int(paused_ms) / 1000)
-                end = freed.decode() if isinstance(freed, bytes) else str(freed)
+                end = _text(freed)
                 async with line.changed:
                     if line.reader is None:
                         # Start where the script saw the stream end, even before ``seen``:
@@ -190,15 +303,32 @@ class Slots:
                     line.seen = entries[-1][0].decode()
                     line.changed.notify_all()
 
-    async def _renew(self, provider: str, token: str) -> None:
-        while True:
+    async def _renew(self, token: str, held: _Held) -> None:
+        """Renew the holder's lease while the body runs; stop the body once the slot is
+        gone."""
+        # Watching ``inside``, and cancelling again while the body goes on: a cancel can
+        # get lost in the Redis client on Python 3.11 (seen here: this loop, cancelled,
+        # renewed on for ever, and the ``with`` that awaited it never ended).
+        while held.inside:
             await asyncio.sleep(self._lease_ms / 3000)
-            try:
-                await self._call(provider, "renew", token, 0)
-            except BufferUnavailable as exc:
+            if held.lost:
+                held.lose()
+            elif held.inside and await self._renewed(held.provider, token) is False:
                 log.warning(
-                    "slot lease not renewed", extra={"provider": provider, "error": str(exc)}
+                    "a slot lapsed while held (a stall, or the store lost it): its call stops",
+                    extra={"provider": held.provider},
                 )
+                held.lose()
+
+    async def _renewed(self, provider: str, token: str) -> bool | None:
+        """Extend the holder's lease: False when it is gone, None when Redis cannot be
+        reached (the call goes on: the slot frees itself if this process is gone)."""
+        try:
+            held, _server = await self._call(provider, "renew", token, 0)
+        except BufferUnavailable as exc:
+            log.warning("slot lease not renewed", extra={"provider": provider, "error": str(exc)})
+            return None
+        return bool(int(held))
 
     async def _release(self, provider: str, token: str) -> None:
         try:
@@ -206,3 +336,7 @@ class Slots:
         except BufferUnavailable as exc:
             # The slot frees itself when its lease ends.
             log.warning("slot not released", extra={"provider": provider, "error": str(exc)})
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -46,6 +46,35 @@ async def create(buffer: EventBuffer, owner: str = "owner-1") -> str:
     return execution_id
 
 
+async def test_creating_an_existing_execution_again_writes_nothing(
+    buffer: EventBuffer, redis: Redis
+) -> None:
+    """An id named in advance (an Idempotency-Key's record) may be created by two
+    requests at once: the second is told so (start.lua answers 0) and changes nothing.
+    Found by the step 15 fault review (F2)."""
+    execution_id = await create(buffer, owner="owner-1")
+    await buffer.append(execution_id, make_events(execution_id, 1, 2), fence="owner-1")
+    before = await redis.hgetall(buffer.keys.meta(execution_id))
+    listed = await redis.zscore(buffer.keys.index("t"), execution_id)
+    async with redis.pubsub() as pubsub:
+        await pubsub.subscribe(f"{buffer.prefix}:status")
+        await pubsub.get_message(timeout=1)  # the subscribe confirmation
+        again = await buffer.create(
+            execution_id,
+            workflow_id="other",
+            tenant="t",
+            owner="owner-2",
+            created_at="2026-01-02T00:00:00.000Z",
+            created_ms=2,
+            state={"input": b"{}"},
+        )
+        assert again is False
+        assert await pubsub.get_message(timeout=0.2) is None
+    assert await redis.hgetall(buffer.keys.meta(execution_id)) == before
+    assert not await redis.exists(buffer.keys.state(execution_id))
+    assert await redis.zscore(buffer.keys.index("t"), execution_id) == listed
+
+
 async def test_append_stores_contiguous_batches_and_updates_metadata(buffer: EventBuffer) -> None:
     execution_id = await create(buffer)
     await buffer.append(execution_id, make_events(execution_id, 1, 3), fence="owner-1")

@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 
 from app.embedded import free_port
 from lib.backend import Keys
-from lib.workflows.slots import Slots
+from lib.workflows.slots import SlotLost, Slots
 from tests.support.servers import ValkeyServer
 
 PROVIDER = "p"
@@ -31,7 +31,7 @@ def prefix(unique: str) -> str:
 
 @pytest.fixture
 def keys(prefix: str) -> list[str]:
-    """holders, queue, waiters, tickets, freed, pause (the order slots.lua takes them)."""
+    """holders, queue, waiters, tickets, freed, pause, store (the order slots.lua takes them)."""
     return Keys(prefix).slots(PROVIDER)
 
 
@@ -339,3 +339,77 @@ async def test_a_waiter_does_not_spin_after_the_freed_stream_expired(
     assert not done
     # The waiter asks again once a second (a third of its lease), not in a loop.
     assert asked <= 5
+
+
+async def test_a_renewal_never_brings_back_a_holder_that_is_gone(
+    replica: Replica, redis: Redis, keys: list[str]
+) -> None:
+    """Found by the step 15 fault review (F4): a holder stalled past its lease renewed
+    itself back in after the next caller got its slot: two calls with a cap of 1."""
+    slots = replica(lease_seconds=1)
+    granted, *_ = await slots._call(PROVIDER, "acquire", "stalled", 1)
+    assert granted == 1
+    held, _server = await slots._call(PROVIDER, "renew", "stalled", 0)
+    assert held == 1
+    await redis.zrem(keys[0], "stalled")  # its lease ended and the slot went on
+    granted, *_ = await slots._call(PROVIDER, "acquire", "next", 1)
+    assert granted == 1
+    held, _server = await slots._call(PROVIDER, "renew", "stalled", 0)
+    assert held == 0
+    assert await redis.zrange(keys[0], 0, -1) == [b"next"]
+
+
+async def test_a_holder_whose_slot_is_gone_is_stopped_with_slot_lost(
+    replica: Replica, redis: Redis, keys: list[str]
+) -> None:
+    """Found by the step 15 fault review (F4): the store forgot a holder (a restart,
+    empty) while its call went on."""
+    slots = replica(lease_seconds=1)
+    entered = asyncio.Event()
+
+    async def call() -> None:
+        async with slots.hold(PROVIDER, 1):
+            entered.set()
+            await asyncio.sleep(30)  # a long call, stopped by the lost slot
+
+    task = asyncio.create_task(call())
+    await asyncio.wait_for(entered.wait(), 5)
+    began = time.monotonic()
+    await redis.delete(keys[0])
+    with pytest.raises(SlotLost):
+        await asyncio.wait_for(task, 5)
+    # Within about one renewal period (a third of the lease).
+    print(f"\nstopped {time.monotonic() - began:.2f} s after the store lost the holder")
+    assert not task.cancelled()
+    # Only the lost slot's own cancel became SlotLost: an outer cancel stays a cancel.
+    outer = asyncio.create_task(call())
+    entered.clear()
+    await asyncio.wait_for(entered.wait(), 5)
+    outer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await outer
+
+
+async def test_after_the_keys_answer_from_another_server_grants_wait_one_lease(
+    replica: Replica, redis: Redis, keys: list[str]
+) -> None:
+    """Found by the step 15 fault review (F4): Redis restarted empty forgot the holders
+    and granted a waiter while the old call still streamed. A caller that saw another
+    server answer before (here: told so) holds grants back for one lease."""
+    slots = replica(lease_seconds=1)
+    granted, *_ = await slots._call(PROVIDER, "acquire", "before", 1)
+    assert granted == 1
+    assert await slots._call(PROVIDER, "release", "before", 0) == 1
+    slots._servers[PROVIDER] = "a-server-that-is-gone"
+    seen_at = time.monotonic()
+    granted, wait_ms, *_ = await slots._call(PROVIDER, "acquire", "after", 1)
+    assert granted == 0 and 0 < wait_ms <= 1000
+
+    async def wait() -> float:
+        async with slots.hold(PROVIDER, 1):
+            return time.monotonic()
+
+    await slots._call(PROVIDER, "release", "after", 0)
+    served_at = await asyncio.wait_for(wait(), 5)
+    assert served_at - seen_at >= 0.9  # not before one lease after the change was seen
+    assert int(await redis.hget(keys[6], "grantsFrom")) > 0

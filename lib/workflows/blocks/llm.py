@@ -12,7 +12,9 @@ Each text delta is one ``block:chunk``. 429, 408, 5xx, timeouts, a connection th
 breaks mid-reply and a reply that ends unfinished are retryable (the executor's
 ``retry``); an attempt that is retried starts again from its first token. A 429 also
 pauses the provider for every replica (``Slots.pause``). The call holds one of the
-provider's slots (``maxConcurrency`` across all replicas) while it runs.
+provider's slots (``maxConcurrency`` across all replicas) while it runs; a call whose
+slot lapsed (its process stalled past the lease, or the store lost it) is stopped and
+its attempt fails, retryably (``llm_slot_lost``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from lib.execution.events import carriable
 from lib.workflows.blocks.base import BlockConfig, BlockContext, BlockType, as_text
 from lib.workflows.blocks.http import parse_retry_after
 from lib.workflows.providers import DEFAULT_PROVIDER, Provider, Providers
-from lib.workflows.slots import ProviderPaused
+from lib.workflows.slots import ProviderPaused, SlotLost
 from lib.workflows.templates import is_template
 
 MAX_ERROR_BODY = 64 * 1024
@@ -140,6 +142,9 @@ class Llm(BlockType[LlmConfig]):
                 raise BlockError(
                     "llm_rate_limited", paused.message, retry_after=paused.seconds
                 ) from paused
+            except SlotLost as lost:
+                # Stopped so the cap holds; the attempt is retried as after a broken stream.
+                raise BlockError(lost.code, lost.message) from lost
         if config.response_format == "json":
             reply["json"] = _parsed(reply["text"])
         return reply

@@ -134,6 +134,29 @@ async def test_concurrent_executions_stream_to_their_terminal_event(
         assert await all_events(client, execution_id) == envelopes
 
 
+async def test_a_keyed_execute_repeated_through_both_processes_starts_one_execution(
+    client: httpx.AsyncClient, other_client: httpx.AsyncClient, unique: str
+) -> None:
+    """The key's record and the execution it names are in different slots: written one
+    after the other, and a repeat on either process answers the one execution."""
+    workflow_id = f"keyed-{unique}"
+    await put(client, streaming_workflow(workflow_id, words=5, tps=100))
+    url = f"/api/workflows/{workflow_id}/execute"
+    headers = {"Idempotency-Key": f"key-{unique}"}
+    answers = await asyncio.gather(
+        *(
+            (client if i % 2 else other_client).post(url, json={"input": {}}, headers=headers)
+            for i in range(8)
+        )
+    )
+    assert [answer.status_code for answer in answers] == [202] * 8, [a.text for a in answers]
+    (execution_id,) = {answer.json()["executionId"] for answer in answers}
+    assert (await wait_finished(client, execution_id))["status"] == "completed"
+    check_log(await all_events(client, execution_id))
+    listed = await other_client.get(f"/api/executions?workflowId={workflow_id}")
+    assert [execution["id"] for execution in listed.json()["executions"]] == [execution_id]
+
+
 async def test_each_execution_lives_in_one_slot_and_executions_spread_over_the_nodes(
     client: httpx.AsyncClient, nodes: dict[int, Redis], unique: str
 ) -> None:
