@@ -153,3 +153,30 @@ async def test_two_resumes_at_once_on_two_replicas_one_wins(
             check_log(log)
             assert snapshot["status"] == "completed", snapshot
             assert [e["type"] for e in log].count("execution:resumed") == 1, log
+
+
+async def test_a_cancel_at_the_approval_deadline_either_wins_or_gets_409(
+    valkey: FaultyValkey, tmp_path: Path
+) -> None:
+    """Cancels sent from a little before to a little after a 1 s deadline: the expire
+    and the cancel race for the pause; an accepted cancel wins over the timeout."""
+    a, b = replica(valkey, tmp_path, "a"), replica(valkey, tmp_path, "b")
+    outcomes: list[tuple[float, int, str]] = []
+    async with running(a, b), httpx.AsyncClient(timeout=30) as http:
+        await put(http_for(http, a), asking("cancelling", timeout_seconds=1))
+        for index in range(TRIES):
+            eid = await paused(http_for(http, a), "cancelling")
+            offset = 0.85 + 0.08 * index
+            await asyncio.sleep(offset)
+            answer = await http_for(http, b).post(f"/api/executions/{eid}/cancel")
+            snapshot = await finished(http_for(http, a), eid)
+            log = await all_events(http_for(http, a), eid)
+            check_log(log)
+            outcomes.append((offset, answer.status_code, snapshot["status"]))
+            if answer.status_code == 202:
+                assert snapshot["status"] == "cancelled", (outcomes[-1], log[-1])
+            else:
+                assert answer.status_code == 409, answer.text
+                assert snapshot["status"] == "failed", (outcomes[-1], log[-1])
+                assert snapshot["error"]["code"] == "approval_timeout", snapshot
+    print("\n" + "\n".join(map(str, outcomes)))
