@@ -1,6 +1,6 @@
 """A stream opened on a paused execution with a cursor above its stored log (a client
 that saw live events the store never kept, or an odd one) stays open through the pause
-and ends with the terminal event once the execution is resumed and finishes, on the
+and ends with the terminal event once the pause ends (resumed, or its deadline), on the
 process that paused it and on another one (SPEC §4 "Cursor", §5, §6).
 
 Found by the step 15 fault review (tried; it held).
@@ -24,13 +24,16 @@ __all__ = ["settled", "valkey"]  # the module's FaultyValkey (tests/support/reco
 pytestmark = pytest.mark.timeout(90)
 
 
+@pytest.mark.parametrize("ending", ["resume", "deadline"])
 @pytest.mark.parametrize("above", [2, 500])
 async def test_a_cursor_above_a_paused_log_gets_the_rest_and_the_terminal_event(
-    valkey: FaultyValkey, tmp_path: Path, above: int
+    valkey: FaultyValkey, tmp_path: Path, above: int, ending: str
 ) -> None:
     a, b = replica(valkey, tmp_path, "a"), replica(valkey, tmp_path, "b")
     async with running(a, b), httpx.AsyncClient(timeout=30) as http:
-        wf = approval_workflow(f"above{above}")
+        wf = approval_workflow(f"above{above}{ending}")
+        if ending == "deadline":
+            wf["blocks"][0]["config"]["timeoutSeconds"] = 1
         await put(http_for(http, a), wf)
         started = await http_for(http, a).post(
             f"/api/workflows/{wf['id']}/execute", json={"input": {}}
@@ -50,18 +53,19 @@ async def test_a_cursor_above_a_paused_log_gets_the_rest_and_the_terminal_event(
                 asyncio.create_task(follow(on_b, eid, cursor=cursor, started=opened[1])),
             ]
             await asyncio.gather(*(event.wait() for event in opened))
-            # Both streams are open and idle in the pause when the resume lands.
+            # Both streams are open and idle in the pause when it ends.
             await asyncio.sleep(0.3)
             for task in readers:
                 assert not task.done(), f"a stream ended during the pause: {task.result()}"
-            answer = await http_for(http, b).post(
-                f"/api/executions/{eid}/resume", json={"input": {"ok": True}}
-            )
-            assert answer.status_code == 202, answer.text
+            if ending == "resume":
+                answer = await http_for(http, b).post(
+                    f"/api/executions/{eid}/resume", json={"input": {"ok": True}}
+                )
+                assert answer.status_code == 202, answer.text
             views = await asyncio.gather(*readers)
         snapshot = await finished(http_for(http, b), eid)
         stored = await all_events(http_for(http, b), eid)
-    assert snapshot["status"] == "completed", snapshot
+    assert snapshot["status"] == ("completed" if ending == "resume" else "failed"), snapshot
     terminal = stored[-1]
     expected = [e["id"] for e in stored if e["id"] > cursor] or [terminal["id"]]
     for where, view in zip("AB", views, strict=True):
