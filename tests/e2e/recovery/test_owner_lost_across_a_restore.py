@@ -1,8 +1,8 @@
-"""An owner stalled (SIGSTOP) across a Valkey restart from an older snapshot: the store
-forgot the ids it reserved for that owner, and the owner cannot re-assert them within
-the settle, so the next owner must still never number an event a client saw (SPEC §4:
-"not after a Redis restarted from an older snapshot ... not after the execution moved
-to another process").
+"""An owner stalled (SIGSTOP) or killed across a Valkey restart from an older snapshot:
+the store forgot the events stored and the ids reserved since the snapshot, and the
+owner cannot re-assert them within the settle, so the next owner must still never number
+an event a client saw (SPEC §4: "not after a Redis restarted from an older snapshot ...
+not after the execution moved to another process").
 
 Found by the step 15 fault review.
 """
