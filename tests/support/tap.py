@@ -4,8 +4,10 @@
 told to hold: that command is never sent (nor anything after it on its connection), and
 ``held`` is set. The process, blocked on the reply, is then at a known point between two
 of its writes, where a test kills it: the seam for "the process died right after X and
-before Y", exact instead of a race. ``when`` runs an action (e.g. stop the process)
-just before a matching command goes on: "the process stalled with X's reply on its way".
+before Y", exact instead of a race. Held with a ``release`` event, the command (and
+what follows it on its connection) goes on once the event is set: "the process was slow
+between X and Y". ``when`` runs an action (e.g. stop the process) just before a matching
+command goes on: "the process stalled with X's reply on its way".
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Tap:
         self.held = asyncio.Event()
         self.held_command = b""
         self._match: Match | None = None
+        self._release: asyncio.Event | None = None
         self._before: tuple[Match, Callable[[], None]] | None = None
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -36,10 +39,12 @@ class Tap:
         assert self._server is not None
         return f"redis://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
 
-    def hold(self, match: Match) -> None:
-        """Hold the next command ``match`` accepts (once)."""
+    def hold(self, match: Match, *, release: asyncio.Event | None = None) -> None:
+        """Hold the next command ``match`` accepts (once): for good, or with ``release``
+        until that event is set."""
         self.held.clear()
         self._match = match
+        self._release = release
 
     def when(self, match: Match, action: Callable[[], None]) -> None:
         """Run ``action`` just before the next command ``match`` accepts is sent (once)."""
@@ -74,9 +79,13 @@ class Tap:
                 while data := await reader.read(65536):
                     if not stuck and self._match is not None and self._match(data):
                         self._match = None
-                        stuck = True
                         self.held_command = data
                         self.held.set()
+                        release, self._release = self._release, None
+                        if release is None:
+                            stuck = True
+                        else:
+                            await release.wait()  # this connection's commands wait too
                     if stuck:
                         continue  # never sent: the process waits for a reply
                     if self._before is not None and self._before[0](data):

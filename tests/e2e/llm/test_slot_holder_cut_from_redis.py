@@ -1,0 +1,120 @@
+"""The ``llm`` cap across replicas while only the slot holder loses Redis (its own link
+cut; the other replica keeps Redis): the holder cannot renew its slot, the slot's lease
+ends in Redis and the next caller is granted. The cut-off holder must have stopped its
+call by then, as an owner cut off stops showing events (F1): at most ``maxConcurrency``
+calls in flight across all replicas (SPEC §2.1), with a cap of 1.
+
+Found by the step 15 fault review (F4 as it stands: a holder stops when its renewal
+finds the slot gone, but goes on calling when the renewal cannot reach Redis).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from lib.backend import Keys
+from tests.support.api import put
+from tests.support.faults import replica
+from tests.support.llm import FakeLLM, Reply
+from tests.support.logcheck import TERMINAL
+from tests.support.proxy import TcpLink
+from tests.support.servers import ValkeyServer
+
+pytestmark = pytest.mark.timeout(150)
+
+
+@pytest.fixture(scope="module")
+def llm() -> Iterator[FakeLLM]:
+    with FakeLLM() as fake:
+        yield fake
+
+
+def llm_workflow(workflow_id: str) -> dict[str, Any]:
+    block = {
+        "id": "draft",
+        "type": "llm",
+        "retry": {"attempts": 5, "backoffMs": 10},
+        "config": {"model": "fake-1", "messages": [{"role": "user", "content": "hi"}]},
+    }
+    return {"id": workflow_id, "blocks": [block], "edges": []}
+
+
+async def execute(client: httpx.AsyncClient, workflow_id: str) -> str:
+    started = await client.post(f"/api/workflows/{workflow_id}/execute", json={"input": {}})
+    assert started.status_code == 202, started.text
+    return str(started.json()["executionId"])
+
+
+async def ended(clients: list[httpx.AsyncClient], execution_id: str) -> str:
+    """Poll any replica that answers until the log ends; its terminal event's type."""
+    while True:
+        for client in clients:
+            try:
+                page = await client.get(f"/api/executions/{execution_id}/events?limit=1000")
+            except httpx.TransportError:
+                continue
+            if page.status_code == 200:
+                events = page.json()["events"]
+                if events and events[-1]["type"] in TERMINAL:
+                    return str(events[-1]["type"])
+        await asyncio.sleep(0.05)
+
+
+async def in_line(valkey: ValkeyServer, count: int) -> None:
+    queue = Keys("fc").slots("default")[1]
+    redis = Redis.from_url(valkey.url)
+    try:
+        while int(await redis.zcard(queue)) < count:
+            await asyncio.sleep(0.02)
+    finally:
+        await redis.aclose()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a holder whose renewals cannot reach Redis goes on calling past its lease, "
+    "beside the caller granted the lapsed slot",
+)
+async def test_a_holder_cut_from_redis_does_not_call_beside_the_next_one(
+    llm: FakeLLM, own_valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    llm.reset()
+    env = {
+        "FLOWCAST_LLM_PROVIDERS": json.dumps(
+            {"default": {"baseUrl": llm.url, "maxConcurrency": 1}}
+        ),
+        "FLOWCAST_LEASE_SECONDS": "2",
+    }
+    async with TcpLink(own_valkey.port) as link:
+        holder = replica(own_valkey, tmp_path, "holder", FLOWCAST_REDIS_URL=link.url, **env)
+        other = replica(own_valkey, tmp_path, "other", **env)
+        await asyncio.gather(holder.start(), other.start())
+        try:
+            async with (
+                httpx.AsyncClient(base_url=holder.url, timeout=60) as on_holder,
+                httpx.AsyncClient(base_url=other.url, timeout=60) as on_other,
+            ):
+                await put(on_other, llm_workflow("cut"))
+                # The holder's call streams for about 8 s (four leases).
+                llm.default = Reply(pieces=[f"w{i} " for i in range(40)], piece_delay=0.2)
+                first = await execute(on_holder, "cut")
+                await llm.wait_in_flight(1, timeout=20)
+                second = await execute(on_other, "cut")
+                await asyncio.wait_for(in_line(own_valkey, 1), 20)
+                link.cut()
+                outcome = await asyncio.wait_for(ended([on_other], second), 60)
+                link.heal()
+                outcomes = [await asyncio.wait_for(ended([on_other, on_holder], first), 60)]
+                outcomes.append(outcome)
+        finally:
+            await asyncio.gather(holder.stop(), other.stop())
+    print(f"\npeak {llm.max_in_flight}, {len(llm.requests)} calls, outcomes {outcomes}")
+    assert llm.max_in_flight == 1, f"{llm.max_in_flight} calls in flight with a cap of 1"
