@@ -45,6 +45,11 @@ class Node:
     dead: tuple[str, ...] = ()
     _lock: IO[bytes] | None = field(default=None, repr=False)
 
+    @property
+    def held(self) -> bool:
+        """True when this process holds the data directory's lock (no other live one)."""
+        return self._lock is not None
+
     def close(self) -> None:
         """Let the next process on this data directory have the node (at exit)."""
         if self._lock is not None:

@@ -30,7 +30,7 @@ from app.connections import connect
 from app.embedded import EmbeddedValkey
 from app.idempotency import Idempotency
 from app.limits import StreamSlots
-from app.node import claim_node
+from app.node import Node, claim_node
 from app.settings import Settings
 from app.sse import OpenStreams
 from app.tokens import StreamTokens, load_secret
@@ -122,6 +122,7 @@ class Stores:
     tail_redis: Redis
     buffer: EventBuffer
     values: ValueStore
+    node: Node  # this process's node, and the earlier ones it proved dead
 
 
 @dataclass(frozen=True)
@@ -164,8 +165,22 @@ async def open_stores(stack: AsyncExitStack, settings: Settings) -> Stores:
             "data directory (FLOWCAST_DATA_DIR)",
             extra={"dir": str(settings.data_dir.resolve())},
         )
+    # Held until the process exits: the proof, for the next process on this data
+    # directory, that this one is dead (its runs are then taken over at once).
+    node = claim_node(settings.data_dir)
+    stack.callback(node.close)
     redis_url = settings.redis_url
     if redis_url is None:
+        if not node.held:
+            # Two engines on one AOF would be two stores of the same executions, whose
+            # owners never fence each other: refuse, rather than run each run twice.
+            message = (
+                "another Flowcast process runs the embedded engine in this data directory "
+                "(FLOWCAST_DATA_DIR): give this one a data directory of its own, or point "
+                "every process at one Redis with FLOWCAST_REDIS_URL"
+            )
+            log.error(message, extra={"dir": str(settings.data_dir.resolve())})
+            raise RuntimeError(message)
         engine = EmbeddedValkey(data_dir=settings.data_dir / "valkey")
         await stack.enter_async_context(engine)
         redis_url = engine.url
@@ -196,7 +211,7 @@ async def open_stores(stack: AsyncExitStack, settings: Settings) -> Stores:
     await stack.enter_async_context(
         Sweeper(store=values, buffer=buffer, interval_seconds=settings.sweep_seconds)
     )
-    return Stores(redis=redis, tail_redis=tail_redis, buffer=buffer, values=values)
+    return Stores(redis=redis, tail_redis=tail_redis, buffer=buffer, values=values, node=node)
 
 
 def load_catalog(settings: Settings) -> Catalog:
@@ -281,10 +296,7 @@ async def start_runtime(
     the streams first, then drains the runner (its exit hands off or finishes the
     executions)."""
     metrics = Metrics()
-    # Held until the process exits: the proof, for the next process on this data
-    # directory, that this one is dead (its runs are then taken over at once).
-    node = claim_node(settings.data_dir)
-    stack.callback(node.close)
+    node = stores.node
     # Idle tails look for an execution the store lost about once a lease.
     tail_block_ms = min(TAIL_BLOCK_MS, max(100, int(settings.lease_seconds * 1000)))
     hub = Hub()
