@@ -16,6 +16,7 @@ from redis.exceptions import ResponseError
 import lib
 from lib.errors import BufferUnavailable, FlowcastError
 from lib.execution import ownership, record
+from lib.execution import stream as reader
 from lib.execution.buffer import ExecutionMeta
 from lib.execution.events import (
     EXECUTION_PAUSED,
@@ -184,3 +185,11 @@ def test_every_field_python_writes_on_the_record_is_a_field() -> None:
 def test_the_readme_shows_the_same_state_table() -> None:
     readme = (LIB.parent / "README.md").read_text()
     assert draw_transitions() in readme
+
+
+def test_the_readme_shows_the_event_path_as_the_reader_draws_it() -> None:
+    doc = reader.__doc__ or ""
+    start = doc.index("    executor      emits it")
+    end = doc.index("    app/sse.py    writes the frames")
+    drawing = doc[start:end]
+    assert drawing in (LIB.parent / "README.md").read_text()
