@@ -27,10 +27,16 @@ server (a restart, empty or not), no slot is granted for one lease, until every 
 the store forgot has renewed and stopped (slots.lua); each process learns the server
 at start (``introduce``), so it notices the change even when its first call comes after.
 
-If Redis cannot be reached for a lease, calls go ahead under this process's own cap
-(logged): a buffer outage never stalls the work for long (SPEC §5), at the cost of the
-cross-replica cap for as long as it lasts. A shorter outage (a restart) is waited out,
-so the cap holds through it.
+A holder that cannot renew stops too, before its slot can lapse: once ``TRUST`` of a
+lease has passed on its own clock since it sent its last renewal that succeeded (or
+the ask that was granted), its call is stopped the same way. Redis ends that lease a
+whole lease after it ran the renewal, so the holder is done before anybody else can be
+granted its slot; the two clocks only have to agree on the lease's length.
+
+If Redis cannot be reached for a lease, waiting calls go ahead under this process's own
+cap (logged): a buffer outage never stalls the work for long (SPEC §5), at the cost of
+the cross-replica cap for as long as it lasts. A shorter outage (a restart) is waited
+out, so the cap holds through it.
 """
 
 from __future__ import annotations
@@ -52,6 +58,9 @@ log = logging.getLogger(__name__)
 _BLOCK_MS = 5_000
 MAX_PAUSE_SECONDS = 900.0
 WAIT_PAUSE_SECONDS = 30.0
+# How much of its lease a holder trusts its slot without a renewal that succeeded: the
+# rest (a renewal period) is the time its call has to stop before the lease ends.
+TRUST = 2 / 3
 
 
 class ProviderPaused(FlowcastError):
@@ -68,14 +77,16 @@ class ProviderPaused(FlowcastError):
 
 
 class SlotLost(FlowcastError):
-    """A holder's slot was gone when it renewed: its call was stopped."""
+    """A holder's slot was gone when it renewed, or could not be renewed in time: its
+    call was stopped."""
 
     code = "llm_slot_lost"
 
     def __init__(self, provider: str) -> None:
         super().__init__(
-            f"this call's slot of provider {provider!r} lapsed (its process stalled past "
-            "the lease, or the store lost it) and may be someone else's: it was stopped"
+            f"this call's slot of provider {provider!r} lapsed or could not be renewed in "
+            "time (its process stalled past the lease, the store lost it, or the store "
+            "could not be reached) and may be someone else's: it was stopped"
         )
         self.provider = provider
 
@@ -155,9 +166,12 @@ class Slots:
         task = asyncio.current_task()
         assert task is not None, "a slot is held by a task"
         async with line.local:
-            token, shared = await self._take(provider, line)
+            token, since = await self._take(provider, line)
+            shared = since is not None
             held = _Held(task, provider)
-            renewing = asyncio.create_task(self._renew(token, held)) if shared else None
+            renewing = None
+            if since is not None:
+                renewing = asyncio.create_task(self._renew(token, held, since))
             try:
                 yield
             except asyncio.CancelledError:
@@ -174,22 +188,25 @@ class Slots:
                 if shared:
                     await self._release(provider, token)
 
-    async def _take(self, provider: str, line: _Line) -> tuple[str, bool]:
-        """Wait for a shared slot: (its token, True), or (token, False) with this
-        process's cap only, when Redis cannot be reached."""
+    async def _take(self, provider: str, line: _Line) -> tuple[str, float | None]:
+        """Wait for a shared slot: (its token, when (loop time) the ask that got or
+        kept it was sent), or (token, None) with this process's cap only, when Redis
+        cannot be reached."""
         loop = asyncio.get_running_loop()
         while True:
             token = secrets.token_hex(8)
             try:
                 asked = await self._acquire(provider, line, token)
                 if asked is None:
-                    return token, False
+                    return token, None
                 if loop.time() - asked <= self._lease_ms / 3000:
-                    return token, True
+                    return token, asked
                 # The grant reached us later than a renewal period after we asked (this
                 # process stalled): its lease may have ended and the slot gone on.
-                if await self._renewed(provider, token) is not False:
-                    return token, True
+                sent = loop.time()
+                renewed = await self._renewed(provider, token)
+                if renewed is not False:
+                    return token, sent if renewed else asked
             except BaseException:
                 # Cancelled in line (or with the grant's reply on its way): give up the
                 # place or the slot now, not a lease later, so the calls behind go on.
@@ -303,26 +320,54 @@ class Slots:
                     line.seen = entries[-1][0].decode()
                     line.changed.notify_all()
 
-    async def _renew(self, token: str, held: _Held) -> None:
+    async def _renew(self, token: str, held: _Held, since: float) -> None:
         """Renew the holder's lease while the body runs; stop the body once the slot is
-        gone."""
-        # Watching ``inside``, and cancelling again while the body goes on: a cancel can
-        # get lost in the Redis client on Python 3.11 (seen here: this loop, cancelled,
-        # renewed on for ever, and the ``with`` that awaited it never ended).
-        while held.inside:
-            await asyncio.sleep(self._lease_ms / 3000)
-            if held.lost:
-                held.lose()
-            elif held.inside and await self._renewed(held.provider, token) is False:
-                log.warning(
-                    "a slot lapsed while held (a stall, or the store lost it): its call stops",
-                    extra={"provider": held.provider},
-                )
-                held.lose()
+        gone, or when no renewal sent since ``TRUST`` of a lease ago has succeeded."""
+        loop = asyncio.get_running_loop()
+        trust = self._lease_ms * TRUST / 1000
+        # A timer, not a check after each renewal: a renewal can hang on a dead link.
+        timer = loop.call_at(since + trust, self._cut_off, held, trust)
+        failed = False
+        try:
+            # Watching ``inside``, and cancelling again while the body goes on: a cancel
+            # can get lost in the Redis client on Python 3.11 (seen here: this loop,
+            # cancelled, renewed on for ever, and the ``with`` that awaited it never ended).
+            while held.inside:
+                # After a failed renewal, try again sooner, while the slot is still trusted.
+                await asyncio.sleep(self._lease_ms / (10_000 if failed else 3000))
+                if held.lost:
+                    held.lose()
+                    continue
+                if not held.inside:
+                    break
+                sent = loop.time()
+                renewed = await self._renewed(held.provider, token)
+                failed = renewed is None
+                if renewed is False:
+                    log.warning(
+                        "a slot lapsed while held (a stall, or the store lost it): its call stops",
+                        extra={"provider": held.provider},
+                    )
+                    held.lose()
+                elif renewed and not held.lost:
+                    timer.cancel()
+                    timer = loop.call_at(sent + trust, self._cut_off, held, trust)
+        finally:
+            timer.cancel()
+
+    @staticmethod
+    def _cut_off(held: _Held, trust: float) -> None:
+        if held.inside and not held.lost:
+            log.warning(
+                "a held slot could not be renewed in time: its call stops before the slot "
+                "can lapse",
+                extra={"provider": held.provider, "seconds": round(trust, 3)},
+            )
+            held.lose()
 
     async def _renewed(self, provider: str, token: str) -> bool | None:
         """Extend the holder's lease: False when it is gone, None when Redis cannot be
-        reached (the call goes on: the slot frees itself if this process is gone)."""
+        reached (the call goes on while the slot is trusted: ``_renew``)."""
         try:
             held, _server = await self._call(provider, "renew", token, 0)
         except BufferUnavailable as exc:

@@ -5,7 +5,10 @@ call by then, as an owner cut off stops showing events (F1): at most ``maxConcur
 calls in flight across all replicas (SPEC §2.1), with a cap of 1.
 
 Found by the step 15 fault review (F4 as it stands: a holder stops when its renewal
-finds the slot gone, but goes on calling when the renewal cannot reach Redis).
+finds the slot gone, but goes on calling when the renewal cannot reach Redis). With
+retries, the stopped holder's next attempt cannot reach Redis either: after a lease it
+calls under its process's cap only (the long-outage fallback of ``Slots``), beside the
+caller granted the slot; that half stays a strict xfail.
 """
 
 from __future__ import annotations
@@ -37,11 +40,11 @@ def llm() -> Iterator[FakeLLM]:
         yield fake
 
 
-def llm_workflow(workflow_id: str) -> dict[str, Any]:
+def llm_workflow(workflow_id: str, attempts: int) -> dict[str, Any]:
     block = {
         "id": "draft",
         "type": "llm",
-        "retry": {"attempts": 5, "backoffMs": 10},
+        "retry": {"attempts": attempts, "backoffMs": 10},
         "config": {"model": "fake-1", "messages": [{"role": "user", "content": "hi"}]},
     }
     return {"id": workflow_id, "blocks": [block], "edges": []}
@@ -78,13 +81,22 @@ async def in_line(valkey: ValkeyServer, count: int) -> None:
         await redis.aclose()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a holder whose renewals cannot reach Redis goes on calling past its lease, "
-    "beside the caller granted the lapsed slot",
+@pytest.mark.parametrize(
+    "attempts",
+    [
+        1,
+        pytest.param(
+            5,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="the stopped holder's retry waits a lease for Redis, then calls under "
+                "its process's cap only, beside the caller granted the slot",
+            ),
+        ),
+    ],
 )
 async def test_a_holder_cut_from_redis_does_not_call_beside_the_next_one(
-    llm: FakeLLM, own_valkey: ValkeyServer, tmp_path: Path
+    llm: FakeLLM, own_valkey: ValkeyServer, tmp_path: Path, attempts: int
 ) -> None:
     llm.reset()
     env = {
@@ -102,7 +114,7 @@ async def test_a_holder_cut_from_redis_does_not_call_beside_the_next_one(
                 httpx.AsyncClient(base_url=holder.url, timeout=60) as on_holder,
                 httpx.AsyncClient(base_url=other.url, timeout=60) as on_other,
             ):
-                await put(on_other, llm_workflow("cut"))
+                await put(on_other, llm_workflow("cut", attempts))
                 # The holder's call streams for about 8 s (four leases).
                 llm.default = Reply(pieces=[f"w{i} " for i in range(40)], piece_delay=0.2)
                 first = await execute(on_holder, "cut")
@@ -118,3 +130,5 @@ async def test_a_holder_cut_from_redis_does_not_call_beside_the_next_one(
             await asyncio.gather(holder.stop(), other.stop())
     print(f"\npeak {llm.max_in_flight}, {len(llm.requests)} calls, outcomes {outcomes}")
     assert llm.max_in_flight == 1, f"{llm.max_in_flight} calls in flight with a cap of 1"
+    # Stopped by its own clock, not by luck: the holder never reached Redis meanwhile.
+    assert "a held slot could not be renewed in time" in holder.logs()
