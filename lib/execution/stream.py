@@ -44,6 +44,15 @@ streams instead of waiting forever; a tail that starts above the stored log (thi
 process showed events it could not store before another one took over) still hands
 its readers the terminal event once it is stored, whatever its id.
 
+A stream that can learn nothing more here ends, so that its client reconnects, maybe
+to a process that can tell it more (SPEC §7: every open stream ends within about a
+lease): a tail whose reads of the store have kept failing for a lease
+(``cutoff_seconds``), and a run here whose owner has not held its lease for as long (its
+live gate closed: it shows nothing more, and has no tail to read what another process
+that took it over stores) when one read of the store fails too. It ends at a frame
+boundary, as at the time cap, and EventSource reconnects with Last-Event-ID. An outage
+for everyone shorter than a lease ends no stream, nor does a quiet one.
+
 A client's cursor is its own: it may be above every stored id (the client saw live
 events that are not stored yet, or it is simply odd). Such a reader skips what it has
 seen, follows the tail from what is stored, and still ends at the terminal event,
