@@ -306,6 +306,7 @@ async def start_runtime(
             hub=hub,
             tail_block_ms=tail_block_ms,
             gone_seconds=settings.lease_seconds,
+            cutoff_seconds=settings.lease_seconds,
             metrics=metrics,
         )
     )

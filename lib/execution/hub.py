@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from lib.execution.events import Event
 from lib.execution.listing import StatusFeed
@@ -60,7 +60,8 @@ class Subscription:
         self._wakeup.set()
 
     def close(self) -> None:
-        """Wake the reader for good (the server is shutting down)."""
+        """Wake the reader for good: its stream ends at a frame boundary (the server is
+        shutting down, or nothing more can be learnt here: see ``Channel.end_readers``)."""
         self.closed = True
         self._wakeup.set()
 
@@ -116,6 +117,12 @@ class Channel:
     def local(self) -> bool:
         return self.publisher is not None
 
+    def end_readers(self) -> None:
+        """End every reader's stream at a frame boundary, the execution still going on:
+        EventSource reconnects with Last-Event-ID, to a process that can tell it more."""
+        for subscriber in list(self.subscribers):
+            subscriber.close()
+
     def stop_tail(self) -> None:
         if self.tail_task is not None:
             self.tail_task.cancel()
@@ -126,11 +133,20 @@ class LocalPublisher:
     """The emitting side of a channel for an execution this process runs. What may be
     shown, and when, the log decides (its reservation and the owner's live gate)."""
 
-    def __init__(self, hub: Hub, channel: Channel, stored_id: int) -> None:
+    def __init__(
+        self,
+        hub: Hub,
+        channel: Channel,
+        stored_id: int,
+        lease_held: Callable[[], bool] = lambda: True,
+    ) -> None:
         self._hub = hub
         self._channel = channel
         self.execution_id = channel.execution_id
         self._stored = stored_id  # the last id its log stored, as it told
+        # Whether the owner here knows its lease held (its live gate is open): while it
+        # does not, this run shows nothing, and another process may be running it.
+        self.lease_held = lease_held
 
     @property
     def stored_id(self) -> int:
@@ -199,17 +215,23 @@ class Hub:
                 del self._channels[channel.execution_id]
 
     def attach_local(
-        self, execution_id: str, *, last_id: int, stored_id: int = 0
+        self,
+        execution_id: str,
+        *,
+        last_id: int,
+        stored_id: int = 0,
+        lease_held: Callable[[], bool] = lambda: True,
     ) -> LocalPublisher:
         """Make this process the source of an execution's live events, from ``last_id``
-        (the ids above it are its log's); ``stored_id`` is the last id the store holds."""
+        (the ids above it are its log's); ``stored_id`` is the last id the store holds,
+        ``lease_held`` whether its owner here knows its lease held."""
         channel = self._channel(execution_id)
         channel.stop_tail()
         channel.finished = False
         channel.unstored.clear()
         channel.last_published = last_id
         channel.stored_last = 0
-        channel.publisher = LocalPublisher(self, channel, stored_id)
+        channel.publisher = LocalPublisher(self, channel, stored_id, lease_held)
         return channel.publisher
 
     def unstored(self, execution_id: str) -> list[Event]:

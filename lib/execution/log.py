@@ -763,7 +763,9 @@ class ExecutionLog:
             metrics=metrics,
             last_id=base_id,
         )
-        self._publisher = hub.attach_local(execution_id, last_id=base_id, stored_id=stored_id)
+        self._publisher = hub.attach_local(
+            execution_id, last_id=base_id, stored_id=stored_id, lease_held=lambda: gate.open
+        )
         self._writer.show_to(self._publisher)
 
     async def __aenter__(self) -> ExecutionLog:

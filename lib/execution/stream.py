@@ -44,6 +44,15 @@ streams instead of waiting forever; a tail that starts above the stored log (thi
 process showed events it could not store before another one took over) still hands
 its readers the terminal event once it is stored, whatever its id.
 
+A stream that can learn nothing more here ends, so that its client reconnects, maybe
+to a process that can tell it more (SPEC §7: every open stream ends within about a
+lease): a tail whose reads of the store have kept failing for a lease
+(``cutoff_seconds``), and a run here whose owner has not held its lease for as long (its
+live gate closed: it shows nothing more, and has no tail to read what another process
+that took it over stores) when one read of the store fails too. It ends at a frame
+boundary, as at the time cap, and EventSource reconnects with Last-Event-ID. An outage
+for everyone shorter than a lease ends no stream, nor does a quiet one.
+
 A client's cursor is its own: it may be above every stored id (the client saw live
 events that are not stored yet, or it is simply odd). Such a reader skips what it has
 seen, follows the tail from what is stored, and still ends at the terminal event,
@@ -70,7 +79,7 @@ from lib.backoff import Backoff
 from lib.errors import BufferUnavailable, FlowcastError, NotFound
 from lib.execution.buffer import EventBuffer, ExecutionMeta, Page
 from lib.execution.events import Event, sse_frame
-from lib.execution.hub import Channel, Hub, Subscription
+from lib.execution.hub import Channel, Hub, LocalPublisher, Subscription
 from lib.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -101,6 +110,7 @@ class Readers:
         hub: Hub | None = None,
         tail_block_ms: int = 5_000,
         gone_seconds: float = 15.0,
+        cutoff_seconds: float = 15.0,
         metrics: Metrics | None = None,
     ) -> None:
         self.buffer = buffer
@@ -110,13 +120,21 @@ class Readers:
         # How long an execution must stay missing before its tails give up on it: an
         # owner recreates what the store lost within a third of a lease.
         self.gone_seconds = gone_seconds
+        # How long a stream may go without any way to learn more (the store out of reach
+        # from here, and no lease held here) before it ends, so that its client
+        # reconnects, maybe to a process that can reach the store (SPEC §7): a lease.
+        self.cutoff_seconds = cutoff_seconds
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
 
     async def __aenter__(self) -> Readers:
-        listener = asyncio.create_task(self._listen(), name="readers:notify")
-        self._tasks.add(listener)
-        listener.add_done_callback(self._tasks.discard)
+        for work, name in (
+            (self._listen(), "readers:notify"),
+            (self._watch_owners(), "readers:owners"),
+        ):
+            task = asyncio.create_task(work, name=name)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -251,11 +269,16 @@ class Readers:
     async def _tail(self, channel: Channel) -> None:
         backoff = Backoff(base=0.05, cap=5.0)
         missing_since: float | None = None
+        # When the reads that keep failing began: a read begun a lease after that which
+        # fails too means the store has been out of reach from here for a lease.
+        failing_since: float | None = None
         while channel.subscribers and not channel.local and not channel.finished:
+            attempt = time.monotonic()
             try:
                 # Cleared before reading: a wake-up during the read means "read again".
                 channel.wake.clear()
                 events = await self.buffer.after(channel.execution_id, after=channel.last_published)
+                failing_since = None
                 if not events and channel.last_published > channel.stored_last:
                     if await self._terminal_below(channel):
                         break
@@ -278,6 +301,10 @@ class Readers:
                     log.warning("tail read failed; retrying", extra=extra)
                 else:
                     log.exception("tail read failed; retrying", extra=extra)
+                failing_since = attempt if failing_since is None else failing_since
+                if attempt - failing_since >= self.cutoff_seconds:
+                    self._cut_off(channel, "the buffer has been out of reach for a lease")
+                    break
                 await backoff.wait()
                 continue
             backoff.reset()
@@ -328,9 +355,66 @@ class Readers:
                 extra={"executionId": channel.execution_id},
             )
             channel.finished = True
-            for subscriber in list(channel.subscribers):
-                subscriber.close()
+            channel.end_readers()
         return missing_since
+
+    @staticmethod
+    def _cut_off(channel: Channel, why: str) -> None:
+        """End the streams of ``channel``, which nothing here can tell more: each client
+        reconnects with its Last-Event-ID, maybe to a process that reaches the store."""
+        log.warning(
+            "ending streams that can learn nothing more here",
+            extra={
+                "executionId": channel.execution_id,
+                "streams": len(channel.subscribers),
+                "why": why,
+            },
+        )
+        channel.end_readers()
+
+    async def _watch_owners(self) -> None:
+        """End the streams of the runs here whose owner lost its lease and cannot reach
+        the store: such a run shows nothing more (its gate stays closed), and has no
+        tail to read what another process, which may have taken it over, stores.
+
+        A run whose gate has been closed for a lease is asked about by one read of the
+        store: it fails when the store is still out of reach from here (an outage for
+        everyone shorter than a lease never gets this far); it succeeds when the store
+        is back, and then the owner renews its lease or, fenced out, lets go and its
+        readers follow the buffer.
+        """
+        period = max(0.05, self.cutoff_seconds / 4)
+        closed_since: dict[LocalPublisher, float] = {}
+        while not self._closed:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            closed_since = {
+                publisher: closed_since.get(publisher, now)
+                for channel in self.hub
+                if (publisher := channel.publisher) is not None
+                and channel.subscribers
+                and not channel.finished
+                and not publisher.lease_held()
+            }
+            due = [
+                publisher
+                for publisher, since in closed_since.items()
+                if now - since >= self.cutoff_seconds
+            ]
+            try:
+                if due:
+                    await asyncio.gather(*(self._ask_store(publisher) for publisher in due))
+            except Exception:  # a bug: logged, and the watch goes on for the other runs
+                log.exception("watching the owners here failed")
+
+    async def _ask_store(self, publisher: LocalPublisher) -> None:
+        try:
+            await self.buffer.exists(publisher.execution_id)
+        except FlowcastError as exc:
+            channel = self.hub.get(publisher.execution_id)
+            if channel is not None and channel.publisher is publisher:
+                why = f"the lease here was lost and the buffer is out of reach: {exc}"
+                self._cut_off(channel, why)
 
 
 class StreamReader:

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 
+from lib.errors import BufferUnavailable
 from lib.execution.buffer import EventBuffer
 from lib.execution.events import Event
 from lib.execution.log import Emitter, EventWriter
@@ -206,3 +207,95 @@ async def test_a_published_batch_that_does_not_follow_is_not_forwarded_but_read(
         "execution:completed",
     ]
     assert envelopes[1]["data"]["text"] == "2"
+
+
+class OutOfReach(EventBuffer):
+    """A reader process's buffer whose tail reads fail while ``down``: the store out of
+    reach from this process alone (a seam, real Valkey)."""
+
+    down = False
+    failures = 0
+    asked = 0  # existence checks
+
+    def _reach(self) -> None:
+        if self.down:
+            self.failures += 1
+            raise BufferUnavailable("out of reach (test)")
+
+    async def after(self, execution_id: str, *, after: int, count: int = 1000) -> list[Event]:
+        self._reach()
+        return await super().after(execution_id, after=after, count=count)
+
+    async def exists(self, execution_id: str) -> bool:
+        self.asked += 1
+        self._reach()
+        return await super().exists(execution_id)
+
+
+async def test_a_tail_out_of_reach_of_the_store_for_a_lease_ends_its_streams(
+    buffer: EventBuffer,
+) -> None:
+    """Found by the step 15 fault review (a stream on a replica cut off from Redis stays
+    open on heartbeats): an outage shorter than the cut-off ends no stream; one that
+    lasts ends it at a frame boundary, and a reconnect from its last id loses nothing."""
+    execution_id = await create(buffer)
+    remote = OutOfReach(redis=buffer.redis, prefix=buffer.prefix)
+    async with Readers(buffer=remote, tail_block_ms=50, cutoff_seconds=0.5) as live:
+        reader = StreamReader(readers=live, execution_id=execution_id, cursor=0)
+        frames = asyncio.create_task(read_all(reader))
+        async with EventWriter(buffer=buffer, execution_id=execution_id, fence="me") as writer:
+            emitter = Emitter(execution_id=execution_id, workflow_id="wf", writer=writer)
+            emitter.emit("execution:started", {"input": None})
+            await writer.drained()
+            while reader.last_sent < 1:
+                await asyncio.sleep(0.005)  # polls the real condition: id 1 was sent
+            remote.down = True
+            while remote.failures < 2:
+                await asyncio.sleep(0.005)  # polls the real condition: the tail failed
+            await asyncio.sleep(0.1)  # the outage's length, well short of the cut-off
+            remote.down = False
+            emitter.emit("block:chunk", {"blockId": "b", "text": "2"})
+            await writer.drained()
+            while reader.last_sent < 2:
+                await asyncio.sleep(0.005)  # polls the real condition: id 2 was sent
+            assert not frames.done()
+            remote.down = True  # for good, this time
+            ended = check_view(await asyncio.wait_for(frames, 10), after=0)
+            emitter.emit("execution:completed", {"output": {}, "durationMs": 1})
+        assert [e["id"] for e in ended] == [1, 2]
+        assert reader.finished is False
+        remote.down = False
+        again = StreamReader(readers=live, execution_id=execution_id, cursor=2)
+        rest = check_view(await asyncio.wait_for(read_all(again), 10), after=2)
+    assert [e["type"] for e in rest] == ["execution:completed"]
+
+
+async def test_a_run_here_that_lost_its_lease_and_the_store_ends_its_streams(
+    buffer: EventBuffer,
+) -> None:
+    """Found by the step 15 fault review: a run here whose lease renewals fail shows
+    nothing more, and its readers have no tail to learn what another process stores.
+    While the store answers, its streams stay open; once it does not, they end."""
+    execution_id = await create(buffer)
+    remote = OutOfReach(redis=buffer.redis, prefix=buffer.prefix)
+    held = True
+    async with Readers(buffer=remote, cutoff_seconds=0.2) as live:
+        writer = EventWriter(buffer=buffer, execution_id=execution_id, fence="me")
+        publisher = live.hub.attach_local(execution_id, last_id=0, lease_held=lambda: held)
+        writer.show_to(publisher)
+        async with writer:
+            emitter = Emitter(execution_id=execution_id, workflow_id="wf", writer=writer)
+            emitter.emit("execution:started", {"input": None})
+            reader = StreamReader(readers=live, execution_id=execution_id, cursor=0)
+            frames = asyncio.create_task(read_all(reader))
+            while reader.last_sent < 1:
+                await asyncio.sleep(0.005)  # polls the real condition: id 1 was sent
+            held = False
+            while remote.asked < 2:
+                await asyncio.sleep(0.005)  # polls the real condition: the store was asked
+            assert not frames.done(), "the store answered: the stream must stay open"
+            remote.down = True
+            ended = check_view(await asyncio.wait_for(frames, 10), after=0)
+        publisher.detach()
+    assert [e["id"] for e in ended] == [1]
+    assert reader.finished is False

@@ -42,11 +42,6 @@ def slow(workflow_id: str) -> dict[str, Any]:
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a replica cut off from Redis keeps its streams open on heartbeats after the "
-    "run ended elsewhere",
-)
 async def test_a_stream_on_a_replica_cut_off_for_good_ends_once_the_run_ended_elsewhere(
     valkey: ValkeyServer, tmp_path: Path
 ) -> None:
