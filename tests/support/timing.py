@@ -65,6 +65,17 @@ def assert_below_timer(
     )
 
 
+async def oversleep(seconds: float, count: int = 5) -> float:
+    """The worst overshoot of ``count`` sleeps of ``seconds``, here and now: how late
+    this machine wakes a sleeper (the probe for checks on a backoff's waits)."""
+    worst = 0.0
+    for _ in range(count):
+        at = time.monotonic()
+        await asyncio.sleep(seconds)
+        worst = max(worst, time.monotonic() - at - seconds)
+    return worst
+
+
 def median(samples: Sequence[float]) -> float:
     return sorted(samples)[len(samples) // 2]
 
