@@ -25,7 +25,7 @@ import logging
 import re
 import secrets
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -38,7 +38,7 @@ from redis.asyncio import Redis
 
 from lib.backend import Keys, translating
 from lib.errors import BlockError, BufferUnavailable, InvalidInput, NotFound, Problem
-from lib.workflows.redact import Redactor
+from lib.workflows.redact import Redactor, spelled
 from lib.workflows.templates import secret_names
 
 NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
@@ -147,7 +147,7 @@ class SecretStore:
                     retryable=False,
                 )
             values[name] = self._open(tenant, name, orjson.loads(raw).get("sealed"))
-        self._remember(list(values.values()))
+        self._remember(await spelled(values.values()))
         return values
 
     async def masks(self, tenant: str, names: set[str]) -> Sequence[str]:
@@ -170,7 +170,7 @@ class SecretStore:
                 if sealed:
                     with contextlib.suppress(BlockError):
                         found.append(self._open(tenant, name, sealed))
-        self._remember(found)
+        self._remember(await spelled(found))
         return found
 
     def _open(self, tenant: str, name: str, sealed: Any) -> str:
@@ -185,11 +185,11 @@ class SecretStore:
             ) from exc
         return plain.decode("utf-8", "surrogatepass")
 
-    def _remember(self, values: Sequence[str]) -> None:
+    def _remember(self, values: Mapping[str, frozenset[str]]) -> None:
         for value in values:
             self._revealed[value] = None
             self._revealed.move_to_end(value)
-        self._mask.add(values)
+        self._mask.add_spelled(values)
         forgotten = []
         while len(self._revealed) > _REMEMBERED:
             forgotten.append(self._revealed.popitem(last=False)[0])
@@ -225,7 +225,9 @@ class RunSecrets:
         if not names or self._store is None or self._tenant is None:
             return
         try:
-            self.redactor.add(await self._store.masks(self._tenant, names))
+            # Spelled again rather than handed over: a cache hit each, and a value the
+            # cache dropped meanwhile is worked out again a value at a time.
+            self.redactor.add_spelled(await spelled(await self._store.masks(self._tenant, names)))
         except BufferUnavailable as exc:
             # The blocks that read secrets cannot run either until it is back.
             log.warning(
@@ -243,5 +245,5 @@ class RunSecrets:
             values = await self._store.reveal(self._tenant, names)
         except BufferUnavailable as exc:
             raise BlockError("secret_unavailable", f"secrets could not be read: {exc}") from exc
-        self.redactor.add(values.values())
+        self.redactor.add_spelled(await spelled(values.values()))
         return values

@@ -405,8 +405,15 @@ def secret_names(config: Any) -> set[str]:
     names: set[str] = set()
     for _, source in _template_paths(config, ""):
         if "secrets" in source:
-            names |= _secret_names(_parser().parse(source))[0]
+            names |= _names_in(source)
     return names
+
+
+@functools.lru_cache(maxsize=1024)
+def _names_in(source: str) -> frozenset[str]:
+    """The names ``source`` reads, parsed once: every run works out which secrets its
+    blocks read, on the event loop, and 64 templates parsed again cost ~25 ms of CPU."""
+    return frozenset(_secret_names(_parser().parse(source))[0])
 
 
 def _secret_names(tree: nodes.Template) -> tuple[set[str], bool]:

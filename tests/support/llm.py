@@ -240,18 +240,13 @@ class FakeLLM:
         )
 
     async def _asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # Counted around the whole app, not in the endpoint: a streamed body is sent after
-        # the endpoint has returned, and a cut one ends with an exception.
-        with self._lock:
-            self._in_flight += 1
-            self._max_in_flight = max(self._max_in_flight, self._in_flight)
-            generation = self._generation
-        counted = True
+        # Uncounted around the whole app, not in the endpoint: a streamed body is sent
+        # after the endpoint has returned, and a cut one ends with an exception. The
+        # endpoint counts the request (``_COUNTED`` in its scope) when it takes a reply.
 
         def done() -> None:
-            nonlocal counted
-            if counted:
-                counted = False
+            generation = scope.pop(_COUNTED, None)
+            if generation is not None:
                 with self._lock:
                     if generation == self._generation:
                         self._in_flight -= 1
@@ -287,11 +282,21 @@ class FakeLLM:
             return error_response(401)
         with self._lock:
             reply = self._script.popleft() if self._script else self.default
+            # In flight from the moment its reply is taken, not from its arrival: a test
+            # that waits for a request in flight and then changes ``default`` for the
+            # next one could change this one's too (the holder of a slot got the quick
+            # reply meant for its waiter, beside a busy loop).
+            self._in_flight += 1
+            self._max_in_flight = max(self._max_in_flight, self._in_flight)
+            request.scope[_COUNTED] = self._generation
         if reply.delay:
             await asyncio.sleep(reply.delay)
         if reply.status != 200:
             return error_response(reply.status, headers=reply.headers)
         return answer(reply, body)
+
+
+_COUNTED = "fake_llm.counted"  # the generation a request was counted in flight in
 
 
 async def _poll(condition: Callable[[], bool], timeout: float, failure: Callable[[], str]) -> None:

@@ -120,6 +120,23 @@ async def test_break_after_cuts_the_stream_mid_body(
     assert llm.in_flight == 0
 
 
+async def test_a_request_in_flight_keeps_its_reply_when_the_default_changes(
+    llm: FakeLLM, http_client: httpx.AsyncClient
+) -> None:
+    """A test waits for a request in flight, then sets the reply of the next one: the
+    request counted already has its reply. It was counted on arrival, before the reply
+    was taken, so a slot holder got the quick reply meant for its waiter on a busy
+    machine. Found by the step 15 flake review (issue 23, point 6)."""
+    llm.default = Reply(text="first", delay=0.3)
+    call = asyncio.create_task(
+        http_client.post(f"{llm.url}/chat/completions", json=request(), headers=AUTH)
+    )
+    await llm.wait_in_flight(1)
+    llm.default = Reply(text="second")
+    answer = (await call).json()
+    assert answer["choices"][0]["message"]["content"] == "first"
+
+
 async def test_max_in_flight_counts_concurrent_slow_requests(
     llm: FakeLLM, http_client: httpx.AsyncClient
 ) -> None:

@@ -2,7 +2,8 @@
 and in one big reply chunk, does not stall the other tenants' requests.
 
 With real processes: Flowcast servers on the session's Valkey, the fake provider of
-tests/support/llm.py.
+tests/support/llm.py. "As fast as before" is measured against a probe in the same test:
+the same GET on the same server without the hostile load, right before it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import asyncio
 import random
 import signal
 import string
-import time
 from pathlib import Path
 
 from tests.support.api import execute, put, start_execution, wait_finished
@@ -24,8 +24,18 @@ from tests.support.servers import (
     prefix,
     started_server,
 )
+from tests.support.timing import assert_within, latencies, median, probing
 
 __all__ = ["fresh", "llm"]  # the module's fake provider (tests/support/llm.py)
+
+# Another tenant's plain request, probed throughout.
+PROBE = "/api/workflows"
+# The worst GET under the load against the worst of as many quiet GETs: a stall holds
+# one request for all of it (the breaks below held it for seconds); six runs sharing
+# the loop fairly slow a request several times on a busy machine (up to 0.3 s over a
+# 10-25 ms probe, measured beside a busy loop). A hold of a tenth of a second is
+# tested where it happens, without a clock (tests/workflows/test_secrets.py).
+STALL_RATIO, STALL_FLOOR = 10.0, 0.25
 
 
 async def test_masking_log_lines_does_not_slow_other_tenants_however_many_secrets_were_read(
@@ -60,13 +70,7 @@ async def test_masking_log_lines_does_not_slow_other_tenants_however_many_secret
     )
     try:
         async with authed(server, ALPHA) as alpha, authed(server, BETA) as beta:
-
-            async def latency() -> float:
-                at = time.monotonic()
-                assert (await beta.get("/api/workflows")).status_code == 200
-                return time.monotonic() - at
-
-            baseline = sorted([await latency() for _ in range(10)])[5]
+            before = median(await latencies(beta, PROBE, 15))
             await put(alpha, reader)
             for round_ in range(17):
                 # Distinct values each round: 1,088 values of ~300 characters in all, past
@@ -80,9 +84,11 @@ async def test_masking_log_lines_does_not_slow_other_tenants_however_many_secret
                     )
                 )
                 await wait_finished(alpha, await execute(alpha, "reader", {}), timeout=60)
-            after = sorted([await latency() for _ in range(10)])[5]
-            assert after < baseline + 0.02, (
-                f"median {baseline * 1000:.0f} ms -> {after * 1000:.0f} ms"
+            after = median(await latencies(beta, PROBE, 15))
+            # Masking one line per request costs about its length: the break cost a
+            # regular expression over a thousand values rebuilt for every line.
+            assert_within(
+                after, probe=before, ratio=2, floor=0.01, what="another tenant's median GET"
             )
     finally:
         await server.stop()
@@ -124,32 +130,19 @@ async def test_one_big_reply_chunk_with_large_secrets_does_not_stall_other_tenan
             ]
             await put(alpha, one_block("big", block))
 
-            async def latency() -> float:
-                at = time.monotonic()
-                assert (await beta.get("/api/workflows")).status_code == 200
-                return time.monotonic() - at
-
-            baseline = max([await latency() for _ in range(5)])
+            quiet = await latencies(beta, PROBE, 40)
             # An ordinary long answer (~200 KB), sent in one piece.
             llm.default = Reply(pieces=["z" * 200_000])
-            worst = 0.0
-            stop = asyncio.Event()
-
-            async def probe() -> None:
-                nonlocal worst
-                while not stop.is_set():
-                    worst = max(worst, await latency())
-                    await asyncio.sleep(0.01)
-
-            prober = asyncio.create_task(probe())
-            await asyncio.sleep(0.2)  # the probe is measuring before the run starts
-            execution_id = await execute(alpha, "big", {})
-            snapshot = await wait_finished(alpha, execution_id, timeout=15)
-            stop.set()
-            await asyncio.wait_for(prober, 15)
+            async with probing(beta, PROBE) as loaded:
+                execution_id = await execute(alpha, "big", {})
+                snapshot = await wait_finished(alpha, execution_id, timeout=15)
             assert snapshot["status"] == "completed", snapshot
-            assert worst < baseline + 0.5, (
-                f"another tenant's GET took {worst:.1f} s (baseline {baseline * 1000:.0f} ms)"
+            assert_within(
+                max(loaded),
+                probe=max(quiet),
+                ratio=STALL_RATIO,
+                floor=STALL_FLOOR,
+                what=f"another tenant's worst GET of {len(loaded)}",
             )
     finally:
         await server.stop(signal.SIGKILL)
@@ -166,7 +159,10 @@ async def test_reading_large_secrets_does_not_stall_other_tenants(
     request is made; a few such executions started together freeze the process for
     seconds for every tenant (no rotation needed; past 1,000 remembered values the log
     mask is even rebuilt in full, ~10 s, on each fresh reveal).
-    Found by the step 12 review (round 2)."""
+    Found by the step 12 review (round 2). Beside a busy loop it still failed (0.56 s
+    over a 0.5 s bound): the first read of the 64 values spelled them all in one go,
+    ~0.15 s of CPU on the loop, and each run parsed the workflow's 64 templates again
+    (~25 ms); found by the step 15 flake review, held in tests/workflows/test_secrets.py."""
     rng = random.Random(3)
     alphabet = string.ascii_letters + ' /"|'
     names = [f"K{i}" for i in range(64)]
@@ -198,32 +194,19 @@ async def test_reading_large_secrets_does_not_stall_other_tenants(
             )
             await put(alpha, reader)
 
-            async def latency() -> float:
-                at = time.monotonic()
-                assert (await beta.get("/api/workflows")).status_code == 200
-                return time.monotonic() - at
-
-            baseline = max([await latency() for _ in range(5)])
-            worst = 0.0
-            stop = asyncio.Event()
-
-            async def probe() -> None:
-                nonlocal worst
-                while not stop.is_set():
-                    worst = max(worst, await latency())
-                    await asyncio.sleep(0.01)
-
-            prober = asyncio.create_task(probe())
-            await asyncio.sleep(0.2)  # the probe is measuring before the runs start
-            started = await asyncio.gather(
-                *(start_execution(alpha, "reader", {"n": i}) for i in range(6))
-            )
-            for run in started:
-                await wait_finished(alpha, run["executionId"], timeout=20)
-            stop.set()
-            await asyncio.wait_for(prober, 15)
-            assert worst < baseline + 0.5, (
-                f"another tenant's GET took {worst:.1f} s (baseline {baseline * 1000:.0f} ms)"
+            quiet = await latencies(beta, PROBE, 40)
+            async with probing(beta, PROBE) as loaded:
+                started = await asyncio.gather(
+                    *(start_execution(alpha, "reader", {"n": i}) for i in range(6))
+                )
+                for run in started:
+                    await wait_finished(alpha, run["executionId"], timeout=20)
+            assert_within(
+                max(loaded),
+                probe=max(quiet),
+                ratio=STALL_RATIO,
+                floor=STALL_FLOOR,
+                what=f"another tenant's worst GET of {len(loaded)}",
             )
     finally:
         await server.stop(signal.SIGKILL)

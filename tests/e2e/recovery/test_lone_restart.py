@@ -28,6 +28,7 @@ from tests.support.api import all_events, delay_workflow, put
 from tests.support.faults import crash_and_restart, fresh_replica, kill_replica
 from tests.support.logcheck import check_log
 from tests.support.servers import FlowcastServer, ValkeyServer
+from tests.support.timing import assert_below_timer, assert_within
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -142,11 +143,16 @@ async def test_a_lone_server_killed_mid_run_recovers_it_at_once_when_started_aga
     recovered = [event for event in log if event["type"] == "execution:recovered"]
     assert [event["data"]["reason"] for event in recovered] == ["worker_lost"]
     took, probed = orphan_end - started, probe_end - started
-    assert took <= probed + MARGIN_SECONDS, (
-        f"the orphaned run ended {took:.2f} s after the restarted server answered; a 1 s "
-        f"delay started then took {probed:.2f} s"
+    assert_within(
+        took,
+        probe=probed,
+        ratio=1,
+        floor=MARGIN_SECONDS,
+        what="the orphaned run's end after the restart, against a 1 s delay started then",
     )
-    assert took < LEASE_SECONDS / 2, took
+    assert_below_timer(
+        took, bound=LEASE_SECONDS / 2, timer="the 15 s lease", what="the orphaned run's end"
+    )
 
 
 async def test_a_resume_right_after_a_lone_server_restarts_is_accepted(

@@ -20,6 +20,7 @@ from tests.support.api import put, start_execution
 from tests.support.logcheck import TERMINAL, check_log, check_view
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import Frame, collect, frames
+from tests.support.timing import assert_within
 
 EVENTS_PER_SECOND = 20
 
@@ -110,6 +111,30 @@ def emitted_at(envelope: dict[str, Any]) -> float:
     return datetime.fromisoformat(envelope["ts"].replace("Z", "+00:00")).timestamp()
 
 
+async def received_at(client: httpx.AsyncClient, url: str) -> list[tuple[Frame, float]]:
+    """The event frames of one stream, each with when it arrived (wall clock, as the
+    server's ``ts``)."""
+    received: list[tuple[Frame, float]] = []
+    async with client.stream("GET", url, headers={"Accept": "text/event-stream"}) as response:
+        assert response.status_code == 200
+        async for frame in frames(response):
+            if frame.event is not None:
+                received.append((frame, time.time()))
+    return received
+
+
+def chunk_delays(received: list[tuple[Frame, float]]) -> list[float]:
+    """How long each chunk took from its emission to the client, past the first five
+    (the ones a stream may get from its replay rather than live)."""
+    return [at - emitted_at(frame.json) for frame, at in received if frame.event == "block:chunk"][
+        5:
+    ]
+
+
+def quantile(samples: list[float], share: float) -> float:
+    return sorted(samples)[int(len(samples) * share)]
+
+
 async def test_a_stream_on_another_process_receives_each_event_as_it_is_written(
     pair: tuple[FlowcastServer, FlowcastServer], unique: str
 ) -> None:
@@ -121,32 +146,43 @@ async def test_a_stream_on_another_process_receives_each_event_as_it_is_written(
         await put(on_a, paced_workflow(f"push-{unique}", words=40))
         started = await start_execution(on_a, f"push-{unique}", {})
         # B knows the execution at once: it was created in the shared buffer before 202.
-        received: list[tuple[Frame, float]] = []
-        headers = {"Accept": "text/event-stream"}
-        async with on_b.stream("GET", started["streamUrl"], headers=headers) as response:
-            assert response.status_code == 200
-            async for frame in frames(response):
-                if frame.event is not None:
-                    received.append((frame, time.time()))
-        envelopes = check_view([frame for frame, _ in received])
-        check_log(envelopes)
-        assert envelopes[-1]["type"] == "execution:completed"
-        assert envelopes == await stored_log(on_a, started["executionId"])
-        assert envelopes == await stored_log(on_b, started["executionId"])
-
-        # Chunks come 50 ms apart; the ones B got live show how long each one took to
-        # reach it. A sleep loop would add up to its period; a blocking read adds a
-        # round trip to Valkey.
-        delays = [
-            at - emitted_at(frame.json) for frame, at in received if frame.event == "block:chunk"
-        ][5:]
-        median = statistics.median(delays)
-        print(
-            f"\ncross-process delay over {len(delays)} events: median {median * 1000:.1f} ms, "
-            f"max {max(delays) * 1000:.1f} ms"
+        # The owner's own stream, read beside it, is the probe: the same events on the
+        # same machine at the same moment, without the hop between processes.
+        on_owner, on_other = await asyncio.gather(
+            received_at(on_a, started["streamUrl"]),
+            received_at(on_b, started["streamUrl"]),
         )
-        assert median < 0.1, f"median delay {median * 1000:.0f} ms: not pushed"
-        assert sorted(delays)[len(delays) * 3 // 4] < 0.25
+        for received in (on_owner, on_other):
+            envelopes = check_view([frame for frame, _ in received])
+            check_log(envelopes)
+            assert envelopes[-1]["type"] == "execution:completed"
+            assert envelopes == await stored_log(on_a, started["executionId"])
+            assert envelopes == await stored_log(on_b, started["executionId"])
+
+        # Chunks come 50 ms apart; the ones each stream got live show how long each one
+        # took to reach it. A sleep loop would add up to its period; a blocking read
+        # adds a round trip to Valkey.
+        owner, other = chunk_delays(on_owner), chunk_delays(on_other)
+        print(
+            f"\nchunk delay over {len(other)} events: on the other process median "
+            f"{statistics.median(other) * 1000:.1f} ms, max {max(other) * 1000:.1f} ms; "
+            f"on the owner median {statistics.median(owner) * 1000:.1f} ms, "
+            f"max {max(owner) * 1000:.1f} ms"
+        )
+        assert_within(
+            statistics.median(other),
+            probe=statistics.median(owner),
+            ratio=2,
+            floor=0.03,
+            what="median chunk delay to the other process (not pushed?)",
+        )
+        assert_within(
+            quantile(other, 0.75),
+            probe=quantile(owner, 0.75),
+            ratio=2,
+            floor=0.1,
+            what="p75 chunk delay to the other process",
+        )
 
 
 async def test_several_streams_on_another_process_all_follow_the_execution(

@@ -18,6 +18,7 @@ from redis.asyncio import Redis
 from tests.support.api import delay_workflow, execute, put, wait_finished
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import Frame, frames
+from tests.support.timing import assert_below_timer
 
 
 async def start_servers(
@@ -140,11 +141,16 @@ async def test_a_notify_connection_dropped_while_redis_is_up_wakes_every_tail_wh
             late = reader.arrival("execution:completed") - resumed
             timeline = [(f.event, round(at - resumed, 2)) for f, at in reader.received]
             # The subscription is back within milliseconds of SIGCONT.
-            assert late < 1.0, (
-                f"the terminal event reached B's stream {late:.2f} s after B could read "
-                "again: the wake-up published while B's subscription was down was lost "
-                "and nothing woke the tail (it waited for its idle timer); arrivals "
-                f"relative to SIGCONT: {timeline}"
+            assert_below_timer(
+                late,
+                bound=1.0,
+                timer="the tail's 5 s idle timer",
+                what="terminal event on B's stream after SIGCONT",
+                detail=(
+                    "the wake-up published while B's subscription was down was lost and "
+                    "nothing woke the tail (it waited for its idle timer); arrivals "
+                    f"relative to SIGCONT: {timeline}"
+                ),
             )
             assert "notify listener lost" not in b.logs()  # the reconnect was silent
     finally:
@@ -285,11 +291,16 @@ async def test_a_silently_dead_notify_connection_is_replaced(
                     at for frame, at in reader.received if frame.event == "block:started"
                 ][1]
                 waited = think_done - started_think
-                assert waited < 1500 / 1000 + 1.0, (
-                    f"B's stream got the end of a 1.5 s delay {waited:.2f} s after its "
-                    "start: no wake-up reached B (its notify connection is dead and was "
-                    f"never replaced: {proxy.subscriptions} subscription(s) seen by the "
-                    "proxy in all), the tail waited for its 5 s idle timer"
+                assert_below_timer(
+                    waited,
+                    bound=1500 / 1000 + 1.0,
+                    timer="the tail's 5 s idle timer, past the 1.5 s delay",
+                    what="end of a 1.5 s delay on B's stream after its start",
+                    detail=(
+                        "no wake-up reached B (its notify connection is dead and was never "
+                        f"replaced: {proxy.subscriptions} subscription(s) seen by the proxy "
+                        "in all), the tail waited for its 5 s idle timer"
+                    ),
                 )
         finally:
             await asyncio.gather(a.stop(), b.stop())
