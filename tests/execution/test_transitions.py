@@ -11,6 +11,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -25,7 +26,7 @@ from lib.execution.events import (
     EXECUTION_STARTED,
     Event,
 )
-from lib.execution.ownership import TRANSITIONS, Ownership, Transition, lease_member
+from lib.execution.ownership import TRANSITIONS, Ownership, Transition
 from lib.execution.record import (
     REFUSALS,
     Field,
@@ -35,7 +36,11 @@ from lib.execution.record import (
     Status,
     Takeover,
 )
+from lib.execution.values import LocalValueStore
+from lib.execution.watchlists import WatchLists, lease_member
 from lib.execution.writer import batch_meta
+from lib.workflows.runstate import RunStates
+from tests.support.ownership import ownership_parts
 
 LEASE_SECONDS = 30.0
 TESTED: dict[tuple[Status | None, str], str] = {}
@@ -82,9 +87,11 @@ class Machine:
     redis: Redis
     buffer: EventBuffer
     ownership: Ownership
+    watch: WatchLists
+    states: RunStates
 
     def with_lease(self, seconds: float) -> Ownership:
-        return Ownership(buffer=self.buffer, lease_seconds=seconds)
+        return ownership_parts(self.buffer, seconds).ownership
 
     async def record(self, execution_id: str) -> dict[str, str]:
         raw: dict[bytes, bytes] = await self.redis.hgetall(self.buffer.keys.meta(execution_id))
@@ -123,7 +130,7 @@ class Machine:
     async def paused(self, fence: str = "node-a:1", *, deadline_ms: int | None = None) -> str:
         execution_id = await self.start(fence)
         await self.append(execution_id, [EXECUTION_STARTED, EXECUTION_PAUSED], fence=fence)
-        await self.ownership.save_state(execution_id, {}, deadline_ms=deadline_ms)
+        await self.states.save(execution_id, {}, deadline_ms=deadline_ms)
         return execution_id
 
     async def finished(self, fence: str = "node-a:1") -> str:
@@ -135,15 +142,17 @@ class Machine:
         """Poll Redis's clock until the execution's lease is over."""
         until = int((await self.record(execution_id))[Field.LEASE_UNTIL])
         for _ in range(10_000):
-            if await self.ownership.now_ms() > until:
+            if await self.watch.now_ms() > until:
                 return
         raise AssertionError("the lease never ended on Redis's clock")
 
 
 @pytest.fixture
-async def machine(redis: Redis) -> AsyncIterator[Machine]:
+async def machine(redis: Redis, tmp_path: Path) -> AsyncIterator[Machine]:
     buffer = EventBuffer(redis=redis, prefix=f"tr{uuid.uuid4().hex[:6]}")
-    yield Machine(redis, buffer, Ownership(buffer=buffer, lease_seconds=LEASE_SECONDS))
+    parts = ownership_parts(buffer, LEASE_SECONDS)
+    states = RunStates(buffer=buffer, values=LocalValueStore(root=tmp_path))
+    yield Machine(redis, buffer, parts.ownership, parts.watch, states)
 
 
 def missing() -> str:
@@ -168,7 +177,7 @@ async def test_start_creates_a_running_record_owned_by_its_creator_with_a_watche
     assert record[Field.STATUS] == Status.RUNNING
     assert record[Field.OWNER] == "node-a:1" and record[Field.EPOCH] == "1"
     assert record[Field.LAST_ID] == "0" and record[Field.RESERVED] == "0"
-    assert int(record[Field.LEASE_UNTIL]) > await machine.ownership.now_ms()
+    assert int(record[Field.LEASE_UNTIL]) > await machine.watch.now_ms()
     lease = await machine.redis.zscore(
         machine.buffer.keys.leases, lease_member(execution_id, "node-a:1")
     )
@@ -332,7 +341,7 @@ async def test_any_process_cancelling_a_running_execution_flags_it_for_its_owner
 @row_test(Status.PAUSED, "expire")
 async def test_a_janitor_expires_a_pause_only_past_its_deadline(machine: Machine) -> None:
     check = RowCheck(row_of(Status.PAUSED, "expire"))
-    now = await machine.ownership.now_ms()
+    now = await machine.watch.now_ms()
     execution_id = await machine.paused("node-a:1", deadline_ms=now - 1)
     won = await claim(machine, execution_id, Mode.EXPIRE, "node-b:1")
     assert won.status_before is Status.PAUSED and won.owner == "node-b:1" and won.epoch == 2
@@ -363,7 +372,7 @@ async def test_a_janitor_takes_over_past_the_lease_or_once_handed_off(machine: M
     assert record[Field.RECOVERY_REASON] == RecoveryReason.WORKER_LOST
 
     handed = await machine.start("node-a:1")
-    await machine.ownership.hand_off(handed, "node-a:1")
+    await machine.ownership.hand_off(handed, "node-a:1", shown_id=0)
     won = await claim(
         machine, handed, Mode.TAKEOVER, "node-b:1", expected="node-a:1", takeover=Takeover.HANDOFF
     )
@@ -407,7 +416,7 @@ async def test_the_owner_hands_off_at_a_shutdown_leaving_no_owner(machine: Machi
     check = RowCheck(row_of(Status.RUNNING, "hand off"))
     keys = machine.buffer.keys
     execution_id = await machine.start("node-a:1")
-    await machine.ownership.hand_off(execution_id, "node-a:1")
+    await machine.ownership.hand_off(execution_id, "node-a:1", shown_id=0)
     record = await machine.record(execution_id)
     assert record[Field.STATUS] == Status.RUNNING and record[Field.OWNER] == ""
     assert record[Field.HANDOFF] == "node-a:1" and record[Field.LEASE_UNTIL] == "0"
@@ -416,11 +425,11 @@ async def test_the_owner_hands_off_at_a_shutdown_leaving_no_owner(machine: Machi
     announced = await machine.redis.xrange(keys.handoffs)
     assert any(fields[b"executionId"] == execution_id.encode() for _, fields in announced)
 
-    await check.refused(Reply.NOEXEC, machine.ownership.hand_off(missing(), "node-a:1"))
+    await check.refused(Reply.NOEXEC, machine.ownership.hand_off(missing(), "node-a:1", shown_id=0))
     paused = await machine.paused("node-a:1")
-    await check.refused(Reply.STATUS, machine.ownership.hand_off(paused, "node-a:1"))
+    await check.refused(Reply.STATUS, machine.ownership.hand_off(paused, "node-a:1", shown_id=0))
     other = await machine.start("node-b:1")
-    await check.refused(Reply.MOVED, machine.ownership.hand_off(other, "node-a:1"))
+    await check.refused(Reply.MOVED, machine.ownership.hand_off(other, "node-a:1", shown_id=0))
     assert (await machine.record(other))[Field.OWNER] == "node-b:1"
     check.every_refusal_tried()
 
