@@ -313,12 +313,25 @@ async def start_runtime(
     return Runtime(metrics=metrics, hub=hub, runner=runner, open_streams=open_streams)
 
 
+def offload_policy(settings: Settings) -> OffloadPolicy:
+    """When event values go to the value store (SPEC §5)."""
+    return OffloadPolicy(
+        large_value_bytes=settings.large_value_bytes,
+        budget_bytes=settings.event_budget_bytes,
+        event_limit=settings.event_limit,
+        inline_file_bytes=settings.inline_file_bytes,
+    )
+
+
 def build_runner(
     settings: Settings, stores: Stores, blocks: Blocks, *, hub: Hub, metrics: Metrics, node: Node
 ) -> Runner:
     """The runner and its parts, each built once for the process: the ownership state
     machine and what it keeps in step, the run states, and the parts that share the
-    executions running here."""
+    executions running here.
+
+    Longer than most: one flat construction per part, in the order they depend on each
+    other; cut in two, the parts would travel through as many parameters again."""
     buffer, lease = stores.buffer, settings.lease_seconds
     watch = WatchLists(buffer=buffer, lease_seconds=lease)
     limit = settings.max_executions_per_tenant
@@ -343,12 +356,7 @@ def build_runner(
         finals=finals,
         runs=runs,
         accepting=lambda: runs.accepting,
-        offload=OffloadPolicy(
-            large_value_bytes=settings.large_value_bytes,
-            budget_bytes=settings.event_budget_bytes,
-            event_limit=settings.event_limit,
-            inline_file_bytes=settings.inline_file_bytes,
-        ),
+        offload=offload_policy(settings),
         max_pending_events=settings.max_pending_events,
         lease_seconds=lease,
         metrics=metrics,
