@@ -2,8 +2,8 @@
 
 Every process runs one. Each pass it reports what is due, and its owner (the runner)
 acts: take over an execution whose owner stopped renewing its lease, or handed it off at
-a shutdown, and recover it from its checkpoint (the runner ends it ``worker_lost`` once
-it crashed too often); end a pause whose approval deadline passed with
+a shutdown, and recover it from its checkpoint (takeovers.py; it ends ``worker_lost``
+once it crashed too often); end a pause whose approval deadline passed with
 ``execution:failed`` (``approval_timeout``); and, when another Redis server answers than
 before, re-assert what the store may have forgotten. Each takeover or ending starts with
 a fenced claim (take over, expire), so of all the janitors exactly one wins, and the old
