@@ -34,25 +34,36 @@ from app.node import Node, claim_node
 from app.settings import Settings
 from app.sse import OpenStreams
 from app.tokens import StreamTokens, load_secret
+from lib.execution.admission import Admission
 from lib.execution.buffer import EventBuffer
+from lib.execution.control import ControlStreams
 from lib.execution.hub import Hub
 from lib.execution.offload import OffloadPolicy
 from lib.execution.ownership import Ownership
 from lib.execution.retention import Sweeper
+from lib.execution.store import StoreIdentity
 from lib.execution.stream import Readers
 from lib.execution.values import LocalValueStore, ValueStore
+from lib.execution.watchlists import WatchLists
 from lib.metrics import Metrics
 from lib.workflows.blocks import BlockTypes
 from lib.workflows.blocks.base import BlockServices
 from lib.workflows.executor import Executor
+from lib.workflows.finals import Finals
+from lib.workflows.janitor import Janitor
+from lib.workflows.launcher import Launcher
+from lib.workflows.leases import LeaseKeeper, LocalRuns
+from lib.workflows.listener import ControlListener
 from lib.workflows.model import Workflow
 from lib.workflows.plugins import load_plugins
 from lib.workflows.pool import TemplatePool
 from lib.workflows.providers import Provider, Providers, parse_providers, unknown_providers
 from lib.workflows.runner import Runner
+from lib.workflows.runstate import RunStates
 from lib.workflows.secrets import SecretStore
 from lib.workflows.slots import Slots
 from lib.workflows.store import Validate, WorkflowStore, load_directory
+from lib.workflows.takeovers import Takeovers
 from lib.workflows.templates import Templates
 from lib.workflows.validation import validate_workflow
 
@@ -311,27 +322,7 @@ async def start_runtime(
         )
     )
     runner = await stack.enter_async_context(
-        Runner(
-            buffer=stores.buffer,
-            hub=hub,
-            executor=blocks.executor,
-            values=stores.values,
-            ownership=Ownership(buffer=stores.buffer, lease_seconds=settings.lease_seconds),
-            lease_seconds=settings.lease_seconds,
-            shutdown_grace_seconds=settings.shutdown_grace_seconds,
-            max_executions_per_tenant=settings.max_executions_per_tenant,
-            max_recoveries=settings.max_recoveries,
-            metrics=metrics,
-            offload=OffloadPolicy(
-                large_value_bytes=settings.large_value_bytes,
-                budget_bytes=settings.event_budget_bytes,
-                event_limit=settings.event_limit,
-                inline_file_bytes=settings.inline_file_bytes,
-            ),
-            max_pending_events=settings.max_pending_events,
-            node_id=node.id,
-            dead_nodes=node.dead,
-        )
+        build_runner(settings, stores, blocks, hub=hub, metrics=metrics, node=node)
     )
     open_streams = await stack.enter_async_context(
         OpenStreams(ping_seconds=settings.sse_ping_seconds, max_seconds=settings.sse_max_seconds)
@@ -343,6 +334,86 @@ async def start_runtime(
     )
     return Runtime(
         metrics=metrics, hub=hub, readers=readers, runner=runner, open_streams=open_streams
+    )
+
+
+def offload_policy(settings: Settings) -> OffloadPolicy:
+    """When event values go to the value store (SPEC §5)."""
+    return OffloadPolicy(
+        large_value_bytes=settings.large_value_bytes,
+        budget_bytes=settings.event_budget_bytes,
+        event_limit=settings.event_limit,
+        inline_file_bytes=settings.inline_file_bytes,
+    )
+
+
+def build_runner(
+    settings: Settings, stores: Stores, blocks: Blocks, *, hub: Hub, metrics: Metrics, node: Node
+) -> Runner:
+    """The runner and its parts, each built once for the process: the ownership state
+    machine and what it keeps in step, the run states, and the parts that share the
+    executions running here.
+
+    Longer than most: one flat construction per part, in the order they depend on each
+    other; cut in two, the parts would travel through as many parameters again."""
+    buffer, lease = stores.buffer, settings.lease_seconds
+    watch = WatchLists(buffer=buffer, lease_seconds=lease)
+    limit = settings.max_executions_per_tenant
+    admission = Admission(buffer=buffer, lease_seconds=lease, limit=limit)
+    control = ControlStreams(buffer=buffer)
+    store = StoreIdentity(buffer=buffer, lease_seconds=lease)
+    ownership = Ownership(
+        buffer=buffer, lease_seconds=lease, watch=watch, admission=admission, control=control
+    )
+    states = RunStates(buffer=buffer, values=stores.values)
+    finals = Finals(buffer=buffer, watch=watch, admission=admission, states=states)
+    runs = LocalRuns()
+    launcher = Launcher(
+        buffer=buffer,
+        hub=hub,
+        executor=blocks.executor,
+        values=stores.values,
+        ownership=ownership,
+        watch=watch,
+        admission=admission,
+        states=states,
+        finals=finals,
+        runs=runs,
+        accepting=lambda: runs.accepting,
+        offload=offload_policy(settings),
+        max_pending_events=settings.max_pending_events,
+        lease_seconds=lease,
+        metrics=metrics,
+    )
+    takeovers = Takeovers(
+        buffer=buffer,
+        ownership=ownership,
+        watch=watch,
+        admission=admission,
+        store=store,
+        states=states,
+        launcher=launcher,
+        runs=runs,
+        node_id=node.id,
+        max_recoveries=settings.max_recoveries,
+    )
+    return Runner(
+        buffer=buffer,
+        ownership=ownership,
+        watch=watch,
+        admission=admission,
+        control=control,
+        store=store,
+        states=states,
+        finals=finals,
+        runs=runs,
+        launcher=launcher,
+        keeper=LeaseKeeper(ownership=ownership, lease_seconds=lease, runs=runs),
+        listener=ControlListener(control=control, node_id=node.id, runs=runs),
+        janitor=Janitor(store=store, watch=watch, lease_seconds=lease, dead_nodes=node.dead),
+        takeovers=takeovers,
+        node_id=node.id,
+        shutdown_grace_seconds=settings.shutdown_grace_seconds,
     )
 
 

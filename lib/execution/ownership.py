@@ -44,37 +44,27 @@ writer, so a stalled old owner can never append after it. An owner whose epoch i
 the stored one is the owner a store restored from an older snapshot forgot; it takes
 its execution back. Leases and deadlines are on Redis's clock (``TIME``).
 
-When another Redis server starts answering (a restart, a replica promoted), it may have
-forgotten recent transitions: every process notices within ``check_seconds`` and
-re-asserts what it holds at once, and no ownership moves until a short settle
-(``settle_seconds``) has let them; a request that would move one waits it out.
-
-Two watch lists tell the janitors what to look at: ``leases`` holds one member
-``"<eid> <fence>"`` per running ownership, scored by lease end, so the cleanup of one
-run can never remove the entry of the next; ``deadlines`` holds paused executions by
-approval deadline. The lease entry is written before the claim that needs it, so an
-execution is never running without a watched lease. A cancel for an execution owned by
-another process is also a message on that process's control stream, and a hand-off is
-announced on the ``handoffs`` stream that every process reads.
+The transitions keep the other parts of ownership in step, each its own module: the
+watch lists the janitors read (watchlists.py: a lease entry is written before the
+claim that needs it, so an execution is never running without a watched lease), the
+tenant counts (admission.py), the control and hand-off streams (control.py), and which
+Redis server answers, with the short settle after it changed (store.py), which a
+request that would move ownership waits out first.
 """
 
 from __future__ import annotations
 
-import asyncio
 import secrets
-import time
 from dataclasses import dataclass
-from typing import Any, cast
 
-import orjson
 from redis.exceptions import ResponseError
 
 from lib.backend import register, translated
-from lib.errors import BufferUnavailable
+from lib.execution.admission import Admission
 from lib.execution.buffer import EventBuffer
+from lib.execution.control import ControlStreams
 from lib.execution.record import (
     Asked,
-    Field,
     Mode,
     RecoveryReason,
     Reply,
@@ -83,19 +73,7 @@ from lib.execution.record import (
     Takeover,
     refused,
 )
-
-# How many leases a dead owner's run goes on counting for its tenant, waiting for a
-# janitor to take it over (admit.lua).
-COUNTED_LEASES = 10
-# After another Redis server starts answering, how long ownership waits for the owners
-# to re-assert what it may have forgotten (store.lua). Every process looks at which
-# server answers four times within it and re-asserts at once when it changed, so a
-# short wait covers them; it is also what an approval deadline may be late by.
-SETTLE_SECONDS = 1.0
-# What a request that moves ownership (a resume, a cancel) waits of a settle, beyond
-# the settle itself, before it answers 503 (the store keeps changing servers).
-SETTLE_GRACE_SECONDS = 1.0
-
+from lib.execution.watchlists import WatchLists
 
 
 @dataclass(frozen=True)
@@ -184,14 +162,6 @@ def draw_transitions() -> str:
 
 
 @dataclass(frozen=True)
-class Store:
-    """The Redis server that answers, and how long ownership must still wait."""
-
-    identity: str
-    settling_seconds: float
-
-
-@dataclass(frozen=True)
 class Claim:
     """A won transition: where the new owner's numbering starts, and what it replaced.
 
@@ -217,37 +187,28 @@ def node_of(token: str) -> str:
     return token.partition(":")[0]
 
 
-def paused_member(execution_id: str) -> str:
-    return f"paused:{execution_id}"
-
-
-def lease_member(execution_id: str, fence: str) -> str:
-    return f"{execution_id} {fence}"
-
-
-def parse_member(member: bytes | str) -> tuple[str, str]:
-    text = member.decode() if isinstance(member, bytes) else member
-    execution_id, _, fence = text.partition(" ")
-    return execution_id, fence
-
-
 class Ownership:
-    """The transitions, leases, run state and control messages, on the buffer's Redis."""
+    """The transitions, on the buffer's Redis; each keeps the watch lists, the tenant
+    counts and the hand-off stream in step with it."""
 
-    def __init__(self, *, buffer: EventBuffer, lease_seconds: float) -> None:
+    def __init__(
+        self,
+        *,
+        buffer: EventBuffer,
+        lease_seconds: float,
+        watch: WatchLists,
+        admission: Admission,
+        control: ControlStreams,
+    ) -> None:
         self.buffer = buffer
         self.redis = buffer.redis
         self.keys = buffer.keys
         self.lease_ms = int(lease_seconds * 1000)
-        self.settle_seconds = min(SETTLE_SECONDS, 2 * lease_seconds)
-        # How often each process asks which server answers (and looks at deadlines).
-        self.check_seconds = self.settle_seconds / 4
-        package = __package__
-        self._claim = register(self.redis, package, "claim.lua")
-        self._renew = register(self.redis, package, "renew.lua")
-        self._admit = register(self.redis, package, "admit.lua")
-        self._watch = register(self.redis, package, "watch.lua")
-        self._store = register(self.redis, package, "store.lua")
+        self._watch = watch
+        self._admission = admission
+        self._control = control
+        self._claim = register(self.redis, __package__, "claim.lua")
+        self._renew = register(self.redis, __package__, "renew.lua")
 
     def new_fence(self, node: str) -> str:
         return f"{node}:{secrets.token_hex(8)}"
@@ -269,7 +230,7 @@ class Ownership:
         """Create an execution, running and owned by ``fence`` (watched first), with its
         run state fields ``state``; None when it exists already (its id was named in
         advance and another process created it first: that one runs it)."""
-        await self.hold(execution_id, fence)
+        await self._watch.hold(execution_id, fence)
         created = await self.buffer.create(
             execution_id,
             workflow_id=workflow_id,
@@ -282,7 +243,7 @@ class Ownership:
             state=state,
         )
         if not created:
-            await self.forget_lease(execution_id, fence)
+            await self._watch.release(execution_id, fence)
             return None
         return Claim(0, 0, None, fence, 1)
 
@@ -349,13 +310,8 @@ class Ownership:
         longer owns it, ``WrongStatus`` when it is no longer running."""
         await self.claim(execution_id, Mode.HANDOFF, fence, expected=str(shown_id))
         # Due at once for every janitor, should the announcement be missed.
-        await self.redis.zadd(self.keys.leases, {lease_member(execution_id, fence): 0})
-        await self.redis.xadd(
-            self.keys.handoffs,
-            {"executionId": execution_id, "fence": fence},
-            maxlen=10_000,
-            approximate=True,
-        )
+        await self._watch.due_now(execution_id, fence)
+        await self._control.announce_handoff(execution_id, fence)
 
     @translated
     async def renew(
@@ -374,195 +330,6 @@ class Ownership:
             # Any other error (OOM at maxmemory, READONLY, MISCONF) is the store's
             # trouble, not a new owner: an outage (BufferUnavailable), renewed again later.
             raise refused(Script.RENEW, exc, Asked(execution_id)) from None
-        await self._add(self.keys.leases, lease_member(execution_id, fence))
-        # Only while still counted: a renewal racing the run's pause or end must not
-        # count it again (the tenant would be refused for a lease).
-        await self._watch(keys=[self.keys.running(tenant)], args=["refresh", fence, self.lease_ms])
+        await self._watch.hold(execution_id, fence)
+        await self._admission.refresh(tenant, fence)
         return bool(requested == b"1")
-
-    # -- watch lists -----------------------------------------------------------------
-
-    async def _add(
-        self, key: str, member: str, after_ms: int | None = None, *, replaces: str = ""
-    ) -> None:
-        delay = self.lease_ms if after_ms is None else after_ms
-        await self._watch(keys=[key], args=["add", member, delay, replaces])
-
-    @translated
-    async def hold(self, execution_id: str, fence: str) -> None:
-        """Watch the lease of ``fence``'s ownership (before the claim that creates it)."""
-        await self._add(self.keys.leases, lease_member(execution_id, fence))
-
-    @translated
-    async def release(self, execution_id: str, fence: str) -> None:
-        """Stop watching ``fence``'s lease: its run stored its last event, or was fenced."""
-        await self.redis.zrem(self.keys.leases, lease_member(execution_id, fence))
-
-    @translated
-    async def due_leases(self, *, limit: int = 100) -> list[tuple[str, str]]:
-        """(execution id, fence) of the leases that ended, on Redis's clock."""
-        found = await self._watch(keys=[self.keys.leases], args=["due", limit])
-        return [parse_member(member) for member in found]
-
-    @translated
-    async def due_deadlines(self, *, limit: int = 100) -> list[str]:
-        """Paused executions whose approval deadline passed, on Redis's clock."""
-        found = await self._watch(keys=[self.keys.deadlines], args=["due", limit])
-        return [member.decode() for member in found]
-
-    @translated
-    async def watch_deadline(self, execution_id: str, deadline_ms: int) -> None:
-        """List a pause under its approval deadline (Redis time, ms), for the janitors."""
-        await self.redis.zadd(self.keys.deadlines, {execution_id: deadline_ms})
-
-    @translated
-    async def forget_lease(self, execution_id: str, fence: str) -> None:
-        await self.redis.zrem(self.keys.leases, lease_member(execution_id, fence))
-
-    @translated
-    async def forget_deadline(self, execution_id: str) -> None:
-        await self.redis.zrem(self.keys.deadlines, execution_id)
-
-    @translated
-    async def store(self) -> Store:
-        """Which Redis server answers, and how long ownership must still wait after its
-        data changed servers (store.lua)."""
-        info: Any = await self.redis.info("server")
-        nodes = [info] if "run_id" in info else list(info.values())
-        identity = ",".join(sorted(str(node.get("run_id", "")) for node in nodes))
-        settle_ms = int(self.settle_seconds * 1000)
-        remaining = await self._store(keys=[self.keys.store], args=[identity, settle_ms])
-        return Store(identity, int(remaining) / 1000)
-
-    async def check_settled(self) -> None:
-        """Wait out the rest of a settle before moving ownership; BufferUnavailable only
-        if it lasts past the settle and a grace (the store keeps changing servers).
-
-        Data that now answers from another server (a restart, a replica promoted) may
-        have forgotten recent transitions; until every process had a chance to
-        re-assert what it knows (``settle_seconds``), a claim could hand out ids that
-        clients already saw. The wait is short, so a request waits, not the client.
-        """
-        deadline = time.monotonic() + self.settle_seconds + SETTLE_GRACE_SECONDS
-        while (remaining := (await self.store()).settling_seconds) > 0:
-            if time.monotonic() + remaining > deadline:
-                raise BufferUnavailable(
-                    "the event store restarted just now and is still being checked; "
-                    "try again in a second"
-                )
-            await asyncio.sleep(remaining)
-
-    @translated
-    async def leases_of(self, nodes: tuple[str, ...]) -> list[tuple[str, str]]:
-        """(execution id, fence) of every lease held by the processes ``nodes``."""
-        found: list[tuple[str, str]] = []
-        for node in nodes:
-            async for member, _score in self.redis.zscan_iter(
-                self.keys.leases, match=f"* {node}:*"
-            ):
-                found.append(parse_member(member))
-        return found
-
-    @translated
-    async def now_ms(self) -> int:
-        """Redis's clock, in milliseconds since the epoch."""
-        seconds, micros = await self.redis.time()
-        return int(seconds) * 1000 + int(micros) // 1000
-
-    # -- admission -------------------------------------------------------------------
-
-    @translated
-    async def admit(self, tenant: str, fence: str, *, limit: int, replaces: str = "") -> bool:
-        """Count an ownership among its tenant's unfinished executions, if under ``limit``
-        (``replaces``, e.g. the pause it resumes, does not count)."""
-        admitted = await self._admit(
-            keys=[self.keys.running(tenant)],
-            args=[fence, self.lease_ms, limit, replaces, COUNTED_LEASES * self.lease_ms],
-        )
-        return bool(admitted)
-
-    @translated
-    async def count_paused(self, tenant: str, execution_id: str, fence: str) -> None:
-        """Count a paused execution among its tenant's unfinished ones in place of the
-        ownership ``fence`` that paused it, in one step (so it never counts twice). It
-        holds no lease; its entry lasts as long as its keys would."""
-        after_ms = self.buffer.active_ttl_seconds * 1000
-        member = paused_member(execution_id)
-        await self._add(self.keys.running(tenant), member, after_ms, replaces=fence)
-
-    @translated
-    async def count(self, tenant: str, fence: str) -> None:
-        """Count an ownership among its tenant's unfinished executions, past any cap (it
-        took over an execution that was counted already)."""
-        await self._add(self.keys.running(tenant), fence)
-
-    @translated
-    async def leave(self, tenant: str, *members: str) -> None:
-        """The ownership ``fence`` stopped running (finished, paused or moved on); also
-        any other member given (a pause's entry), in the same command."""
-        await self.redis.zrem(self.keys.running(tenant), *members)
-
-    # -- run state -------------------------------------------------------------------
-
-    @translated
-    async def save_state(
-        self, execution_id: str, fields: dict[str, Any], *, deadline_ms: int | None = None
-    ) -> None:
-        """Persist what a resume needs (JSON values), with the pause deadline if any."""
-        encoded = {name: orjson.dumps(value) for name, value in fields.items()}
-        async with self.redis.pipeline(transaction=False) as pipe:
-            if encoded:
-                pipe.hset(self.keys.state(execution_id), mapping=encoded)  # type: ignore[arg-type]
-            pipe.expire(self.keys.state(execution_id), self.buffer.active_ttl_seconds)
-            if deadline_ms is not None:
-                pipe.hset(self.keys.meta(execution_id), Field.PAUSE_DEADLINE, str(deadline_ms))
-            await pipe.execute()
-
-    @translated
-    async def load_state(self, execution_id: str) -> dict[str, Any]:
-        raw = cast(dict[bytes, bytes], await self.redis.hgetall(self.keys.state(execution_id)))
-        return {name.decode(): orjson.loads(value) for name, value in raw.items()}
-
-    # -- control messages ------------------------------------------------------------
-
-    @translated
-    async def send_cancel(self, node: str, execution_id: str) -> None:
-        """Ask the process ``node`` to cancel an execution it runs."""
-        await self.redis.xadd(
-            self.keys.control(node), {"cancel": execution_id}, maxlen=1000, approximate=True
-        )
-
-    @translated
-    async def control_cursors(self, node: str) -> dict[str, str]:
-        """Where ``node`` starts reading its control stream and the hand-offs: after
-        the newest message of each."""
-        cursors = {}
-        for key in (self.keys.control(node), self.keys.handoffs):
-            entries: Any = await self.redis.xrevrange(key, count=1)
-            cursors[key] = entries[0][0].decode() if entries else "0-0"
-        return cursors
-
-    @translated
-    async def next_control(
-        self, cursors: dict[str, str], *, block_ms: int
-    ) -> tuple[list[str], list[tuple[str, str]]]:
-        """Block for cancels to this node and hand-offs after ``cursors`` (advanced in
-        place): (execution ids to cancel, (execution id, fence) handed off)."""
-        streams: Any = cursors
-        reply: Any = await self.buffer.tail_redis.xread(streams, count=100, block=block_ms)
-        cancels: list[str] = []
-        handed: list[tuple[str, str]] = []
-        for stream, entries in reply or []:
-            key = stream.decode()
-            cursors[key] = entries[-1][0].decode()
-            for _, fields in entries:
-                if key == self.keys.handoffs:
-                    handed.append((fields[b"executionId"].decode(), fields[b"fence"].decode()))
-                elif b"cancel" in fields:
-                    cancels.append(fields[b"cancel"].decode())
-        return cancels, handed
-
-    @translated
-    async def wake_control(self, node: str) -> None:
-        """End ``node``'s blocking control read now (it is stopping)."""
-        await self.redis.xadd(self.keys.control(node), {"wake": "1"}, maxlen=1000, approximate=True)

@@ -19,11 +19,12 @@ from typing import Any
 import orjson
 
 from lib.errors import WriteRefused
+from lib.execution.admission import Admission
 from lib.execution.buffer import EventBuffer
 from lib.execution.events import EXECUTION_PAUSED, Event
 from lib.execution.log import batch_meta
-from lib.execution.ownership import Ownership
 from lib.execution.record import Field
+from lib.execution.watchlists import WatchLists
 from lib.workflows.executor import RunState
 from lib.workflows.leases import LocalRun
 from lib.workflows.model import Workflow
@@ -65,9 +66,17 @@ class Final:
 class Finals:
     """The kept last events, newest last, and their re-assertion."""
 
-    def __init__(self, *, buffer: EventBuffer, ownership: Ownership, states: RunStates) -> None:
+    def __init__(
+        self,
+        *,
+        buffer: EventBuffer,
+        watch: WatchLists,
+        admission: Admission,
+        states: RunStates,
+    ) -> None:
         self._buffer = buffer
-        self._ownership = ownership
+        self._watch = watch
+        self._admission = admission
         self._states = states
         self._kept: OrderedDict[str, Final] = OrderedDict()
 
@@ -130,6 +139,6 @@ class Finals:
         await self._states.save(execution_id, fields, deadline_ms=pause.deadline_ms)
         await self._states.save_checkpoint(execution_id, pause.run)
         # It counts for its tenant again, as a pause does.
-        await self._ownership.count_paused(tenant, execution_id, "")
+        await self._admission.count_paused(tenant, execution_id, "")
         if pause.deadline_ms is not None:
-            await self._ownership.watch_deadline(execution_id, pause.deadline_ms)
+            await self._watch.watch_deadline(execution_id, pause.deadline_ms)

@@ -2,14 +2,14 @@
 
 Every process runs one. Each pass it reports what is due, and its owner (the runner)
 acts: take over an execution whose owner stopped renewing its lease, or handed it off at
-a shutdown, and recover it from its checkpoint (the runner ends it ``worker_lost`` once
-it crashed too often); end a pause whose approval deadline passed with
+a shutdown, and recover it from its checkpoint (takeovers.py; it ends ``worker_lost``
+once it crashed too often); end a pause whose approval deadline passed with
 ``execution:failed`` (``approval_timeout``); and, when another Redis server answers than
 before, re-assert what the store may have forgotten. Each takeover or ending starts with
 a fenced claim (take over, expire), so of all the janitors exactly one wins, and the old
-owner can never append after it. Times are Redis's (see ownership.py).
+owner can never append after it. Times are Redis's (see watchlists.py).
 
-It looks often (every ``Ownership.check_seconds``, a fraction of a second): which Redis
+It looks often (every ``StoreIdentity.check_seconds``, a fraction of a second): which Redis
 server answers (when another one does, this process re-asserts what it knows at once,
 and ownership waits a short settle for every process to do so), and which approval
 deadlines passed, so a deadline fires within about a second, also right after a restart
@@ -33,8 +33,9 @@ from dataclasses import dataclass
 from lib.errors import FlowcastError
 from lib.execution.events import EXECUTION_CANCELLED, EXECUTION_FAILED
 from lib.execution.log import ExecutionLog
-from lib.execution.ownership import Ownership
 from lib.execution.record import RecoveryReason, Takeover
+from lib.execution.store import StoreIdentity
+from lib.execution.watchlists import WatchLists
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +86,15 @@ class Janitor:
     """Watches the expired leases, the due approval deadlines and the store's identity."""
 
     def __init__(
-        self, *, ownership: Ownership, lease_seconds: float, dead_nodes: tuple[str, ...] = ()
+        self,
+        *,
+        store: StoreIdentity,
+        watch: WatchLists,
+        lease_seconds: float,
+        dead_nodes: tuple[str, ...] = (),
     ) -> None:
-        self._ownership = ownership
+        self._store = store
+        self._watch = watch
         self._lease_seconds = lease_seconds
         self._store_id: str | None = None
         self._healthy_since = time.monotonic()
@@ -109,7 +116,7 @@ class Janitor:
         first = True
         while True:
             if not first:
-                await asyncio.sleep(self._ownership.check_seconds)
+                await asyncio.sleep(self._store.check_seconds)
             first = False
             try:
                 due = await self._look()
@@ -128,7 +135,7 @@ class Janitor:
         changed servers, the settle just passed). Leases do (see ``distrust``).
         """
         asked = time.monotonic()
-        store = await self._ownership.store()
+        store = await self._store.check()
         if time.monotonic() - asked > self._lease_seconds / 3:
             # A stalled store (DEBUG SLEEP, a paused server): owners could neither
             # renew nor re-assert meanwhile; give them a lease.
@@ -148,12 +155,12 @@ class Janitor:
                     extra={"settleSeconds": store.settling_seconds},
                 )
         if store.settling_seconds > 0:
-            # ...before anyone may end an execution it holds (see ownership.py).
+            # ...before anyone may end an execution it holds (see store.py).
             self.distrust()
             return Due(restarted=True) if restarted else None
         dead: list[tuple[str, str]] = []
         if self._dead_nodes:
-            dead = await self._ownership.leases_of(self._dead_nodes)
+            dead = await self._watch.leases_of(self._dead_nodes)
             if not dead:
                 self._dead_nodes = ()  # all taken over (or settled): done with them
         leases: list[tuple[str, str]] = []
@@ -163,13 +170,13 @@ class Janitor:
                 self._lease_seconds / 2 * random.uniform(0.8, 1.2)
             )
             asked = time.monotonic()
-            leases = await self._ownership.due_leases()
+            leases = await self._watch.due_leases()
             if time.monotonic() - asked > self._lease_seconds / 3:
                 # A stalled store: owners could not renew either, so their leases prove
                 # nothing until a lease has passed with the store answering.
                 self.distrust()
                 leases, trusted = [], False
-        deadlines = await self._ownership.due_deadlines()
+        deadlines = await self._watch.due_deadlines()
         if not (restarted or dead or leases or deadlines):
             return None
         how = Takeover.EXPIRED if trusted else Takeover.HANDOFF

@@ -23,6 +23,7 @@ from typing import Any
 
 from lib.backoff import Backoff
 from lib.errors import BufferUnavailable, FlowcastError, NotFound, OwnerMoved, WrongStatus
+from lib.execution.admission import Admission, paused_member
 from lib.execution.buffer import EventBuffer, ExecutionMeta
 from lib.execution.events import (
     EXECUTION_CANCELLED,
@@ -33,9 +34,10 @@ from lib.execution.events import (
 from lib.execution.hub import Hub
 from lib.execution.log import ExecutionLog, LiveGate
 from lib.execution.offload import OffloadPolicy
-from lib.execution.ownership import Claim, Ownership, paused_member
+from lib.execution.ownership import Claim, Ownership
 from lib.execution.record import Field, StopReason
 from lib.execution.values import ValueStore
+from lib.execution.watchlists import WatchLists
 from lib.metrics import Metrics
 from lib.workflows.checkpoint import Keeper
 from lib.workflows.executor import BlockFailed, Executor, HandedOff, Pause, Paused, RunState
@@ -71,6 +73,8 @@ class Launcher:
         executor: Executor,
         values: ValueStore,
         ownership: Ownership,
+        watch: WatchLists,
+        admission: Admission,
         states: RunStates,
         finals: Finals,
         runs: dict[str, LocalRun],
@@ -85,6 +89,8 @@ class Launcher:
         self._executor = executor
         self._values = values
         self._ownership = ownership
+        self._watch = watch
+        self._admission = admission
         self._states = states
         self._finals = finals
         self._locals = runs
@@ -160,9 +166,9 @@ class Launcher:
         """The store lost writes of a running execution: watch its lease, list it and
         count it for its tenant again, and save its workflow version again (the writer
         writes the rest back)."""
-        await self._ownership.hold(execution_id, local.fence)
+        await self._watch.hold(execution_id, local.fence)
         await self._buffer.index_again(execution_id, local.tenant)
-        await self._ownership.count(local.tenant, local.fence)
+        await self._admission.count(local.tenant, local.fence)
         if local.workflow is not None:
             await self._states.save_version(local.workflow)
 
@@ -179,7 +185,7 @@ class Launcher:
         if final is not None and final.type != EXECUTION_PAUSED:
             # Ended, also when a cancel won over its pause: it no longer counts at all.
             members.append(paused_member(local.execution_id))
-        work = [self._ownership.leave(local.tenant, *members)]
+        work = [self._admission.leave(local.tenant, *members)]
         settled = (
             writer.final_stored is not None
             or writer.refused is not None
@@ -192,7 +198,7 @@ class Launcher:
             # once, stays watched until then). If this fails, the lease expires.
             work.append(self._hand_off(local, writer.shown_id))
         elif settled:
-            work.append(self._ownership.release(local.execution_id, local.fence))
+            work.append(self._watch.release(local.execution_id, local.fence))
         else:
             log.warning(
                 "a run ended without storing its last event; its lease will expire",
@@ -265,11 +271,11 @@ class Launcher:
                 and isinstance(task.result(), Pause)
             )
             if paused:
-                counting = self._ownership.count_paused(
+                counting = self._admission.count_paused(
                     local.tenant, local.execution_id, local.fence
                 )
             else:
-                counting = self._ownership.leave(local.tenant, local.fence)
+                counting = self._admission.leave(local.tenant, local.fence)
             await asyncio.wait_for(counting, 1.0)
         except (FlowcastError, TimeoutError) as exc:
             extra_error = {**extra, "error": str(exc) or type(exc).__name__}
@@ -350,10 +356,10 @@ class Launcher:
                 # time to live of a pause.
                 deadline = None
                 if pause.timeout_seconds:
-                    deadline = await self._ownership.now_ms() + pause.timeout_seconds * 1000
+                    deadline = await self._watch.now_ms() + pause.timeout_seconds * 1000
                 await self._states.save(execution_id, {}, deadline_ms=deadline)
                 if deadline is not None:
-                    await self._ownership.watch_deadline(execution_id, deadline)
+                    await self._watch.watch_deadline(execution_id, deadline)
                 local.saved_pause = SavedPause(workflow, input, paused.state, deadline)
                 return
             except BufferUnavailable as exc:

@@ -1,4 +1,4 @@
-"""What keeps this process's executions owned: lease renewal and the cancel listener.
+"""What keeps this process's executions owned: the runs here and their lease renewal.
 
 Each execution running here is a ``LocalRun``. Its lease is renewed every third of a
 lease period (a refusal means another process fenced it out: the run stops at once; a
@@ -6,8 +6,7 @@ store that lost the execution gets it recreated by the run's writer). Each renew
 succeeds renews the run's live gate; one that fails closes it at once (SPEC §5): from
 here a store down for everyone and a store lost by this process alone look the same,
 and in the second case another process may be about to take over. Cancels for runs
-here arrive on this process's control stream, read with a blocking read (with the
-hand-offs every process may take over), and with every renewal.
+here arrive with every renewal, and on this process's control stream (listener.py).
 """
 
 from __future__ import annotations
@@ -15,11 +14,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lib.backoff import Backoff
 from lib.errors import Fenced, FlowcastError, RecordLost
 from lib.execution.log import LiveGate
 from lib.execution.ownership import Ownership
@@ -27,7 +25,6 @@ from lib.execution.record import StopReason
 
 log = logging.getLogger(__name__)
 
-CONTROL_BLOCK_MS = 5_000
 RENEW_TICK_SECONDS = 0.1
 
 
@@ -71,22 +68,20 @@ class LocalRun:
             self.work.cancel(reason)
 
 
-class LeaseKeeper:
-    """Renews the leases of the runs here and delivers cancels to them."""
+class LocalRuns(dict[str, LocalRun]):
+    """The executions running here, by id, and whether this process still takes on
+    new ones (it stops when it shuts down)."""
 
-    def __init__(
-        self,
-        *,
-        ownership: Ownership,
-        lease_seconds: float,
-        node_id: str,
-        runs: dict[str, LocalRun],
-    ) -> None:
+    accepting: bool = True
+
+
+class LeaseKeeper:
+    """Renews the leases of the runs here (and stops those fenced or cancelled)."""
+
+    def __init__(self, *, ownership: Ownership, lease_seconds: float, runs: LocalRuns) -> None:
         self._ownership = ownership
         self._lease_seconds = lease_seconds
-        self._node_id = node_id
         self._runs = runs
-        self._stopping = False
 
     async def renew_loop(self) -> None:
         """Renew each run's lease a third of a lease after its last check.
@@ -151,33 +146,3 @@ class LeaseKeeper:
         run.gate.renewed(started)
         if cancel_requested:
             run.stop(StopReason.CANCEL)
-
-    async def control_loop(self, on_handoff: Callable[[str, str], Awaitable[None]]) -> None:
-        """Deliver cancels for the runs here, and hand-offs to ``on_handoff``, as they
-        arrive (one blocking read on both streams)."""
-        cursors: dict[str, str] | None = None
-        backoff = Backoff(base=0.1, cap=5.0)
-        while not self._stopping:
-            try:
-                if cursors is None:
-                    cursors = await self._ownership.control_cursors(self._node_id)
-                cancels, handed = await self._ownership.next_control(
-                    cursors, block_ms=CONTROL_BLOCK_MS
-                )
-                for execution_id in cancels:
-                    run = self._runs.get(execution_id)
-                    if run is not None:
-                        run.stop(StopReason.CANCEL)
-                for execution_id, fence in handed:
-                    await on_handoff(execution_id, fence)
-            except FlowcastError as exc:
-                log.warning("control stream read failed", extra={"error": str(exc)})
-                await backoff.wait()
-                continue
-            backoff.reset()
-
-    async def stop_listening(self) -> None:
-        """End the control loop: a message to this node ends its blocking read (a
-        cancelled read may not end at once: the client retries it)."""
-        self._stopping = True
-        await self._ownership.wake_control(self._node_id)

@@ -12,13 +12,14 @@ block beside the events.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
 from lib.backend import translated
 from lib.errors import NotFound
-from lib.execution.ownership import Ownership
+from lib.execution.buffer import EventBuffer
+from lib.execution.record import Field
 from lib.execution.values import ValueStore, value_id
 from lib.workflows.checkpoint import read_fields, write_fields
 from lib.workflows.executor import RunState
@@ -28,17 +29,16 @@ INLINE_BYTES = 8 * 1024
 
 
 class RunStates:
-    """Saves and loads run states and workflow versions."""
+    """Saves and loads run states and workflow versions, on the buffer's Redis."""
 
     def __init__(
-        self, *, ownership: Ownership, values: ValueStore, inline_bytes: int = INLINE_BYTES
+        self, *, buffer: EventBuffer, values: ValueStore, inline_bytes: int = INLINE_BYTES
     ) -> None:
-        self._ownership = ownership
-        self._redis = ownership.redis
-        self._keys = ownership.keys
+        self._redis = buffer.redis
+        self._keys = buffer.keys
         self._values = values
         self._inline_bytes = inline_bytes
-        self._ttl = ownership.buffer.active_ttl_seconds
+        self._ttl = buffer.active_ttl_seconds
 
     @translated
     async def save_version(self, workflow: Workflow) -> str:
@@ -64,7 +64,7 @@ class RunStates:
         """Persist fields of the run state; large ones as refs into the value store.
         Returns the fields as stored (to write back if the store loses them)."""
         encoded = {name: await self._encode(execution_id, value) for name, value in fields.items()}
-        await self._ownership.save_state(execution_id, encoded, deadline_ms=deadline_ms)
+        await self._save_fields(execution_id, encoded, deadline_ms=deadline_ms)
         return {name: orjson.dumps(value) for name, value in encoded.items()}
 
     async def encode(self, execution_id: str, fields: dict[str, Any]) -> dict[str, bytes]:
@@ -75,14 +75,14 @@ class RunStates:
     async def save_checkpoint(self, execution_id: str, state: RunState) -> None:
         """Store a whole checkpoint again (into a store that lost it)."""
         fields = write_fields(state.outputs, state.skipped, state.attempts, state.answers)
-        await self._ownership.save_state(
+        await self._save_fields(
             execution_id, {name: orjson.loads(value) for name, value in fields.items()}
         )
 
     async def load(self, execution_id: str) -> tuple[str, Any, RunState, dict[str, bytes]]:
         """(workflow version, input, checkpoint, the version and input fields as stored)
         as saved; NotFound when the store has none."""
-        stored = await self._ownership.load_state(execution_id)
+        stored = await self._load_fields(execution_id)
         if "workflow" not in stored:
             # Missing, or restored only in part (a store back from an older snapshot).
             raise NotFound("run state", execution_id)
@@ -100,6 +100,25 @@ class RunStates:
             if name in stored:
                 base[name] = orjson.dumps(stored[name])
         return version, input, RunState(outputs, skipped, answers, attempts), base
+
+    @translated
+    async def _save_fields(
+        self, execution_id: str, fields: dict[str, Any], *, deadline_ms: int | None = None
+    ) -> None:
+        """Write fields (JSON values) into the state hash, with the pause deadline if any."""
+        encoded = {name: orjson.dumps(value) for name, value in fields.items()}
+        async with self._redis.pipeline(transaction=False) as pipe:
+            if encoded:
+                pipe.hset(self._keys.state(execution_id), mapping=encoded)  # type: ignore[arg-type]
+            pipe.expire(self._keys.state(execution_id), self._ttl)
+            if deadline_ms is not None:
+                pipe.hset(self._keys.meta(execution_id), Field.PAUSE_DEADLINE, str(deadline_ms))
+            await pipe.execute()
+
+    @translated
+    async def _load_fields(self, execution_id: str) -> dict[str, Any]:
+        raw = cast(dict[bytes, bytes], await self._redis.hgetall(self._keys.state(execution_id)))
+        return {name.decode(): orjson.loads(value) for name, value in raw.items()}
 
     async def _encode(self, execution_id: str, value: Any) -> dict[str, Any]:
         raw = orjson.dumps(value)

@@ -7,9 +7,9 @@ import uuid
 from redis.asyncio import Redis
 
 from lib.execution.buffer import EventBuffer
-from lib.execution.ownership import Ownership
 from lib.execution.record import Takeover
 from lib.workflows.janitor import Due, Janitor
+from tests.support.ownership import ownership_parts
 
 LEASE_SECONDS = 0.2
 
@@ -18,14 +18,15 @@ async def test_a_pass_reports_ended_leases_and_due_deadlines_once_the_store_is_t
     redis: Redis,
 ) -> None:
     buffer = EventBuffer(redis=redis, prefix=f"jn{uuid.uuid4().hex[:6]}")
-    ownership = Ownership(buffer=buffer, lease_seconds=LEASE_SECONDS)
+    parts = ownership_parts(buffer, LEASE_SECONDS)
+    watch = parts.watch
     crashed, paused = f"ex_{uuid.uuid4().hex}", f"ex_{uuid.uuid4().hex}"
-    await ownership.hold(crashed, "node-a:1")
-    await ownership.watch_deadline(paused, await ownership.now_ms() - 1)
-    while not await ownership.due_leases():
+    await watch.hold(crashed, "node-a:1")
+    await watch.watch_deadline(paused, await watch.now_ms() - 1)
+    while not await watch.due_leases():
         pass  # the lease entry ends on Redis's clock, a lease from now
 
-    passes = Janitor(ownership=ownership, lease_seconds=LEASE_SECONDS).passes()
+    passes = Janitor(store=parts.store, watch=watch, lease_seconds=LEASE_SECONDS).passes()
     first = await anext(passes)
     # A store not watched for a lease yet proves nothing about leases: only hand-offs
     # may be taken over. A deadline needs no such trust (the claim decides).

@@ -10,7 +10,7 @@ before its pause was stored was forgotten).
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from redis.asyncio import Redis
@@ -19,14 +19,27 @@ from lib.errors import Conflict
 from lib.execution.buffer import EventBuffer
 from lib.execution.ownership import Ownership
 from lib.execution.record import Takeover
+from lib.execution.values import LocalValueStore
+from lib.execution.watchlists import WatchLists
+from lib.workflows.runstate import RunStates
+from tests.support.ownership import ownership_parts
 
 pytestmark = pytest.mark.timeout(30)
 
 
 @pytest.fixture
-async def ownership(redis: Redis) -> AsyncIterator[Ownership]:
-    buffer = EventBuffer(redis=redis, prefix=f"t{uuid.uuid4().hex[:6]}")
-    yield Ownership(buffer=buffer, lease_seconds=15)
+def buffer(redis: Redis) -> EventBuffer:
+    return EventBuffer(redis=redis, prefix=f"t{uuid.uuid4().hex[:6]}")
+
+
+@pytest.fixture
+def ownership(buffer: EventBuffer) -> Ownership:
+    return ownership_parts(buffer, 15).ownership
+
+
+@pytest.fixture
+def watch(buffer: EventBuffer) -> WatchLists:
+    return ownership_parts(buffer, 15).watch
 
 
 async def running(ownership: Ownership, owner: str) -> str:
@@ -86,17 +99,22 @@ async def test_a_dead_owner_is_taken_over_before_its_lease_ends_and_only_it(
     assert (claim.owner, claim.reason, claim.epoch) == ("node:new", "worker_lost", 2)
 
 
-async def test_the_leases_of_dead_nodes_are_found_by_node(ownership: Ownership) -> None:
+async def test_the_leases_of_dead_nodes_are_found_by_node(
+    ownership: Ownership, watch: WatchLists
+) -> None:
     mine = await running(ownership, "aaa:1")
     theirs = await running(ownership, "aaab:1")
-    found = await ownership.leases_of(("aaa",))
+    found = await watch.leases_of(("aaa",))
     assert (mine, "aaa:1") in found and all(fence.startswith("aaa:") for _, fence in found)
     assert (theirs, "aaab:1") not in found
 
 
-async def test_a_deadline_of_a_pause_not_stored_yet_is_not_due(ownership: Ownership) -> None:
+async def test_a_deadline_of_a_pause_not_stored_yet_is_not_due(
+    ownership: Ownership, buffer: EventBuffer, tmp_path: Path
+) -> None:
     execution_id = await running(ownership, "owner:1")
-    await ownership.save_state(execution_id, {}, deadline_ms=1)  # long past
+    states = RunStates(buffer=buffer, values=LocalValueStore(root=tmp_path))
+    await states.save(execution_id, {}, deadline_ms=1)  # long past
     with pytest.raises(Conflict) as refused:
         await ownership.claim(execution_id, "expire", "janitor:1")
     assert refused.value.code == "notdue"

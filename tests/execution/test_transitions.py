@@ -11,6 +11,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -26,7 +27,7 @@ from lib.execution.events import (
     Event,
 )
 from lib.execution.log import batch_meta
-from lib.execution.ownership import TRANSITIONS, Ownership, Transition, lease_member
+from lib.execution.ownership import TRANSITIONS, Ownership, Transition
 from lib.execution.record import (
     REFUSALS,
     Field,
@@ -36,6 +37,10 @@ from lib.execution.record import (
     Status,
     Takeover,
 )
+from lib.execution.values import LocalValueStore
+from lib.execution.watchlists import WatchLists, lease_member
+from lib.workflows.runstate import RunStates
+from tests.support.ownership import ownership_parts
 
 LEASE_SECONDS = 30.0
 TESTED: dict[tuple[Status | None, str], str] = {}
@@ -82,9 +87,11 @@ class Machine:
     redis: Redis
     buffer: EventBuffer
     ownership: Ownership
+    watch: WatchLists
+    states: RunStates
 
     def with_lease(self, seconds: float) -> Ownership:
-        return Ownership(buffer=self.buffer, lease_seconds=seconds)
+        return ownership_parts(self.buffer, seconds).ownership
 
     async def record(self, execution_id: str) -> dict[str, str]:
         raw: dict[bytes, bytes] = await self.redis.hgetall(self.buffer.keys.meta(execution_id))
@@ -123,7 +130,7 @@ class Machine:
     async def paused(self, fence: str = "node-a:1", *, deadline_ms: int | None = None) -> str:
         execution_id = await self.start(fence)
         await self.append(execution_id, [EXECUTION_STARTED, EXECUTION_PAUSED], fence=fence)
-        await self.ownership.save_state(execution_id, {}, deadline_ms=deadline_ms)
+        await self.states.save(execution_id, {}, deadline_ms=deadline_ms)
         return execution_id
 
     async def finished(self, fence: str = "node-a:1") -> str:
@@ -135,15 +142,17 @@ class Machine:
         """Poll Redis's clock until the execution's lease is over."""
         until = int((await self.record(execution_id))[Field.LEASE_UNTIL])
         for _ in range(10_000):
-            if await self.ownership.now_ms() > until:
+            if await self.watch.now_ms() > until:
                 return
         raise AssertionError("the lease never ended on Redis's clock")
 
 
 @pytest.fixture
-async def machine(redis: Redis) -> AsyncIterator[Machine]:
+async def machine(redis: Redis, tmp_path: Path) -> AsyncIterator[Machine]:
     buffer = EventBuffer(redis=redis, prefix=f"tr{uuid.uuid4().hex[:6]}")
-    yield Machine(redis, buffer, Ownership(buffer=buffer, lease_seconds=LEASE_SECONDS))
+    parts = ownership_parts(buffer, LEASE_SECONDS)
+    states = RunStates(buffer=buffer, values=LocalValueStore(root=tmp_path))
+    yield Machine(redis, buffer, parts.ownership, parts.watch, states)
 
 
 def missing() -> str:
@@ -168,7 +177,7 @@ async def test_start_creates_a_running_record_owned_by_its_creator_with_a_watche
     assert record[Field.STATUS] == Status.RUNNING
     assert record[Field.OWNER] == "node-a:1" and record[Field.EPOCH] == "1"
     assert record[Field.LAST_ID] == "0" and record[Field.RESERVED] == "0"
-    assert int(record[Field.LEASE_UNTIL]) > await machine.ownership.now_ms()
+    assert int(record[Field.LEASE_UNTIL]) > await machine.watch.now_ms()
     lease = await machine.redis.zscore(
         machine.buffer.keys.leases, lease_member(execution_id, "node-a:1")
     )
@@ -332,7 +341,7 @@ async def test_any_process_cancelling_a_running_execution_flags_it_for_its_owner
 @row_test(Status.PAUSED, "expire")
 async def test_a_janitor_expires_a_pause_only_past_its_deadline(machine: Machine) -> None:
     check = RowCheck(row_of(Status.PAUSED, "expire"))
-    now = await machine.ownership.now_ms()
+    now = await machine.watch.now_ms()
     execution_id = await machine.paused("node-a:1", deadline_ms=now - 1)
     won = await claim(machine, execution_id, Mode.EXPIRE, "node-b:1")
     assert won.status_before is Status.PAUSED and won.owner == "node-b:1" and won.epoch == 2

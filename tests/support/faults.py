@@ -153,7 +153,7 @@ async def fresh_replica(server: FlowcastServer) -> FlowcastServer:
 
 async def wait_store_settled(valkey: ValkeyServer, *, timeout: float, flush: bool = False) -> None:
     """Wait until the store's settling period after a new server is over (claims answer
-    503 until then, by design: see ownership.py); with ``flush``, empty it first."""
+    503 until then, by design: see lib/execution/store.py); with ``flush``, empty it first."""
     redis = Redis.from_url(valkey.url)
     try:
         if flush:

@@ -37,13 +37,14 @@ async def _accepted_then_died(
     machine, between the claim and the next write): its lease watched, its claim won
     (exactly the calls Runner._claim makes before the 202)."""
     from lib.execution.buffer import EventBuffer
-    from lib.execution.ownership import Ownership
+    from tests.support.ownership import ownership_parts
 
     redis = Redis.from_url(valkey.url)
     try:
-        ownership = Ownership(buffer=EventBuffer(redis=redis, prefix=prefix), lease_seconds=1)
+        parts = ownership_parts(EventBuffer(redis=redis, prefix=prefix), 1)
+        ownership = parts.ownership
         fence = ownership.new_fence("deadnode")
-        await ownership.hold(execution_id, fence)
+        await parts.watch.hold(execution_id, fence)
         claim = await ownership.claim(execution_id, mode, fence, block_id=block_id, answer=answer)
         assert claim.status_before == "paused", claim
     finally:

@@ -50,7 +50,7 @@ async def valkey(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Faul
 @pytest.fixture(autouse=True)
 async def settled(valkey: FaultyValkey) -> None:
     """Each test starts on a settled store: right after an earlier test restarted it,
-    claims answer 503 for two leases by design (see ownership.py)."""
+    claims answer 503 for two leases by design (see lib/execution/store.py)."""
     await wait_store_settled(valkey, timeout=STREAM_DEADLINE)
 
 

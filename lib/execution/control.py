@@ -1,0 +1,87 @@
+"""The control streams: cancels sent to the process that runs an execution, and the
+hand-offs every process reads.
+
+A cancel for an execution owned by another process is a message on that process's
+control stream (its owner also learns of it with its next write or renewal); a hand-off
+is announced on the ``handoffs`` stream, so another process takes it over at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lib.backend import translated
+from lib.execution.buffer import EventBuffer
+
+# How many messages each stream keeps (approximately): enough for every reader that is
+# behind by a few seconds, small enough to cost nothing.
+CONTROL_MAXLEN = 1000
+HANDOFFS_MAXLEN = 10_000
+
+
+class ControlStreams:
+    """Sends and reads the control and hand-off messages, on the buffer's Redis."""
+
+    def __init__(self, *, buffer: EventBuffer) -> None:
+        self.redis = buffer.redis
+        # The blocking read goes on the buffer's client for blocking reads (a pool of
+        # its own where one is given), as the event tails do.
+        self.tail_redis = buffer.tail_redis
+        self.keys = buffer.keys
+
+    @translated
+    async def send_cancel(self, node: str, execution_id: str) -> None:
+        """Ask the process ``node`` to cancel an execution it runs."""
+        await self.redis.xadd(
+            self.keys.control(node),
+            {"cancel": execution_id},
+            maxlen=CONTROL_MAXLEN,
+            approximate=True,
+        )
+
+    @translated
+    async def announce_handoff(self, execution_id: str, fence: str) -> None:
+        """Tell every process that ``fence`` let go of a running execution."""
+        await self.redis.xadd(
+            self.keys.handoffs,
+            {"executionId": execution_id, "fence": fence},
+            maxlen=HANDOFFS_MAXLEN,
+            approximate=True,
+        )
+
+    @translated
+    async def cursors(self, node: str) -> dict[str, str]:
+        """Where ``node`` starts reading its control stream and the hand-offs: after
+        the newest message of each."""
+        cursors = {}
+        for key in (self.keys.control(node), self.keys.handoffs):
+            entries: Any = await self.redis.xrevrange(key, count=1)
+            cursors[key] = entries[0][0].decode() if entries else "0-0"
+        return cursors
+
+    @translated
+    async def read(
+        self, cursors: dict[str, str], *, block_ms: int
+    ) -> tuple[list[str], list[tuple[str, str]]]:
+        """Block for cancels to this node and hand-offs after ``cursors`` (advanced in
+        place): (execution ids to cancel, (execution id, fence) handed off)."""
+        streams: Any = cursors
+        reply: Any = await self.tail_redis.xread(streams, count=100, block=block_ms)
+        cancels: list[str] = []
+        handed: list[tuple[str, str]] = []
+        for stream, entries in reply or []:
+            key = stream.decode()
+            cursors[key] = entries[-1][0].decode()
+            for _, fields in entries:
+                if key == self.keys.handoffs:
+                    handed.append((fields[b"executionId"].decode(), fields[b"fence"].decode()))
+                elif b"cancel" in fields:
+                    cancels.append(fields[b"cancel"].decode())
+        return cancels, handed
+
+    @translated
+    async def wake(self, node: str) -> None:
+        """End ``node``'s blocking control read now (it is stopping)."""
+        await self.redis.xadd(
+            self.keys.control(node), {"wake": "1"}, maxlen=CONTROL_MAXLEN, approximate=True
+        )

@@ -1,0 +1,232 @@
+"""Takeovers: winning an execution whose owner died, handed it off or let its approval
+time out, and carrying it on here.
+
+A run taken over is recovered (SPEC §7): it emits ``execution:recovered`` and carries
+on from the checkpoint, so only the blocks that had not completed run again; past
+``max_recoveries`` crashes it ends ``worker_lost`` instead, and one whose cancel was
+accepted before its owner died ends cancelled before anything runs again (F5). A pause
+past its approval deadline ends ``approval_timeout``. Each starts with a fenced claim
+(take over, expire), so of all the processes that try, exactly one wins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from enum import Enum
+from typing import Any
+
+from lib.errors import BufferUnavailable, Conflict, LeaseHeld, NotDue, NotFound
+from lib.execution.admission import Admission
+from lib.execution.buffer import EventBuffer, ExecutionMeta
+from lib.execution.events import EXECUTION_RECOVERED, EXECUTION_STARTED
+from lib.execution.log import ExecutionLog
+from lib.execution.ownership import Claim, Ownership
+from lib.execution.record import Field, Mode, RecoveryReason, StopReason, Takeover
+from lib.execution.store import StoreIdentity
+from lib.execution.watchlists import WatchLists
+from lib.workflows.executor import RunState
+from lib.workflows.janitor import approval_timeout, worker_lost
+from lib.workflows.launcher import Body, Launcher, Outcome, ending_body, identity_of
+from lib.workflows.leases import LocalRun, LocalRuns
+from lib.workflows.model import Workflow
+from lib.workflows.runstate import RunStates
+
+log = logging.getLogger(__name__)
+
+
+class Claimed(Enum):
+    """How a transition the janitor found due went."""
+
+    WON = "won"  # this process owns it now
+    NOT_YET = "not_yet"  # refused for now (the lease runs, the store settles, not due)
+    SETTLED = "settled"  # refused for good (another owner or status, gone): forget it
+
+
+async def load_run(
+    launcher: Launcher, states: RunStates, local: LocalRun, emitter: ExecutionLog
+) -> tuple[Workflow, Any, RunState]:
+    """The workflow, input and checkpoint a resumed or recovered run goes on from
+    (retried while the buffer is down; NotFound when the store lost them)."""
+    execution_id = local.execution_id
+    version, given, run, saved = await launcher.retrying(local, lambda: states.load(execution_id))
+    emitter.remember(saved)
+    workflow: Workflow = await launcher.retrying(local, lambda: states.load_version(version))
+    local.workflow = workflow
+    return workflow, given, run
+
+
+class Takeovers:
+    """Wins the executions found due here, and launches what follows."""
+
+    def __init__(
+        self,
+        *,
+        buffer: EventBuffer,
+        ownership: Ownership,
+        watch: WatchLists,
+        admission: Admission,
+        store: StoreIdentity,
+        states: RunStates,
+        launcher: Launcher,
+        runs: LocalRuns,
+        node_id: str,
+        max_recoveries: int = 3,
+    ) -> None:
+        self._buffer = buffer
+        self._ownership = ownership
+        self._watch = watch
+        self._admission = admission
+        self._store = store
+        self._states = states
+        self._launcher = launcher
+        self._runs = runs
+        self._node_id = node_id
+        self._max_recoveries = max_recoveries
+
+    async def take_over(self, execution_id: str, fence: str, *, how: Takeover) -> None:
+        """Take over an execution from ``fence`` and recover it, if it is due."""
+        if execution_id in self._runs or not self._runs.accepting:
+            return
+        if await self._recover(execution_id, fence, how) is not Claimed.NOT_YET:
+            # Recovered now by a new owner (whose own entry watches it from here on),
+            # or settled already: this entry names nothing left to do.
+            await self._watch.release(execution_id, fence)
+
+    async def expire(self, execution_id: str) -> None:
+        """End a pause past its approval deadline, if it is due: win ``expire``, then
+        write the ``approval_timeout`` failure."""
+        if await self._expire(execution_id) is not Claimed.NOT_YET:
+            await self._watch.forget_deadline(execution_id)
+
+    async def _expire(self, execution_id: str) -> Claimed:
+        fence = self._ownership.new_fence(self._node_id)
+        try:
+            meta = await self._buffer.meta(execution_id)
+            await self._watch.hold(execution_id, fence)
+            claim = await self._ownership.claim(execution_id, Mode.EXPIRE, fence)
+        except (Conflict, NotFound) as exc:
+            await self._launcher.quietly(execution_id, self._watch.release(execution_id, fence))
+            return Claimed.NOT_YET if isinstance(exc, NotDue) else Claimed.SETTLED
+        extra = {"executionId": execution_id, "mode": Mode.EXPIRE.value}
+        log.warning("ending an execution", extra=extra)
+        self._launcher.launch(
+            execution_id,
+            claim,
+            identity=identity_of(meta),
+            body=ending_body(approval_timeout),
+            meta=meta,
+        )
+        return Claimed.WON
+
+    async def _recover(self, execution_id: str, expected: str, how: Takeover) -> Claimed:
+        """Win the execution from ``expected`` (the owner it may replace: see
+        Takeover), then carry it on from its checkpoint here."""
+        fence = self._ownership.new_fence(self._node_id)
+        try:
+            await self._store.wait_settled()
+        except BufferUnavailable:
+            return Claimed.NOT_YET
+        try:
+            meta = await self._buffer.meta(execution_id)
+            await self._watch.hold(execution_id, fence)
+            claim = await self._ownership.claim(
+                execution_id, Mode.TAKEOVER, fence, expected=expected, takeover=how
+            )
+        except (Conflict, NotFound) as exc:
+            await self._launcher.quietly(execution_id, self._watch.release(execution_id, fence))
+            return Claimed.NOT_YET if isinstance(exc, LeaseHeld) else Claimed.SETTLED
+        # The new owner counts for the tenant in place of the one it took over from.
+        await self._launcher.quietly(
+            execution_id,
+            self._admission.count(meta.tenant, fence),
+            self._admission.leave(meta.tenant, expected),
+        )
+        self._launcher.launch(
+            execution_id,
+            claim,
+            identity=_recovered_identity(meta, claim),
+            body=self._recovery_body(execution_id, claim),
+            meta=meta,
+        )
+        return Claimed.WON
+
+    def _recovery_body(self, execution_id: str, claim: Claim) -> Body:
+        """What a won takeover runs: the accepted cancel, the ``worker_lost`` ending of
+        one that crashed too often, or the run carried on from its checkpoint."""
+        extra = {"executionId": execution_id, "reason": claim.reason, "recovery": claim.recovery}
+        if claim.cancel_requested:
+            # Its owner accepted a cancel and stopped before writing it (F5): the
+            # cancel is honoured before anything runs again, so no block starts here.
+            log.warning("recovering a cancelled execution; ending it", extra=extra)
+            return self._cancelled(claim)
+        if claim.reason is RecoveryReason.WORKER_LOST and claim.crashes > self._max_recoveries:
+            log.warning("execution lost its owner too often; ending it", extra=extra)
+            return ending_body(worker_lost)
+        log.warning("recovering an execution", extra=extra)
+
+        async def body(local: LocalRun, emitter: ExecutionLog) -> None:
+            async def work() -> Outcome:
+                workflow, given, run = await load_run(self._launcher, self._states, local, emitter)
+                run.recovered = True
+                rerun = [b.id for b in workflow.blocks if b.id in run.unfinished()]
+                _announce_recovery(emitter, claim, workflow, given, run, rerun)
+                return await self._launcher.run_workflow(local, emitter, workflow, given, run)
+
+            await self._launcher.execute(local, emitter, work)
+
+        return body
+
+    def _cancelled(self, claim: Claim) -> Body:
+        """A takeover of an execution whose cancel was accepted: ``execution:recovered``
+        (nothing to run again), then ``execution:cancelled``.
+
+        The recovered event says why the ids may jump (the previous owner died) and
+        what the checkpoint kept, as every takeover does; the cancel is its ending.
+        """
+
+        async def body(local: LocalRun, emitter: ExecutionLog) -> None:
+            async def work() -> Outcome:
+                workflow, given, run = await load_run(self._launcher, self._states, local, emitter)
+                _announce_recovery(emitter, claim, workflow, given, run, rerun=[])
+                # Ended as a stopped run ends: its last event is the cancel.
+                local.stop(StopReason.CANCEL)
+                raise asyncio.CancelledError
+
+            await self._launcher.execute(local, emitter, work)
+
+        return body
+
+
+def _recovered_identity(meta: ExecutionMeta, claim: Claim) -> dict[str, str]:
+    """The fields to write back with the metadata should the store lose it: this
+    recovery's number and the crashes so far are part of what it must not forget."""
+    return {
+        **identity_of(meta),
+        Field.RECOVERIES.value: str(claim.recovery),
+        Field.CRASHES.value: str(claim.crashes),
+    }
+
+
+def _announce_recovery(
+    emitter: ExecutionLog,
+    claim: Claim,
+    workflow: Workflow,
+    given: Any,
+    run: RunState,
+    rerun: list[str],
+) -> None:
+    """The first events of a run taken over: ``execution:recovered`` naming the blocks
+    that run again and those kept from the checkpoint."""
+    if claim.base == 0:
+        # Its owner died before anything was stored or shown, even its first event:
+        # the log starts as every log does.
+        emitter.emit(EXECUTION_STARTED, {"input": given})
+    completed = [b.id for b in workflow.blocks if b.id in run.outputs]
+    data = {
+        "reason": claim.reason,
+        "recovery": claim.recovery,
+        "rerun": rerun,
+        "completed": completed,
+    }
+    emitter.emit(EXECUTION_RECOVERED, data)
