@@ -62,8 +62,9 @@ async def test_a_crashed_execution_still_counts_for_its_tenant_until_recovered(
     a, b = replica(valkey, tmp_path, "a", **env), replica(valkey, tmp_path, "b", **env)
     async with running(a, b), httpx.AsyncClient(timeout=30) as http:
         # The cap is probed until s1 completed on B (A's lease end, B's takeover and 3 s
-        # after it); a longer chain only made the test wait for its end.
-        await put(http_for(http, a), chain("capx", blocks=2, ms=1500))
+        # after it), while s2 still runs: probed up to X's last block, a request sent
+        # just after X ended was admitted, rightly, and read as a breach.
+        await put(http_for(http, a), chain("capx", blocks=3, ms=1500))
         await put(http_for(http, a), chain("capy", blocks=1, ms=10))
         x = await execute(http_for(http, a), "capx")
         await until(lambda: has_event(http_for(http, b), x, "block:started"), "x started")
