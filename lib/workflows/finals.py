@@ -21,7 +21,7 @@ import orjson
 from lib.errors import WriteRefused
 from lib.execution.buffer import EventBuffer
 from lib.execution.events import EXECUTION_PAUSED, Event
-from lib.execution.log import batch_meta
+from lib.execution.flush import batch_meta
 from lib.execution.ownership import Ownership
 from lib.execution.record import Field
 from lib.workflows.executor import RunState

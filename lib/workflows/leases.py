@@ -21,7 +21,7 @@ from typing import Any
 
 from lib.backoff import Backoff
 from lib.errors import Fenced, FlowcastError, RecordLost
-from lib.execution.log import LiveGate
+from lib.execution.flush import LiveGate
 from lib.execution.ownership import Ownership
 from lib.execution.record import StopReason
 

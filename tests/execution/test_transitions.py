@@ -25,7 +25,7 @@ from lib.execution.events import (
     EXECUTION_STARTED,
     Event,
 )
-from lib.execution.log import batch_meta
+from lib.execution.flush import batch_meta
 from lib.execution.ownership import TRANSITIONS, Ownership, Transition, lease_member
 from lib.execution.record import (
     REFUSALS,
