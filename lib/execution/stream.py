@@ -6,9 +6,10 @@ The path of one event, module by module, each hop handing it down and never back
     executor      emits it (``ExecutionLog.emit``): never waits
       │
     log.py        gives it its id, compacts a large value (in order), queues it; the
-      │           log's flush writes the queue as one fenced batch to the buffer and,
-      │           once the buffer reserved its id (stored, for the run's last event)
-      │           while the owner's live gate is open, shows it to the channel here
+      │           log's flush (flush.py, private to it) writes the queue as one fenced
+      │           batch to the buffer and, once the buffer reserved its id (stored,
+      │           for the run's last event) while the owner's live gate is open,
+      │           shows it to the channel here
       ├──────────► hub.py: the channel of this process keeps what is shown and not
       │           stored yet, and queues it for each reader here
     buffer.py     append.lua stores the batch atomically (ids, ring, status, fencing)

@@ -22,7 +22,7 @@ from lib.errors import WriteRefused
 from lib.execution.admission import Admission
 from lib.execution.buffer import EventBuffer
 from lib.execution.events import EXECUTION_PAUSED, Event
-from lib.execution.log import batch_meta
+from lib.execution.flush import batch_meta
 from lib.execution.record import Field
 from lib.execution.watchlists import WatchLists
 from lib.workflows.executor import RunState

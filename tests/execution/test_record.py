@@ -26,7 +26,7 @@ from lib.execution.events import (
     TERMINAL_TYPES,
     Event,
 )
-from lib.execution.log import batch_meta
+from lib.execution.flush import batch_meta
 from lib.execution.ownership import TRANSITIONS, draw_transitions
 from lib.execution.record import (
     REFUSALS,

@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 
 from lib.execution.buffer import EventBuffer
 from lib.execution.events import Event
-from lib.execution.log import EventWriter
+from lib.execution.flush import EventWriter
 
 BUDGET = 1024 * 1024
 # Redis's own bookkeeping on top of the envelope bytes the budget counts: stream nodes

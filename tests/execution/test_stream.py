@@ -13,7 +13,8 @@ from redis.asyncio import Redis
 from lib.errors import BufferUnavailable
 from lib.execution.buffer import EventBuffer
 from lib.execution.events import Event
-from lib.execution.log import Emitter, EventWriter
+from lib.execution.flush import EventWriter
+from lib.execution.log import Emitter
 from lib.execution.stream import Readers, StreamReader
 from tests.support.logcheck import check_log, check_view
 from tests.support.sse import parse_frame

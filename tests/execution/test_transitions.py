@@ -26,7 +26,7 @@ from lib.execution.events import (
     EXECUTION_STARTED,
     Event,
 )
-from lib.execution.log import batch_meta
+from lib.execution.flush import batch_meta
 from lib.execution.ownership import TRANSITIONS, Ownership, Transition
 from lib.execution.record import (
     REFUSALS,

@@ -24,7 +24,7 @@ from redis.asyncio import Redis
 from lib.errors import BufferUnavailable
 from lib.execution.buffer import AppendResult, EventBuffer, Page
 from lib.execution.events import Event
-from lib.execution.log import TRANSITIONS, EventWriter, LiveGate, Transition, WriterState
+from lib.execution.flush import TRANSITIONS, EventWriter, LiveGate, Transition, WriterState
 from lib.execution.stream import Readers, StreamReader
 from tests.support.logcheck import check_log, check_view
 from tests.support.sse import Frame, parse_frame
