@@ -342,9 +342,11 @@ def check_reader(storm: Storm, run: Run, reader: Reader, lossy: bool, found: Fin
     eid = run.execution_id
     label = f"{eid} ({run.plan.kind}) {reader.label}"
     if reader.role == "odd":
-        got = [frame.id for frame in reader.frames if frame.id is not None]
-        if got:
-            found.add("odd cursor", f"{label}: got events {got[:5]}, none above its cursor")
+        # A cursor above the stored log gets the terminal event and nothing else (SPEC §5
+        # as amended in step 15: never a bare end, whatever the terminal's id).
+        got = [(frame.id, frame.event) for frame in reader.frames if frame.id is not None]
+        if got and (len(got) > 1 or got[0][1] not in TERMINAL):
+            found.add("odd cursor", f"{label}: got events {got[:5]}, only the terminal may come")
     else:
         try:
             check_view(reader.frames, after=reader.start)

@@ -356,8 +356,9 @@ class EventWriter:
     def _show(self) -> None:
         """Publish, in order, the events that may be shown now (see the module doc)."""
         unshown = self._unshown
-        if not unshown or not self._gate.open:
+        if not unshown:
             return
+        gate_open = self._gate.open
         while unshown:
             event = unshown[0]
             if event.id in self._dropped_unshown:
@@ -365,10 +366,14 @@ class EventWriter:
                 self._dropped_unshown.discard(event.id)
                 unshown.popleft()
                 continue
-            if event.type in FINAL_TYPES:
-                if event.id > self.stored_id:
-                    return
-            elif event.id > self.reserved:
+            # A stored event is the store's truth: shown whatever the gate says, or a
+            # reader here would wait for it forever once the run lets go (the gate
+            # closed for an outage and never reopened). One not stored yet is shown only
+            # under an id reserved for this owner, while the gate is open, and never
+            # when it is the run's final event.
+            if event.id > self.stored_id and (
+                not gate_open or event.type in FINAL_TYPES or event.id > self.reserved
+            ):
                 return
             unshown.popleft()
             self._shown = event.id
