@@ -1,12 +1,19 @@
-"""The one settings object, read from ``FLOWCAST_*`` environment variables."""
+"""The one settings object, read from ``FLOWCAST_*`` environment variables, and what is
+read off it: the offload policy, the warnings about unsafe defaults, whether the data
+directory is used."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from lib.execution.offload import OffloadPolicy
+
+log = logging.getLogger("flowcast")
 
 
 class Settings(BaseSettings):
@@ -90,3 +97,33 @@ class Settings(BaseSettings):
     @property
     def plugin_modules(self) -> list[str]:
         return [name.strip() for name in (self.plugins or "").split(",") if name.strip()]
+
+
+def offload_policy(settings: Settings) -> OffloadPolicy:
+    """When event values go to the value store (SPEC §5)."""
+    return OffloadPolicy(
+        large_value_bytes=settings.large_value_bytes,
+        budget_bytes=settings.event_budget_bytes,
+        event_limit=settings.event_limit,
+        inline_file_bytes=settings.inline_file_bytes,
+    )
+
+
+def warn_about_defaults(settings: Settings) -> None:
+    """Say which unsafe or single-process defaults are in use."""
+    if not settings.api_keys:
+        log.warning(
+            "no FLOWCAST_API_KEYS set: the API is open, so it answers on loopback only "
+            "and refuses requests relayed by a proxy"
+        )
+    if settings.redis_url and not settings.secret_key:
+        log.warning(
+            "no FLOWCAST_SECRET_KEY set: this process uses a key of its own, so stream "
+            "tokens and secrets work only where it runs; give every replica the same key"
+        )
+
+
+def data_dir_in_use(settings: Settings) -> bool:
+    """Whether anything is kept under FLOWCAST_DATA_DIR: the embedded engine, the local
+    value store, or this process's own secret key."""
+    return not settings.redis_url or not settings.s3_bucket or not settings.secret_key
