@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 from app.executor import Blocks
 from app.node import Node
-from app.settings import Settings, offload_policy
+from app.settings import Settings
 from app.sse import OpenStreams
 from app.stores import TAIL_BLOCK_MS, Stores
 from lib.execution.hub import Hub
+from lib.execution.offload import OffloadPolicy
 from lib.execution.stream import Readers
 from lib.metrics import Metrics
 from lib.workflows.finals import Finals
@@ -73,6 +74,16 @@ async def start_runtime(
     )
     return Runtime(
         metrics=metrics, hub=hub, readers=readers, runner=runner, open_streams=open_streams
+    )
+
+
+def offload_policy(settings: Settings) -> OffloadPolicy:
+    """When event values go to the value store (SPEC §5)."""
+    return OffloadPolicy(
+        large_value_bytes=settings.large_value_bytes,
+        budget_bytes=settings.event_budget_bytes,
+        event_limit=settings.event_limit,
+        inline_file_bytes=settings.inline_file_bytes,
     )
 
 

@@ -1,6 +1,6 @@
 """The one settings object, read from ``FLOWCAST_*`` environment variables, and what is
-read off it: the offload policy, the warnings about unsafe defaults, whether the data
-directory is used."""
+read off it: the warnings about unsafe defaults, and whether the data directory is
+used. It imports nothing of the server: the CLI reads it too."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
-
-from lib.execution.offload import OffloadPolicy
 
 log = logging.getLogger("flowcast")
 
@@ -97,16 +95,6 @@ class Settings(BaseSettings):
     @property
     def plugin_modules(self) -> list[str]:
         return [name.strip() for name in (self.plugins or "").split(",") if name.strip()]
-
-
-def offload_policy(settings: Settings) -> OffloadPolicy:
-    """When event values go to the value store (SPEC §5)."""
-    return OffloadPolicy(
-        large_value_bytes=settings.large_value_bytes,
-        budget_bytes=settings.event_budget_bytes,
-        event_limit=settings.event_limit,
-        inline_file_bytes=settings.inline_file_bytes,
-    )
 
 
 def warn_about_defaults(settings: Settings) -> None:
