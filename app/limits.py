@@ -85,11 +85,6 @@ class BodyLimit:
         self.max_bytes = max_bytes
         self.timeout_seconds = timeout_seconds
 
-    def _too_large(self) -> ApiError:
-        return ApiError(
-            413, "body_too_large", f"the request body is larger than {self.max_bytes} bytes"
-        )
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
@@ -99,58 +94,80 @@ class BodyLimit:
             error = ApiError(431, "headers_too_large", "the request headers are too large")
             await _answer(error, scope, receive, send)
             return
-        chunked = declared = False
-        for name, value in headers:
-            if name == b"content-length":
-                if not value.isdigit() or int(value) > self.max_bytes:
-                    await _answer(self._too_large(), scope, receive, send)
-                    return
-                declared = int(value) > 0
-            elif name == b"transfer-encoding":
-                chunked = True
-        if not chunked and not declared:
+        declared, chunked = _declared(headers)
+        if declared is None or declared > self.max_bytes:
+            await _answer(_too_large(self.max_bytes), scope, receive, send)
+        elif not chunked and not declared:
             # Without either header there is no body: nothing to count or time, so the
             # hot paths (SSE) go straight on.
             await self.app(scope, receive, send)
-            return
-        received = 0
-        refused: ApiError | None = None
-        deadline: float | None = None
-        whole = False
+        else:
+            body = _Body(self, scope, receive, send, chunked=chunked)
+            await self.app(scope, body.receive, body.send)
 
-        async def limited() -> Message:
-            nonlocal received, refused, deadline, whole
-            loop = asyncio.get_running_loop()
-            if deadline is None:
-                deadline = loop.time() + self.timeout_seconds
-            try:
-                async with asyncio.timeout_at(None if whole else deadline):
-                    message = await receive()
-            except TimeoutError:
-                refused = ApiError(
-                    408,
-                    "body_timeout",
-                    f"the request body did not arrive within {self.timeout_seconds:g} s",
-                )
-                raise refused from None
-            if message["type"] == "http.request":
-                whole = whole or not message.get("more_body", False)
-            if chunked and message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    refused = self._too_large()
-                    raise refused
-            return message
 
-        async def guarded(message: Message) -> None:
-            # Once the body ran over (in size or in time), whatever the route answers is
-            # replaced by that error.
-            if refused is None:
-                await send(message)
-            elif message["type"] == "http.response.start":
-                await _answer(refused, scope, receive, send)
+def _declared(headers: list[tuple[bytes, bytes]]) -> tuple[int | None, bool]:
+    """The body's declared size (0 when none is declared, None when it is no number),
+    and whether the body comes chunked."""
+    size, chunked = 0, False
+    for name, value in headers:
+        if name == b"content-length":
+            if not value.isdigit():
+                return None, chunked
+            size = max(size, int(value))
+        elif name == b"transfer-encoding":
+            chunked = True
+    return size, chunked
 
-        await self.app(scope, limited, guarded)
+
+class _Body:
+    """One request's body as its route reads it: timed from the first read, counted when
+    it comes chunked (a declared size was checked already); once it ran over, in size
+    or in time, whatever the route answers is replaced by that error."""
+
+    def __init__(
+        self, limit: BodyLimit, scope: Scope, receive: Receive, send: Send, *, chunked: bool
+    ) -> None:
+        self._limit = limit
+        self._scope = scope
+        self._receive = receive
+        self._send = send
+        self._chunked = chunked
+        self._received = 0
+        self._refused: ApiError | None = None
+        self._deadline: float | None = None
+        self._whole = False
+
+    async def receive(self) -> Message:
+        if self._deadline is None:
+            self._deadline = asyncio.get_running_loop().time() + self._limit.timeout_seconds
+        try:
+            async with asyncio.timeout_at(None if self._whole else self._deadline):
+                message = await self._receive()
+        except TimeoutError:
+            seconds = self._limit.timeout_seconds
+            self._refused = ApiError(
+                408, "body_timeout", f"the request body did not arrive within {seconds:g} s"
+            )
+            raise self._refused from None
+        if message["type"] == "http.request":
+            self._whole = self._whole or not message.get("more_body", False)
+            if self._chunked:
+                self._received += len(message.get("body", b""))
+                if self._received > self._limit.max_bytes:
+                    self._refused = _too_large(self._limit.max_bytes)
+                    raise self._refused
+        return message
+
+    async def send(self, message: Message) -> None:
+        if self._refused is None:
+            await self._send(message)
+        elif message["type"] == "http.response.start":
+            await _answer(self._refused, self._scope, self._receive, self._send)
+
+
+def _too_large(max_bytes: int) -> ApiError:
+    return ApiError(413, "body_too_large", f"the request body is larger than {max_bytes} bytes")
 
 
 async def _answer(error: ApiError, scope: Scope, receive: Receive, send: Send) -> None:

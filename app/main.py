@@ -1,9 +1,9 @@
 """The app factory: ``uvicorn --factory app.main:create_app``.
 
 Nothing is built at import time. ``create_app`` reads the settings; the lifespan opens
-every resource in steps (``app/services.py``: the stores, the workflow catalog, the
-executor, the hub and the runner with the open streams), and closes them in reverse
-order.
+every resource in steps, one module each (the stores, the workflow catalog, the
+executor, and the runtime: the hub and the runner with the open streams), gathers what
+the routes reach (``app/services.py``), and closes them in reverse order.
 """
 
 from __future__ import annotations
@@ -16,17 +16,14 @@ from fastapi import FastAPI
 
 from app import errors, logs, memory
 from app.auth import LoopbackOnly
+from app.catalog import load_catalog
+from app.executor import open_executor
 from app.limits import BodyLimit
 from app.routes import executions, health, live, page, secrets, streams, values, workflows
-from app.services import (
-    build_services,
-    load_catalog,
-    open_executor,
-    open_stores,
-    start_runtime,
-    warn_about_defaults,
-)
-from app.settings import Settings
+from app.runtime import start_runtime
+from app.services import build_services
+from app.settings import Settings, warn_about_defaults
+from app.stores import open_stores
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

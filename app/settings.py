@@ -1,12 +1,17 @@
-"""The one settings object, read from ``FLOWCAST_*`` environment variables."""
+"""The one settings object, read from ``FLOWCAST_*`` environment variables, and what is
+read off it: the warnings about unsafe defaults, and whether the data directory is
+used. It imports nothing of the server: the CLI reads it too."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+log = logging.getLogger("flowcast")
 
 
 class Settings(BaseSettings):
@@ -90,3 +95,23 @@ class Settings(BaseSettings):
     @property
     def plugin_modules(self) -> list[str]:
         return [name.strip() for name in (self.plugins or "").split(",") if name.strip()]
+
+
+def warn_about_defaults(settings: Settings) -> None:
+    """Say which unsafe or single-process defaults are in use."""
+    if not settings.api_keys:
+        log.warning(
+            "no FLOWCAST_API_KEYS set: the API is open, so it answers on loopback only "
+            "and refuses requests relayed by a proxy"
+        )
+    if settings.redis_url and not settings.secret_key:
+        log.warning(
+            "no FLOWCAST_SECRET_KEY set: this process uses a key of its own, so stream "
+            "tokens and secrets work only where it runs; give every replica the same key"
+        )
+
+
+def data_dir_in_use(settings: Settings) -> bool:
+    """Whether anything is kept under FLOWCAST_DATA_DIR: the embedded engine, the local
+    value store, or this process's own secret key."""
+    return not settings.redis_url or not settings.s3_bucket or not settings.secret_key

@@ -21,6 +21,8 @@ class Metrics:
     """Every instrument of one process, on a registry of its own."""
 
     def __init__(self) -> None:
+        """Each instrument on this registry. Longer than most: one flat declaration per
+        instrument, each with its name and help text, read as a list."""
         self.registry = CollectorRegistry(auto_describe=True)
         registry = self.registry
         self.executions = Counter(

@@ -35,23 +35,19 @@ from lib.errors import (
     NotPausedThere,
     ShuttingDown,
 )
-from lib.execution.admission import Admission, paused_member
-from lib.execution.buffer import EventBuffer, ExecutionMeta
-from lib.execution.control import ControlStreams
+from lib.execution.admission import paused_member
+from lib.execution.buffer import ExecutionMeta
 from lib.execution.events import EXECUTION_RESUMED, EXECUTION_STARTED, utc_timestamp
 from lib.execution.log import ExecutionLog
-from lib.execution.ownership import Claim, Ownership, node_of
+from lib.execution.ownership import Claim, node_of
 from lib.execution.record import Field, Mode, Status, StopReason, Takeover
-from lib.execution.store import StoreIdentity
-from lib.execution.watchlists import WatchLists
 from lib.workflows.checkpoint import answer_field
-from lib.workflows.finals import Finals
 from lib.workflows.janitor import Janitor, cancelled
-from lib.workflows.launcher import Launcher, Outcome, ending_body, identity_of
-from lib.workflows.leases import LeaseKeeper, LocalRun, LocalRuns
+from lib.workflows.launcher import Outcome, ending_body, identity_of
+from lib.workflows.leases import LeaseKeeper, LocalRun
 from lib.workflows.listener import ControlListener
 from lib.workflows.model import Workflow
-from lib.workflows.runstate import RunStates
+from lib.workflows.parts import Parts
 from lib.workflows.schemas import answer_problems
 from lib.workflows.takeovers import Takeovers, load_run
 
@@ -76,48 +72,40 @@ class Started:
 class Runner:
     """Starts, resumes and cancels executions; owns the tasks that run them here.
 
-    It is given its parts, built once for the process (app/services.py): the
-    transitions and what they keep in step (ownership, watch lists, tenant admission,
-    control streams, the store's identity), the run states, and the parts that share
-    ``runs``, the executions running here (the launcher, the lease keeper, the control
-    listener, the janitor and the takeovers).
+    It is given its parts, built once for the process (``build_runner`` in
+    app/runtime.py): the ``Parts`` it shares with the takeovers (the transitions and
+    what they keep in step, the run states, the endings, ``runs``, the executions
+    running here, and their launcher), and the loops that act on ``runs`` (the lease
+    keeper, the control listener, the janitor) with the takeovers they report to.
     """
 
     def __init__(
         self,
+        parts: Parts,
         *,
-        buffer: EventBuffer,
-        ownership: Ownership,
-        watch: WatchLists,
-        admission: Admission,
-        control: ControlStreams,
-        store: StoreIdentity,
-        states: RunStates,
-        finals: Finals,
-        runs: LocalRuns,
-        launcher: Launcher,
         keeper: LeaseKeeper,
         listener: ControlListener,
         janitor: Janitor,
         takeovers: Takeovers,
-        node_id: str,
         shutdown_grace_seconds: float = 30.0,
     ) -> None:
-        self._buffer = buffer
-        self._ownership = ownership
-        self._watch = watch
-        self._admission = admission
-        self._control = control
-        self._store = store
-        self._states = states
-        self._finals = finals
-        self._runs = runs
-        self._launcher = launcher
+        transitions = parts.transitions
+        self._parts = parts
+        self._buffer = parts.buffer
+        self._ownership = transitions.ownership
+        self._watch = transitions.watch
+        self._admission = transitions.admission
+        self._control = transitions.control
+        self._store = transitions.store
+        self._states = parts.states
+        self._finals = parts.finals
+        self._runs = parts.runs
+        self._launcher = parts.launcher
         self._keeper = keeper
         self._listener = listener
         self._janitor = janitor
         self._takeovers = takeovers
-        self.node_id = node_id
+        self.node_id = parts.node_id
         self._grace = shutdown_grace_seconds
         self._loops: list[asyncio.Task[None]] = []
 
@@ -191,9 +179,6 @@ class Runner:
         """Bytes the rings of the runs here retain, as their compactors model them."""
         return sum(run.retained() for run in self._runs.values())
 
-    def _fence(self) -> str:
-        return self._ownership.new_fence(self.node_id)
-
     # -- the API's operations ------------------------------------------------------
 
     async def start(
@@ -215,8 +200,6 @@ class Runner:
         if not self._runs.accepting:
             raise ShuttingDown("the server is shutting down and starts no new executions")
         execution_id = execution_id or new_execution_id()
-        fence = self._fence()
-        await self._admission.admit(tenant, fence)
         now = datetime.now(UTC)
         identity: dict[str, str] = {
             Field.WORKFLOW_ID.value: workflow.id,
@@ -224,6 +207,39 @@ class Runner:
             Field.CREATED_AT.value: utc_timestamp(now),
             Field.INLINE_FILES.value: "1" if inline_files else "",
         }
+        created = await self._create(execution_id, workflow, input, identity, now)
+        if created is None:
+            log.info("execution created by another request", extra={"executionId": execution_id})
+            return Started(execution_id, "running")
+        claim, saved = created
+
+        async def body(local: LocalRun, emitter: ExecutionLog) -> None:
+            emitter.emit(EXECUTION_STARTED, {"input": input})
+            emitter.remember(saved)
+            local.workflow = workflow
+
+            async def work() -> Outcome:
+                return await self._launcher.run_workflow(local, emitter, workflow, input, None)
+
+            await self._launcher.execute(local, emitter, work)
+
+        self._launcher.launch(execution_id, claim, identity=identity, body=body)
+        return Started(execution_id, "running")
+
+    async def _create(
+        self,
+        execution_id: str,
+        workflow: Workflow,
+        input: Any,
+        identity: dict[str, str],
+        now: datetime,
+    ) -> tuple[Claim, dict[str, bytes]] | None:
+        """Admit the tenant's execution and create it, owned here, with its run state
+        (the claim and the state as stored); None, admission undone, when another
+        request created it first."""
+        tenant = identity[Field.TENANT]
+        fence = self._parts.new_fence()
+        await self._admission.admit(tenant, fence)
         try:
             # What a resume or a recovery needs is there from the start, in the same
             # write that creates the execution: a process may die right after the 202.
@@ -244,21 +260,8 @@ class Runner:
             raise
         if claim is None:
             await self._launcher.quietly(execution_id, self._admission.leave(tenant, fence))
-            log.info("execution created by another request", extra={"executionId": execution_id})
-            return Started(execution_id, "running")
-
-        async def body(local: LocalRun, emitter: ExecutionLog) -> None:
-            emitter.emit(EXECUTION_STARTED, {"input": input})
-            emitter.remember(saved)
-            local.workflow = workflow
-
-            async def work() -> Outcome:
-                return await self._launcher.run_workflow(local, emitter, workflow, input, None)
-
-            await self._launcher.execute(local, emitter, work)
-
-        self._launcher.launch(execution_id, claim, identity=identity, body=body)
-        return Started(execution_id, "running")
+            return None
+        return claim, saved
 
     async def resume(
         self, execution_id: str, *, tenant: str, block_id: str | None, input: Any
@@ -275,7 +278,7 @@ class Runner:
         if block_id is not None and block_id != paused_at:
             raise NotPausedThere(execution_id, paused_at=paused_at, asked=block_id)
         _check_answer(meta.pause.get("schema") or {}, input)
-        fence = self._fence()
+        fence = self._parts.new_fence()
         await self._admission.admit(tenant, fence, replaces=paused_member(execution_id))
         claim = await self._claim(
             execution_id, Mode.RESUME, fence, tenant, block_id=paused_at, answer=orjson.dumps(input)
@@ -308,7 +311,7 @@ class Runner:
         told at once. A finished one is a 409 with the status that won.
         """
         meta = await self._owned(execution_id, tenant)
-        fence = self._fence()
+        fence = self._parts.new_fence()
         claim = await self._claim(execution_id, Mode.CANCEL, fence, tenant)
         if claim.status_before is not Status.RUNNING:
             self._launcher.launch(

@@ -17,19 +17,17 @@ from enum import Enum
 from typing import Any
 
 from lib.errors import BufferUnavailable, Conflict, LeaseHeld, NotDue, NotFound
-from lib.execution.admission import Admission
-from lib.execution.buffer import EventBuffer, ExecutionMeta
+from lib.execution.buffer import ExecutionMeta
 from lib.execution.events import EXECUTION_RECOVERED, EXECUTION_STARTED
 from lib.execution.log import ExecutionLog
-from lib.execution.ownership import Claim, Ownership
+from lib.execution.ownership import Claim
 from lib.execution.record import Field, Mode, RecoveryReason, StopReason, Takeover
-from lib.execution.store import StoreIdentity
-from lib.execution.watchlists import WatchLists
 from lib.workflows.executor import RunState
 from lib.workflows.janitor import approval_timeout, worker_lost
 from lib.workflows.launcher import Body, Launcher, Outcome, ending_body, identity_of
-from lib.workflows.leases import LocalRun, LocalRuns
+from lib.workflows.leases import LocalRun
 from lib.workflows.model import Workflow
+from lib.workflows.parts import Parts
 from lib.workflows.runstate import RunStates
 
 log = logging.getLogger(__name__)
@@ -59,29 +57,17 @@ async def load_run(
 class Takeovers:
     """Wins the executions found due here, and launches what follows."""
 
-    def __init__(
-        self,
-        *,
-        buffer: EventBuffer,
-        ownership: Ownership,
-        watch: WatchLists,
-        admission: Admission,
-        store: StoreIdentity,
-        states: RunStates,
-        launcher: Launcher,
-        runs: LocalRuns,
-        node_id: str,
-        max_recoveries: int = 3,
-    ) -> None:
-        self._buffer = buffer
-        self._ownership = ownership
-        self._watch = watch
-        self._admission = admission
-        self._store = store
-        self._states = states
-        self._launcher = launcher
-        self._runs = runs
-        self._node_id = node_id
+    def __init__(self, parts: Parts, *, max_recoveries: int = 3) -> None:
+        transitions = parts.transitions
+        self._parts = parts
+        self._buffer = parts.buffer
+        self._ownership = transitions.ownership
+        self._watch = transitions.watch
+        self._admission = transitions.admission
+        self._store = transitions.store
+        self._states = parts.states
+        self._launcher = parts.launcher
+        self._runs = parts.runs
         self._max_recoveries = max_recoveries
 
     async def take_over(self, execution_id: str, fence: str, *, how: Takeover) -> None:
@@ -100,7 +86,7 @@ class Takeovers:
             await self._watch.forget_deadline(execution_id)
 
     async def _expire(self, execution_id: str) -> Claimed:
-        fence = self._ownership.new_fence(self._node_id)
+        fence = self._parts.new_fence()
         try:
             meta = await self._buffer.meta(execution_id)
             await self._watch.hold(execution_id, fence)
@@ -122,7 +108,7 @@ class Takeovers:
     async def _recover(self, execution_id: str, expected: str, how: Takeover) -> Claimed:
         """Win the execution from ``expected`` (the owner it may replace: see
         Takeover), then carry it on from its checkpoint here."""
-        fence = self._ownership.new_fence(self._node_id)
+        fence = self._parts.new_fence()
         try:
             await self._store.wait_settled()
         except BufferUnavailable:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -131,22 +133,59 @@ async def started_server(tmp_path: Path, name: str, **env: str) -> FlowcastServe
     return server
 
 
+def bearer(key: str) -> dict[str, str]:
+    """The header that presents ``key`` as the caller's API key."""
+    return {"Authorization": f"Bearer {key}"}
+
+
 def authed(server: FlowcastServer, key: str | None = None) -> httpx.AsyncClient:
     """A client of ``server``, with ``key`` as its bearer token when given."""
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.AsyncClient(base_url=server.url, headers=headers, timeout=30)
+    return httpx.AsyncClient(base_url=server.url, headers=bearer(key) if key else {}, timeout=30)
+
+
+def env_on(valkey: ValkeyServer, **settings: str) -> dict[str, str]:
+    """The environment of a server on ``valkey``, on a Redis prefix of its own unless
+    ``redis_prefix`` names one; ``settings`` are named without ``FLOWCAST_``
+    (``lease_seconds="3"``)."""
+    return {
+        "FLOWCAST_REDIS_URL": valkey.url,
+        "FLOWCAST_REDIS_PREFIX": prefix(),
+        **{f"FLOWCAST_{name.upper()}": value for name, value in settings.items()},
+    }
 
 
 async def flowcast_on(valkey: ValkeyServer, root: Path, **settings: str) -> FlowcastServer:
-    """A Flowcast server on ``valkey`` under ``root``, on a Redis prefix of its own;
-    ``settings`` are named without ``FLOWCAST_`` (``lease_seconds="3"``)."""
-    server = FlowcastServer(
-        data_dir=root,
-        env={
-            "FLOWCAST_REDIS_URL": valkey.url,
-            "FLOWCAST_REDIS_PREFIX": prefix(),
-            **{f"FLOWCAST_{name.upper()}": value for name, value in settings.items()},
-        },
-    )
+    """A Flowcast server on ``valkey`` under ``root``, started (settings as ``env_on``)."""
+    server = FlowcastServer(data_dir=root, env=env_on(valkey, **settings))
     await server.start()
     return server
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    valkey: ValkeyServer, root: Path, **settings: str
+) -> AsyncIterator[FlowcastServer]:
+    """``flowcast_on``, stopped when the block ends (a module fixture's whole body)."""
+    server = await flowcast_on(valkey, root, **settings)
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+@contextlib.asynccontextmanager
+async def serving_pair(
+    valkey: ValkeyServer, root: Path, **settings: str
+) -> AsyncIterator[tuple[FlowcastServer, FlowcastServer]]:
+    """Replicas A and B on ``valkey`` under ``root/a`` and ``root/b``, sharing one Redis
+    prefix of their own (settings as ``env_on``), stopped when the block ends."""
+    env = env_on(valkey, **settings)
+    servers = (
+        FlowcastServer(data_dir=root / "a", env=env),
+        FlowcastServer(data_dir=root / "b", env=env),
+    )
+    await asyncio.gather(*(server.start() for server in servers))
+    try:
+        yield servers
+    finally:
+        await asyncio.gather(*(server.stop() for server in servers))

@@ -22,7 +22,7 @@ from tests.support.api import (
     wait_finished,
 )
 from tests.support.logcheck import TERMINAL, check_log, check_view
-from tests.support.servers import FlowcastServer, ValkeyServer
+from tests.support.servers import FlowcastServer, ValkeyServer, serving_pair
 from tests.support.sse import Frame, events
 from tests.support.timing import assert_below_timer
 
@@ -36,14 +36,8 @@ async def pair(
     """Servers A and B on the session's Valkey, with the default lease (15 s): a cancel
     that lands fast cannot have come through a lease renewal."""
     root = tmp_path_factory.mktemp("cancel")
-    env = {"FLOWCAST_REDIS_URL": valkey.url, "FLOWCAST_SSE_PING_SECONDS": "0.5"}
-    servers = (
-        FlowcastServer(data_dir=root / "a", env=env),
-        FlowcastServer(data_dir=root / "b", env=env),
-    )
-    await asyncio.gather(*(server.start() for server in servers))
-    yield servers
-    await asyncio.gather(*(server.stop() for server in servers))
+    async with serving_pair(valkey, root, sse_ping_seconds="0.5") as servers:
+        yield servers
 
 
 @pytest.fixture

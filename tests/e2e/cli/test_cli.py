@@ -27,7 +27,7 @@ from app.client import Event, FlowcastClient, Gap, Reconnecting
 from app.embedded import free_port
 from app.progress import LiveDisplay, PlainDisplay
 from tests.support.api import flaky_workflow, put, streaming_workflow
-from tests.support.servers import FlowcastServer, ValkeyServer
+from tests.support.servers import FlowcastServer, ValkeyServer, authed, serving
 
 try:
     import pyte
@@ -351,18 +351,10 @@ async def test_an_unreachable_server_exits_5() -> None:
 async def keyed(
     tmp_path_factory: pytest.TempPathFactory, valkey: ValkeyServer
 ) -> AsyncIterator[FlowcastServer]:
-    server = FlowcastServer(
-        data_dir=tmp_path_factory.mktemp("cli-keyed"),
-        env={
-            "FLOWCAST_REDIS_URL": valkey.url,
-            "FLOWCAST_REDIS_PREFIX": f"cli{uuid.uuid4().hex[:6]}",
-            "FLOWCAST_API_KEYS": KEY,
-            "FLOWCAST_EVENT_LIMIT": "10",
-        },
-    )
-    await server.start()
-    yield server
-    await server.stop()
+    async with serving(
+        valkey, tmp_path_factory.mktemp("cli-keyed"), api_keys=KEY, event_limit="10"
+    ) as server:
+        yield server
 
 
 async def test_api_key_comes_from_the_option_or_the_environment(keyed: FlowcastServer) -> None:
@@ -380,8 +372,7 @@ async def test_api_key_comes_from_the_option_or_the_environment(keyed: FlowcastS
 async def test_attach_after_eviction_prints_the_gap_and_goes_on(
     keyed: FlowcastServer, unique: str
 ) -> None:
-    headers = {"Authorization": f"Bearer {KEY}"}
-    async with httpx.AsyncClient(base_url=keyed.url, headers=headers, timeout=20) as client:
+    async with authed(keyed, KEY) as client:
         await put(client, streaming_workflow(f"cli-gap-{unique}", words=20))
     ran = await flowcast("run", f"cli-gap-{unique}", "--api-key", KEY, url=keyed.url)
     assert ran.code == 0, ran.err
@@ -417,17 +408,8 @@ async def test_url_comes_from_the_environment(client: httpx.AsyncClient) -> None
 async def short_streams(
     tmp_path_factory: pytest.TempPathFactory, valkey: ValkeyServer
 ) -> AsyncIterator[FlowcastServer]:
-    server = FlowcastServer(
-        data_dir=tmp_path_factory.mktemp("cli-short"),
-        env={
-            "FLOWCAST_REDIS_URL": valkey.url,
-            "FLOWCAST_REDIS_PREFIX": f"cli{uuid.uuid4().hex[:6]}",
-            "FLOWCAST_SSE_MAX_SECONDS": "1",
-        },
-    )
-    await server.start()
-    yield server
-    await server.stop()
+    async with serving(valkey, tmp_path_factory.mktemp("cli-short"), sse_max_seconds="1") as server:
+        yield server
 
 
 async def test_run_reconnects_when_the_server_closes_the_stream(
@@ -577,17 +559,10 @@ async def plugged(
     tmp_path_factory: pytest.TempPathFactory, valkey: ValkeyServer
 ) -> AsyncIterator[FlowcastServer]:
     """A server with the test plugins, among them ``flaky`` (streams, then fails once)."""
-    server = FlowcastServer(
-        data_dir=tmp_path_factory.mktemp("cli-plugged"),
-        env={
-            "FLOWCAST_REDIS_URL": valkey.url,
-            "FLOWCAST_REDIS_PREFIX": f"cli{uuid.uuid4().hex[:6]}",
-            "FLOWCAST_PLUGINS": "tests.support.plugins",
-        },
-    )
-    await server.start()
-    yield server
-    await server.stop()
+    async with serving(
+        valkey, tmp_path_factory.mktemp("cli-plugged"), plugins="tests.support.plugins"
+    ) as server:
+        yield server
 
 
 async def test_a_retried_block_prints_both_attempts_in_plain(

@@ -23,6 +23,7 @@ from tests.support.api import (
     put,
     quick_workflow,
     sse_clients,
+    talking_workflow,
     wait_status,
 )
 from tests.support.servers import ROOT, FlowcastServer, ValkeyServer
@@ -33,17 +34,6 @@ PROXY_KEY = "break14-key-" + "k" * 20
 
 
 PROXY_AUTH = {"Authorization": f"Bearer {PROXY_KEY}"}
-
-
-def talking(workflow_id: str, *, words: int, tps: float) -> dict[str, Any]:
-    text = " ".join(f"w{i}" for i in range(words))
-    return {
-        "id": workflow_id,
-        "blocks": [
-            {"id": "talk", "type": "generate", "config": {"text": text, "tokensPerSecond": tps}}
-        ],
-        "edges": [],
-    }
 
 
 async def _sse_clients(url: str) -> float:
@@ -107,7 +97,7 @@ async def test_the_cli_through_nginx_gets_every_event_once_when_its_replica_is_s
     async with proxied_pair(valkey, tmp_path) as ((a, b), nginx):
         async with httpx.AsyncClient(base_url=nginx.url, headers=PROXY_AUTH, timeout=20) as via:
             workflow_id = f"cli-{unique}"
-            await put(via, talking(workflow_id, words=60, tps=10))
+            await put(via, talking_workflow(workflow_id, words=60, tps=10))
             # A long stream on one replica first (a paused execution's): least_conn then
             # sends the CLI's POST and its stream both to the other, killed below.
             await put(via, approval_workflow(f"ballast-{unique}"))

@@ -15,7 +15,7 @@ import pytest
 
 from tests.support.api import all_events, execute, of_type, put
 from tests.support.logcheck import TERMINAL, check_log, check_view
-from tests.support.servers import FlowcastServer, ValkeyServer
+from tests.support.servers import FlowcastServer, ValkeyServer, serving_pair
 from tests.support.sse import Frame, frames
 
 SCHEMA = {
@@ -136,14 +136,8 @@ async def pair(
 ) -> AsyncIterator[tuple[FlowcastServer, FlowcastServer]]:
     """Servers A and B on one Valkey, with quick heartbeats."""
     root = tmp_path_factory.mktemp("hitl")
-    env = {"FLOWCAST_REDIS_URL": valkey.url, "FLOWCAST_SSE_PING_SECONDS": "0.5"}
-    servers = (
-        FlowcastServer(data_dir=root / "a", env=env),
-        FlowcastServer(data_dir=root / "b", env=env),
-    )
-    await asyncio.gather(*(server.start() for server in servers))
-    yield servers
-    await asyncio.gather(*(server.stop() for server in servers))
+    async with serving_pair(valkey, root, sse_ping_seconds="0.5") as servers:
+        yield servers
 
 
 @pytest.fixture

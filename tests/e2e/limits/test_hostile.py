@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -15,28 +14,10 @@ import httpx
 import pytest
 
 from tests.support.api import put
-from tests.support.servers import FlowcastServer, ValkeyServer
+from tests.support.servers import FlowcastServer, ValkeyServer, authed, serving
 
 MALLORY, ALICE = "mallory-key-" + "m" * 20, "alice-key-" + "a" * 20
 CAROL = "carol-key-" + "c" * 20
-
-
-@contextlib.asynccontextmanager
-async def serving(root: Path, valkey: ValkeyServer, **env: str) -> AsyncIterator[FlowcastServer]:
-    """One Flowcast process on its own key prefix, with the given settings."""
-    server = FlowcastServer(
-        data_dir=root,
-        env={
-            "FLOWCAST_REDIS_URL": valkey.url,
-            "FLOWCAST_REDIS_PREFIX": f"hostile{uuid.uuid4().hex[:6]}",
-            **{f"FLOWCAST_{name.upper()}": value for name, value in env.items()},
-        },
-    )
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -44,21 +25,19 @@ async def shared(
     tmp_path_factory: pytest.TempPathFactory, valkey: ValkeyServer
 ) -> AsyncIterator[FlowcastServer]:
     root = tmp_path_factory.mktemp("hostile")
-    async with serving(root, valkey, api_keys=f"{MALLORY},{ALICE}") as server:
+    async with serving(valkey, root, api_keys=f"{MALLORY},{ALICE}") as server:
         yield server
 
 
 @pytest.fixture
 async def mallory(shared: FlowcastServer) -> AsyncIterator[httpx.AsyncClient]:
-    headers = {"Authorization": f"Bearer {MALLORY}"}
-    async with httpx.AsyncClient(base_url=shared.url, headers=headers, timeout=30) as client:
+    async with authed(shared, MALLORY) as client:
         yield client
 
 
 @pytest.fixture
 async def alice(shared: FlowcastServer) -> AsyncIterator[httpx.AsyncClient]:
-    headers = {"Authorization": f"Bearer {ALICE}"}
-    async with httpx.AsyncClient(base_url=shared.url, headers=headers, timeout=30) as client:
+    async with authed(shared, ALICE) as client:
         yield client
 
 
@@ -150,7 +129,7 @@ async def impatient(
     tmp_path_factory: pytest.TempPathFactory, valkey: ValkeyServer
 ) -> AsyncIterator[FlowcastServer]:
     root = tmp_path_factory.mktemp("impatient")
-    async with serving(root, valkey, api_keys=MALLORY, body_timeout_seconds="1") as server:
+    async with serving(valkey, root, api_keys=MALLORY, body_timeout_seconds="1") as server:
         yield server
 
 
@@ -222,8 +201,8 @@ async def capped(
     tmp_path_factory: pytest.TempPathFactory, valkey: ValkeyServer
 ) -> AsyncIterator[FlowcastServer]:
     async with serving(
-        tmp_path_factory.mktemp("capped"),
         valkey,
+        tmp_path_factory.mktemp("capped"),
         api_keys=f"{MALLORY},{ALICE},{CAROL}",
         max_streams_per_tenant="3",
         max_executions_per_tenant="3",

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,15 @@ from tests.support.api import (
     wait_finished,
 )
 from tests.support.live_list import FRAME_SECONDS, LIVE, live
-from tests.support.servers import FlowcastServer, ValkeyServer
+from tests.support.servers import (
+    FlowcastServer,
+    ValkeyServer,
+    authed,
+    bearer,
+    flowcast_on,
+    serving,
+    serving_pair,
+)
 from tests.support.sse import Frame, collect, frames
 
 ALICE, BOB = "alice-key-" + "l" * 20, "bob-key-" + "m" * 20
@@ -217,15 +224,8 @@ def test_a_list_token_with_its_tenant_cut_off_opens_no_execution() -> None:
 async def pair(
     valkey: ValkeyServer, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[tuple[FlowcastServer, FlowcastServer]]:
-    root = tmp_path_factory.mktemp("live-pair")
-    env = {"FLOWCAST_REDIS_URL": valkey.url, "FLOWCAST_REDIS_PREFIX": f"lv{uuid.uuid4().hex[:6]}"}
-    servers = (
-        FlowcastServer(data_dir=root / "a", env=env),
-        FlowcastServer(data_dir=root / "b", env=env),
-    )
-    await asyncio.gather(*(server.start() for server in servers))
-    yield servers
-    await asyncio.gather(*(server.stop() for server in servers))
+    async with serving_pair(valkey, tmp_path_factory.mktemp("live-pair")) as servers:
+        yield servers
 
 
 async def test_an_execution_run_by_another_process_shows_and_finishes(
@@ -256,33 +256,21 @@ async def test_an_execution_run_by_another_process_shows_and_finishes(
 async def keyed(
     tmp_path_factory: pytest.TempPathFactory, valkey: ValkeyServer
 ) -> AsyncIterator[FlowcastServer]:
-    server = FlowcastServer(
-        data_dir=tmp_path_factory.mktemp("live-keyed"),
-        env={
-            "FLOWCAST_REDIS_URL": valkey.url,
-            "FLOWCAST_REDIS_PREFIX": f"lk{uuid.uuid4().hex[:6]}",
-            "FLOWCAST_API_KEYS": f"{ALICE},{BOB},{CAROL}",
-            "FLOWCAST_MAX_STREAMS_PER_TENANT": "2",
-        },
-    )
-    await server.start()
-    yield server
-    await server.stop()
-
-
-def as_(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
+    root = tmp_path_factory.mktemp("live-keyed")
+    keys = f"{ALICE},{BOB},{CAROL}"
+    async with serving(valkey, root, api_keys=keys, max_streams_per_tenant="2") as server:
+        yield server
 
 
 @pytest.fixture
 async def alice(keyed: FlowcastServer) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=keyed.url, headers=as_(ALICE), timeout=20) as client:
+    async with authed(keyed, ALICE) as client:
         yield client
 
 
 @pytest.fixture
 async def anonymous(keyed: FlowcastServer) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=keyed.url, timeout=20) as client:
+    async with authed(keyed) as client:
         yield client
 
 
@@ -291,7 +279,7 @@ async def test_the_live_list_needs_a_key_or_a_list_token(
 ) -> None:
     await put(alice, quick_workflow(f"auth-{unique}"))
     started = await start_execution(alice, f"auth-{unique}", {})
-    for headers in ({}, as_("wrong-key"), {"Authorization": "Basic abc"}):
+    for headers in ({}, bearer("wrong-key"), {"Authorization": "Basic abc"}):
         for method, url in (("GET", LIVE), ("POST", f"{LIVE}/token")):
             response = await anonymous.request(method, url, headers=headers)
             assert response.status_code == 401, (method, headers)
@@ -326,7 +314,7 @@ async def test_each_tenant_sees_only_its_own_executions_live(
 ) -> None:
     workflow_id = f"mine-{unique}"
     await put(alice, quick_workflow(workflow_id))
-    async with httpx.AsyncClient(base_url=keyed.url, headers=as_(BOB), timeout=20) as bob:
+    async with authed(keyed, BOB) as bob:
         await put(bob, quick_workflow(workflow_id))
         token = (await bob.post(f"{LIVE}/token")).json()["streamToken"]
         async with (
@@ -343,7 +331,7 @@ async def test_each_tenant_sees_only_its_own_executions_live(
 
 
 async def test_live_lists_count_among_the_tenants_streams(keyed: FlowcastServer) -> None:
-    async with httpx.AsyncClient(base_url=keyed.url, headers=as_(CAROL), timeout=20) as carol:
+    async with authed(keyed, CAROL) as carol:
         async with live(carol) as first, live(carol) as second:
             await first.rows()
             await second.rows()
@@ -391,15 +379,7 @@ async def test_after_a_pubsub_reconnect_the_list_is_sent_again(
 async def test_a_server_shutting_down_ends_its_live_lists(
     valkey: ValkeyServer, tmp_path: Path
 ) -> None:
-    server = FlowcastServer(
-        data_dir=tmp_path,
-        env={
-            "FLOWCAST_REDIS_URL": valkey.url,
-            "FLOWCAST_REDIS_PREFIX": f"ls{uuid.uuid4().hex[:6]}",
-            "FLOWCAST_SHUTDOWN_GRACE_SECONDS": "1",
-        },
-    )
-    await server.start()
+    server = await flowcast_on(valkey, tmp_path, shutdown_grace_seconds="1")
     stopping: asyncio.Task[int] | None = None
     async with httpx.AsyncClient(base_url=server.url, timeout=20) as client:
         async with live(client) as stream:

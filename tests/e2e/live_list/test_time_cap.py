@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 
 from tests.support.api import put, wait_finished
-from tests.support.servers import FlowcastServer, ValkeyServer
+from tests.support.servers import FlowcastServer, ValkeyServer, serving
 from tests.support.sse import Frame, events
 
 CAP_SECONDS = 1.0
@@ -24,17 +23,10 @@ CAP_SECONDS = 1.0
 async def capped(
     valkey: ValkeyServer, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[FlowcastServer]:
-    server = FlowcastServer(
-        data_dir=tmp_path_factory.mktemp("capped-list"),
-        env={
-            "FLOWCAST_REDIS_URL": valkey.url,
-            "FLOWCAST_REDIS_PREFIX": f"cap{uuid.uuid4().hex[:6]}",
-            "FLOWCAST_SSE_MAX_SECONDS": str(CAP_SECONDS),
-        },
-    )
-    await server.start()
-    yield server
-    await server.stop()
+    async with serving(
+        valkey, tmp_path_factory.mktemp("capped-list"), sse_max_seconds=str(CAP_SECONDS)
+    ) as server:
+        yield server
 
 
 async def read_to_end(client: httpx.AsyncClient, url: str) -> tuple[list[Frame], float]:

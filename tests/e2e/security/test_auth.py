@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from app.tokens import StreamTokens, load_secret
 from tests.support.api import put, streaming_workflow, wait_finished
 from tests.support.live_list import LIVE
 from tests.support.logcheck import check_log, check_view
-from tests.support.servers import FlowcastServer, ValkeyServer
+from tests.support.servers import FlowcastServer, ValkeyServer, authed, bearer, serving
 from tests.support.sse import collect
 
 ALICE, BOB = "alice-key-" + "a" * 20, "bob-key-" + "b" * 20
@@ -29,32 +28,20 @@ ALICE, BOB = "alice-key-" + "a" * 20, "bob-key-" + "b" * 20
 async def keyed(
     tmp_path_factory: pytest.TempPathFactory, valkey: ValkeyServer
 ) -> AsyncIterator[FlowcastServer]:
-    server = FlowcastServer(
-        data_dir=tmp_path_factory.mktemp("keyed"),
-        env={
-            "FLOWCAST_REDIS_URL": valkey.url,
-            "FLOWCAST_REDIS_PREFIX": f"auth{uuid.uuid4().hex[:6]}",
-            "FLOWCAST_API_KEYS": f"{ALICE}, {BOB}",
-        },
-    )
-    await server.start()
-    yield server
-    await server.stop()
-
-
-def as_(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
+    root = tmp_path_factory.mktemp("keyed")
+    async with serving(valkey, root, api_keys=f"{ALICE}, {BOB}") as server:
+        yield server
 
 
 @pytest.fixture
 async def alice(keyed: FlowcastServer) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=keyed.url, headers=as_(ALICE), timeout=20) as client:
+    async with authed(keyed, ALICE) as client:
         yield client
 
 
 @pytest.fixture
 async def anonymous(keyed: FlowcastServer) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=keyed.url, timeout=20) as client:
+    async with authed(keyed) as client:
         yield client
 
 
@@ -70,7 +57,7 @@ async def test_every_api_route_needs_a_valid_key(anonymous: httpx.AsyncClient) -
         ("POST", "/api/executions/ex_x/cancel"),
         ("POST", "/api/workflows/stream-story/execute"),
     ]:
-        for headers in ({}, as_("wrong-key"), {"Authorization": "Basic abc"}):
+        for headers in ({}, bearer("wrong-key"), {"Authorization": "Basic abc"}):
             response = await anonymous.request(method, url, headers=headers, json={})
             assert response.status_code == 401, (method, url, headers)
             assert response.json()["error"]["code"] == "unauthorized"
@@ -81,7 +68,7 @@ async def test_every_api_route_needs_a_valid_key(anonymous: httpx.AsyncClient) -
 async def test_metrics_need_a_key_once_keys_are_set(
     alice: httpx.AsyncClient, anonymous: httpx.AsyncClient
 ) -> None:
-    for headers in ({}, as_("wrong-key")):
+    for headers in ({}, bearer("wrong-key")):
         response = await anonymous.get("/metrics", headers=headers)
         assert response.status_code == 401, headers
         assert response.json()["error"]["code"] == "unauthorized"
@@ -106,24 +93,14 @@ async def test_health_the_api_description_and_the_page_answer_without_a_key(
 async def test_metrics_public_opens_metrics_and_nothing_else(
     tmp_path: Path, valkey: ValkeyServer
 ) -> None:
-    server = FlowcastServer(
-        data_dir=tmp_path,
-        env={
-            "FLOWCAST_REDIS_URL": valkey.url,
-            "FLOWCAST_REDIS_PREFIX": f"metrics{uuid.uuid4().hex[:6]}",
-            "FLOWCAST_API_KEYS": ALICE,
-            "FLOWCAST_METRICS_PUBLIC": "true",
-        },
-    )
-    await server.start()
-    try:
-        async with httpx.AsyncClient(base_url=server.url, timeout=20) as scraper:
-            response = await scraper.get("/metrics")
-            assert response.status_code == 200
-            assert "flowcast_sse_clients" in response.text
-            assert (await scraper.get("/api/executions")).status_code == 401
-    finally:
-        await server.stop()
+    async with (
+        serving(valkey, tmp_path, api_keys=ALICE, metrics_public="true") as server,
+        authed(server) as scraper,
+    ):
+        response = await scraper.get("/metrics")
+        assert response.status_code == 200
+        assert "flowcast_sse_clients" in response.text
+        assert (await scraper.get("/api/executions")).status_code == 401
 
 
 async def test_each_key_is_a_tenant_that_sees_only_its_own_things(
@@ -133,7 +110,7 @@ async def test_each_key_is_a_tenant_that_sees_only_its_own_things(
     started = (await alice.post(f"/api/workflows/mine-{unique}/execute", json={})).json()
     execution_id = started["executionId"]
     await wait_finished(alice, execution_id)
-    async with httpx.AsyncClient(base_url=keyed.url, headers=as_(BOB), timeout=20) as bob:
+    async with authed(keyed, BOB) as bob:
         assert (await bob.get(f"/api/workflows/mine-{unique}")).status_code == 404
         assert f"mine-{unique}" not in (await bob.get("/api/workflows")).text
         for url in (
@@ -245,7 +222,7 @@ def test_stream_tokens_expire_and_are_bound_to_their_secret(tmp_path: Path) -> N
 
 async def test_keys_never_appear_in_logs(keyed: FlowcastServer, alice: httpx.AsyncClient) -> None:
     await alice.get("/api/workflows")
-    await alice.get("/api/workflows", headers=as_("wrong-" + ALICE))
+    await alice.get("/api/workflows", headers=bearer("wrong-" + ALICE))
     logs = keyed.logs()
     assert ALICE not in logs and BOB not in logs
 

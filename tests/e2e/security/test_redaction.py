@@ -24,6 +24,7 @@ from tests.support.servers import (
     ValkeyServer,
     authed,
     prefix,
+    serving,
     started_server,
 )
 
@@ -168,14 +169,7 @@ async def test_a_secret_in_an_http_url_is_masked_in_the_spelling_httpx_gives_it(
     Found by the step 12 review."""
     secret = "sk live|42[x]"
     httpx_spelling = str(httpx.URL(f"http://127.0.0.1:1/hook?key={secret}")).split("key=")[1]
-    server = await started_server(
-        tmp_path,
-        "url",
-        FLOWCAST_REDIS_URL=valkey.url,
-        FLOWCAST_REDIS_PREFIX=prefix(),
-        FLOWCAST_HTTP_ALLOW_PRIVATE="true",
-    )
-    try:
+    async with serving(valkey, tmp_path / "url", http_allow_private="true") as server:
         async with authed(server) as client:
             assert (await client.put("/api/secrets/HOOK", json={"value": secret})).status_code in (
                 200,
@@ -200,8 +194,6 @@ async def test_a_secret_in_an_http_url_is_masked_in_the_spelling_httpx_gives_it(
             assert snapshot["status"] == "failed"
             assert httpx_spelling not in visible, snapshot["error"]["message"]
             assert "live|42" not in visible
-    finally:
-        await server.stop()
 
 
 async def test_the_providers_api_key_echoed_in_an_error_is_masked(
@@ -318,14 +310,7 @@ async def test_two_overlapping_secrets_are_both_masked_whole(
     Found by the step 12 review (round 2)."""
     first = "conn-" + "A" * 24 + "-shared-7f3e9"  # the longer one: replaced first
     second = "shared-7f3e9-" + "Q9x" * 6  # starts with the end of `first`
-    server = await started_server(
-        tmp_path,
-        "overlap",
-        FLOWCAST_REDIS_URL=valkey.url,
-        FLOWCAST_REDIS_PREFIX=prefix(),
-        FLOWCAST_LLM_BASE_URL=llm.url,
-    )
-    try:
+    async with serving(valkey, tmp_path / "overlap", llm_base_url=llm.url) as server:
         async with authed(server) as client:
             for name, value in (("FIRST", first), ("SECOND", second)):
                 answer = await client.put(f"/api/secrets/{name}", json={"value": value})
@@ -342,8 +327,6 @@ async def test_two_overlapping_secrets_are_both_masked_whole(
             assert snapshot["status"] == "completed", snapshot
             visible = json.dumps(snapshot) + json.dumps(await all_events(client, execution_id))
             assert "Q9x" * 6 not in visible, snapshot["output"]["draft"]["text"]
-    finally:
-        await server.stop()
 
 
 async def test_a_long_secret_in_an_http_url_is_masked_in_the_spelling_httpx_gives_it(
@@ -358,14 +341,7 @@ async def test_a_long_secret_in_an_http_url_is_masked_in_the_spelling_httpx_give
     Found by the step 12 review (round 2)."""
     secret = ("sk live|42[x]^" * 600)[:8_000]  # the longest a secret may be
     httpx_spelling = str(httpx.URL(f"http://127.0.0.1:1/hook?key={secret}")).split("key=")[1]
-    server = await started_server(
-        tmp_path,
-        "longurl",
-        FLOWCAST_REDIS_URL=valkey.url,
-        FLOWCAST_REDIS_PREFIX=prefix(),
-        FLOWCAST_HTTP_ALLOW_PRIVATE="true",
-    )
-    try:
+    async with serving(valkey, tmp_path / "longurl", http_allow_private="true") as server:
         async with authed(server) as client:
             answer = await client.put("/api/secrets/HOOK", json={"value": secret})
             assert answer.status_code in (200, 201)
@@ -386,5 +362,3 @@ async def test_a_long_secret_in_an_http_url_is_masked_in_the_spelling_httpx_give
             visible = json.dumps(snapshot) + json.dumps(await all_events(client, execution_id))
             assert snapshot["status"] == "failed"
             assert httpx_spelling[:200] not in visible, snapshot["error"]["message"][:300]
-    finally:
-        await server.stop()

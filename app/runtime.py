@@ -1,0 +1,136 @@
+"""What runs for the process's life, started last in the lifespan: the hub of live
+channels and the readers that follow the buffer, the runner with its parts (built once
+here, in ``build_runner``), and the open SSE streams. Leaving the lifespan's stack ends
+the streams first, then drains the runner."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+
+from app.executor import Blocks
+from app.node import Node
+from app.settings import Settings
+from app.sse import OpenStreams
+from app.stores import TAIL_BLOCK_MS, Stores
+from lib.execution.hub import Hub
+from lib.execution.offload import OffloadPolicy
+from lib.execution.stream import Readers
+from lib.metrics import Metrics
+from lib.workflows.finals import Finals
+from lib.workflows.janitor import Janitor
+from lib.workflows.launcher import Launcher
+from lib.workflows.leases import LeaseKeeper, LocalRuns
+from lib.workflows.listener import ControlListener
+from lib.workflows.parts import Parts, Transitions
+from lib.workflows.runner import Runner
+from lib.workflows.runstate import RunStates
+from lib.workflows.takeovers import Takeovers
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What runs for the process's life: the hub and the readers, the runner and the open
+    SSE streams."""
+
+    metrics: Metrics
+    hub: Hub
+    readers: Readers
+    runner: Runner
+    open_streams: OpenStreams
+
+
+async def start_runtime(
+    stack: AsyncExitStack, settings: Settings, stores: Stores, blocks: Blocks
+) -> Runtime:
+    """The hub, the readers, the runner and the open SSE streams; leaving the stack ends
+    the streams first, then drains the runner (its exit hands off or finishes the
+    executions)."""
+    metrics = Metrics()
+    node = stores.node
+    # Idle tails look for an execution the store lost about once a lease.
+    tail_block_ms = min(TAIL_BLOCK_MS, max(100, int(settings.lease_seconds * 1000)))
+    hub = Hub()
+    readers = await stack.enter_async_context(
+        Readers(
+            buffer=stores.buffer,
+            hub=hub,
+            tail_block_ms=tail_block_ms,
+            gone_seconds=settings.lease_seconds,
+            cutoff_seconds=settings.lease_seconds,
+            metrics=metrics,
+        )
+    )
+    runner = await stack.enter_async_context(
+        build_runner(settings, stores, blocks, hub=hub, metrics=metrics, node=node)
+    )
+    open_streams = await stack.enter_async_context(
+        OpenStreams(ping_seconds=settings.sse_ping_seconds, max_seconds=settings.sse_max_seconds)
+    )
+    metrics.watch(
+        pending=runner.pending_events,
+        sse_clients=open_streams.__len__,  # execution streams and live lists alike
+        bytes_retained=runner.retained_bytes,
+    )
+    return Runtime(
+        metrics=metrics, hub=hub, readers=readers, runner=runner, open_streams=open_streams
+    )
+
+
+def offload_policy(settings: Settings) -> OffloadPolicy:
+    """When event values go to the value store (SPEC §5)."""
+    return OffloadPolicy(
+        large_value_bytes=settings.large_value_bytes,
+        budget_bytes=settings.event_budget_bytes,
+        event_limit=settings.event_limit,
+        inline_file_bytes=settings.inline_file_bytes,
+    )
+
+
+def build_runner(
+    settings: Settings, stores: Stores, blocks: Blocks, *, hub: Hub, metrics: Metrics, node: Node
+) -> Runner:
+    """The runner and its parts, each built once for the process: the ``Parts`` the
+    runner shares with the takeovers (the ownership state machine and what it keeps in
+    step, the run states, the endings, the executions running here and their launcher),
+    then the loops that act on those executions."""
+    buffer, lease = stores.buffer, settings.lease_seconds
+    transitions = Transitions.build(
+        buffer, lease_seconds=lease, limit=settings.max_executions_per_tenant
+    )
+    states = RunStates(buffer=buffer, values=stores.values)
+    finals = Finals(
+        buffer=buffer, watch=transitions.watch, admission=transitions.admission, states=states
+    )
+    runs = LocalRuns()
+    launcher = Launcher(
+        buffer=buffer,
+        hub=hub,
+        executor=blocks.executor,
+        values=stores.values,
+        ownership=transitions.ownership,
+        watch=transitions.watch,
+        admission=transitions.admission,
+        states=states,
+        finals=finals,
+        runs=runs,
+        accepting=lambda: runs.accepting,
+        offload=offload_policy(settings),
+        max_pending_events=settings.max_pending_events,
+        lease_seconds=lease,
+        metrics=metrics,
+    )
+    parts = Parts(buffer, transitions, states, finals, runs, launcher, node_id=node.id)
+    return Runner(
+        parts,
+        keeper=LeaseKeeper(ownership=transitions.ownership, lease_seconds=lease, runs=runs),
+        listener=ControlListener(control=transitions.control, node_id=node.id, runs=runs),
+        janitor=Janitor(
+            store=transitions.store,
+            watch=transitions.watch,
+            lease_seconds=lease,
+            dead_nodes=node.dead,
+        ),
+        takeovers=Takeovers(parts, max_recoveries=settings.max_recoveries),
+        shutdown_grace_seconds=settings.shutdown_grace_seconds,
+    )
