@@ -11,7 +11,11 @@ id only once, so of two requests creating it at the same moment one runs it and 
 other answers its id. No repeat waits for another request, and none starts a second
 execution. The record says the outcome (202) once the execution is known to exist; a
 request that fails below 500 before creating anything stores its error there instead,
-unless another request answered first (idempotency.lua). A record whose execution is
+unless another request answered first (idempotency.lua). A refusal that changed nothing
+and asks the client to come back (429: the tenant's cap) is kept with the execution id
+it names, and a repeat tries that same id again instead of replaying the 429: a client
+that follows ``Retry-After`` with its key gets its execution once there is room, and two
+repeats at once still create it once. A record whose execution is
 missing and older than the retention of a finished execution is not created again: that
 execution may have run and expired since.
 
@@ -48,6 +52,8 @@ WAIT_SECONDS = 30.0
 # A claim whose request never finished (its process died) frees the key after this.
 PENDING_SECONDS = 60
 MAX_KEY_LENGTH = 255
+# Execute outcomes a repeat does not replay but tries again (see the module doc).
+RETRIED_STATUSES = frozenset({429})
 
 
 def fingerprint(scope: str, body: bytes) -> bytes:
@@ -79,9 +85,13 @@ def _checked(key: str) -> str:
     return key
 
 
-def _answered(digest: str, outcome: Outcome) -> bytes:
-    """A record that holds its outcome."""
-    return orjson.dumps({"fingerprint": digest, "status": outcome.status, "body": outcome.body})
+def _answered(digest: str, outcome: Outcome, execution_id: str | None = None) -> bytes:
+    """A record that holds its outcome (and the execution id a retried one still names)."""
+    record: dict[str, Any] = {"fingerprint": digest, "status": outcome.status}
+    if execution_id is not None:
+        record["executionId"] = execution_id
+    record["body"] = outcome.body
+    return orjson.dumps(record)
 
 
 def _reused() -> ApiError:
@@ -138,7 +148,9 @@ class Idempotency:
             stored = orjson.loads(raw)
             if stored["fingerprint"] != digest:
                 raise _reused()
-            if "status" in stored:
+            if "status" in stored and not (
+                stored["status"] in RETRIED_STATUSES and "executionId" in stored
+            ):
                 return Outcome(stored["status"], stored["body"])
             if "executionId" not in stored:
                 # Claimed by a server of the previous version, which records no id.
@@ -155,7 +167,10 @@ class Idempotency:
             status, body = error_payload(exc)
             if status >= 500:
                 raise  # the record stays: a retry finds or creates the execution it names
-            first = await self._answer_once(redis_key, pending, digest, Outcome(status, body))
+            retried = execution_id if status in RETRIED_STATUSES else None
+            first = await self._answer_once(
+                redis_key, pending, digest, Outcome(status, body), retried
+            )
             if first is not None and first != Outcome(status, body):
                 return first  # another request answered first (it created the execution)
             raise
@@ -174,11 +189,16 @@ class Idempotency:
         return left_ms >= 0 and self._ttl * 1000 - left_ms >= self._retention * 1000
 
     async def _answer_once(
-        self, redis_key: str, pending: bytes, digest: str, outcome: Outcome
+        self,
+        redis_key: str,
+        pending: bytes,
+        digest: str,
+        outcome: Outcome,
+        execution_id: str | None = None,
     ) -> Outcome | None:
         """Store ``outcome`` in place of the pending record unless another request
         answered first; the outcome the record holds afterwards (None: it expired)."""
-        value = _answered(digest, outcome)
+        value = _answered(digest, outcome, execution_id)
         try:
             with translating("remember an Idempotency-Key"):
                 raw = await self._answer(keys=[redis_key], args=[pending, value, self._ttl])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,7 +23,7 @@ from tests.support.api import (
     wait_finished,
 )
 from tests.support.logcheck import check_log, check_view
-from tests.support.servers import FlowcastServer, ValkeyServer
+from tests.support.servers import FlowcastServer, ValkeyServer, authed, serving
 from tests.support.sse import collect
 
 SCHEMA = {
@@ -206,6 +207,36 @@ async def test_an_execute_error_is_replayed_for_the_same_key(
     again = await client.post(url, json={"input": {}}, headers=keyed(key))
     assert (again.status_code, again.json()) == (first.status_code, first.json())
     assert await listed(client, f"later-{unique}") == []
+
+
+async def test_a_keyed_execute_refused_429_is_tried_again_by_its_repeat_once_there_is_room(
+    valkey: ValkeyServer, tmp_path: Path, unique: str
+) -> None:
+    """A client that follows ``Retry-After`` with the same key gets its execution once the
+    tenant has room, not the 429 replayed for the key's whole lifetime; two repeats at
+    once still start one execution. (Noticed in step 15: the 429 was remembered.)"""
+    async with (
+        serving(valkey, tmp_path, max_executions_per_tenant="1") as server,
+        authed(server) as client,
+    ):
+        await put(client, approval_workflow(f"cap-{unique}"))
+        blocker = await paused_execution(client, f"cap-{unique}")
+        key, url = new_key(), f"/api/workflows/cap-{unique}/execute"
+        refused = await client.post(url, json={"input": {}}, headers=keyed(key))
+        assert refused.status_code == 429, refused.text
+        again = await client.post(url, json={"input": {}}, headers=keyed(key))
+        assert again.status_code == 429, again.text
+
+        cancelled = await client.post(f"/api/executions/{blocker}/cancel")
+        assert cancelled.status_code == 202, cancelled.text
+        await wait_finished(client, blocker)
+        repeats = await asyncio.gather(
+            *(client.post(url, json={"input": {}}, headers=keyed(key)) for _ in range(5))
+        )
+        assert {r.status_code for r in repeats} == {202}, [r.text for r in repeats]
+        ids = {r.json()["executionId"] for r in repeats}
+        assert len(ids) == 1, ids
+        assert await listed(client, f"cap-{unique}") == [*ids, blocker]
 
 
 async def test_an_idempotency_key_that_is_not_printable_or_too_long_is_400(
