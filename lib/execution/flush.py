@@ -224,6 +224,7 @@ class EventWriter:
         epoch: int = 1,
         stored_id: int = 0,
         base_id: int | None = None,
+        reserved: int = 0,
         publish: Publish | None = None,
         gate: LiveGate | None = None,
         on_cancel: Callable[[], None] | None = None,
@@ -267,7 +268,9 @@ class EventWriter:
         self._last_dropped = base if base > stored_id else 0
         self._emitted = base
         self._shown = base
-        self.reserved = base
+        # The highest id Redis reserved for this owner: events up to it are shown as
+        # they are emitted (a new execution's first one: start.lua reserved it).
+        self.reserved = max(base, reserved)
         # How far past what it emitted an append reserves: as many events as arrived
         # while the last one was in flight. Idle, it is 0 (a takeover leaves no hole);
         # in a burst, events are shown as they are emitted, up to the next reservation.

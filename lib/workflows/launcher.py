@@ -129,6 +129,7 @@ class Launcher:
             epoch=claim.epoch,
             stored_id=claim.last_id,
             base_id=claim.base,
+            reserved=claim.reserved,
             retained_bytes=meta.retained_bytes if meta is not None else 0,
             checkpoint_bytes=meta.checkpoint_bytes if meta is not None else 0,
             gate=gate,

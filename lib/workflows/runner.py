@@ -216,7 +216,6 @@ class Runner:
             raise ShuttingDown("the server is shutting down and starts no new executions")
         execution_id = execution_id or new_execution_id()
         fence = self._fence()
-        await self._admission.admit(tenant, fence)
         now = datetime.now(UTC)
         identity: dict[str, str] = {
             Field.WORKFLOW_ID.value: workflow.id,
@@ -224,26 +223,24 @@ class Runner:
             Field.CREATED_AT.value: utc_timestamp(now),
             Field.INLINE_FILES.value: "1" if inline_files else "",
         }
-        try:
-            # What a resume or a recovery needs is there from the start, in the same
-            # write that creates the execution: a process may die right after the 202.
-            version = await self._states.save_version(workflow)
-            saved = await self._states.encode(execution_id, {"workflow": version, "input": input})
-            claim = await self._ownership.start(
-                execution_id,
-                fence=fence,
-                workflow_id=workflow.id,
-                tenant=tenant,
-                created_at=identity[Field.CREATED_AT],
-                created_ms=int(now.timestamp() * 1000),
-                extra={Field.INLINE_FILES.value: identity[Field.INLINE_FILES]},
-                state=saved,
-            )
-        except FlowcastError:
-            await self._launcher.quietly(execution_id, self._admission.leave(tenant, fence))
-            raise
+        # What a resume or a recovery needs is there from the start, in the same write
+        # that creates the execution: a process may die right after the 202. The
+        # workflow version is stored before, in the batch of the admission and the
+        # lease entry (ownership.start).
+        version = RunStates.version(workflow)
+        saved = await self._states.encode(execution_id, {"workflow": version, "input": input})
+        claim = await self._ownership.start(
+            execution_id,
+            fence=fence,
+            workflow_id=workflow.id,
+            tenant=tenant,
+            created_at=identity[Field.CREATED_AT],
+            created_ms=int(now.timestamp() * 1000),
+            extra={Field.INLINE_FILES.value: identity[Field.INLINE_FILES]},
+            state=saved,
+            alongside=lambda batch: self._states.save_version_in(batch, workflow),
+        )
         if claim is None:
-            await self._launcher.quietly(execution_id, self._admission.leave(tenant, fence))
             log.info("execution created by another request", extra={"executionId": execution_id})
             return Started(execution_id, "running")
 

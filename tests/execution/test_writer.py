@@ -84,7 +84,7 @@ async def faulty(redis: Redis) -> AsyncIterator[FaultyBuffer]:
     yield FaultyBuffer(redis=redis, prefix=f"w{uuid.uuid4().hex[:6]}")
 
 
-async def create(buffer: EventBuffer) -> str:
+async def create(buffer: EventBuffer, *, reserved: bool = False) -> str:
     execution_id = f"ex_{uuid.uuid4().hex}"
     await buffer.create(
         execution_id,
@@ -93,6 +93,7 @@ async def create(buffer: EventBuffer) -> str:
         owner=FENCE,
         created_at="2026-01-01T00:00:00.000Z",
         created_ms=1,
+        reserved=1 if reserved else 0,
     )
     return execution_id
 
@@ -517,6 +518,36 @@ async def test_in_an_outage_only_the_ids_reserved_ahead_are_shown(
     assert shown == list(range(1, total + 1))
     page = await read_page(faulty, execution_id)
     check_log(stored_envelopes(page))
+
+
+async def test_a_new_executions_first_event_is_shown_before_its_append_is_answered(
+    faulty: FaultyBuffer, redis: Redis
+) -> None:
+    """start.lua reserves the first id with the creation, so ``execution:started`` is
+    shown as it is emitted, not a round trip later (step 15, the event path's latency:
+    the first frame waited for its append). Nothing past the reservation is shown
+    before an append reserves it."""
+    execution_id = await create(faulty, reserved=True)
+    reserved = await redis.hget(faulty.keys.meta(execution_id), "reserved")
+    shown: list[int] = []
+    writer = EventWriter(
+        buffer=faulty,
+        execution_id=execution_id,
+        fence=FENCE,
+        reserved=int(reserved or 0),
+        publish=lambda shown_event: shown.append(shown_event.id),
+    )
+    faulty.holds = lambda batch: batch[0].id == 1
+    async with writer:
+        writer.put(event(execution_id, 1, last=3))
+        writer.put(event(execution_id, 2, last=3))
+        await wait_for(faulty.holding.is_set)
+        assert shown == [1] and writer.stored_id == 0
+        writer.put(event(execution_id, 3, last=3))
+        faulty.holds = lambda _batch: False
+        faulty.release.set()
+    assert shown == [1, 2, 3]
+    check_log(stored_envelopes(await read_page(faulty, execution_id)))
 
 
 def test_the_writer_state_table_covers_every_move_and_never_steps_a_repair_down() -> None:
