@@ -314,12 +314,14 @@ class EventWriter:
         self._waiting.append(event)
         self._unshown.append(event)
         self._idle.clear()
-        self._wakeup.set()
         while len(self._waiting) + len(self._in_flight) > self._max_pending:
             if len(self._waiting) <= 1:
                 break  # the newest event (maybe the terminal one) is never dropped
             self._drop(self._waiting.popleft())
+        # Shown (if it may be) before the flush is woken: a reader here writes its frame
+        # before the append is built and sent.
         self._show()
+        self._wakeup.set()
 
     def show_to(self, publisher: LocalPublisher) -> None:
         """Show events live to this run's channel (hub.py), and tell it what is stored

@@ -244,17 +244,18 @@ class Runner:
             log.info("execution created by another request", extra={"executionId": execution_id})
             return Started(execution_id, "running")
 
-        async def body(local: LocalRun, emitter: ExecutionLog) -> None:
+        def opening(local: LocalRun, emitter: ExecutionLog) -> None:
             emitter.emit(EXECUTION_STARTED, {"input": input})
             emitter.remember(saved)
             local.workflow = workflow
 
+        async def body(local: LocalRun, emitter: ExecutionLog) -> None:
             async def work() -> Outcome:
                 return await self._launcher.run_workflow(local, emitter, workflow, input, None)
 
             await self._launcher.execute(local, emitter, work)
 
-        self._launcher.launch(execution_id, claim, identity=identity, body=body)
+        self._launcher.launch(execution_id, claim, identity=identity, body=body, opening=opening)
         return Started(execution_id, "running")
 
     async def resume(
