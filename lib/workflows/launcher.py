@@ -31,10 +31,10 @@ from lib.execution.events import (
     EXECUTION_FAILED,
     EXECUTION_PAUSED,
 )
-from lib.execution.flush import LiveGate
 from lib.execution.hub import Hub
 from lib.execution.log import ExecutionLog
 from lib.execution.offload import OffloadPolicy
+from lib.execution.outage import LiveGate
 from lib.execution.ownership import Claim, Ownership
 from lib.execution.record import Field, StopReason
 from lib.execution.values import ValueStore
