@@ -17,7 +17,10 @@ id emitted when it was sent, plus, in a burst (64 or more events arrived during 
 previous append), as many again; so an event at a calm moment is shown once the append
 that carries it is acknowledged (a crash then leaves no hole in the ids), and a burst
 is shown as it is emitted, up to the block reserved (a crash in it is reported as a
-dropped range). Past the reserved block events wait in memory, unshown, until an
+dropped range). A new execution's first event (``execution:started``) is shown as it
+is emitted too: start.lua reserved its id with the creation (``reserved``), so the
+first frame waits for no append; a crash before it is stored leaves id 1 a dropped
+gap, never another event's id. Past the reserved block events wait in memory, unshown, until an
 append reserves them: while the buffer is unreachable from here, whether it is down
 for everyone or only this process lost it (and another one may be taking over), no
 event is shown that Redis has not reserved. The final event of a run
