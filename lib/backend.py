@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
-from collections.abc import Awaitable, Callable, Iterator
+import inspect
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
-from redis.exceptions import RedisClusterException, RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
 from lib.errors import BufferUnavailable
 
@@ -156,6 +157,66 @@ def register(redis: Redis, package: str, name: str) -> AsyncScript:
     """Register a script (with the prelude) on ``redis``, once per client: calls then go
     by its SHA, loading the text only where a server does not know it yet."""
     return redis.register_script(script_source(package, name))
+
+
+# What a command of a batch does with its reply once the batch is answered.
+Then = Callable[[Any], Awaitable[None] | None]
+
+
+class Batch:
+    """Commands sent together in one round trip (a pipeline without a transaction; on a
+    Cluster one per node, in parallel), for commands none of which needs another's
+    answer. After the answer, each command's ``then`` runs in the order the commands
+    were queued; the first to raise stops the rest.
+
+    A server that forgot a script (restarted) answers NOSCRIPT: the batch loads its
+    scripts and is sent once more, whole, so each command must bear being sent twice.
+    """
+
+    def __init__(self, redis: Redis) -> None:
+        self._redis = redis
+        self._calls: list[tuple[Sequence[Any], Then | None]] = []
+        self._scripts: dict[str, str] = {}
+
+    def call(self, *args: Any, then: Then | None = None) -> None:
+        """Queue one command (its name and arguments)."""
+        self._calls.append((args, then))
+
+    def script(
+        self,
+        script: AsyncScript,
+        keys: Sequence[Any],
+        args: Sequence[Any],
+        then: Then | None = None,
+    ) -> None:
+        """Queue one call of a registered script (``register``), by its SHA."""
+        assert script.sha is not None
+        self._scripts[script.sha] = script.script  # type: ignore[assignment]
+        self.call("EVALSHA", script.sha, len(keys), *keys, *args, then=then)
+
+    async def send(self) -> None:
+        """Send the batch and hand each reply to its ``then``; BufferUnavailable when
+        the server cannot be reached or refuses a command."""
+        with translating():
+            replies = await self._send()
+            if any(isinstance(reply, NoScriptError) for reply in replies):
+                for text in self._scripts.values():
+                    await self._redis.script_load(text)
+                replies = await self._send()
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+        for (_args, then), reply in zip(self._calls, replies, strict=True):
+            if then is not None:
+                done = then(reply)
+                if inspect.isawaitable(done):
+                    await done
+
+    async def _send(self) -> list[Any]:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for args, _then in self._calls:
+                pipe.execute_command(*args)
+            return list(await pipe.execute(raise_on_error=False))
 
 
 def is_unreachable(exc: BaseException) -> bool:

@@ -9,7 +9,9 @@ stops running; one that took over an execution counted already counts past any c
 
 from __future__ import annotations
 
-from lib.backend import register, translated
+from typing import Any
+
+from lib.backend import Batch, register, translated
 from lib.errors import TooBusy
 from lib.execution.buffer import EventBuffer
 
@@ -41,7 +43,16 @@ class Admission:
         """Count an ownership among its tenant's unfinished executions, or ``TooBusy``
         when it has ``limit`` already (``replaces``, e.g. the pause it resumes, does not
         count)."""
-        if not await self._admitted(tenant, fence, replaces):
+        self._refuse_unless(await self._admitted(tenant, fence, replaces))
+
+    def admit_in(self, batch: Batch, tenant: str, fence: str) -> None:
+        """``admit`` as one command of ``batch`` (its answer raises ``TooBusy``)."""
+        args = [fence, self.lease_ms, self.limit, "", COUNTED_LEASES * self.lease_ms]
+        keys = [self.keys.running(tenant)]
+        batch.script(self._admit, keys, args, then=self._refuse_unless)
+
+    def _refuse_unless(self, admitted: Any) -> None:
+        if not admitted:
             raise TooBusy(
                 f"this tenant already runs {self.limit} executions; try again shortly",
                 retry_after=self._retry_after,

@@ -18,7 +18,7 @@ import orjson
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from lib.backend import Keys, is_unreachable, register, translated
+from lib.backend import Batch, Keys, is_unreachable, register, translated
 from lib.errors import NotFound
 from lib.execution.events import Event
 from lib.execution.record import TERMINAL, Asked, Field, Script, refused
@@ -177,12 +177,16 @@ class EventBuffer:
         created_at: str,
         created_ms: int,
         lease_ms: int = 15_000,
+        reserved: int = 0,
         extra: Mapping[str, str] | None = None,
         state: Mapping[str, bytes] | None = None,
+        listed: bool = False,
     ) -> bool:
         """Create a new execution's metadata, owned by ``owner`` at epoch 1, with its run
-        state fields ``state``, and list it in its tenant's index (start.lua; the lease
-        is on Redis's clock). False, with nothing written, when it exists already."""
+        state fields ``state`` and the ids up to ``reserved`` reserved for its owner, and
+        list it in its tenant's index unless ``listed`` (the caller did, ``index_in``)
+        (start.lua; the lease is on Redis's clock). False, with nothing written, when it
+        exists already."""
         fields: list[Any] = [
             Field.WORKFLOW_ID, workflow_id, Field.TENANT, tenant,
             Field.CREATED_AT, created_at, Field.UPDATED_AT, created_at,
@@ -190,18 +194,30 @@ class EventBuffer:
         for name, value in (extra or {}).items():
             fields += [name, value]
         pairs: list[Any] = [item for pair in (state or {}).items() for item in pair]
-        # Where its list row is published, and as which id; then the run state's fields.
-        head: list[Any] = [owner, lease_ms, self.active_ttl_seconds, execution_id, self.keys.status]
+        # Where its list row is published, as which id, the ids reserved for its owner
+        # from the start; then the run state's fields.
+        head: list[Any] = [
+            owner, lease_ms, self.active_ttl_seconds, execution_id, self.keys.status, reserved,
+        ]  # fmt: skip
         # The index is another key (another slot on a cluster): written beside it.
         # NX: the creator that lost (start.lua found the id) leaves the listing as it was.
-        lease_end, _ = await asyncio.gather(
-            self._start(
-                keys=[self.keys.meta(execution_id), self.keys.state(execution_id)],
-                args=[*head, len(pairs) // 2, *pairs, *fields],
-            ),
-            self.redis.zadd(self.keys.index(tenant), {execution_id: created_ms}, nx=True),
+        creating = self._start(
+            keys=[self.keys.meta(execution_id), self.keys.state(execution_id)],
+            args=[*head, len(pairs) // 2, *pairs, *fields],
         )
+        if listed:
+            lease_end = await creating
+        else:
+            lease_end, _ = await asyncio.gather(
+                creating,
+                self.redis.zadd(self.keys.index(tenant), {execution_id: created_ms}, nx=True),
+            )
         return int(lease_end) != 0
+
+    def index_in(self, batch: Batch, execution_id: str, tenant: str, created_ms: int) -> None:
+        """List an execution about to be created in its tenant's index, as one command of
+        ``batch`` (a list read skips an id listed a moment ago that has no metadata yet)."""
+        batch.call("ZADD", self.keys.index(tenant), "NX", created_ms, execution_id)
 
     @translated
     async def index_again(self, execution_id: str, tenant: str) -> None:

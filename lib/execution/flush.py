@@ -17,7 +17,10 @@ id emitted when it was sent, plus, in a burst (64 or more events arrived during 
 previous append), as many again; so an event at a calm moment is shown once the append
 that carries it is acknowledged (a crash then leaves no hole in the ids), and a burst
 is shown as it is emitted, up to the block reserved (a crash in it is reported as a
-dropped range). Past the reserved block events wait in memory, unshown, until an
+dropped range). A new execution's first event (``execution:started``) is shown as it
+is emitted too: start.lua reserved its id with the creation (``reserved``), so the
+first frame waits for no append; a crash before it is stored leaves id 1 a dropped
+gap, never another event's id. Past the reserved block events wait in memory, unshown, until an
 append reserves them: while the buffer is unreachable from here, whether it is down
 for everyone or only this process lost it (and another one may be taking over), no
 event is shown that Redis has not reserved. The final event of a run
@@ -38,31 +41,14 @@ if needed, writes the run's checkpoint back as it had stored it (with the batch,
 atomically), and carries on above every id it handed out. No id is ever given to two
 events.
 
-The writer's state says what its next append must do. It is one ``WriterState``,
-changed only by a ``Transition`` through ``TRANSITIONS``; a repair never steps down to
-a weaker one, only an append that went through ends it, and a refusal is final:
-
-    state         next append                        check / lost writes /     settle
-                                                     lost execution            refuse
-    ------------  ---------------------------------  ------------------------  --------
-    IN_STEP       the queued batch, if any           CHECKING / WRITING_BACK   IN_STEP
-                                                     / RECREATING              REFUSED
-    CHECKING      the batch, or an empty one even    CHECKING / WRITING_BACK   IN_STEP
-                  when idle: its reply tells whether / RECREATING              REFUSED
-                  the store lost the execution
-    WRITING_BACK  with the identity and the whole    WRITING_BACK /            IN_STEP
-                  checkpoint as stored so far        WRITING_BACK / RECREATING REFUSED
-    RECREATING    as WRITING_BACK, recreating the    RECREATING (all three)    IN_STEP
-                  metadata if it is missing                                    REFUSED
-    REFUSED       none: another owner took over      REFUSED                   REFUSED
+The writer's state says what its next append must do: one ``WriterState``, changed
+only through the table ``TRANSITIONS`` (outage.py, with the ``LiveGate``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 
@@ -83,6 +69,7 @@ from lib.execution.events import (
     utc_timestamp,
 )
 from lib.execution.hub import LocalPublisher
+from lib.execution.outage import TRANSITIONS, LiveGate, Transition, WriterState
 from lib.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -126,92 +113,6 @@ def _outcome(meta: dict[str, str], field: str, value: object, event_id: int) -> 
         meta[field] = orjson.dumps({"$event": event_id}).decode()
 
 
-class LiveGate:
-    """Whether an owner may show its events live: open while its lease is known held.
-
-    The owner's lease keeper renews it with every lease renewal that succeeded and
-    closes it at once when one fails: from inside, a store down for everyone and a store
-    lost by this process alone look the same, and in the second case another process
-    may take over. A lease period without a renewal (the process stalled) closes it too.
-    Closed, the writer holds events back; it shows them once the gate opens again.
-    """
-
-    def __init__(self, *, lease_seconds: float, renewed_at: float | None = None) -> None:
-        self._lease_seconds = lease_seconds
-        self._renewed_at = time.monotonic() if renewed_at is None else renewed_at
-        self._closed = False
-        self._listeners: list[Callable[[], None]] = []
-
-    @classmethod
-    def always_open(cls) -> LiveGate:
-        """A gate for a writer with no lease to keep (tests, tools)."""
-        return cls(lease_seconds=float("inf"))
-
-    @property
-    def open(self) -> bool:
-        return not self._closed and time.monotonic() - self._renewed_at < self._lease_seconds
-
-    def renewed(self, at: float) -> None:
-        """The lease was renewed by a call that began at ``at`` (monotonic seconds)."""
-        self._renewed_at = max(self._renewed_at, at)
-        self._closed = False
-        for listener in self._listeners:
-            listener()
-
-    def close(self) -> None:
-        """A renewal failed, or the owner was fenced out: show nothing more for now."""
-        self._closed = True
-
-    def when_open(self, listener: Callable[[], None]) -> None:
-        """Call ``listener`` whenever a renewal (re)opens the gate."""
-        self._listeners.append(listener)
-
-
-class WriterState(enum.Enum):
-    """What the writer's next append must do (the table in the module doc)."""
-
-    IN_STEP = "in step"
-    CHECKING = "checking"
-    WRITING_BACK = "writing back"
-    RECREATING = "recreating"
-    REFUSED = "refused"
-
-
-class Transition(enum.Enum):
-    """What moves the writer from one state to another."""
-
-    CHECK = "check"  # the lease keeper found the execution missing (request_repair)
-    LOST_WRITES = "lost writes"  # an append found the store behind this writer
-    LOST_EXECUTION = "lost execution"  # an append found no metadata ("NOEXEC")
-    SETTLE = "settle"  # an append went through: the store has all this writer stored
-    REFUSE = "refuse"  # another owner took over ("FENCED")
-
-
-_IN_STEP, _CHECKING, _WRITING_BACK, _RECREATING, _REFUSED = WriterState
-# The table of the module doc: a repair never steps down to a weaker one; only an
-# append that went through ends it; a refusal is final.
-TRANSITIONS: dict[tuple[WriterState, Transition], WriterState] = {
-    (_IN_STEP, Transition.CHECK): _CHECKING,
-    (_IN_STEP, Transition.LOST_WRITES): _WRITING_BACK,
-    (_IN_STEP, Transition.LOST_EXECUTION): _RECREATING,
-    (_IN_STEP, Transition.SETTLE): _IN_STEP,
-    (_CHECKING, Transition.CHECK): _CHECKING,
-    (_CHECKING, Transition.LOST_WRITES): _WRITING_BACK,
-    (_CHECKING, Transition.LOST_EXECUTION): _RECREATING,
-    (_CHECKING, Transition.SETTLE): _IN_STEP,
-    (_WRITING_BACK, Transition.CHECK): _WRITING_BACK,
-    (_WRITING_BACK, Transition.LOST_WRITES): _WRITING_BACK,
-    (_WRITING_BACK, Transition.LOST_EXECUTION): _RECREATING,
-    (_WRITING_BACK, Transition.SETTLE): _IN_STEP,
-    (_RECREATING, Transition.CHECK): _RECREATING,
-    (_RECREATING, Transition.LOST_WRITES): _RECREATING,
-    (_RECREATING, Transition.LOST_EXECUTION): _RECREATING,
-    (_RECREATING, Transition.SETTLE): _IN_STEP,
-    **{(state, Transition.REFUSE): _REFUSED for state in WriterState},
-    **{(_REFUSED, move): _REFUSED for move in Transition},
-}
-
-
 class EventWriter:
     """Writes one execution's events to the buffer, in order, retrying with backoff."""
 
@@ -224,6 +125,7 @@ class EventWriter:
         epoch: int = 1,
         stored_id: int = 0,
         base_id: int | None = None,
+        reserved: int = 0,
         publish: Publish | None = None,
         gate: LiveGate | None = None,
         on_cancel: Callable[[], None] | None = None,
@@ -267,7 +169,9 @@ class EventWriter:
         self._last_dropped = base if base > stored_id else 0
         self._emitted = base
         self._shown = base
-        self.reserved = base
+        # The highest id Redis reserved for this owner: events up to it are shown as
+        # they are emitted (a new execution's first one: start.lua reserved it).
+        self.reserved = max(base, reserved)
         # How far past what it emitted an append reserves: as many events as arrived
         # while the last one was in flight. Idle, it is 0 (a takeover leaves no hole);
         # in a burst, events are shown as they are emitted, up to the next reservation.
@@ -311,12 +215,14 @@ class EventWriter:
         self._waiting.append(event)
         self._unshown.append(event)
         self._idle.clear()
-        self._wakeup.set()
         while len(self._waiting) + len(self._in_flight) > self._max_pending:
             if len(self._waiting) <= 1:
                 break  # the newest event (maybe the terminal one) is never dropped
             self._drop(self._waiting.popleft())
+        # Shown (if it may be) before the flush is woken: a reader here writes its frame
+        # before the append is built and sent.
         self._show()
+        self._wakeup.set()
 
     def show_to(self, publisher: LocalPublisher) -> None:
         """Show events live to this run's channel (hub.py), and tell it what is stored
@@ -332,7 +238,7 @@ class EventWriter:
             self._wakeup.set()
 
     def _move(self, transition: Transition) -> WriterState:
-        """Take ``transition`` (TRANSITIONS); the new state."""
+        """Take ``transition`` (outage.TRANSITIONS); the new state."""
         self.state = TRANSITIONS[self.state, transition]
         return self.state
 
@@ -379,11 +285,6 @@ class EventWriter:
             self._shown = event.id
             if self._publish is not None:
                 self._publish(event)
-
-    def unstored(self) -> list[Event]:
-        """Events shown live but not stored yet, oldest first (the channel keeps its own
-        copy as they are shown; this one is for looking inside)."""
-        return [event for event in (*self._in_flight, *self._waiting) if event.id <= self._shown]
 
     @property
     def pending(self) -> int:

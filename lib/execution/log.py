@@ -24,8 +24,9 @@ it live). Any other event, and every event behind it, waits in order for one com
 task, which offloads its large values and then hands it on; so live and stored copies
 are the same bytes and order is kept without blocking the workflow.
 
-The flush (``EventWriter``, with the ``LiveGate`` it shows events behind) is the log's
-private part, in flush.py: nothing but this module writes through it.
+The flush (``EventWriter``, in flush.py, with what it does about an unreachable or
+forgetful store in outage.py: the ``LiveGate`` it shows events behind and its state
+table) is the log's private part: nothing but this module writes through it.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ from lib.execution.events import (
     Event,
     carriable,
 )
-from lib.execution.flush import EventWriter, LiveGate
+from lib.execution.flush import EventWriter
 from lib.execution.hub import Hub
 from lib.execution.offload import Compactor, OffloadPolicy
+from lib.execution.outage import LiveGate
 from lib.execution.values import ValueStore
 from lib.metrics import Metrics
 
@@ -179,6 +181,7 @@ class ExecutionLog:
         epoch: int,
         stored_id: int,
         base_id: int,
+        reserved: int = 0,
         retained_bytes: int = 0,
         checkpoint_bytes: int = 0,
         gate: LiveGate,
@@ -196,6 +199,7 @@ class ExecutionLog:
             epoch=epoch,
             stored_id=stored_id,
             base_id=base_id,
+            reserved=reserved,
             gate=gate,
             on_cancel=on_cancel,
             on_lost=on_lost,

@@ -54,12 +54,15 @@ request that would move ownership waits out first.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from redis.exceptions import ResponseError
 
-from lib.backend import register, translated
+from lib.backend import Batch, register, translated
+from lib.errors import FlowcastError
 from lib.execution.admission import Admission
 from lib.execution.buffer import EventBuffer
 from lib.execution.control import ControlStreams
@@ -91,6 +94,11 @@ class Transition:
 
 
 _APPEND_REFUSALS = (Reply.NOEXEC, Reply.FENCED, Reply.ORDER, Reply.CANCEL)
+
+# Reserved by start.lua with the creation: the first event (``execution:started``) is
+# shown as it is emitted, not an append later. A process dead before storing it left a
+# client maybe seeing it: the next owner numbers above it, and its id is a dropped gap.
+START_RESERVED = 1
 
 TRANSITIONS: tuple[Transition, ...] = (
     Transition(
@@ -180,6 +188,9 @@ class Claim:
     crashes: int = 0  # a takeover: recoveries for "worker_lost" so far, this one included
     # A cancel was accepted and is not written yet: a takeover ends the run cancelled.
     cancel_requested: bool = False
+    # The highest id reserved for the new owner already (``base`` when none above it):
+    # it shows the events up to it as it emits them (a start reserves its first).
+    reserved: int = 0
 
 
 def node_of(token: str) -> str:
@@ -226,26 +237,64 @@ class Ownership:
         created_ms: int,
         extra: dict[str, str] | None = None,
         state: dict[str, bytes] | None = None,
+        alongside: Callable[[Batch], None] | None = None,
     ) -> Claim | None:
-        """Create an execution, running and owned by ``fence`` (watched first), with its
-        run state fields ``state``; None when it exists already (its id was named in
-        advance and another process created it first: that one runs it)."""
-        await self._watch.hold(execution_id, fence)
-        created = await self.buffer.create(
-            execution_id,
-            workflow_id=workflow_id,
-            tenant=tenant,
-            owner=fence,
-            created_at=created_at,
-            created_ms=created_ms,
-            lease_ms=self.lease_ms,
-            extra=extra,
-            state=state,
-        )
+        """Create an execution, running and owned by ``fence``, with its run state fields
+        ``state``; None when it exists already (its id was named in advance and another
+        process created it first: that one runs it). ``TooBusy`` when its tenant may
+        not have one more.
+
+        Before the creation, in one round trip (none needs another's answer): the
+        tenant's admission, the lease entry that watches the new owner, its listing in
+        the tenant's index, and what ``alongside`` adds to the batch, which the caller
+        must have stored before the execution exists (its workflow version). The
+        admission and the lease entry are taken back when the batch fails.
+        The new owner shows its first event as it emits it (``START_RESERVED``).
+        """
+        batch = Batch(self.redis)
+        self._admission.admit_in(batch, tenant, fence)
+        self._watch.hold_in(batch, execution_id, fence)
+        self.buffer.index_in(batch, execution_id, tenant, created_ms)
+        if alongside is not None:
+            alongside(batch)
+        try:
+            await batch.send()
+        except BaseException:
+            await self._undo_start(execution_id, tenant, fence)
+            raise
+        try:
+            created = await self.buffer.create(
+                execution_id,
+                workflow_id=workflow_id,
+                tenant=tenant,
+                owner=fence,
+                created_at=created_at,
+                created_ms=created_ms,
+                lease_ms=self.lease_ms,
+                reserved=START_RESERVED,
+                extra=extra,
+                state=state,
+                listed=True,
+            )
+        except BaseException:
+            # It may exist all the same (a reply lost): its lease entry stays watched.
+            await self._undo_start(execution_id, tenant, fence, watched=True)
+            raise
         if not created:
-            await self._watch.release(execution_id, fence)
+            await self._undo_start(execution_id, tenant, fence)
             return None
-        return Claim(0, 0, None, fence, 1)
+        return Claim(0, 0, None, fence, 1, reserved=START_RESERVED)
+
+    async def _undo_start(
+        self, execution_id: str, tenant: str, fence: str, *, watched: bool = False
+    ) -> None:
+        """Take back a start's admission and, unless ``watched``, its lease entry (best
+        effort: a stale entry only expires, or is found pointing at nothing)."""
+        with contextlib.suppress(FlowcastError):
+            await self._admission.leave(tenant, fence)
+        if not watched:
+            with contextlib.suppress(FlowcastError):
+                await self._watch.release(execution_id, fence)
 
     @translated
     async def claim(

@@ -8,11 +8,14 @@ ARGV[2]  lease length in milliseconds
 ARGV[3]  TTL in seconds while the execution is not finished
 ARGV[4]  the execution id (the `id` of the row published on ARGV[5])
 ARGV[5]  the status channel  fc:status  (pub/sub, not a key)
-ARGV[6]  n, the number of run state field/value pairs that follow (the workflow
+ARGV[6]  the ids reserved for the new owner from the start (`reserved`): it shows its
+         first events live as it emits them, before their append is acknowledged
+         (append.lua then reserves as it goes; a takeover numbers above them)
+ARGV[7]  n, the number of run state field/value pairs that follow (the workflow
          version and the input: what a recovery needs, there from the start)
-ARGV[7 .. 6+2n]  run state fields and values (the run state is written, and given the
+ARGV[8 .. 7+2n]  run state fields and values (the run state is written, and given the
                  TTL, only when n > 0)
-ARGV[7+2n ..]    metadata field/value pairs: workflowId, tenant, createdAt, updatedAt, …
+ARGV[8+2n ..]    metadata field/value pairs: workflowId, tenant, createdAt, updatedAt, …
 
 Publishes the new execution's list row on ARGV[5] as JSON {"id", "tenant",
 "workflowId", "status": "running", "createdAt", "updatedAt", "lastEventId": 0} (the live
@@ -20,10 +23,10 @@ lists; see append.lua for the other status changes), only when the metadata name
 tenant, and best effort: a refused PUBLISH is no error.
 
 Returns the lease end in milliseconds. The execution starts `running` at epoch 1, with
-no events (lastId, firstId, bytes, count and reserved 0). Returns 0 when the execution
-exists already (its id was named in advance, by an Idempotency-Key's record, and
-another request created it first): nothing is written and nothing is published. No
-error reply of its own.
+no events (lastId, firstId, bytes and count 0) and `reserved` ARGV[6]. Returns 0 when
+the execution exists already (its id was named in advance, by an Idempotency-Key's
+record, and another request created it first): nothing is written and nothing is
+published. No error reply of its own.
 ]]
 
 local meta = KEYS[1]
@@ -31,17 +34,17 @@ if redis.call("EXISTS", meta) == 1 then
   return 0
 end
 local until_ms = now_ms() + tonumber(ARGV[2])
-local n = tonumber(ARGV[6])
+local n = tonumber(ARGV[7])
 local fields = {"owner", ARGV[1], "epoch", 1, "leaseUntil", until_ms, "status", "running",
-  "lastId", 0, "firstId", 0, "bytes", 0, "count", 0, "reserved", 0}
-for i = 7 + 2 * n, #ARGV do
+  "lastId", 0, "firstId", 0, "bytes", 0, "count", 0, "reserved", tonumber(ARGV[6])}
+for i = 8 + 2 * n, #ARGV do
   fields[#fields + 1] = ARGV[i]
 end
 redis.call("HSET", meta, unpack(fields))
 redis.call("EXPIRE", meta, ARGV[3])
 if n > 0 then
   local state = {}
-  for i = 7, 6 + 2 * n do
+  for i = 8, 7 + 2 * n do
     state[#state + 1] = ARGV[i]
   end
   redis.call("HSET", KEYS[2], unpack(state))

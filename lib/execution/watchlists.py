@@ -9,7 +9,7 @@ without a watched lease.
 
 from __future__ import annotations
 
-from lib.backend import register, translated
+from lib.backend import Batch, register, translated
 from lib.execution.buffer import EventBuffer
 
 
@@ -38,6 +38,11 @@ class WatchLists:
         claim that creates it, and at each renewal)."""
         member = lease_member(execution_id, fence)
         await self._watch(keys=[self.keys.leases], args=["add", member, self.lease_ms, ""])
+
+    def hold_in(self, batch: Batch, execution_id: str, fence: str) -> None:
+        """``hold`` as one command of ``batch``."""
+        member = lease_member(execution_id, fence)
+        batch.script(self._watch, [self.keys.leases], ["add", member, self.lease_ms, ""])
 
     @translated
     async def due_now(self, execution_id: str, fence: str) -> None:

@@ -31,10 +31,10 @@ from lib.execution.events import (
     EXECUTION_FAILED,
     EXECUTION_PAUSED,
 )
-from lib.execution.flush import LiveGate
 from lib.execution.hub import Hub
 from lib.execution.log import ExecutionLog
 from lib.execution.offload import OffloadPolicy
+from lib.execution.outage import LiveGate
 from lib.execution.ownership import Claim, Ownership
 from lib.execution.record import Field, StopReason
 from lib.execution.values import ValueStore
@@ -61,6 +61,8 @@ class Completed:
 Outcome = Completed | Pause
 # What an execution task does between its log opening and closing.
 Body = Callable[[LocalRun, ExecutionLog], Awaitable[None]]
+# What a run does before its task starts: emit its first event.
+Opening = Callable[[LocalRun, ExecutionLog], None]
 
 
 class Launcher:
@@ -109,8 +111,12 @@ class Launcher:
         identity: dict[str, str],
         body: Body,
         meta: ExecutionMeta | None = None,
+        opening: Opening | None = None,
     ) -> None:
-        """Run ``body`` here as the owner ``claim`` made this process."""
+        """Run ``body`` here as the owner ``claim`` made this process. ``opening`` runs
+        first, before this returns: the run's first event, emitted at once, is in this
+        process's channel before a reader the caller attaches next looks (the first
+        frame waits for no task to be scheduled)."""
         tenant = identity[Field.TENANT]
         claimed_at = time.monotonic()
         # The claim just gave this process the lease: open until a renewal fails.
@@ -129,6 +135,7 @@ class Launcher:
             epoch=claim.epoch,
             stored_id=claim.last_id,
             base_id=claim.base,
+            reserved=claim.reserved,
             retained_bytes=meta.retained_bytes if meta is not None else 0,
             checkpoint_bytes=meta.checkpoint_bytes if meta is not None else 0,
             gate=gate,
@@ -145,6 +152,8 @@ class Launcher:
         local.keeper = Keeper(execution_id=execution_id, compact=events.keep, store=self._values)
         if not self._accepting():
             local.drain()  # launched as the shutdown began: handed off at once
+        if opening is not None:
+            opening(local, events)  # emitted before the log's tasks run: they find it
 
         async def run() -> None:
             try:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lib.errors import Fenced, FlowcastError, RecordLost
-from lib.execution.flush import LiveGate
+from lib.execution.outage import LiveGate
 from lib.execution.ownership import Ownership
 from lib.execution.record import StopReason
 

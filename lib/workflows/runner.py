@@ -48,6 +48,7 @@ from lib.workflows.leases import LeaseKeeper, LocalRun
 from lib.workflows.listener import ControlListener
 from lib.workflows.model import Workflow
 from lib.workflows.parts import Parts
+from lib.workflows.runstate import RunStates
 from lib.workflows.schemas import answer_problems
 from lib.workflows.takeovers import Takeovers, load_run
 
@@ -213,17 +214,18 @@ class Runner:
             return Started(execution_id, "running")
         claim, saved = created
 
-        async def body(local: LocalRun, emitter: ExecutionLog) -> None:
+        def opening(local: LocalRun, emitter: ExecutionLog) -> None:
             emitter.emit(EXECUTION_STARTED, {"input": input})
             emitter.remember(saved)
             local.workflow = workflow
 
+        async def body(local: LocalRun, emitter: ExecutionLog) -> None:
             async def work() -> Outcome:
                 return await self._launcher.run_workflow(local, emitter, workflow, input, None)
 
             await self._launcher.execute(local, emitter, work)
 
-        self._launcher.launch(execution_id, claim, identity=identity, body=body)
+        self._launcher.launch(execution_id, claim, identity=identity, body=body, opening=opening)
         return Started(execution_id, "running")
 
     async def _create(
@@ -235,31 +237,26 @@ class Runner:
         now: datetime,
     ) -> tuple[Claim, dict[str, bytes]] | None:
         """Admit the tenant's execution and create it, owned here, with its run state
-        (the claim and the state as stored); None, admission undone, when another
-        request created it first."""
-        tenant = identity[Field.TENANT]
-        fence = self._parts.new_fence()
-        await self._admission.admit(tenant, fence)
-        try:
-            # What a resume or a recovery needs is there from the start, in the same
-            # write that creates the execution: a process may die right after the 202.
-            version = await self._states.save_version(workflow)
-            saved = await self._states.encode(execution_id, {"workflow": version, "input": input})
-            claim = await self._ownership.start(
-                execution_id,
-                fence=fence,
-                workflow_id=workflow.id,
-                tenant=tenant,
-                created_at=identity[Field.CREATED_AT],
-                created_ms=int(now.timestamp() * 1000),
-                extra={Field.INLINE_FILES.value: identity[Field.INLINE_FILES]},
-                state=saved,
-            )
-        except FlowcastError:
-            await self._launcher.quietly(execution_id, self._admission.leave(tenant, fence))
-            raise
+        (the claim and the state as stored); None when another request created it first
+        (ownership.start then undoes the admission)."""
+        # What a resume or a recovery needs is there from the start, in the same write
+        # that creates the execution: a process may die right after the 202. The
+        # workflow version is stored before, in the batch of the admission and the
+        # lease entry (ownership.start).
+        version = RunStates.version(workflow)
+        saved = await self._states.encode(execution_id, {"workflow": version, "input": input})
+        claim = await self._ownership.start(
+            execution_id,
+            fence=self._parts.new_fence(),
+            workflow_id=workflow.id,
+            tenant=identity[Field.TENANT],
+            created_at=identity[Field.CREATED_AT],
+            created_ms=int(now.timestamp() * 1000),
+            extra={Field.INLINE_FILES.value: identity[Field.INLINE_FILES]},
+            state=saved,
+            alongside=lambda batch: self._states.save_version_in(batch, workflow),
+        )
         if claim is None:
-            await self._launcher.quietly(execution_id, self._admission.leave(tenant, fence))
             return None
         return claim, saved
 

@@ -16,7 +16,7 @@ from typing import Any, cast
 
 import orjson
 
-from lib.backend import translated
+from lib.backend import Batch, translated
 from lib.errors import NotFound
 from lib.execution.buffer import EventBuffer
 from lib.execution.record import Field
@@ -40,6 +40,11 @@ class RunStates:
         self._inline_bytes = inline_bytes
         self._ttl = buffer.active_ttl_seconds
 
+    @staticmethod
+    def version(workflow: Workflow) -> str:
+        """The digest ``save_version`` stores ``workflow`` under (worked out here)."""
+        return workflow.canonical()[1]
+
     @translated
     async def save_version(self, workflow: Workflow) -> str:
         """Store a workflow definition once per version; returns its digest."""
@@ -50,6 +55,18 @@ class RunStates:
         if not await self._redis.expire(key, self._ttl):
             await self._redis.set(key, raw, ex=self._ttl)
         return digest
+
+    def save_version_in(self, batch: Batch, workflow: Workflow) -> None:
+        """``save_version`` with its first command in ``batch`` (the whole definition
+        is sent after it, once the store said it lacks it)."""
+        raw, digest = workflow.canonical()
+        key = self._keys.workflow_version(digest)
+
+        async def sent(kept: Any) -> None:
+            if not kept:
+                await self._redis.set(key, raw, ex=self._ttl)
+
+        batch.call("EXPIRE", key, self._ttl, then=translated(sent))
 
     @translated
     async def load_version(self, digest: str) -> Workflow:

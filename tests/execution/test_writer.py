@@ -24,7 +24,9 @@ from redis.asyncio import Redis
 from lib.errors import BufferUnavailable
 from lib.execution.buffer import AppendResult, EventBuffer, Page
 from lib.execution.events import Event
-from lib.execution.flush import TRANSITIONS, EventWriter, LiveGate, Transition, WriterState
+from lib.execution.flush import EventWriter
+from lib.execution.hub import Hub
+from lib.execution.outage import TRANSITIONS, LiveGate, Transition, WriterState
 from lib.execution.stream import Readers, StreamReader
 from tests.support.logcheck import check_log, check_view
 from tests.support.sse import Frame, parse_frame
@@ -84,7 +86,7 @@ async def faulty(redis: Redis) -> AsyncIterator[FaultyBuffer]:
     yield FaultyBuffer(redis=redis, prefix=f"w{uuid.uuid4().hex[:6]}")
 
 
-async def create(buffer: EventBuffer) -> str:
+async def create(buffer: EventBuffer, *, reserved: bool = False) -> str:
     execution_id = f"ex_{uuid.uuid4().hex}"
     await buffer.create(
         execution_id,
@@ -93,6 +95,7 @@ async def create(buffer: EventBuffer) -> str:
         owner=FENCE,
         created_at="2026-01-01T00:00:00.000Z",
         created_ms=1,
+        reserved=1 if reserved else 0,
     )
     return execution_id
 
@@ -105,8 +108,11 @@ async def writing(
     max_pending: int = 10_000,
     retry_base_seconds: float = 0.005,
     retry_max_seconds: float = 0.05,
+    hub: Hub | None = None,
 ) -> AsyncIterator[EventWriter]:
-    """A running writer; leaving the block waits until it has stored everything."""
+    """A running writer, showing its events to its run's channel on ``hub`` if given
+    (the channel keeps what is shown and not stored: ``hub.unstored``); leaving the
+    block waits until it has stored everything."""
     writer = EventWriter(
         buffer=buffer,
         execution_id=execution_id,
@@ -115,6 +121,8 @@ async def writing(
         retry_base_seconds=retry_base_seconds,
         retry_max_seconds=retry_max_seconds,
     )
+    if hub is not None:
+        writer.show_to(hub.attach_local(execution_id, last_id=0))
     async with writer:
         try:
             yield writer
@@ -248,7 +256,8 @@ async def test_events_put_during_an_outage_are_kept_and_all_stored_once_it_clear
 ) -> None:
     execution_id = await create(faulty)
     faulty.down = True
-    async with writing(faulty, execution_id) as writer:
+    hub = Hub()
+    async with writing(faulty, execution_id, hub=hub) as writer:
         for event_id in range(1, 300):
             writer.put(event(execution_id, event_id, last=300))
             if event_id % 50 == 0:
@@ -256,7 +265,7 @@ async def test_events_put_during_an_outage_are_kept_and_all_stored_once_it_clear
         await wait_for(lambda: writer.failures >= 5)
         assert writer.pending == 299
         # Nothing was reserved before the outage: nothing is shown (SPEC §5).
-        assert writer.unstored() == [] and writer.shown_id == 0
+        assert hub.unstored(execution_id) == [] and writer.shown_id == 0
         assert (await read_page(faulty, execution_id)).events == []
         writer.put(event(execution_id, 300, last=300))
         faulty.down = False
@@ -305,7 +314,8 @@ async def test_past_max_pending_the_oldest_waiting_events_are_dropped_and_replay
     total = 40
     execution_id = await create(faulty)
     faulty.down = True
-    async with writing(faulty, execution_id, max_pending=10) as writer:
+    hub = Hub()
+    async with writing(faulty, execution_id, max_pending=10, hub=hub) as writer:
         for event_id in range(1, 6):
             writer.put(event(execution_id, event_id, last=total))
         await wait_for(lambda: len(faulty.attempts) >= 2)
@@ -313,7 +323,7 @@ async def test_past_max_pending_the_oldest_waiting_events_are_dropped_and_replay
         for event_id in range(6, total + 1):
             writer.put(event(execution_id, event_id, last=total))
         assert writer.pending == 10
-        assert writer.unstored() == []  # no id reserved yet: none shown
+        assert hub.unstored(execution_id) == []  # no id reserved yet: none shown
         assert writer.dropped_events == 30
         faulty.down = False
     page = await read_page(faulty, execution_id)
@@ -342,7 +352,8 @@ async def test_the_newest_event_is_never_dropped_even_when_the_batch_in_flight_f
 ) -> None:
     execution_id = await create(faulty)
     faulty.down = True
-    async with writing(faulty, execution_id, max_pending=3) as writer:
+    hub = Hub()
+    async with writing(faulty, execution_id, max_pending=3, hub=hub) as writer:
         for event_id in range(1, 4):
             writer.put(event(execution_id, event_id, last=9))
         await wait_for(lambda: len(faulty.attempts) >= 1)
@@ -350,7 +361,7 @@ async def test_the_newest_event_is_never_dropped_even_when_the_batch_in_flight_f
         # waiting, and the newest (here the terminal one) is always kept.
         for event_id in range(4, 10):
             writer.put(event(execution_id, event_id, last=9))
-            assert writer.unstored() == []  # no id reserved: none shown
+            assert hub.unstored(execution_id) == []  # no id reserved: none shown
         faulty.down = False
     page = await read_page(faulty, execution_id)
     assert_consistent(page)
@@ -365,13 +376,14 @@ async def test_events_dropped_while_a_batch_after_a_drop_is_in_flight_are_record
     total = 40
     execution_id = await create(faulty)
     faulty.down = True
-    async with writing(faulty, execution_id, max_pending=10) as writer:
+    hub = Hub()
+    async with writing(faulty, execution_id, max_pending=10, hub=hub) as writer:
         for event_id in range(1, 4):
             writer.put(event(execution_id, event_id, last=total))
         await wait_for(lambda: len(faulty.attempts) >= 1)
         for event_id in range(4, 21):
             writer.put(event(execution_id, event_id, last=total))
-        assert writer.unstored() == []
+        assert hub.unstored(execution_id) == []
         # The buffer comes back, but the batch that records the first drop is slow.
         faulty.holds = lambda batch: batch[0].id == 14
         faulty.down = False
@@ -380,7 +392,7 @@ async def test_events_dropped_while_a_batch_after_a_drop_is_in_flight_are_record
             writer.put(event(execution_id, event_id, last=total))
         # The append that stored 1-3 reserved every id emitted by then (up to 20): those
         # are shown; the ones emitted since wait for the next append to reserve them.
-        assert [e.id for e in writer.unstored()] == [*range(14, 21)]
+        assert [e.id for e in hub.unstored(execution_id)] == [*range(14, 21)]
         assert writer.shown_id == 20
         faulty.release.set()
     assert writer.refused is None, writer.refused
@@ -417,7 +429,7 @@ async def test_a_reader_on_the_owning_process_gets_a_dropped_gap_for_events_neve
             reader = StreamReader(readers=live, execution_id=execution_id, cursor=0)
             reading = asyncio.create_task(read_frames(reader))
             await wait_for(lambda: len(faulty.attempts) >= 5)
-            assert reader.last_sent == 0 and writer.unstored() == []
+            assert reader.last_sent == 0 and live.hub.unstored(execution_id) == []
             writer.put(event(execution_id, total, last=total))
             faulty.down = False
         publisher.detach(stored_id=writer.stored_id)
@@ -517,6 +529,36 @@ async def test_in_an_outage_only_the_ids_reserved_ahead_are_shown(
     assert shown == list(range(1, total + 1))
     page = await read_page(faulty, execution_id)
     check_log(stored_envelopes(page))
+
+
+async def test_a_new_executions_first_event_is_shown_before_its_append_is_answered(
+    faulty: FaultyBuffer, redis: Redis
+) -> None:
+    """start.lua reserves the first id with the creation, so ``execution:started`` is
+    shown as it is emitted, not a round trip later (step 15, the event path's latency:
+    the first frame waited for its append). Nothing past the reservation is shown
+    before an append reserves it."""
+    execution_id = await create(faulty, reserved=True)
+    reserved = await redis.hget(faulty.keys.meta(execution_id), "reserved")
+    shown: list[int] = []
+    writer = EventWriter(
+        buffer=faulty,
+        execution_id=execution_id,
+        fence=FENCE,
+        reserved=int(reserved or 0),
+        publish=lambda shown_event: shown.append(shown_event.id),
+    )
+    faulty.holds = lambda batch: batch[0].id == 1
+    async with writer:
+        writer.put(event(execution_id, 1, last=3))
+        writer.put(event(execution_id, 2, last=3))
+        await wait_for(faulty.holding.is_set)
+        assert shown == [1] and writer.stored_id == 0
+        writer.put(event(execution_id, 3, last=3))
+        faulty.holds = lambda _batch: False
+        faulty.release.set()
+    assert shown == [1, 2, 3]
+    check_log(stored_envelopes(await read_page(faulty, execution_id)))
 
 
 def test_the_writer_state_table_covers_every_move_and_never_steps_a_repair_down() -> None:

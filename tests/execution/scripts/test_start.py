@@ -25,10 +25,11 @@ def start(
     ttl: int = 3_600,
     state: dict[str, str] | None = None,
     meta: dict[str, str] | None = None,
+    reserved: int = 0,
 ) -> Any:
     pairs = [item for pair in (state or {}).items() for item in pair]
     fields = [item for pair in (IDENTITY if meta is None else meta).items() for item in pair]
-    args = [TOKEN, lease_ms, ttl, eid, keys.status, len(pairs) // 2, *pairs, *fields]
+    args = [TOKEN, lease_ms, ttl, eid, keys.status, reserved, len(pairs) // 2, *pairs, *fields]
     return script(redis, "start.lua")(keys=[keys.meta(eid), keys.state(eid)], args=args)
 
 
@@ -47,6 +48,15 @@ async def test_an_execution_starts_running_at_epoch_1_with_its_lease_on_redis_cl
         b"createdAt": b"c0", b"updatedAt": b"u0", b"mode": b"x",
     }  # fmt: skip
     assert 3_500 < await redis.ttl(keys.meta(eid)) <= 3_600
+
+
+async def test_the_ids_reserved_from_the_start_are_the_owners(
+    redis: Redis, keys: Keys, eid: str
+) -> None:
+    """Its first event is shown as it is emitted: its id is reserved with the creation
+    (step 15, the event path's latency), and a takeover numbers above it."""
+    await start(redis, keys, eid, reserved=1)
+    assert await redis.hmget(keys.meta(eid), "reserved", "lastId") == [b"1", b"0"]
 
 
 async def test_the_run_state_is_written_with_the_metadata_when_given(
