@@ -13,12 +13,15 @@ It looks often (every ``StoreIdentity.check_seconds``, a fraction of a second): 
 server answers (when another one does, this process re-asserts what it knows at once,
 and ownership waits a short settle for every process to do so), and which approval
 deadlines passed, so a deadline fires within about a second, also right after a restart
-of Redis or of this process. Leases are swept every half lease: a crashed owner's lease
-proves nothing until the store has answered well for a whole lease (it may have been
-unable to renew). Hand-offs are announced on a stream every process reads (leases.py),
-so one is taken over within moments; and a process that starts takes over at once the
-executions of the earlier processes of its node (``dead_nodes``: it proved them dead),
-so a lone server that restarts picks up its own orphaned runs without waiting a lease.
+of Redis or of this process; only after Redis came back without writes it had
+acknowledged (an older snapshot) do deadlines wait about a lease, for the owner of a
+pause resumed since to re-assert it even if it was stalled across the settle. Leases
+are swept every half lease: a crashed owner's lease proves nothing until the store has
+answered well for a whole lease (it may have been unable to renew). Hand-offs are
+announced on a stream every process reads (leases.py), so one is taken over within
+moments; and a process that starts takes over at once the executions of the earlier
+processes of its node (``dead_nodes``: it proved them dead), so a lone server that
+restarts picks up its own orphaned runs without waiting a lease.
 """
 
 from __future__ import annotations
@@ -78,7 +81,9 @@ class Due:
     # for a lease, only the ones that handed off (a lease proves nothing when its owner
     # could not renew).
     takeover: Takeover = Takeover.HANDOFF
-    # Paused executions whose approval deadline passed.
+    # Paused executions whose approval deadline passed; none for about a lease after
+    # the store was found behind (it lost writes it had acknowledged: a pause it brought
+    # back may have been resumed, and its owner, stalled, not have re-asserted it yet).
     deadlines: tuple[str, ...] = ()
 
 
@@ -101,6 +106,7 @@ class Janitor:
         self._next_sweep = 0.0  # the leases are swept at the first look, then every half lease
         # Earlier processes of this node, dead: looked for until none of their runs is left.
         self._dead_nodes = dead_nodes
+        self._behind = False  # the store was found behind: deadlines wait (store.py)
 
     def distrust(self) -> None:
         """The store failed (or acting on a pass did): every owner needs a full lease
@@ -132,7 +138,11 @@ class Janitor:
 
         A deadline needs no lease of trust: the store decides, atomically, whether the
         pause is still there to expire (after an outage it forgot nothing; after it
-        changed servers, the settle just passed). Leases do (see ``distrust``).
+        changed servers, the settle just passed) -- unless the store came back behind,
+        without writes it had acknowledged: then the pause may be one it brought back
+        that was resumed since, and deadlines wait about a lease (``behind_seconds`` of
+        store.py), as leases do after any change. Leases need a lease of trust (see
+        ``distrust``).
         """
         asked = time.monotonic()
         store = await self._store.check()
@@ -176,7 +186,21 @@ class Janitor:
                 # nothing until a lease has passed with the store answering.
                 self.distrust()
                 leases, trusted = [], False
-        deadlines = await self._watch.due_deadlines()
+        deadlines: list[str] = []
+        if store.behind_seconds > 0:
+            # The store lost writes a process saw acknowledged: a pause it brought back
+            # may have been resumed, its owner not yet back to say so (see store.py).
+            if not self._behind:
+                log.warning(
+                    "the event store came back without writes it had acknowledged (an "
+                    "older snapshot, or a lagging replica); approval deadlines wait about "
+                    "a lease, for the owners of resumed pauses to tell it",
+                    extra={"waitSeconds": store.behind_seconds},
+                )
+            self._behind = True
+        else:
+            self._behind = False
+            deadlines = await self._watch.due_deadlines()
         if not (restarted or dead or leases or deadlines):
             return None
         how = Takeover.EXPIRED if trusted else Takeover.HANDOFF
