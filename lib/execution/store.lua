@@ -14,9 +14,10 @@ ARGV[4]  how long approval deadlines wait after the store was found behind, in
 The mark is the store's own time of its latest call (Redis's clock, never lower than
 the mark before): a process remembers the highest one it was given. A store whose mark
 is below a caller's came back without writes that process saw acknowledged (an older
-snapshot, a lagging replica promoted): it is behind, and for ARGV[4] from then on no
-approval deadline may expire, for a pause it brought back may have been resumed and
-its owner, stalled for a moment, not yet told it so (the janitors read the wait).
+snapshot, a lagging replica promoted): it is behind, and for ARGV[4] from then on the
+approval deadlines it holds may not expire, for a pause it brought back may have been
+resumed and its owner, stalled for a moment, not yet told it so (the janitors read the
+wait and hold the deadlines listed when they first see it).
 A restart that lost nothing keeps its mark: deadlines fire at once after it.
 
 Returns {settle, behind, mark}: the milliseconds left to settle (0: claims and

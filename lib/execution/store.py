@@ -9,9 +9,10 @@ Whether it did forget is known too: each answer carries a mark (the store's time
 latest call), and each process remembers the highest it was given. A store whose mark
 is below one a process remembers lost writes that process saw acknowledged (an older
 snapshot, a lagging replica promoted); for about a lease after that is found
-(``Store.behind_seconds``), no approval deadline expires (janitor.py), so an owner
-stalled across the settle still has a fair chance to re-assert a pause it resumed. A
-restart that lost nothing keeps its mark, and deadlines fire at once after it.
+(``Store.behind_seconds``), the approval deadlines it held then do not expire
+(janitor.py), so an owner stalled across the settle still has a fair chance to
+re-assert a pause it resumed. A restart that lost nothing keeps its mark, and deadlines
+fire at once after it.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ class Store:
 
     identity: str
     settling_seconds: float
-    # How long approval deadlines must still wait: the store was found behind (it lost
-    # writes a process saw acknowledged) less than about a lease ago.
+    # How long the approval deadlines a store found behind held must still wait: it was
+    # found so (it lost writes a process saw acknowledged) less than about a lease ago.
     behind_seconds: float = 0.0
 
 
@@ -53,8 +54,8 @@ class StoreIdentity:
         self.redis = buffer.redis
         self.keys = buffer.keys
         self.settle_seconds = min(SETTLE_SECONDS, 2 * lease_seconds)
-        # How long deadlines wait after the store was found behind: a lease, the time
-        # an owner has to renew (and so re-assert) before anyone may call it gone.
+        # How long the deadlines a store found behind held wait: a lease, the time an
+        # owner has to renew (and so re-assert) before anyone may call it gone.
         self.behind_seconds = lease_seconds
         # The highest mark the store gave this process (store.lua): a store that comes
         # back with a lower one lost writes this process saw acknowledged.
