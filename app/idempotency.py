@@ -17,7 +17,10 @@ it names, and a repeat tries that same id again instead of replaying the 429: a 
 that follows ``Retry-After`` with its key gets its execution once there is room, and two
 repeats at once still create it once. A record whose execution is
 missing and older than the retention of a finished execution is not created again: that
-execution may have run and expired since.
+execution may have run and expired since. Should the store lose writes while the
+execution runs here (a restore from an older snapshot), the owner writes the record back
+(``SET NX``, with what was left of its time to live) before it writes the execution
+back, so a repeat that finds the execution finds the record naming it too.
 
 **Resume and cancel** claim the key (``SET NX``) and run; their outcome (status and
 body, errors below 500 included) is stored for ``FLOWCAST_IDEMPOTENCY_SECONDS``. A
@@ -33,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -94,6 +98,25 @@ def _answered(digest: str, outcome: Outcome, execution_id: str | None = None) ->
     return orjson.dumps(record)
 
 
+class WriteBack:
+    """Writes an execute's key record back as it was written (naming its execution),
+    for what is left of its time to live, unless the key holds a record (``SET NX``):
+    the run's owner calls it when the store lost writes of the run."""
+
+    def __init__(self, redis: Redis, redis_key: str, record: bytes, expires: float) -> None:
+        self._redis = redis
+        self._key = redis_key
+        self._record = record
+        self._expires = expires  # monotonic seconds
+
+    async def __call__(self) -> None:
+        left_ms = int((self._expires - time.monotonic()) * 1000)
+        if left_ms <= 0:
+            return  # expired by now anyway
+        with translating("write an Idempotency-Key back"):
+            await self._redis.set(self._key, self._record, nx=True, px=left_ms)
+
+
 def _reused() -> ApiError:
     return ApiError(
         422, "idempotency_key_reused", "this Idempotency-Key was used with a different request"
@@ -125,21 +148,25 @@ class Idempotency:
         *,
         tenant: str,
         scope: str,
-        action: Callable[[str], Awaitable[Started]],
+        action: Callable[[str, WriteBack | None], Awaitable[Started]],
     ) -> Outcome:
         """Start an execution once per the request's ``Idempotency-Key``: ``action``
-        creates the execution with the id it is given (or finds it created already)."""
+        creates the execution with the id it is given (or finds it created already),
+        and hands the ``WriteBack`` of the key's record (None without a key) to the
+        run, which writes the record back should the store lose it."""
         key = request.headers.get("idempotency-key")
         if key is None:
-            return accepted(await action(new_execution_id()))
+            return accepted(await action(new_execution_id(), None))
         redis_key = self._record(tenant, "execute", _checked(key))
         digest = hashlib.sha256(fingerprint(scope, await request.body())).hexdigest()
         while True:
             execution_id = new_execution_id()
             pending = orjson.dumps({"fingerprint": digest, "executionId": execution_id})
+            written = time.monotonic()
             with translating("check the Idempotency-Key"):
                 claimed = await self._redis.set(redis_key, pending, nx=True, ex=self._ttl)
             if claimed:
+                expires = written + self._ttl
                 break
             with translating("check the Idempotency-Key"):
                 raw = await self._redis.get(redis_key)
@@ -156,13 +183,17 @@ class Idempotency:
                 # Claimed by a server of the previous version, which records no id.
                 return await self._repeat(redis_key, digest)
             pending, execution_id = cast(bytes, raw), stored["executionId"]
-            if await self._existed(redis_key, execution_id):
+            asked = time.monotonic()
+            left_ms = await self._left_ms(redis_key, execution_id)
+            if left_ms is None:
                 outcome = Outcome(202, {"executionId": execution_id, "status": "running"})
                 await self._remember(redis_key, digest, outcome, exists=True)
                 return outcome
+            expires = asked + left_ms / 1000
             break
+        write_back = WriteBack(self._redis, redis_key, pending, expires)
         try:
-            started = await action(execution_id)
+            started = await action(execution_id, write_back)
         except FlowcastError as exc:
             status, body = error_payload(exc)
             if status >= 500:
@@ -178,15 +209,18 @@ class Idempotency:
         await self._remember(redis_key, digest, outcome, exists=True)
         return outcome
 
-    async def _existed(self, redis_key: str, execution_id: str) -> bool:
-        """Whether the execution a record names exists, or may have existed: a record
-        older than a finished execution's retention is never created again."""
+    async def _left_ms(self, redis_key: str, execution_id: str) -> int | None:
+        """None when the execution a record names exists, or may have existed (a record
+        older than a finished execution's retention is never created again); else
+        what is left of the record's time to live, in milliseconds."""
         with translating("check the Idempotency-Key"):
             if await self._redis.exists(self._keys.meta(execution_id)):
-                return True
-            left_ms = await self._redis.pttl(redis_key)
+                return None
+            left_ms = int(await self._redis.pttl(redis_key))
         # The record's age on Redis's clock: its time to live is set once, when written.
-        return left_ms >= 0 and self._ttl * 1000 - left_ms >= self._retention * 1000
+        if left_ms >= 0 and self._ttl * 1000 - left_ms >= self._retention * 1000:
+            return None
+        return max(left_ms, 0)
 
     async def _answer_once(
         self,

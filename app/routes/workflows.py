@@ -8,6 +8,7 @@ import orjson
 from fastapi import APIRouter, Body, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from app.idempotency import WriteBack
 from app.limits import checked_input, unstorable
 from app.responses import JSON
 from app.routes.streams import sse_response
@@ -134,7 +135,7 @@ async def execute(
     """Start an execution; stream it when the client accepts SSE, else answer 202."""
     request_body = body or ExecuteRequest()
 
-    async def start(execution_id: str) -> Run:
+    async def start(execution_id: str, write_back: WriteBack | None) -> Run:
         stored = await svc.workflows.get(tenant_id, workflow_id)
         missing = svc.providers.problems(stored.workflow)
         if missing:
@@ -147,6 +148,7 @@ async def execute(
             tenant=tenant_id,
             inline_files=request_body.inline_files,
             execution_id=execution_id,
+            write_back=write_back,
         )
 
     streaming = "text/event-stream" in request.headers.get("accept", "")

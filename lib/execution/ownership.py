@@ -21,6 +21,8 @@ against a real server, and checks that this drawing is the table):
                                                owner's next final event becomes the cancel
                                                refused: NOEXEC STATUS
     paused   expire      claim.lua   running   any janitor, past the approval deadline
+                                               (a lease later if the store came back
+                                               behind: store.py)
                                                refused: NOEXEC STATUS NOTDUE
     running  take over   claim.lua   running   any janitor, past the owner's lease; any
                                                process once the owner handed it off; the
@@ -134,7 +136,9 @@ TRANSITIONS: tuple[Transition, ...] = (
     ),
     Transition(
         Status.PAUSED, "expire", Script.CLAIM, Mode.EXPIRE, (Status.RUNNING,),
-        "any janitor, past the approval deadline", (Reply.NOEXEC, Reply.STATUS, Reply.NOTDUE),
+        "any janitor, past the approval deadline\n(a lease later if the store came back\n"
+        "behind: store.py)",
+        (Reply.NOEXEC, Reply.STATUS, Reply.NOTDUE),
     ),
     Transition(
         Status.RUNNING, "take over", Script.CLAIM, Mode.TAKEOVER, (Status.RUNNING,),

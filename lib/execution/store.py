@@ -4,6 +4,15 @@ When another Redis server starts answering (a restart, a replica promoted), it m
 forgotten recent transitions: every process notices within ``check_seconds`` and
 re-asserts what it holds at once, and no ownership moves until a short settle
 (``settle_seconds``) has let them; a request that would move one waits it out.
+
+Whether it did forget is known too: each answer carries a mark (the store's time of its
+latest call), and each process remembers the highest it was given. A store whose mark
+is below one a process remembers lost writes that process saw acknowledged (an older
+snapshot, a lagging replica promoted); for about a lease after that is found
+(``Store.behind_seconds``), the approval deadlines it held then do not expire
+(janitor.py), so an owner stalled across the settle still has a fair chance to
+re-assert a pause it resumed. A restart that lost nothing keeps its mark, and deadlines
+fire at once after it.
 """
 
 from __future__ import annotations
@@ -33,6 +42,9 @@ class Store:
 
     identity: str
     settling_seconds: float
+    # How long the approval deadlines a store found behind held must still wait: it was
+    # found so (it lost writes a process saw acknowledged) less than about a lease ago.
+    behind_seconds: float = 0.0
 
 
 class StoreIdentity:
@@ -42,20 +54,31 @@ class StoreIdentity:
         self.redis = buffer.redis
         self.keys = buffer.keys
         self.settle_seconds = min(SETTLE_SECONDS, 2 * lease_seconds)
+        # How long the deadlines a store found behind held wait: a lease, the time an
+        # owner has to renew (and so re-assert) before anyone may call it gone.
+        self.behind_seconds = lease_seconds
+        # The highest mark the store gave this process (store.lua): a store that comes
+        # back with a lower one lost writes this process saw acknowledged.
+        self._mark = 0
         # How often each process asks which server answers (and looks at deadlines).
         self.check_seconds = self.settle_seconds / 4
         self._store = register(self.redis, __package__, "store.lua")
 
     @translated
     async def check(self) -> Store:
-        """Which Redis server answers, and how long ownership must still wait after its
-        data changed servers (store.lua)."""
+        """Which Redis server answers, how long ownership must still wait after its
+        data changed servers, and how long deadlines must wait after it was found
+        behind (store.lua)."""
         info: Any = await self.redis.info("server")
         nodes = [info] if "run_id" in info else list(info.values())
         identity = ",".join(sorted(str(node.get("run_id", "")) for node in nodes))
         settle_ms = int(self.settle_seconds * 1000)
-        remaining = await self._store(keys=[self.keys.store], args=[identity, settle_ms])
-        return Store(identity, int(remaining) / 1000)
+        behind_ms = int(self.behind_seconds * 1000)
+        settle, behind, mark = await self._store(
+            keys=[self.keys.store], args=[identity, settle_ms, self._mark, behind_ms]
+        )
+        self._mark = max(self._mark, int(mark))
+        return Store(identity, int(settle) / 1000, int(behind) / 1000)
 
     async def wait_settled(self) -> None:
         """Wait out the rest of a settle before moving ownership; BufferUnavailable only

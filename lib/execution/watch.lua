@@ -9,8 +9,9 @@ ARGV[1]  "add": ARGV[2] member, ARGV[3] milliseconds from now, ARGV[4] (optional
          "refresh": the same, but only for a member still listed (a renewal that
                 arrives after its run left must not list it again); the score is
                 returned, and ARGV[4] removed, whether or not the member was listed
-         "due": ARGV[2] the most members to return; returns the members whose score
-                has passed (at most now), lowest first. Any other ARGV[1] reads as "due".
+         "due": ARGV[2] the most members to return, ARGV[3] (optional) milliseconds
+                to look ahead; returns the members whose score has passed (at most now,
+                plus ARGV[3]), lowest first. Any other ARGV[1] reads as "due".
 No error reply of its own.
 ]]
 
@@ -27,4 +28,5 @@ if ARGV[1] == "add" or ARGV[1] == "refresh" then
   end
   return score
 end
-return redis.call("ZRANGEBYSCORE", KEYS[1], "-inf", now, "LIMIT", 0, tonumber(ARGV[2]))
+local ahead = tonumber(ARGV[3]) or 0
+return redis.call("ZRANGEBYSCORE", KEYS[1], "-inf", now + ahead, "LIMIT", 0, tonumber(ARGV[2]))

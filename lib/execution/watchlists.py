@@ -78,9 +78,10 @@ class WatchLists:
         await self.redis.zadd(self.keys.deadlines, {execution_id: deadline_ms})
 
     @translated
-    async def due_deadlines(self, *, limit: int = 100) -> list[str]:
-        """Paused executions whose approval deadline passed, on Redis's clock."""
-        found = await self._watch(keys=[self.keys.deadlines], args=["due", limit])
+    async def due_deadlines(self, *, limit: int = 100, ahead_ms: int = 0) -> list[str]:
+        """Paused executions whose approval deadline passed (or passes within
+        ``ahead_ms``), on Redis's clock, soonest first."""
+        found = await self._watch(keys=[self.keys.deadlines], args=["due", limit, ahead_ms])
         return [member.decode() for member in found]
 
     @translated

@@ -13,12 +13,16 @@ It looks often (every ``StoreIdentity.check_seconds``, a fraction of a second): 
 server answers (when another one does, this process re-asserts what it knows at once,
 and ownership waits a short settle for every process to do so), and which approval
 deadlines passed, so a deadline fires within about a second, also right after a restart
-of Redis or of this process. Leases are swept every half lease: a crashed owner's lease
-proves nothing until the store has answered well for a whole lease (it may have been
-unable to renew). Hand-offs are announced on a stream every process reads (leases.py),
-so one is taken over within moments; and a process that starts takes over at once the
-executions of the earlier processes of its node (``dead_nodes``: it proved them dead),
-so a lone server that restarts picks up its own orphaned runs without waiting a lease.
+of Redis or of this process; only after Redis came back without writes it had
+acknowledged (an older snapshot) do the deadlines it brought back wait about a lease,
+for the owner of a pause resumed since to re-assert it even if it was stalled across
+the settle. Leases
+are swept every half lease: a crashed owner's lease proves nothing until the store has
+answered well for a whole lease (it may have been unable to renew). Hand-offs are
+announced on a stream every process reads (leases.py), so one is taken over within
+moments; and a process that starts takes over at once the executions of the earlier
+processes of its node (``dead_nodes``: it proved them dead), so a lone server that
+restarts picks up its own orphaned runs without waiting a lease.
 """
 
 from __future__ import annotations
@@ -34,11 +38,14 @@ from lib.errors import FlowcastError
 from lib.execution.events import EXECUTION_CANCELLED, EXECUTION_FAILED
 from lib.execution.log import ExecutionLog
 from lib.execution.record import RecoveryReason, Takeover
-from lib.execution.store import StoreIdentity
+from lib.execution.store import Store, StoreIdentity
 from lib.execution.watchlists import WatchLists
 
 log = logging.getLogger(__name__)
 
+
+# The most deadlines a store found behind holds back (the ones due soonest).
+HELD_DEADLINES = 10_000
 
 # Emits the terminal event of an execution that was just claimed.
 Ending = Callable[[ExecutionLog], None]
@@ -78,7 +85,10 @@ class Due:
     # for a lease, only the ones that handed off (a lease proves nothing when its owner
     # could not renew).
     takeover: Takeover = Takeover.HANDOFF
-    # Paused executions whose approval deadline passed.
+    # Paused executions whose approval deadline passed; for about a lease after the
+    # store was found behind (it lost writes it had acknowledged), not the ones it held
+    # then: a pause it brought back may have been resumed, and its owner, stalled, not
+    # have re-asserted it yet. Pauses stored since expire as ever.
     deadlines: tuple[str, ...] = ()
 
 
@@ -101,6 +111,9 @@ class Janitor:
         self._next_sweep = 0.0  # the leases are swept at the first look, then every half lease
         # Earlier processes of this node, dead: looked for until none of their runs is left.
         self._dead_nodes = dead_nodes
+        # The store was found behind (store.py): the deadlines it held then, which wait
+        # until ``behind_seconds`` is over; None while it is not behind.
+        self._held: frozenset[str] | None = None
 
     def distrust(self) -> None:
         """The store failed (or acting on a pass did): every owner needs a full lease
@@ -132,7 +145,11 @@ class Janitor:
 
         A deadline needs no lease of trust: the store decides, atomically, whether the
         pause is still there to expire (after an outage it forgot nothing; after it
-        changed servers, the settle just passed). Leases do (see ``distrust``).
+        changed servers, the settle just passed) -- unless the store came back behind,
+        without writes it had acknowledged: then a pause it brought back may have been
+        resumed since, and the deadlines it held then wait about a lease
+        (``behind_seconds`` of store.py), as leases do after any change. Leases need a
+        lease of trust (see ``distrust``).
         """
         asked = time.monotonic()
         store = await self._store.check()
@@ -154,6 +171,7 @@ class Janitor:
                     "what it holds",
                     extra={"settleSeconds": store.settling_seconds},
                 )
+        await self._hold_restored(store)
         if store.settling_seconds > 0:
             # ...before anyone may end an execution it holds (see store.py).
             self.distrust()
@@ -176,8 +194,37 @@ class Janitor:
                 # nothing until a lease has passed with the store answering.
                 self.distrust()
                 leases, trusted = [], False
-        deadlines = await self._watch.due_deadlines()
+        deadlines = await self._due_deadlines()
         if not (restarted or dead or leases or deadlines):
             return None
         how = Takeover.EXPIRED if trusted else Takeover.HANDOFF
         return Due(restarted, tuple(dead), tuple(leases), how, tuple(deadlines))
+
+    async def _hold_restored(self, store: Store) -> None:
+        """When the store is first seen behind, note the deadlines it holds then (those
+        that may fall due before the wait ends): a pause it brought back may have been
+        resumed, its owner not yet back to say so. Forgotten once the wait is over."""
+        if store.behind_seconds <= 0:
+            self._held = None
+            return
+        if self._held is not None:
+            return
+        ahead_ms = int(store.behind_seconds * 1000)
+        self._held = frozenset(
+            await self._watch.due_deadlines(limit=HELD_DEADLINES, ahead_ms=ahead_ms)
+        )
+        log.warning(
+            "the event store came back without writes it had acknowledged (an older "
+            "snapshot, or a lagging replica); the approval deadlines it brought back wait "
+            "about a lease, for the owners of resumed pauses to tell it",
+            extra={"waitSeconds": store.behind_seconds, "held": len(self._held)},
+        )
+
+    async def _due_deadlines(self) -> list[str]:
+        """The pauses to expire now: those whose deadline passed, but for the ones held
+        since the store was found behind (``_hold_restored``). A pause stored since is
+        not restored state: its deadline fires as ever."""
+        if self._held is None:
+            return await self._watch.due_deadlines()
+        due = await self._watch.due_deadlines(limit=100 + len(self._held))
+        return [execution_id for execution_id in due if execution_id not in self._held]

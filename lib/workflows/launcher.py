@@ -112,11 +112,14 @@ class Launcher:
         body: Body,
         meta: ExecutionMeta | None = None,
         opening: Opening | None = None,
+        write_back: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """Run ``body`` here as the owner ``claim`` made this process. ``opening`` runs
         first, before this returns: the run's first event, emitted at once, is in this
         process's channel before a reader the caller attaches next looks (the first
-        frame waits for no task to be scheduled)."""
+        frame waits for no task to be scheduled). ``write_back`` writes a record outside
+        the execution's keys that names it back, should the store lose writes of this
+        run (see ``_rewatch``)."""
         tenant = identity[Field.TENANT]
         claimed_at = time.monotonic()
         # The claim just gave this process the lease: open until a renewal fails.
@@ -145,6 +148,7 @@ class Launcher:
             metrics=self._metrics,
         )
         local.identity = identity
+        local.write_back = write_back
         local.pending = lambda: events.pending
         local.stored = lambda: events.stored_id
         local.retained = lambda: events.retained_bytes
@@ -174,8 +178,12 @@ class Launcher:
 
     async def _rewatch(self, execution_id: str, local: LocalRun) -> None:
         """The store lost writes of a running execution: watch its lease, list it and
-        count it for its tenant again, and save its workflow version again (the writer
-        writes the rest back)."""
+        count it for its tenant again, save its workflow version again, and write back
+        the record outside its keys that names it (an Idempotency-Key's: a repeat must
+        find it); the writer writes the rest back, after this, so whoever sees the
+        execution again finds the key's record too."""
+        if local.write_back is not None:
+            await local.write_back()
         await self._watch.hold(execution_id, local.fence)
         await self._buffer.index_again(execution_id, local.tenant)
         await self._admission.count(local.tenant, local.fence)

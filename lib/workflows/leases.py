@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +46,9 @@ class LocalRun:
     retained: Callable[[], int] = lambda: 0  # bytes its ring retains, as modelled
     repair: Callable[[], None] = lambda: None  # recreate what the store lost
     identity: dict[str, str] = field(default_factory=dict)  # fields to recreate it with
+    # Writes back a record kept outside the execution's keys that names it (the
+    # Idempotency-Key's that started it), when the store lost writes of this run.
+    write_back: Callable[[], Awaitable[None]] | None = None
     saved_pause: Any = None  # what its pause saved (finals.SavedPause), once saved
     keeper: Any = None  # keeps its outputs as the checkpoint does (checkpoint.Keeper)
     workflow: Any = None  # the workflow it runs, once known (model.Workflow)

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -190,6 +191,7 @@ class Runner:
         tenant: str,
         inline_files: bool = False,
         execution_id: str | None = None,
+        write_back: Callable[[], Awaitable[None]] | None = None,
     ) -> Started:
         """Create an execution and start running it here; returns once it is replayable.
 
@@ -197,6 +199,10 @@ class Runner:
         from the pressure threshold (SPEC §5). An ``execution_id`` named in advance (an
         Idempotency-Key's record names it before it exists) may be created by another
         request first: then that one runs it, and this one starts nothing.
+        ``write_back`` writes that record back, should the store lose writes of the run
+        here (a restore from an older snapshot): on a cluster the record is in another
+        hash slot than the execution, so it is a write of its own, made before the
+        execution is written back.
         """
         if not self._runs.accepting:
             raise ShuttingDown("the server is shutting down and starts no new executions")
@@ -225,7 +231,14 @@ class Runner:
 
             await self._launcher.execute(local, emitter, work)
 
-        self._launcher.launch(execution_id, claim, identity=identity, body=body, opening=opening)
+        self._launcher.launch(
+            execution_id,
+            claim,
+            identity=identity,
+            body=body,
+            opening=opening,
+            write_back=write_back,
+        )
         return Started(execution_id, "running")
 
     async def _create(

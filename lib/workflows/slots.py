@@ -33,10 +33,14 @@ the ask that was granted), its call is stopped the same way. Redis ends that lea
 whole lease after it ran the renewal, so the holder is done before anybody else can be
 granted its slot; the two clocks only have to agree on the lease's length.
 
-If Redis cannot be reached for a lease, waiting calls go ahead under this process's own
-cap (logged): a buffer outage never stalls the work for long (SPEC §5), at the cost of
-the cross-replica cap for as long as it lasts. A shorter outage (a restart) is waited
-out, so the cap holds through it.
+**While Redis cannot be reached, a call waits**, however long that lasts (logged once
+it lasts a lease): the cap holds across all replicas and calls over it wait their turn
+(SPEC §2.1), and a process that cannot see the shared semaphore cannot know that it is
+under the cap (the slot it held may be someone else's by now). It asks again every
+tenth of a lease and goes ahead once Redis grants it a slot. (It used to go ahead under
+its own process's cap after a lease of outage: a holder cut off from Redis, stopped as
+it must be, then called again beside the caller granted its slot.) A cancel or a stop
+ends the wait as any wait in line.
 """
 
 from __future__ import annotations
@@ -167,11 +171,8 @@ class Slots:
         assert task is not None, "a slot is held by a task"
         async with line.local:
             token, since = await self._take(provider, line)
-            shared = since is not None
             held = _Held(task, provider)
-            renewing = None
-            if since is not None:
-                renewing = asyncio.create_task(self._renew(token, held, since))
+            renewing = asyncio.create_task(self._renew(token, held, since))
             try:
                 yield
             except asyncio.CancelledError:
@@ -181,24 +182,19 @@ class Slots:
                 raise
             finally:
                 held.inside = False
-                if renewing is not None:
-                    renewing.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await renewing
-                if shared:
-                    await self._release(provider, token)
+                renewing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await renewing
+                await self._release(provider, token)
 
-    async def _take(self, provider: str, line: _Line) -> tuple[str, float | None]:
+    async def _take(self, provider: str, line: _Line) -> tuple[str, float]:
         """Wait for a shared slot: (its token, when (loop time) the ask that got or
-        kept it was sent), or (token, None) with this process's cap only, when Redis
-        cannot be reached."""
+        kept it was sent)."""
         loop = asyncio.get_running_loop()
         while True:
             token = secrets.token_hex(8)
             try:
                 asked = await self._acquire(provider, line, token)
-                if asked is None:
-                    return token, None
                 if loop.time() - asked <= self._lease_ms / 3000:
                     return token, asked
                 # The grant reached us later than a renewal period after we asked (this
@@ -250,11 +246,12 @@ class Slots:
             self._servers[provider] = _text(reply)
         return reply
 
-    async def _acquire(self, provider: str, line: _Line, token: str) -> float | None:
-        """Wait for a shared slot: when (loop time) the granting ask was sent; None
-        when Redis was unreachable for a lease (this process's cap only)."""
+    async def _acquire(self, provider: str, line: _Line, token: str) -> float:
+        """Wait for a shared slot: when (loop time) the granting ask was sent. While
+        Redis cannot be reached it keeps asking (see the module doc)."""
         loop = asyncio.get_running_loop()
         unreachable_since: float | None = None
+        told = False
         line.waiting += 1
         try:
             while True:
@@ -265,18 +262,20 @@ class Slots:
                         provider, "acquire", token, line.cap
                     )
                 except BufferUnavailable as exc:
-                    # A restart is waited out (holders elsewhere go on calling); a long
-                    # outage must not stall the work.
+                    # Waited out, however long: nobody here can tell whether a slot is
+                    # free (holders elsewhere may go on calling), so nobody goes ahead.
                     unreachable_since = unreachable_since or sent
-                    if loop.time() - unreachable_since >= self._lease_ms / 1000:
+                    if not told and loop.time() - unreachable_since >= self._lease_ms / 1000:
+                        told = True
                         log.warning(
-                            "provider slots unreachable: this process's cap only",
+                            "provider slots unreachable: calls wait until Redis answers",
                             extra={"provider": provider, "error": str(exc)},
                         )
-                        return None
                     await asyncio.sleep(self._lease_ms / 10_000)
                     continue
-                unreachable_since = None
+                if told:
+                    log.info("provider slots reachable again", extra={"provider": provider})
+                unreachable_since, told = None, False
                 if int(granted):
                     return sent
                 if int(paused_ms) > WAIT_PAUSE_SECONDS * 1000:

@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 from redis.asyncio import Redis
 
-from app.embedded import free_port
 from lib.backend import Keys
 from lib.workflows.slots import SlotLost, Slots
 from tests.support.servers import ValkeyServer
@@ -224,11 +223,19 @@ async def test_a_pause_holds_every_replica_until_it_passes_and_a_shorter_one_doe
     assert paused_when_served == [0]
 
 
-async def test_without_redis_a_hold_goes_ahead_under_the_process_cap(
-    caplog: pytest.LogCaptureFixture, unique: str
+async def test_without_redis_a_hold_waits_until_redis_answers_however_long(
+    caplog: pytest.LogCaptureFixture, own_valkey: ValkeyServer, unique: str
 ) -> None:
-    down = Redis.from_url(f"redis://127.0.0.1:{free_port()}", socket_connect_timeout=0.2)
-    slots = Slots(redis=down, tail_redis=down, prefix=f"slots-{unique}", lease_seconds=1)
+    """SPEC §2.1: the cap holds across all replicas and calls over it wait. A process
+    that cannot reach the shared semaphore cannot know it is under the cap, so no call
+    goes ahead, past a lease of outage too, until Redis answers again.
+
+    Found by the step 15 fault review: a holder cut off from Redis stopped its call,
+    then its retry went ahead under its process's own cap after a lease of outage (the
+    old fallback), beside the caller on another replica granted its slot.
+    """
+    redis = Redis.from_url(own_valkey.url, socket_connect_timeout=0.2)
+    slots = Slots(redis=redis, tail_redis=redis, prefix=f"slots-{unique}", lease_seconds=1)
     in_flight = peak = finished = 0
     two_in = asyncio.Event()
 
@@ -240,22 +247,32 @@ async def test_without_redis_a_hold_goes_ahead_under_the_process_cap(
             if in_flight == 2:
                 two_in.set()
             # The first two stay until both are in; the third enters after them.
-            await asyncio.wait_for(two_in.wait(), 5)
+            await asyncio.wait_for(two_in.wait(), 10)
             in_flight -= 1
         finished += 1
 
+    def told() -> bool:
+        return "provider slots unreachable: calls wait until Redis answers" in caplog.messages
+
     try:
+        await slots.introduce([PROVIDER])  # the server is known: its restart is noticed
+        own_valkey.kill()
         with caplog.at_level(logging.WARNING, logger="lib.workflows.slots"):
             async with asyncio.TaskGroup() as group:
                 for _ in range(3):
                     group.create_task(call())
+                # A whole lease of outage passed (the waiters said so): nobody went ahead.
+                async with asyncio.timeout(10):
+                    while not told():
+                        await asyncio.sleep(0.02)
+                assert (peak, finished) == (0, 0)
+                await own_valkey.start()
     finally:
         await slots.close()
-        await down.aclose()
+        await redis.aclose()
 
     assert finished == 3
     assert peak == 2
-    assert "provider slots unreachable: this process's cap only" in caplog.messages
 
 
 async def test_a_providers_keys_share_one_hash_tag_and_expire(

@@ -6,9 +6,9 @@ calls in flight across all replicas (SPEC §2.1), with a cap of 1.
 
 Found by the step 15 fault review (F4 as it stands: a holder stops when its renewal
 finds the slot gone, but goes on calling when the renewal cannot reach Redis). With
-retries, the stopped holder's next attempt cannot reach Redis either: after a lease it
-calls under its process's cap only (the long-outage fallback of ``Slots``), beside the
-caller granted the slot; that half stays a strict xfail.
+retries, the stopped holder's next attempt cannot reach Redis either: it used to call
+under its process's cap only after a lease (the long-outage fallback of ``Slots``),
+beside the caller granted the slot; now it waits until Redis answers (SPEC §2.1).
 """
 
 from __future__ import annotations
@@ -81,20 +81,7 @@ async def in_line(valkey: ValkeyServer, count: int) -> None:
         await redis.aclose()
 
 
-@pytest.mark.parametrize(
-    "attempts",
-    [
-        1,
-        pytest.param(
-            5,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="the stopped holder's retry waits a lease for Redis, then calls under "
-                "its process's cap only, beside the caller granted the slot",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("attempts", [1, 5])
 async def test_a_holder_cut_from_redis_does_not_call_beside_the_next_one(
     llm: FakeLLM, own_valkey: ValkeyServer, tmp_path: Path, attempts: int
 ) -> None:

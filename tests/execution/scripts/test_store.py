@@ -1,5 +1,7 @@
 """store.lua's contract on a real Valkey: nothing to settle for a new store or the same
-server, the whole settle when the server changed, what is left of it until it ends."""
+server, the whole settle when the server changed, what is left of it until it ends; a
+mark never lower than the one before, and deadlines held for the wait asked when a
+caller remembers a higher mark than the store has (it came back behind)."""
 
 from __future__ import annotations
 
@@ -11,18 +13,32 @@ from lib.backend import Keys
 from tests.execution.scripts.contract import now_ms, script
 
 SETTLE_MS = 30_000
+BEHIND_MS = 60_000
 
 
-def store(redis: Redis, keys: Keys, identity: str, settle: int = SETTLE_MS) -> Any:
-    return script(redis, "store.lua")(keys=[keys.store], args=[identity, settle])
+async def store(
+    redis: Redis, keys: Keys, identity: str, settle: int = SETTLE_MS, *, seen: int = 0
+) -> list[int]:
+    reply: Any = await script(redis, "store.lua")(
+        keys=[keys.store], args=[identity, settle, seen, BEHIND_MS]
+    )
+    return [int(value) for value in reply]
 
 
 async def test_a_new_store_records_who_answers_and_has_nothing_to_settle(
     redis: Redis, keys: Keys
 ) -> None:
-    assert await store(redis, keys, "run-a") == 0
-    assert await redis.hgetall(keys.store) == {b"runId": b"run-a", b"settleUntil": b"0"}
-    assert await store(redis, keys, "run-a") == 0
+    before = await now_ms(redis, keys.store)
+    settle, behind, mark = await store(redis, keys, "run-a")
+    assert (settle, behind) == (0, 0)
+    assert mark >= before
+    assert await redis.hgetall(keys.store) == {
+        b"runId": b"run-a",
+        b"settleUntil": b"0",
+        b"mark": str(mark).encode(),
+        b"behindUntil": b"0",
+    }
+    assert (await store(redis, keys, "run-a", seen=mark))[:2] == [0, 0]
 
 
 async def test_another_server_answering_starts_a_settle_then_what_is_left_of_it(
@@ -30,16 +46,62 @@ async def test_another_server_answering_starts_a_settle_then_what_is_left_of_it(
 ) -> None:
     await store(redis, keys, "run-a")
     before = await now_ms(redis, keys.store)
-    assert await store(redis, keys, "run-b") == SETTLE_MS
+    assert (await store(redis, keys, "run-b"))[:2] == [SETTLE_MS, 0]
     after = await now_ms(redis, keys.store)
     until = int(await redis.hget(keys.store, "settleUntil") or 0)
     assert before + SETTLE_MS <= until <= after + SETTLE_MS
-    left = await store(redis, keys, "run-b")
-    assert 0 < left <= SETTLE_MS
+    left, behind, _mark = await store(redis, keys, "run-b")
+    assert 0 < left <= SETTLE_MS and behind == 0
     assert await redis.hget(keys.store, "runId") == b"run-b"
 
 
 async def test_a_settle_that_ended_leaves_nothing_to_wait_for(redis: Redis, keys: Keys) -> None:
     past = await now_ms(redis, keys.store) - 1
     await redis.hset(keys.store, mapping={"runId": "run-b", "settleUntil": past})
-    assert await store(redis, keys, "run-b") == 0
+    assert (await store(redis, keys, "run-b"))[:2] == [0, 0]
+
+
+async def test_the_mark_never_goes_down_and_a_caller_behind_it_changes_nothing(
+    redis: Redis, keys: Keys
+) -> None:
+    *_, first = await store(redis, keys, "run-a")
+    *_, second = await store(redis, keys, "run-a", seen=first)
+    assert second >= first
+    # A caller that remembers less than the store has (it joined later): nothing lost.
+    settle, behind, third = await store(redis, keys, "run-a", seen=first - 10_000)
+    assert (settle, behind) == (0, 0) and third >= second
+    # A mark ahead of the clock (another server's clock was ahead) is kept, not lowered.
+    ahead = await now_ms(redis, keys.store) + 3_600_000
+    await redis.hset(keys.store, "mark", ahead)
+    assert (await store(redis, keys, "run-a", seen=ahead))[1:] == [0, ahead]
+
+
+async def test_a_store_behind_a_callers_mark_holds_deadlines_for_the_wait_asked(
+    redis: Redis, keys: Keys
+) -> None:
+    """An older snapshot restored: the store's mark is below one a process was given."""
+    *_, old = await store(redis, keys, "run-a")
+    *_, newer = await store(redis, keys, "run-a", seen=old + 5_000)
+    assert newer >= old + 5_000
+    await redis.hset(keys.store, "mark", old)  # the restore: later writes are lost
+    before = await now_ms(redis, keys.store)
+    settle, behind, mark = await store(redis, keys, "run-b", seen=newer)
+    after = await now_ms(redis, keys.store)
+    assert settle == SETTLE_MS and behind == BEHIND_MS
+    assert mark >= newer  # no other caller is found behind by the same loss again
+    until = int(await redis.hget(keys.store, "behindUntil") or 0)
+    assert before + BEHIND_MS <= until <= after + BEHIND_MS
+    # Every caller is told what is left of the wait, whatever it remembers.
+    _settle, left, _mark = await store(redis, keys, "run-b")
+    assert 0 < left <= BEHIND_MS
+    past = await now_ms(redis, keys.store) - 1
+    await redis.hset(keys.store, "behindUntil", past)
+    assert (await store(redis, keys, "run-b", seen=mark))[1] == 0
+
+
+async def test_a_store_that_came_back_empty_holds_no_deadline(redis: Redis, keys: Keys) -> None:
+    """Nothing was restored, so no pause it holds can predate the owners' writes."""
+    await redis.delete(keys.store)
+    far = await now_ms(redis, keys.store) + 3_600_000
+    settle, behind, mark = await store(redis, keys, "run-c", seen=far)
+    assert (settle, behind, mark) == (0, 0, far)

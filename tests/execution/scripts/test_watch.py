@@ -53,6 +53,14 @@ async def test_due_reads_the_members_whose_time_passed_oldest_first_up_to_a_coun
     assert await watch(redis, keys.deadlines, "due", 2) == [b"ex1", b"ex2"]
     assert await watch(redis, keys.deadlines, "due", 10) == [b"ex1", b"ex2", b"ex3"]
     assert await redis.zcard(keys.deadlines) == 4  # reading takes nothing off the list
+    # Looking ahead: what is due within that many milliseconds too.
+    assert await watch(redis, keys.deadlines, "due", 10, 120_000) == [
+        b"ex1",
+        b"ex2",
+        b"ex3",
+        b"later",
+    ]
+    assert await watch(redis, keys.deadlines, "due", 10, 0) == [b"ex1", b"ex2", b"ex3"]
 
 
 async def test_any_other_operation_reads_as_due(redis: Redis, keys: Keys) -> None:
