@@ -214,10 +214,35 @@ class EventBuffer:
             )
         return int(lease_end) != 0
 
-    def index_in(self, batch: Batch, execution_id: str, tenant: str, created_ms: int) -> None:
+    def index_in(
+        self,
+        batch: Batch,
+        execution_id: str,
+        tenant: str,
+        created_ms: int,
+        then: Callable[[Any], None] | None = None,
+    ) -> None:
         """List an execution about to be created in its tenant's index, as one command of
-        ``batch`` (a list read skips an id listed a moment ago that has no metadata yet)."""
-        batch.call("ZADD", self.keys.index(tenant), "NX", created_ms, execution_id)
+        ``batch`` (a list read skips an id listed a moment ago that has no metadata yet);
+        ``then`` is given ZADD's answer (1: this call listed it, 0: it was listed)."""
+        batch.call("ZADD", self.keys.index(tenant), "NX", created_ms, execution_id, then=then)
+
+    @translated
+    async def unlist(self, execution_id: str, tenant: str, created_ms: int) -> None:
+        """Take back a listing ``index_in`` made for a creation that did not happen here.
+        Another request may create the same (named) id and rely on this listing: so
+        the id is listed back if it exists by now, and that request lists it again
+        after its creation (``list_again``) should the removal come after this check."""
+        index = self.keys.index(tenant)
+        await self.redis.zrem(index, execution_id)
+        if await self.redis.exists(self.keys.meta(execution_id)):
+            await self.redis.zadd(index, {execution_id: created_ms}, nx=True)
+
+    @translated
+    async def list_again(self, execution_id: str, tenant: str, created_ms: int) -> None:
+        """List a just created execution whose listing was another request's (which may
+        have taken it back, ``unlist``)."""
+        await self.redis.zadd(self.keys.index(tenant), {execution_id: created_ms}, nx=True)
 
     @translated
     async def index_again(self, execution_id: str, tenant: str) -> None:

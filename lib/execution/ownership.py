@@ -56,9 +56,9 @@ request that would move ownership waits out first.
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from redis.exceptions import ResponseError
@@ -96,6 +96,8 @@ class Transition:
 
 
 _APPEND_REFUSALS = (Reply.NOEXEC, Reply.FENCED, Reply.ORDER, Reply.CANCEL)
+
+log = logging.getLogger(__name__)
 
 # Reserved by start.lua with the creation: the first event (``execution:started``) is
 # shown as it is emitted, not an append later. A process dead before storing it left a
@@ -252,19 +254,26 @@ class Ownership:
         tenant's admission, the lease entry that watches the new owner, its listing in
         the tenant's index, and what ``alongside`` adds to the batch, which the caller
         must have stored before the execution exists (its workflow version). The
-        admission and the lease entry are taken back when the batch fails.
+        admission, the lease entry and the listing this call made are taken back when the
+        batch fails (a refusal changes nothing); cleanup that fails is logged.
         The new owner shows its first event as it emits it (``START_RESERVED``).
         """
         batch = Batch(self.redis)
+        # The listing's answer is handed over before the admission's refusal stops the
+        # others: a start refused takes back the listing it made (a 429 changes nothing).
+        listed: list[int] = []
+        self.buffer.index_in(batch, execution_id, tenant, created_ms, then=listed.append)
         self._admission.admit_in(batch, tenant, fence)
         self._watch.hold_in(batch, execution_id, fence)
-        self.buffer.index_in(batch, execution_id, tenant, created_ms)
         if alongside is not None:
             alongside(batch)
         try:
             await batch.send()
         except BaseException:
             await self._undo_start(execution_id, tenant, fence)
+            if listed == [1]:
+                unlisting = self.buffer.unlist(execution_id, tenant, created_ms)
+                await self._quietly("take back a listing", execution_id, unlisting)
             raise
         try:
             created = await self.buffer.create(
@@ -287,6 +296,11 @@ class Ownership:
         if not created:
             await self._undo_start(execution_id, tenant, fence)
             return None
+        if listed != [1]:
+            # Listed by another request starting the same id, which may take it back.
+            await self._quietly(
+                "list again", execution_id, self.buffer.list_again(execution_id, tenant, created_ms)
+            )
         return Claim(0, 0, None, fence, 1, reserved=START_RESERVED)
 
     async def _undo_start(
@@ -294,11 +308,25 @@ class Ownership:
     ) -> None:
         """Take back a start's admission and, unless ``watched``, its lease entry (best
         effort: a stale entry only expires, or is found pointing at nothing)."""
-        with contextlib.suppress(FlowcastError):
-            await self._admission.leave(tenant, fence)
+        await self._quietly(
+            "take back an admission", execution_id, self._admission.leave(tenant, fence)
+        )
         if not watched:
-            with contextlib.suppress(FlowcastError):
-                await self._watch.release(execution_id, fence)
+            await self._quietly(
+                "take back a lease entry", execution_id, self._watch.release(execution_id, fence)
+            )
+
+    @staticmethod
+    async def _quietly(what: str, execution_id: str, step: Awaitable[None]) -> None:
+        """Best-effort cleanup of a start that did not happen: a failure is logged, not
+        raised (the start's own error is what the caller must see)."""
+        try:
+            await step
+        except FlowcastError as exc:
+            log.warning(
+                "start cleanup failed",
+                extra={"executionId": execution_id, "step": what, "error": str(exc)},
+            )
 
     @translated
     async def claim(

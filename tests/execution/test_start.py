@@ -93,3 +93,66 @@ async def test_a_batch_loads_the_scripts_a_restarted_store_forgot(
     batch.call("HSET", buffer.keys.index("t"), "a", "b")  # a sorted set: WRONGTYPE
     with pytest.raises(BufferUnavailable):
         await batch.send()
+
+
+def capped_ownership(buffer: EventBuffer, limit: int) -> Ownership:
+    parts = ownership_parts(buffer, 15)
+    return Ownership(
+        buffer=buffer,
+        lease_seconds=15,
+        watch=parts.watch,
+        admission=Admission(buffer=buffer, lease_seconds=15, limit=limit),
+        control=parts.control,
+    )
+
+
+async def test_a_start_refused_by_its_tenants_cap_leaves_no_listing(
+    buffer: EventBuffer, redis: Redis
+) -> None:
+    """The step 15 second fault review: a 429 changes nothing, yet each refused start
+    left its id in the tenant's index (only a list read past the grace pruned it), so a
+    tenant hammering its cap piled up entries a list read scans before its executions."""
+    ownership = capped_ownership(buffer, 1)
+    running = await start(ownership, "node-a:1")
+    assert running is not None
+    for n in range(5):
+        with pytest.raises(TooBusy):
+            await start(ownership, f"node-a:{n + 2}")
+    assert await redis.zrange(buffer.keys.index("t"), 0, -1) == [running.encode()]
+
+
+async def test_a_refused_start_of_a_named_id_keeps_the_listing_of_its_creator(
+    buffer: EventBuffer, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step 15 second fault review: two requests start one named id (an
+    Idempotency-Key's repeats); the one refused by the cap listed it first, and takes
+    its listing back after the other created it: the execution stays listed."""
+    refused_side = capped_ownership(buffer, 1)
+    admitted_side = capped_ownership(buffer, 0)
+    execution_id = f"ex_{uuid.uuid4().hex}"
+    options: dict[str, Any] = {
+        "workflow_id": "wf",
+        "tenant": "t",
+        "created_at": "2026-01-01T00:00:00.000Z",
+        "created_ms": 1,
+    }
+    # Hold the refused side's batch answer until the other side created the execution.
+    await redis.zadd(buffer.keys.running("t"), {"node-z:9": 10**15})
+    original = Batch.send
+    created = False
+
+    async def send_then_let_the_other_create(batch: Batch) -> None:
+        nonlocal created
+        try:
+            await original(batch)
+        finally:
+            if not created:
+                created = True
+                claim = await admitted_side.start(execution_id, fence="node-b:1", **options)
+                assert claim is not None
+
+    monkeypatch.setattr(Batch, "send", send_then_let_the_other_create)
+    with pytest.raises(TooBusy):
+        await refused_side.start(execution_id, fence="node-a:1", **options)
+    assert await redis.exists(buffer.keys.meta(execution_id))
+    assert await redis.zscore(buffer.keys.index("t"), execution_id) is not None
