@@ -15,6 +15,7 @@ within about a second of the probe's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -116,3 +117,65 @@ async def test_an_approval_deadline_fires_within_about_a_second_right_after_redi
         await check_deadline_against_probe(client, f"{unique}-before")
         await crash_and_restart(own_valkey)
         await check_deadline_against_probe(client, unique)
+
+
+async def ended(client: httpx.AsyncClient, execution_id: str) -> dict[str, Any]:
+    """Poll the snapshot to the end, through a Redis restart (a 503 or a cut meanwhile)."""
+    async with asyncio.timeout(40):
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                snapshot = (await client.get(f"/api/executions/{execution_id}")).json()
+                if snapshot.get("status") in ("completed", "failed", "cancelled"):
+                    return dict(snapshot)
+            await asyncio.sleep(0.02)
+
+
+async def test_a_pause_stored_before_redis_restarts_still_fails_at_its_deadline(
+    server: FlowcastServer, own_valkey: ValkeyServer, unique: str
+) -> None:
+    """The step 15 second fault review: a store found behind holds the deadlines it held
+    for a lease; one that restarted from its AOF and lost nothing is not behind, so the
+    deadline of a pause it held across the restart still fires within about a second."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=20) as client:
+        await check_deadline_against_probe(client, f"{unique}-before")
+        ask = {"prompt": "Go?", "schema": SCHEMA, "timeoutSeconds": 3}
+        wait = {"ms": 3000}
+        await put(
+            client,
+            {"id": f"ask-{unique}", "blocks": [{"id": "ask", "type": "approval", "config": ask}]},
+        )
+        await put(
+            client,
+            {"id": f"probe-{unique}", "blocks": [{"id": "w", "type": "delay", "config": wait}]},
+        )
+
+        async def run(workflow_id: str, *, restart: bool) -> tuple[float, dict[str, Any]]:
+            response = await client.post(
+                f"/api/workflows/{workflow_id}/execute", json={"input": {}}
+            )
+            assert response.status_code == 202, response.text
+            accepted = time.monotonic()
+            execution_id = response.json()["executionId"]
+            if restart:
+                async with asyncio.timeout(20):
+                    while (await client.get(f"/api/executions/{execution_id}")).json()[
+                        "status"
+                    ] != "paused":
+                        await asyncio.sleep(0.02)
+                await crash_and_restart(own_valkey)
+            snapshot = await ended(client, execution_id)
+            return time.monotonic() - accepted, snapshot
+
+        (approval, asked), (probe, probed) = await asyncio.gather(
+            run(f"ask-{unique}", restart=True), run(f"probe-{unique}", restart=False)
+        )
+        print(f"\napproval ended after {approval:.2f} s, the probe after {probe:.2f} s")
+        assert probed["status"] == "completed", probed
+        assert asked["status"] == "failed" and asked["error"]["code"] == "approval_timeout", asked
+        assert_within(
+            approval,
+            probe=probe,
+            ratio=1,
+            floor=MARGIN_SECONDS,
+            what="a 3 s approval held across a Redis restart, against a 3 s delay beside it",
+        )
