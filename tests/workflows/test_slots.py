@@ -16,6 +16,7 @@ from redis.asyncio import Redis
 
 from lib.backend import Keys
 from lib.workflows.slots import SlotLost, Slots
+from tests.support.faults import crash_and_restart
 from tests.support.servers import ValkeyServer
 
 PROVIDER = "p"
@@ -433,3 +434,64 @@ async def test_after_the_keys_answer_from_another_server_grants_wait_one_lease(
     served_at = await asyncio.wait_for(wait(), 5)
     assert served_at - seen_at >= 0.9  # not before one lease after the change was seen
     assert int(await redis.hget(keys[6], "grantsFrom")) > 0
+
+
+async def test_a_holder_on_one_replica_keeps_its_slot_across_a_redis_restart_and_the_other_waits(
+    own_valkey: ValkeyServer, unique: str
+) -> None:
+    """The step 15 second fault review: a call waits for its slot while Redis is down
+    (no more going ahead under its own process's cap). Here the cap is 1, replica A
+    holds the slot and B waits when Redis restarts from its AOF: B is granted only once
+    A released it, never beside it, and then at once (no wait left over from the
+    outage)."""
+    clients: list[Redis] = []
+
+    def build() -> Slots:
+        redis = Redis.from_url(own_valkey.url, socket_connect_timeout=0.2)
+        clients.append(redis)
+        return Slots(redis=redis, tail_redis=redis, prefix=f"slots-{unique}", lease_seconds=1)
+
+    a, b = build(), build()
+    inside: list[str] = []
+    overlaps: list[list[str]] = []
+    release_a = asyncio.Event()
+    a_in, b_in = asyncio.Event(), asyncio.Event()
+
+    async def call(slots: Slots, name: str, entered: asyncio.Event, leave: asyncio.Event) -> None:
+        async with slots.hold(PROVIDER, 1):
+            inside.append(name)
+            if len(inside) > 1:
+                overlaps.append(list(inside))
+            entered.set()
+            await leave.wait()
+            inside.remove(name)
+
+    try:
+        await a.introduce([PROVIDER])
+        await b.introduce([PROVIDER])
+        async with asyncio.TaskGroup() as group:
+            group.create_task(call(a, "a", a_in, release_a))
+            await asyncio.wait_for(a_in.wait(), 5)
+            done_b = asyncio.Event()
+            done_b.set()
+            group.create_task(call(b, "b", b_in, done_b))
+            await asyncio.wait_for(
+                queued(clients[0], Keys(f"slots-{unique}").slots(PROVIDER), 1), 5
+            )
+            await crash_and_restart(own_valkey)
+            # Two leases past the restart (A's renewals answered again meanwhile): B is
+            # still in line, A still holds.
+            deadline = time.monotonic() + 2.5
+            while time.monotonic() < deadline:
+                assert not b_in.is_set() and inside == ["a"], inside
+                await asyncio.sleep(0.05)
+            released = time.monotonic()
+            release_a.set()
+            await asyncio.wait_for(b_in.wait(), 5)
+            print(f"\nB granted {time.monotonic() - released:.3f} s after A released")
+    finally:
+        for slots in (a, b):
+            await slots.close()
+        for client in clients:
+            await client.aclose()
+    assert overlaps == []
