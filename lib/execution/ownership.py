@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -65,7 +66,7 @@ from redis.exceptions import ResponseError
 
 from lib.backend import Batch, register, translated
 from lib.errors import FlowcastError
-from lib.execution.admission import Admission
+from lib.execution.admission import COUNTED_LEASES, Admission
 from lib.execution.buffer import EventBuffer
 from lib.execution.control import ControlStreams
 from lib.execution.record import (
@@ -226,6 +227,9 @@ class Ownership:
         self._control = control
         self._claim = register(self.redis, __package__, "claim.lua")
         self._renew = register(self.redis, __package__, "renew.lua")
+        # Admissions of starts that did not happen, not taken back yet (Redis could not
+        # be reached then): (tenant, fence) -> when (monotonic) the start gave up.
+        self._owed: dict[tuple[str, str], float] = {}
 
     def new_fence(self, node: str) -> str:
         return f"{node}:{secrets.token_hex(8)}"
@@ -308,13 +312,35 @@ class Ownership:
     ) -> None:
         """Take back a start's admission and, unless ``watched``, its lease entry (best
         effort: a stale entry only expires, or is found pointing at nothing)."""
-        await self._quietly(
-            "take back an admission", execution_id, self._admission.leave(tenant, fence)
-        )
+        try:
+            await self._admission.leave(tenant, fence)
+        except FlowcastError as exc:
+            # Left, it would count for its tenant for COUNTED_LEASES leases: the janitor
+            # passes take it back once Redis answers (``take_back_owed``).
+            self._owed[(tenant, fence)] = time.monotonic()
+            log.warning(
+                "start cleanup failed; retried by the janitor",
+                extra={"executionId": execution_id, "step": "admission", "error": str(exc)},
+            )
         if not watched:
             await self._quietly(
                 "take back a lease entry", execution_id, self._watch.release(execution_id, fence)
             )
+
+    async def take_back_owed(self) -> None:
+        """Take back the admissions of failed starts that could not be taken back then
+        (each janitor pass asks; one still unreachable waits for the next). One owed
+        longer than its entry can count is dropped: the admission forgets it anyway."""
+        counted_for = (COUNTED_LEASES + 1) * self.lease_ms / 1000
+        for (tenant, fence), since in list(self._owed.items()):
+            if time.monotonic() - since > counted_for:
+                del self._owed[(tenant, fence)]
+                continue
+            try:
+                await self._admission.leave(tenant, fence)
+            except FlowcastError:
+                return  # still unreachable: the next pass tries again
+            del self._owed[(tenant, fence)]
 
     @staticmethod
     async def _quietly(what: str, execution_id: str, step: Awaitable[None]) -> None:

@@ -397,6 +397,7 @@ class Runner:
             if not self._runs.accepting:
                 continue  # shutting down: this process takes nothing over any more
             try:
+                await self._ownership.take_back_owed()
                 if due.restarted:
                     await self._reassert()
                 for execution_id, fence in due.dead:

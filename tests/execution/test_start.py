@@ -5,6 +5,7 @@ frame waited for five round trips one after another)."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -18,6 +19,7 @@ from lib.execution.buffer import EventBuffer
 from lib.execution.ownership import START_RESERVED, Ownership
 from lib.execution.watchlists import lease_member
 from tests.support.ownership import ownership_parts
+from tests.support.servers import ValkeyServer
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -156,3 +158,39 @@ async def test_a_refused_start_of_a_named_id_keeps_the_listing_of_its_creator(
         await refused_side.start(execution_id, fence="node-a:1", **options)
     assert await redis.exists(buffer.keys.meta(execution_id))
     assert await redis.zscore(buffer.keys.index("t"), execution_id) is not None
+
+
+async def test_a_start_cut_off_by_a_redis_restart_leaves_no_admission(
+    own_valkey: ValkeyServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step 15 second fault review: Valkey killed between the start's batch (the
+    admission taken) and start.lua, then back at once from its AOF: the start fails
+    (503), nothing was created, and the tenant at a cap of 1 must have its room back
+    (the admission taken back, not left to count for ten leases). The start's own undo
+    runs while Redis is away: the janitor's next pass takes it back (``take_back_owed``,
+    asked by the runner at each pass)."""
+    redis = Redis.from_url(own_valkey.url, socket_connect_timeout=0.2)
+    buffer = EventBuffer(redis=redis, prefix=f"t{uuid.uuid4().hex[:6]}")
+    ownership = capped_ownership(buffer, 1)
+    original = EventBuffer.create
+
+    async def killed_first(self: EventBuffer, *args: Any, **kwargs: Any) -> bool:
+        own_valkey.kill()
+        return await original(self, *args, **kwargs)
+
+    monkeypatch.setattr(EventBuffer, "create", killed_first)
+    try:
+        with pytest.raises(BufferUnavailable):
+            await start(ownership, "node-a:1")
+        # Back from its AOF, having lost nothing, once the start answered its error.
+        await own_valkey.start()
+        monkeypatch.setattr(EventBuffer, "create", original)
+        with pytest.raises(TooBusy):
+            await start(ownership, "node-a:2")  # owed, not taken back yet
+        # As the janitor passes do: each asks again until Redis answers it.
+        async with asyncio.timeout(10):
+            while await redis.zrange(buffer.keys.running("t"), 0, -1) != []:
+                await ownership.take_back_owed()
+        assert await start(ownership, "node-a:2") is not None
+    finally:
+        await redis.aclose()
