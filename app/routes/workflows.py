@@ -147,6 +147,7 @@ async def execute(
             tenant=tenant_id,
             inline_files=request_body.inline_files,
             execution_id=execution_id,
+            first_stored=not streaming,
         )
 
     streaming = "text/event-stream" in request.headers.get("accept", "")
