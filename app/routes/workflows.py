@@ -149,6 +149,7 @@ async def execute(
             inline_files=request_body.inline_files,
             execution_id=execution_id,
             write_back=write_back,
+            first_stored=not streaming,
         )
 
     streaming = "text/event-stream" in request.headers.get("accept", "")

@@ -183,6 +183,7 @@ class EventWriter:
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._progress = asyncio.Event()  # set whenever an append went through or it stopped
         self._task: asyncio.Task[None] | None = None
         self.stored_id = stored_id
         self.dropped_events = 0
@@ -289,6 +290,12 @@ class EventWriter:
     @property
     def pending(self) -> int:
         return len(self._in_flight) + len(self._waiting)
+
+    async def stored_through(self, event_id: int) -> None:
+        """Wait until every event up to ``event_id`` is stored (or the writer stopped)."""
+        while self.stored_id < event_id and self.state is not WriterState.REFUSED:
+            self._progress.clear()
+            await self._progress.wait()
 
     async def drained(self) -> None:
         """Wait until every queued event is stored (or dropped, or refused)."""
@@ -454,6 +461,7 @@ class EventWriter:
         if self._tell_stored is not None:
             self._tell_stored(self.stored_id)
         self._show()
+        self._progress.set()
 
     def _extra(self) -> dict[str, object]:
         return {"executionId": self._execution_id}
@@ -474,3 +482,4 @@ class EventWriter:
         self._waiting.clear()
         self._unshown.clear()
         self._idle.set()
+        self._progress.set()

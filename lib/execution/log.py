@@ -257,6 +257,10 @@ class ExecutionLog:
         self._compactor.ring.hold(len(encoded))
         return kept, encoded
 
+    async def stored_through(self, event_id: int) -> None:
+        """Wait until every event up to ``event_id`` is stored (or the writer stopped)."""
+        await self._writer.stored_through(event_id)
+
     def remember(self, fields: Mapping[str, bytes]) -> None:
         """Run state fields saved outside the events, to write back with the
         checkpoint if the store loses them."""

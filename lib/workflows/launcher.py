@@ -113,13 +113,13 @@ class Launcher:
         meta: ExecutionMeta | None = None,
         opening: Opening | None = None,
         write_back: Callable[[], Awaitable[None]] | None = None,
-    ) -> None:
+    ) -> ExecutionLog:
         """Run ``body`` here as the owner ``claim`` made this process. ``opening`` runs
         first, before this returns: the run's first event, emitted at once, is in this
         process's channel before a reader the caller attaches next looks (the first
         frame waits for no task to be scheduled). ``write_back`` writes a record outside
         the execution's keys that names it back, should the store lose writes of this
-        run (see ``_rewatch``)."""
+        run (see ``_rewatch``). Returns the run's log."""
         tenant = identity[Field.TENANT]
         claimed_at = time.monotonic()
         # The claim just gave this process the lease: open until a renewal fails.
@@ -175,6 +175,7 @@ class Launcher:
         local.task = asyncio.create_task(run(), name=f"execution:{execution_id}")
         self._locals[execution_id] = local
         local.task.add_done_callback(forget)
+        return events
 
     async def _rewatch(self, execution_id: str, local: LocalRun) -> None:
         """The store lost writes of a running execution: watch its lease, list it and

@@ -40,7 +40,7 @@ from lib.execution.admission import paused_member
 from lib.execution.buffer import ExecutionMeta
 from lib.execution.events import EXECUTION_RESUMED, EXECUTION_STARTED, utc_timestamp
 from lib.execution.log import ExecutionLog
-from lib.execution.ownership import Claim, node_of
+from lib.execution.ownership import START_RESERVED, Claim, node_of
 from lib.execution.record import Field, Mode, Status, StopReason, Takeover
 from lib.workflows.checkpoint import answer_field
 from lib.workflows.janitor import Janitor, cancelled
@@ -54,6 +54,9 @@ from lib.workflows.schemas import answer_problems
 from lib.workflows.takeovers import Takeovers, load_run
 
 log = logging.getLogger(__name__)
+
+# How long a start answered with a 202 waits for its first event to be stored.
+FIRST_STORED_SECONDS = 1.0
 
 
 # How long the runner's tasks may take to stop once cancelled at shutdown.
@@ -192,9 +195,11 @@ class Runner:
         inline_files: bool = False,
         execution_id: str | None = None,
         write_back: Callable[[], Awaitable[None]] | None = None,
+        first_stored: bool = False,
     ) -> Started:
         """Create an execution and start running it here; returns once it is replayable.
 
+        ``first_stored``: return once its first event is stored too (a 202 answer).
         ``inline_files`` keeps file values' content inline up to their own cap, exempt
         from the pressure threshold (SPEC §5). An ``execution_id`` named in advance (an
         Idempotency-Key's record names it before it exists) may be created by another
@@ -231,7 +236,7 @@ class Runner:
 
             await self._launcher.execute(local, emitter, work)
 
-        self._launcher.launch(
+        events = self._launcher.launch(
             execution_id,
             claim,
             identity=identity,
@@ -239,6 +244,13 @@ class Runner:
             opening=opening,
             write_back=write_back,
         )
+        if first_stored:
+            # A 202 names an execution whose first event is stored, even if this process
+            # dies right as it answers (a streamed start shows it at once instead, from
+            # its reserved id: see ownership.START_RESERVED). Bounded: an outage delays
+            # the answer by a second at most, never fails it.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(events.stored_through(START_RESERVED), FIRST_STORED_SECONDS)
         return Started(execution_id, "running")
 
     async def _create(
