@@ -249,8 +249,14 @@ class Runner:
             # dies right as it answers (a streamed start shows it at once instead, from
             # its reserved id: see ownership.START_RESERVED). Bounded: an outage delays
             # the answer by a second at most, never fails it.
-            with contextlib.suppress(TimeoutError):
+            try:
                 await asyncio.wait_for(events.stored_through(START_RESERVED), FIRST_STORED_SECONDS)
+            except TimeoutError:
+                # Said, not swallowed: a death from here leaves id 1 a reported gap.
+                log.warning(
+                    "answering a start whose first event is not stored yet",
+                    extra={"executionId": execution_id, "waited": FIRST_STORED_SECONDS},
+                )
         return Started(execution_id, "running")
 
     async def _create(

@@ -3,7 +3,8 @@ not stored (start.lua reserved id 1 with the creation, so ``execution:started`` 
 clients as it is emitted): the takeover numbers above id 1, a client that reads from
 the start is told id 1 was dropped (a ``replay:gap``, never another event under it), a
 client that saw id 1 live and reconnects reads on from 2 with nothing lost unreported,
-and the execution reaches one terminal event (SPEC §4 "Ids", §7).
+and the execution reaches one terminal event (SPEC §4 "Ids", §7). The 202 waits a
+second at most for id 1 to be stored (then logs that it answers without it).
 
 The step 15 second fault review: the attack on the start path's reserved first id. The
 seam is a proxy between replica A and Valkey (tests/support/tap.py) that holds A's
@@ -57,6 +58,8 @@ async def test_a_takeover_after_the_owner_died_with_id_1_unstored_numbers_above_
         tap.hold(lambda data: b"execution:started" in data)
         response = await on_a.post(f"/api/workflows/{WORKFLOW}/execute", json={"input": {}})
         assert response.status_code == 202, response.text
+        # The 202 waited its second for id 1 to be stored, then said it did not wait more.
+        assert "answering a start whose first event is not stored yet" in (a.log_path.read_text())
         eid = response.json()["executionId"]
         await asyncio.wait_for(tap.held.wait(), 20)
         live = LiveReader(a, eid)
