@@ -15,7 +15,9 @@ unless another request answered first (idempotency.lua). A refusal that changed 
 and asks the client to come back (429: the tenant's cap) is kept with the execution id
 it names, and a repeat tries that same id again instead of replaying the 429: a client
 that follows ``Retry-After`` with its key gets its execution once there is room, and two
-repeats at once still create it once. A record whose execution is
+repeats at once still create it once. A request refused 429 while another with the key
+creates the execution (whose admission filled the cap) answers that execution: it
+looks for it for a moment before answering the 429. A record whose execution is
 missing and older than the retention of a finished execution is not created again: that
 execution may have run and expired since. Should the store lose writes while the
 execution runs here (a restore from an older snapshot), the owner writes the record back
@@ -58,6 +60,9 @@ PENDING_SECONDS = 60
 MAX_KEY_LENGTH = 255
 # Execute outcomes a repeat does not replay but tries again (see the module doc).
 RETRIED_STATUSES = frozenset({429})
+# How long a keyed execute refused 429 looks for its execution created by a concurrent
+# request with the key (admitted first, creating it: start.lua follows its admission).
+CREATED_MEANWHILE_SECONDS = 0.25
 
 
 def fingerprint(scope: str, body: bytes) -> bytes:
@@ -198,6 +203,12 @@ class Idempotency:
             status, body = error_payload(exc)
             if status >= 500:
                 raise  # the record stays: a retry finds or creates the execution it names
+            if status in RETRIED_STATUSES and await self._created_meanwhile(execution_id):
+                # A concurrent request with the key was admitted first and creates the
+                # execution, which is what filled the cap: its outcome is this one's.
+                outcome = Outcome(202, {"executionId": execution_id, "status": "running"})
+                await self._remember(redis_key, digest, outcome, exists=True)
+                return outcome
             retried = execution_id if status in RETRIED_STATUSES else None
             first = await self._answer_once(
                 redis_key, pending, digest, Outcome(status, body), retried
@@ -208,6 +219,20 @@ class Idempotency:
         outcome = accepted(started)
         await self._remember(redis_key, digest, outcome, exists=True)
         return outcome
+
+    async def _created_meanwhile(self, execution_id: str) -> bool:
+        """Whether the execution a refused (429) keyed start names was created by a
+        concurrent request with the key: its admission comes before its creation, so
+        this looks again for a moment (``CREATED_MEANWHILE_SECONDS``), only on a 429."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + CREATED_MEANWHILE_SECONDS
+        while True:
+            with translating("check the Idempotency-Key"):
+                if await self._redis.exists(self._keys.meta(execution_id)):
+                    return True
+            if loop.time() >= until:
+                return False
+            await asyncio.sleep(CREATED_MEANWHILE_SECONDS / 20)
 
     async def _left_ms(self, redis_key: str, execution_id: str) -> int | None:
         """None when the execution a record names exists, or may have existed (a record
