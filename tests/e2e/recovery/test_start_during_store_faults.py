@@ -1,4 +1,6 @@
-"""A start cut off by a Redis restart between its batch (the tenant's admission taken)
+"""A start during store faults. A write pause (``CLIENT PAUSE WRITE``) as it sends its
+batch only delays it: one admission, lease entry and listing, and a full log from id 1.
+A start cut off by a Redis restart between its batch (the tenant's admission taken)
 and start.lua: the execute answers 5xx, nothing was created, and the tenant at a cap of
 1 has its room back within a few leases, not after the ten leases a leaked admission
 counts for (SPEC §5: a refusal or failure changes nothing that lasts).
@@ -16,10 +18,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from redis.asyncio import Redis
 
+from lib.backend import Keys
 from lib.execution.admission import COUNTED_LEASES
-from tests.support.api import delay_workflow, put, until
-from tests.support.faults import LEASE_SECONDS, replica
+from tests.support.api import all_events, delay_workflow, put, until, wait_finished
+from tests.support.faults import LEASE_SECONDS, pause_writes, replica
+from tests.support.logcheck import check_log
 from tests.support.servers import ValkeyServer
 from tests.support.tap import Tap
 
@@ -61,3 +66,31 @@ async def test_a_start_cut_off_by_a_redis_restart_gives_its_tenant_room_back(
                 assert seconds < COUNTED_LEASES * LEASE_SECONDS / 2
         finally:
             await server.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_a_start_during_a_write_pause_is_only_delayed(
+    own_valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """The step 15 second fault review: the start's batch (admission, lease entry,
+    listing, version) and start.lua wait out a write pause and then happen once."""
+    server = replica(own_valkey, tmp_path, "a", FLOWCAST_MAX_EXECUTIONS_PER_TENANT="2")
+    await server.start()
+    redis = Redis.from_url(own_valkey.url)
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            await put(client, delay_workflow("short", ms=100))
+            await pause_writes(own_valkey, 1500)
+            response = await client.post("/api/workflows/short/execute", json={"input": {}})
+            assert response.status_code == 202, response.text
+            eid = response.json()["executionId"]
+            keys = Keys(server.env.get("FLOWCAST_REDIS_PREFIX", "fc"))
+            assert await redis.zcard(keys.index("default")) == 1
+            assert (await wait_finished(client, eid, timeout=30))["status"] == "completed"
+            check_log(await all_events(client, eid))
+            # Finished: nothing of the start is left counting or watched.
+            assert await redis.zcard(keys.running("default")) == 0
+            assert await redis.zcard(keys.leases) == 0
+    finally:
+        await redis.aclose()
+        await server.stop()
