@@ -28,6 +28,7 @@ from tests.support.api import all_events, execute, put, wait_finished
 from tests.support.logcheck import check_log, check_view
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import collect
+from tests.support.timing import hold_for
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +245,7 @@ async def test_an_execution_producing_1_gib_keeps_its_redis_footprint_within_the
             async def sample() -> None:
                 while True:
                     samples.append(await footprint(redis, keys))
-                    await asyncio.sleep(0.05)
+                    await hold_for(0.05, "the footprint's sampling pace")
 
             sampler = asyncio.create_task(sample())
             try:
