@@ -122,8 +122,9 @@ async def test_a_holder_cut_from_redis_does_not_call_beside_the_next_one(
                 httpx.AsyncClient(base_url=other.url, timeout=60) as on_other,
             ):
                 await put(on_other, llm_workflow("cut", attempts))
-                # The holder's call streams for about 8 s (four leases).
-                llm.default = Reply(pieces=[f"w{i} " for i in range(40)], piece_delay=0.2)
+                # The holder's call streams for about 5 s (two and a half leases): had
+                # it gone on past the cut, it would still stream when the slot lapses.
+                llm.default = Reply(pieces=[f"w{i} " for i in range(25)], piece_delay=0.2)
                 first = await execute(on_holder, "cut")
                 await llm.wait_in_flight(1, timeout=20)
                 second = await execute(on_other, "cut")
