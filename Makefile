@@ -49,11 +49,24 @@ lint: install
 typecheck: install
 	$(BIN)/mypy lib app
 
+# The suite runs in two pytest workers (pytest-xdist), each file whole in one of them
+# (its module fixtures start once): most tests wait on leases, timers and real
+# processes, not the CPU, so two side by side take about half the time on 2 cores; a
+# timing check compares with a probe measured in the same test, so it holds beside the
+# other worker (TEST_WORKERS=0 runs them all in this process).
 # The stress scenarios run in a pytest process of their own: their clients time the
 # servers from inside it, and after the rest of the suite one check (a 408'd connection
 # closed within 3 s) failed in every full run while passing on its own.
+# The 1 GiB run goes alone after them: beside the other worker it hung in 2 of 4 runs
+# (no end in 180 s and in 480 s, on a machine then nearly idle) where it takes 40-65 s;
+# the cause is not found yet.
+TEST_WORKERS ?= 2
+ALONE := tests/e2e/api/test_large_values.py::test_an_execution_producing_1_gib_keeps_its_redis_footprint_within_the_budget
+
 unit: install browser nginx
-	$(BIN)/pytest --ignore=tests/e2e/limits/test_stress.py
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --ignore=tests/e2e/limits/test_stress.py \
+	  --deselect $(ALONE)
+	$(BIN)/pytest $(ALONE)
 	$(BIN)/pytest tests/e2e/limits/test_stress.py
 
 test: lint typecheck unit

@@ -20,6 +20,7 @@ from redis.asyncio import Redis
 from lib.execution.buffer import EventBuffer
 from lib.execution.events import Event
 from lib.execution.stream import Readers, StreamReader
+from tests.support.api import until
 from tests.support.logcheck import check_view
 from tests.support.sse import Frame, parse_frame
 
@@ -94,9 +95,7 @@ async def test_readers_of_a_publisher_that_showed_unstored_ids_get_the_end_store
         shown += [event(execution_id, i) for i in range(2, 11)]
         for each in shown:
             publisher.publish(each)
-        async with asyncio.timeout(10):
-            while reader.last_sent < 10:
-                await asyncio.sleep(0.01)
+        await until(lambda: reader.last_sent >= 10, "id 10 sent", 10, every=0.01)
         await store_a_short_cancelled_log(buffer, execution_id)
         publisher.detach(stored_id=0)
         frames = await asyncio.wait_for(reading, 10)

@@ -16,6 +16,7 @@ from redis.asyncio.client import PubSub
 from lib.execution.buffer import EventBuffer
 from lib.execution.events import Event
 from lib.execution.listing import ListFilter, ListReader, StatusFeed
+from tests.support.api import until
 from tests.support.sse import Frame, parse_frame
 
 TENANT = "t_list"
@@ -214,9 +215,7 @@ async def test_one_tenant_reads_one_list_at_a_time_and_never_holds_every_read_sl
 
     busy = [asyncio.create_task(read("noisy")) for _ in range(5)]
     other = asyncio.create_task(read("quiet"))
-    async with asyncio.timeout(5):
-        while inside.count("quiet") < 1:
-            await asyncio.sleep(0.01)
+    await until(lambda: "quiet" in inside, "the quiet tenant reads", 5, every=0.01)
     assert inside.count("noisy") == 1  # the other four wait for it, holding no slot
     release.set()
     async with asyncio.timeout(5):

@@ -16,8 +16,10 @@ from lib.execution.events import Event
 from lib.execution.flush import EventWriter
 from lib.execution.log import Emitter
 from lib.execution.stream import Readers, StreamReader
+from tests.support.api import until
 from tests.support.logcheck import check_log, check_view
 from tests.support.sse import parse_frame
+from tests.support.timing import hold_for
 
 TOTAL = 400
 
@@ -107,7 +109,7 @@ async def test_readers_on_another_process_follow_the_stored_log_without_polling(
             cursor = rng.randint(0, 50)
             reader = StreamReader(readers=live, execution_id=execution_id, cursor=cursor)
             readers.append((cursor, asyncio.create_task(read_all(reader))))
-            await asyncio.sleep(0.001)
+            await hold_for(0.001, "readers join at the producer's pace")
         await producer
         results = [(cursor, await asyncio.wait_for(task, 10)) for cursor, task in readers]
     for cursor, frames in results:
@@ -163,10 +165,12 @@ async def test_a_reader_on_another_process_forwards_small_batches_without_readin
         async with EventWriter(buffer=buffer, execution_id=execution_id, fence="me") as writer:
             emitter = Emitter(execution_id=execution_id, workflow_id="wf", writer=writer)
             emitter.emit("execution:started", {"input": None})
-            channel = live.hub.get(execution_id)
-            while channel is None or channel.tail_task is None:
-                await asyncio.sleep(0.005)  # polls the real condition: the tail is up
+
+            def tail_up() -> bool:
                 channel = live.hub.get(execution_id)
+                return channel is not None and channel.tail_task is not None
+
+            await until(tail_up, "the tail is up", every=0.005)
             started_reads = remote.reads
             for i in range(2, 40):
                 emitter.emit("block:chunk", {"blockId": "b", "text": str(i)})
@@ -192,10 +196,13 @@ async def test_a_published_batch_that_does_not_follow_is_not_forwarded_but_read(
             emitter = Emitter(execution_id=execution_id, workflow_id="wf", writer=writer)
             emitter.emit("execution:started", {"input": None})
             await writer.drained()
-            channel = live.hub.get(execution_id)
-            while channel is None or channel.tail_task is None or channel.last_published < 1:
-                await asyncio.sleep(0.005)  # polls the real condition: the tail has id 1
+
+            def tail_has_id_1() -> bool:
                 channel = live.hub.get(execution_id)
+                up = channel is not None and channel.tail_task is not None
+                return up and channel is not None and channel.last_published >= 1
+
+            await until(tail_has_id_1, "the tail has id 1", every=0.005)
             forged = b'{"id":3,"type":"block:chunk","data":{"text":"never stored"}}'
             message = b"\n".join([execution_id.encode(), b"3", b"block:chunk", forged])
             await buffer.redis.publish(buffer.keys.notify, message)
@@ -248,17 +255,14 @@ async def test_a_tail_out_of_reach_of_the_store_for_a_lease_ends_its_streams(
             emitter = Emitter(execution_id=execution_id, workflow_id="wf", writer=writer)
             emitter.emit("execution:started", {"input": None})
             await writer.drained()
-            while reader.last_sent < 1:
-                await asyncio.sleep(0.005)  # polls the real condition: id 1 was sent
+            await until(lambda: reader.last_sent >= 1, "id 1 sent", every=0.005)
             remote.down = True
-            while remote.failures < 2:
-                await asyncio.sleep(0.005)  # polls the real condition: the tail failed
-            await asyncio.sleep(0.1)  # the outage's length, well short of the cut-off
+            await until(lambda: remote.failures >= 2, "the tail failed", every=0.005)
+            await hold_for(0.1, "the outage's length, well short of the cut-off")
             remote.down = False
             emitter.emit("block:chunk", {"blockId": "b", "text": "2"})
             await writer.drained()
-            while reader.last_sent < 2:
-                await asyncio.sleep(0.005)  # polls the real condition: id 2 was sent
+            await until(lambda: reader.last_sent >= 2, "id 2 sent", every=0.005)
             assert not frames.done()
             remote.down = True  # for good, this time
             ended = check_view(await asyncio.wait_for(frames, 10), after=0)
@@ -289,11 +293,9 @@ async def test_a_run_here_that_lost_its_lease_and_the_store_ends_its_streams(
             emitter.emit("execution:started", {"input": None})
             reader = StreamReader(readers=live, execution_id=execution_id, cursor=0)
             frames = asyncio.create_task(read_all(reader))
-            while reader.last_sent < 1:
-                await asyncio.sleep(0.005)  # polls the real condition: id 1 was sent
+            await until(lambda: reader.last_sent >= 1, "id 1 sent", every=0.005)
             held = False
-            while remote.asked < 2:
-                await asyncio.sleep(0.005)  # polls the real condition: the store was asked
+            await until(lambda: remote.asked >= 2, "the store was asked", every=0.005)
             assert not frames.done(), "the store answered: the stream must stay open"
             remote.down = True
             ended = check_view(await asyncio.wait_for(frames, 10), after=0)

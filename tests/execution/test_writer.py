@@ -28,9 +28,10 @@ from lib.execution.flush import EventWriter
 from lib.execution.hub import Hub
 from lib.execution.outage import TRANSITIONS, LiveGate, Transition, WriterState
 from lib.execution.stream import Readers, StreamReader
+from tests.support.api import until
 from tests.support.logcheck import check_log, check_view
 from tests.support.sse import Frame, parse_frame
-from tests.support.timing import assert_within, oversleep
+from tests.support.timing import assert_within, hold_for, oversleep
 
 FENCE = "owner-1"
 
@@ -143,9 +144,7 @@ def event(execution_id: str, event_id: int, *, last: int) -> Event:
 
 async def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
     """Poll a condition of the test's own state (the writer runs on this loop)."""
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.001)
+    await until(condition, "the writer's state", timeout, every=0.001)
 
 
 async def read_page(buffer: EventBuffer, execution_id: str) -> Page:
@@ -208,7 +207,7 @@ async def test_terminal_status_is_never_visible_before_every_earlier_event_is_st
                 finished.set()
             elif first is not None and page.meta.last_id == first - 1:
                 pending_terminal_seen += 1
-            await asyncio.sleep(0.001)
+            await hold_for(0.001, "the observer's pace: many looks while the writer works")
 
     # The batch with the terminal event fails until a reader has seen, several times,
     # every event before that batch stored without the terminal status; then its first
@@ -232,7 +231,7 @@ async def test_terminal_status_is_never_visible_before_every_earlier_event_is_st
                 faulty.down = False
             writer.put(event(execution_id, event_id, last=total))
             if event_id % 5 == 0 and event_id < total - 5:
-                await asyncio.sleep(0.001)
+                await hold_for(0.001, "the run's pace: batches of five")
     async with asyncio.timeout(10):
         await observer
 
@@ -261,7 +260,7 @@ async def test_events_put_during_an_outage_are_kept_and_all_stored_once_it_clear
         for event_id in range(1, 300):
             writer.put(event(execution_id, event_id, last=300))
             if event_id % 50 == 0:
-                await asyncio.sleep(0.01)
+                await hold_for(0.01, "the run's pace: batches of fifty")
         await wait_for(lambda: writer.failures >= 5)
         assert writer.pending == 299
         # Nothing was reserved before the outage: nothing is shown (SPEC §5).

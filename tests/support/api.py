@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -151,35 +153,61 @@ async def wait_finished(
 ) -> dict[str, Any]:
     """Poll the snapshot until the execution ended; the snapshot (``timeout`` None: the
     test's own timeout bounds the wait)."""
-    async with asyncio.timeout(timeout):
-        while True:
-            snapshot: dict[str, Any] = (await client.get(f"/api/executions/{execution_id}")).json()
-            if snapshot["status"] in ("completed", "failed", "cancelled"):
-                return snapshot
-            await asyncio.sleep(0.02)
+
+    async def ended() -> dict[str, Any] | None:
+        snapshot: dict[str, Any] = (await client.get(f"/api/executions/{execution_id}")).json()
+        return snapshot if snapshot["status"] in ("completed", "failed", "cancelled") else None
+
+    found: dict[str, Any] = await until(ended, f"{execution_id} ended", timeout)
+    return found
 
 
 async def wait_status(
     client: httpx.AsyncClient, execution_id: str, status: str, *, timeout: float | None = 20
 ) -> None:
     """Poll the snapshot until the execution shows ``status``."""
-    async with asyncio.timeout(timeout):
-        while (await client.get(f"/api/executions/{execution_id}")).json()["status"] != status:
-            await asyncio.sleep(0.02)
+
+    async def shows() -> bool:
+        snapshot = (await client.get(f"/api/executions/{execution_id}")).json()
+        return bool(snapshot["status"] == status)
+
+    await until(shows, f"{execution_id} {status}", timeout)
+
+
+Check = Callable[[], Awaitable[Any] | Any]
+
+
+async def _checked(check: Check) -> Any:
+    found = check()
+    return await found if inspect.isawaitable(found) else found
 
 
 async def until(
-    check: Callable[[], Awaitable[Any]], what: str, timeout: float = 40.0, *, every: float = 0.02
+    check: Check, what: str, timeout: float | None = 40.0, *, every: float = 0.02
 ) -> Any:
-    """Poll ``check`` until it returns something truthy, and return that; after
-    ``timeout`` seconds (by default the fault tests' deadline) fail naming ``what``."""
+    """Poll ``check`` (a coroutine function, or a plain one for state of the test's own)
+    until it returns something truthy, and return that; after ``timeout`` seconds (by
+    default the fault tests' deadline; ``None``: the test's own timeout bounds it) fail
+    naming ``what``."""
     try:
         async with asyncio.timeout(timeout):
-            while not (found := await check()):
+            while not (found := await _checked(check)):
                 await asyncio.sleep(every)
             return found
     except TimeoutError:
         raise AssertionError(f"timed out waiting for: {what}") from None
+
+
+async def within(check: Check, seconds: float, *, every: float = 0.02) -> Any:
+    """Poll ``check`` (as ``until`` does) for up to ``seconds``: what it returned once
+    truthy, or ``None`` once the time is up (for a test that judges what happened
+    within a window)."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            while not (found := await _checked(check)):
+                await asyncio.sleep(every)
+            return found
+    return None
 
 
 async def sse_clients(client: httpx.AsyncClient) -> float:

@@ -28,6 +28,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from tests.support.api import until
 from tests.support.servers import FlowcastServer, ValkeyServer
 
 AOF_DIR = "appendonlydir"
@@ -158,13 +159,13 @@ async def wait_store_settled(valkey: ValkeyServer, *, timeout: float, flush: boo
     try:
         if flush:
             await redis.flushall()
-        async with asyncio.timeout(timeout):
-            while True:
-                until = await redis.hget("fc:store", "settleUntil")
-                seconds, micros = await redis.time()
-                if until is None or int(until) <= seconds * 1000 + micros // 1000:
-                    return
-                await asyncio.sleep(0.1)
+
+        async def settled() -> bool:
+            settle_until = await redis.hget("fc:store", "settleUntil")
+            seconds, micros = await redis.time()
+            return settle_until is None or int(settle_until) <= seconds * 1000 + micros // 1000
+
+        await until(settled, "the store's settle over", timeout, every=0.1)
     finally:
         await redis.aclose()
 

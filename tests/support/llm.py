@@ -44,6 +44,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from tests.support.api import within
+
 __all__ = ["FakeLLM", "Reply", "ScriptedBreak", "Seen", "split_words"]
 
 WORD = re.compile(r"\s*\S+\s*")
@@ -300,11 +302,8 @@ _COUNTED = "fake_llm.counted"  # the generation a request was counted in flight 
 
 
 async def _poll(condition: Callable[[], bool], timeout: float, failure: Callable[[], str]) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(failure())
-        await asyncio.sleep(0.01)  # polling the real condition
+    if not await within(condition, timeout, every=0.01):
+        raise AssertionError(failure())
 
 
 def error_response(

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from app.embedded import die_with_parent, free_port
 from app.settings import Settings
+from tests.support.api import until
 from tests.support.servers import ROOT
 
 NGINX = Path("/usr/sbin/nginx")
@@ -187,10 +188,13 @@ class NginxProxy:
         self, matches: Callable[[Logged], bool], count: int = 1, timeout: float = 10.0
     ) -> list[Logged]:
         """Wait until at least ``count`` logged requests match; those requests."""
-        async with asyncio.timeout(timeout):
-            while len(found := [entry for entry in self.requests() if matches(entry)]) < count:
-                await asyncio.sleep(0.02)
-        return found
+
+        def enough() -> list[Logged] | None:
+            found = [entry for entry in self.requests() if matches(entry)]
+            return found if len(found) >= count else None
+
+        logged: list[Logged] = await until(enough, f"{count} matching requests logged", timeout)
+        return logged
 
     async def __aenter__(self) -> NginxProxy:
         await self.start()

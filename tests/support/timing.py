@@ -27,6 +27,8 @@ from collections.abc import AsyncIterator, Sequence
 
 import httpx
 
+from tests.support.api import until
+
 
 def record(what: str, measured: float, probe: float, bound: float) -> None:
     """Append one check's figures to ``TIMING_LOG`` when it is set."""
@@ -76,6 +78,16 @@ async def oversleep(seconds: float, count: int = 5) -> float:
     return worst
 
 
+async def hold_for(seconds: float, why: str) -> None:
+    """Let ``seconds`` pass on purpose, for the reason ``why`` says: the length of a
+    fault (Valkey paused, a process stalled, a slow call), or a window in which
+    something must *not* happen (no chunk after the terminal event). Never a wait for
+    something to be ready: that is a poll of the real condition (``until``,
+    ``wait_status``, ``follow`` in tests/support)."""
+    assert why, "say what the time is for"
+    await asyncio.sleep(seconds)
+
+
 def median(samples: Sequence[float]) -> float:
     return sorted(samples)[len(samples) // 2]
 
@@ -94,7 +106,7 @@ async def latencies(client: httpx.AsyncClient, path: str, count: int) -> list[fl
     samples = []
     for _ in range(count):
         samples.append(await latency(client, path))
-        await asyncio.sleep(0.01)
+        await hold_for(0.01, "the probe's pace, as ``probing`` paces it")
     return samples
 
 
@@ -109,13 +121,12 @@ async def probing(client: httpx.AsyncClient, path: str) -> AsyncIterator[list[fl
     async def probe() -> None:
         while not stop.is_set():
             samples.append(await latency(client, path))
-            await asyncio.sleep(0.01)
+            await hold_for(0.01, "the probe's pace: 10 ms apart")
 
     prober = asyncio.create_task(probe())
     try:
         # Measuring before the load starts, so the first request under it counts.
-        while not samples and not prober.done():
-            await asyncio.sleep(0.01)
+        await until(lambda: samples or prober.done(), "the first probe", None, every=0.01)
         yield samples
     finally:
         stop.set()

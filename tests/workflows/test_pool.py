@@ -14,7 +14,8 @@ from lib.errors import BlockError
 from lib.workflows.executor import BlockFailed
 from lib.workflows.pool import TemplatePool
 from lib.workflows.templates import NOT_SIMPLE, Templates, lookup
-from tests.support.timing import assert_below_timer
+from tests.support.api import until
+from tests.support.timing import assert_below_timer, hold_for
 from tests.workflows.conftest import RunWorkflow, workflow
 
 CONTEXT: dict[str, Any] = {
@@ -122,7 +123,7 @@ async def test_the_bound_is_cpu_time_so_a_starved_worker_still_answers(
     os.kill(pid, signal.SIGSTOP)
     try:
         rendering = asyncio.create_task(pool.render("{{ input.n * 3 }}", CONTEXT))
-        await asyncio.sleep(1.5)  # the starvation itself, three times the bound
+        await hold_for(1.5, "the starvation itself, three times the bound")
         assert not rendering.done()
     finally:
         os.kill(pid, signal.SIGCONT)
@@ -190,9 +191,7 @@ async def test_a_sandbox_refusal_comes_back_as_a_template_error(pool: TemplatePo
 
 async def test_a_cancelled_evaluation_kills_its_worker(pool: TemplatePool) -> None:
     task = asyncio.create_task(pool.render(NESTED_LOOPS, CONTEXT))
-    async with asyncio.timeout(10):
-        while not pool.worker_pids:
-            await asyncio.sleep(0.01)
+    await until(lambda: pool.worker_pids, "a worker evaluates it", 10, every=0.01)
     (busy,) = pool.worker_pids
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

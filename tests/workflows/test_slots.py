@@ -16,8 +16,10 @@ from redis.asyncio import Redis
 
 from lib.backend import Keys
 from lib.workflows.slots import SlotLost, Slots
+from tests.support.api import until
 from tests.support.faults import crash_and_restart
 from tests.support.servers import ValkeyServer
+from tests.support.timing import hold_for
 
 PROVIDER = "p"
 
@@ -58,10 +60,7 @@ async def replica(valkey: ValkeyServer, prefix: str, unique: str) -> AsyncIterat
 
 async def eventually(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 5.0) -> None:
     """Poll ``check`` until it holds."""
-    deadline = time.monotonic() + timeout
-    while not await check():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout}s"
-        await asyncio.sleep(0.01)
+    await until(check, what, timeout, every=0.01)
 
 
 async def queued(redis: Redis, keys: list[str], count: int) -> None:
@@ -89,7 +88,7 @@ async def test_holders_on_two_replicas_never_exceed_the_cap(replica: Replica) ->
         async with slots.hold(PROVIDER, 3):
             in_flight += 1
             peak = max(peak, in_flight)
-            await asyncio.sleep(0.005)  # the provider call's work, not a readiness wait
+            await hold_for(0.005, "the provider call's work")
             in_flight -= 1
         finished += 1
 
@@ -391,7 +390,7 @@ async def test_a_holder_whose_slot_is_gone_is_stopped_with_slot_lost(
     async def call() -> None:
         async with slots.hold(PROVIDER, 1):
             entered.set()
-            await asyncio.sleep(30)  # a long call, stopped by the lost slot
+            await hold_for(30, "a long call, stopped by the lost slot")
 
     task = asyncio.create_task(call())
     await asyncio.wait_for(entered.wait(), 5)

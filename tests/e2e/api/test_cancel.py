@@ -19,12 +19,13 @@ from tests.support.api import (
     execute,
     put,
     talking_workflow,
+    until,
     wait_finished,
 )
 from tests.support.logcheck import TERMINAL, check_log, check_view
 from tests.support.servers import FlowcastServer, ValkeyServer, serving_pair
 from tests.support.sse import Frame, events
-from tests.support.timing import assert_below_timer
+from tests.support.timing import assert_below_timer, hold_for
 
 Pair = tuple[FlowcastServer, FlowcastServer]
 
@@ -74,15 +75,15 @@ async def wait_for_event(
     timeout: float = 10.0,
 ) -> None:
     """Poll the stored log until it holds an event of type ``wanted`` (for ``block_id``)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        for event in await all_events(client, execution_id):
-            if event["type"] == wanted and (
-                block_id is None or event["data"].get("blockId") == block_id
-            ):
-                return
-        assert time.monotonic() < deadline, f"no {wanted} ({block_id}) within {timeout}s"
-        await asyncio.sleep(0.02)
+
+    async def stored() -> bool:
+        return any(
+            event["type"] == wanted
+            and (block_id is None or event["data"].get("blockId") == block_id)
+            for event in await all_events(client, execution_id)
+        )
+
+    await until(stored, f"a stored {wanted} ({block_id})", timeout)
 
 
 class Follower:
@@ -195,8 +196,7 @@ async def test_cancel_stops_a_streaming_generate_block_mid_text(
     assert_cancelled(envelopes, never_completed="talk")
     chunks = [e for e in envelopes if e["type"] == "block:chunk"]
     assert 0 < len(chunks) < 300
-    # No chunk is written after the terminal event, not even a moment later.
-    await asyncio.sleep(0.3)
+    await hold_for(0.3, "a window for a chunk written after the terminal event: none may be")
     assert await all_events(on_a, execution_id) == envelopes
 
 

@@ -3,7 +3,6 @@ values too, and the values route stops serving them."""
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,7 +11,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from tests.support.api import put
+from tests.support.api import put, within
 from tests.support.logcheck import check_log, check_view
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import collect
@@ -64,14 +63,15 @@ async def test_values_of_an_expired_execution_are_swept_and_no_longer_served(
 
         prefix = server.env["FLOWCAST_REDIS_PREFIX"]
         keys = [f"{prefix}:{{{execution_id}}}:{name}" for name in ("events", "meta", "dropped")]
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + DEADLINE_SECONDS
-        while await redis.exists(*keys) or values_dir.exists():
-            assert loop.time() < deadline, (
+
+        async def gone() -> bool:
+            return not await redis.exists(*keys) and not values_dir.exists()
+
+        if not await within(gone, DEADLINE_SECONDS, every=0.05):
+            raise AssertionError(
                 f"after {DEADLINE_SECONDS}s: keys {await redis.exists(*keys)}, "
                 f"values dir exists {values_dir.exists()}"
             )
-            await asyncio.sleep(0.05)
 
         missing = await client.get(url)
         assert missing.status_code == 404

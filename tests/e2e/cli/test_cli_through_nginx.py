@@ -24,6 +24,7 @@ from tests.support.api import (
     quick_workflow,
     sse_clients,
     talking_workflow,
+    until,
     wait_status,
 )
 from tests.support.servers import ROOT, FlowcastServer, ValkeyServer
@@ -106,9 +107,11 @@ async def test_the_cli_through_nginx_gets_every_event_once_when_its_replica_is_s
             stream_url = f"/api/executions/{ballast_id}/stream"
             async with via.stream("GET", stream_url) as ballast:
                 assert ballast.status_code == 200
-                async with asyncio.timeout(10):
-                    while await _sse_clients(a.url) + await _sse_clients(b.url) < 1:
-                        await asyncio.sleep(0.05)
+
+                async def attached() -> bool:
+                    return await _sse_clients(a.url) + await _sse_clients(b.url) >= 1
+
+                await until(attached, "the ballast stream attached", 10, every=0.05)
                 victim = b if await _sse_clients(a.url) == 1 else a
                 cli = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "app.cli", "--url", nginx.url,

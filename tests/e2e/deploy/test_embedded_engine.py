@@ -3,7 +3,6 @@ server takes its engine down with it."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from app.embedded import free_port
+from tests.support.api import until
 from tests.support.servers import ROOT
 
 # ---------------------------------------------------------------- the embedded engine
@@ -68,9 +68,11 @@ async def test_a_sigkilled_flowcast_serve_takes_its_embedded_engine_down(tmp_pat
         assert len(engines) == 1, engines
         serve.kill()
         serve.wait(timeout=10)
-        async with asyncio.timeout(15):
-            while _alive(engines[0]):
-                await asyncio.sleep(0.05)
+
+        async def engine_gone() -> bool:
+            return not _alive(engines[0])
+
+        await until(engine_gone, "the engine died with its serve", 15, every=0.05)
     finally:
         if serve.poll() is None:
             serve.kill()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import pty
@@ -24,6 +23,7 @@ from redis.asyncio import Redis
 
 from app.embedded import free_port
 from tests.conftest import SESSION_PREFIX
+from tests.support.api import within
 from tests.support.servers import ROOT, FlowcastServer, ValkeyServer, wait_ready
 from tests.support.sse import collect
 
@@ -188,14 +188,15 @@ def _serve_on_a_terminal(cwd: Path, env: dict[str, str]) -> Iterator[tuple[str, 
 
 async def _ready(url: str, terminal: _Terminal, timeout: float = 30) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=2) as client:
-        for _ in range(int(timeout / 0.05)):
+
+        async def ready() -> bool:
             try:
-                if (await client.get("/readyz")).status_code == 200:
-                    return
+                return (await client.get("/readyz")).status_code == 200
             except httpx.TransportError:
-                pass
-            await asyncio.sleep(0.05)
-    raise AssertionError(f"not ready:\n{terminal.text}")
+                return False
+
+        if not await within(ready, timeout, every=0.05):
+            raise AssertionError(f"not ready:\n{terminal.text}")
 
 
 TIME_LEVEL = r"\d\d:\d\d:\d\d\.\d{3} (?:INFO   |WARNING|ERROR  ) "

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,7 +17,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from tests.support.api import approval_workflow, execute, put, wait_status
+from tests.support.api import approval_workflow, execute, put, wait_status, within
 from tests.support.servers import FlowcastServer, ValkeyServer
 
 # ---------------------------------------------------------------- a 202, then the replica dies
@@ -78,16 +77,17 @@ async def _types(client: httpx.AsyncClient, execution_id: str) -> list[str]:
 
 async def _settled(client: httpx.AsyncClient, execution_id: str, seconds: float) -> dict[str, Any]:
     """The snapshot once finished or paused again after a recovery (or after ``seconds``)."""
-    deadline = time.monotonic() + seconds
-    while True:
+
+    async def moved_on() -> dict[str, Any] | None:
         snapshot: dict[str, Any] = (await client.get(f"/api/executions/{execution_id}")).json()
         finished = snapshot["status"] in ("completed", "failed", "cancelled")
         repaused = snapshot["status"] == "paused" and "execution:recovered" in await _types(
             client, execution_id
         )
-        if finished or repaused or time.monotonic() > deadline:
-            return snapshot
-        await asyncio.sleep(0.05)
+        return snapshot if finished or repaused else None
+
+    found: dict[str, Any] | None = await within(moved_on, seconds, every=0.05)
+    return found or (await client.get(f"/api/executions/{execution_id}")).json()
 
 
 @pytest.mark.timeout(60)

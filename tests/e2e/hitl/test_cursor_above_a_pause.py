@@ -18,6 +18,7 @@ from tests.support.api import all_events, approval_workflow, put, wait_status
 from tests.support.faults import FaultyValkey, replica
 from tests.support.recovery import finished, http_for, running, settled, valkey
 from tests.support.sse import follow
+from tests.support.timing import hold_for
 
 __all__ = ["settled", "valkey"]  # the module's FaultyValkey (tests/support/recovery.py)
 
@@ -53,8 +54,7 @@ async def test_a_cursor_above_a_paused_log_gets_the_rest_and_the_terminal_event(
                 asyncio.create_task(follow(on_b, eid, cursor=cursor, started=opened[1])),
             ]
             await asyncio.gather(*(event.wait() for event in opened))
-            # Both streams are open and idle in the pause when it ends.
-            await asyncio.sleep(0.3)
+            await hold_for(0.3, "both streams open and idle in the pause: neither may end")
             for task in readers:
                 assert not task.done(), f"a stream ended during the pause: {task.result()}"
             if ending == "resume":

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.api import all_events, put
+from tests.support.api import all_events, put, wait_finished
 from tests.support.faults import crash_and_restart
 from tests.support.logcheck import check_log
 from tests.support.servers import FlowcastServer, ValkeyServer
@@ -73,12 +73,8 @@ async def run_to_end(client: httpx.AsyncClient, workflow_id: str) -> tuple[float
     assert response.status_code == 202, response.text
     accepted = time.monotonic()
     execution_id = response.json()["executionId"]
-    async with asyncio.timeout(40):
-        while True:
-            snapshot = (await client.get(f"/api/executions/{execution_id}")).json()
-            if snapshot["status"] in ("completed", "failed", "cancelled"):
-                return time.monotonic() - accepted, {**snapshot, "executionId": execution_id}
-            await asyncio.sleep(0.02)
+    snapshot = await wait_finished(client, execution_id, timeout=40)
+    return time.monotonic() - accepted, {**snapshot, "executionId": execution_id}
 
 
 async def check_deadline_against_probe(client: httpx.AsyncClient, unique: str) -> None:

@@ -13,10 +13,11 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.api import all_events, execute, of_type, put
+from tests.support.api import all_events, execute, of_type, put, until
 from tests.support.logcheck import TERMINAL, check_log, check_view
 from tests.support.servers import FlowcastServer, ValkeyServer, serving_pair
 from tests.support.sse import Frame, frames
+from tests.support.timing import hold_for
 
 SCHEMA = {
     "type": "object",
@@ -99,16 +100,17 @@ async def snapshot_when(
     timeout: float = 20,
 ) -> dict[str, Any]:
     """Poll the snapshot until ``condition`` holds (503s while the buffer restarts)."""
-    async with asyncio.timeout(timeout):
-        while True:
-            response = await client.get(f"/api/executions/{execution_id}")
-            if response.status_code == 200:
-                snapshot: dict[str, Any] = response.json()
-                if condition(snapshot):
-                    return snapshot
-            else:
-                assert response.status_code == 503, response.text
-            await asyncio.sleep(0.02)
+
+    async def holds() -> dict[str, Any] | None:
+        response = await client.get(f"/api/executions/{execution_id}")
+        if response.status_code != 200:
+            assert response.status_code == 503, response.text
+            return None
+        snapshot: dict[str, Any] = response.json()
+        return snapshot if condition(snapshot) else None
+
+    found: dict[str, Any] = await until(holds, "the snapshot's condition", timeout)
+    return found
 
 
 async def paused(client: httpx.AsyncClient, execution_id: str) -> dict[str, Any]:
@@ -539,10 +541,9 @@ async def test_a_buffer_outage_after_a_resume_degrades_to_live_delivery(
                 assert answer.status_code == 202, answer.text
                 await follower.until(lambda f: f.event == "block:chunk" and "w4 " in f.data)
                 valkey.kill()
-                # Down while 40 chunks are emitted (the fault's length). They are shown
-                # live only under ids Redis reserved (SPEC §5 as amended in step 15);
-                # the rest wait in memory and reach the same stream once it is back.
-                await asyncio.sleep(40 / 50)
+                # Shown live only under ids Redis reserved (SPEC §5 as amended in step
+                # 15); the rest wait in memory and reach the same stream once it is back.
+                await hold_for(40 / 50, "Valkey down while 40 chunks are emitted")
                 await valkey.start()
                 view = await follower.to_the_end()
             assert view[-1]["type"] == "execution:completed"

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.api import put
+from tests.support.api import put, until, wait_status
 from tests.support.servers import FlowcastServer, ValkeyServer, authed, serving
 
 MALLORY, ALICE = "mallory-key-" + "m" * 20, "alice-key-" + "a" * 20
@@ -99,9 +99,7 @@ async def test_a_catastrophic_pattern_answers_at_once_and_never_stalls_another_t
     await put(mallory, approval(f"redos-{unique}", schema))
     started = await mallory.post(f"/api/workflows/redos-{unique}/execute", json={})
     execution_id = started.json()["executionId"]
-    async with asyncio.timeout(20):
-        while (await mallory.get(f"/api/executions/{execution_id}")).json()["status"] != "paused":
-            await asyncio.sleep(0.02)
+    await wait_status(mallory, execution_id, "paused", timeout=20)
     # With a backtracking engine this input takes 2**40 steps; RE2 answers at once.
     evil = {"input": "a" * 40 + "!"}
     resume = asyncio.create_task(mallory.post(f"/api/executions/{execution_id}/resume", json=evil))
@@ -187,11 +185,7 @@ async def test_storing_a_template_evaluates_nothing_and_formatting_is_bounded(
     assert rss_bytes(shared.pid) - before < 50 * 1024 * 1024
     started = await mallory.post(f"/api/workflows/fold-{unique}/execute", json={})
     execution_id = started.json()["executionId"]
-    async with asyncio.timeout(20):
-        while (snapshot := (await mallory.get(f"/api/executions/{execution_id}")).json())[
-            "status"
-        ] == "running":
-            await asyncio.sleep(0.02)
+    snapshot = await finished(mallory, execution_id)
     assert snapshot["status"] == "failed", snapshot
     assert "too large" in snapshot["error"]["message"], snapshot
 
@@ -242,12 +236,12 @@ async def test_open_streams_are_capped_per_tenant_and_freed_when_they_end(
             ) as other:
                 assert other.status_code == 200
         # Closed streams free their slots.
-        async with asyncio.timeout(10):
-            while True:
-                async with mallory.stream("GET", url) as again:
-                    if again.status_code == 200:
-                        break
-                await asyncio.sleep(0.05)
+
+        async def let_in() -> bool:
+            async with mallory.stream("GET", url) as again:
+                return again.status_code == 200
+
+        await until(let_in, "the closed streams' slots came back", 10, every=0.05)
 
 
 async def test_paused_executions_count_toward_the_tenant_cap(
@@ -262,11 +256,7 @@ async def test_paused_executions_count_toward_the_tenant_cap(
             assert response.status_code == 202, response.text
             paused.append(response.json()["executionId"])
         for execution_id in paused:
-            async with asyncio.timeout(20):
-                while (await carol.get(f"/api/executions/{execution_id}")).json()[
-                    "status"
-                ] != "paused":
-                    await asyncio.sleep(0.02)
+            await wait_status(carol, execution_id, "paused", timeout=20)
         refused = await carol.post(f"/api/workflows/wait-{unique}/execute", json={})
         assert refused.status_code == 429, refused.text
         assert refused.headers["retry-after"]
@@ -276,25 +266,26 @@ async def test_paused_executions_count_toward_the_tenant_cap(
         assert resumed.status_code == 202, resumed.text
         cancelled = await carol.post(f"/api/executions/{paused[1]}/cancel")
         assert cancelled.status_code == 202, cancelled.text
-        async with asyncio.timeout(20):
-            while True:
-                again = await carol.post(f"/api/workflows/wait-{unique}/execute", json={})
-                if again.status_code == 202:
-                    break
-                assert again.status_code == 429, again.text
-                await asyncio.sleep(0.05)
+
+        async def admitted() -> bool:
+            again = await carol.post(f"/api/workflows/wait-{unique}/execute", json={})
+            assert again.status_code in (202, 429), again.text
+            return again.status_code == 202
+
+        await until(admitted, "a start admitted once a slot is free", 20, every=0.05)
 
 
 NESTED_LOOPS = "{% for a in [0]*100000 %}{% for b in [0]*1000000 %}{% endfor %}{% endfor %}"
 
 
 async def finished(client: httpx.AsyncClient, execution_id: str) -> dict[str, Any]:
-    async with asyncio.timeout(20):
-        while True:
-            snapshot: dict[str, Any] = (await client.get(f"/api/executions/{execution_id}")).json()
-            if snapshot["status"] not in ("queued", "running"):
-                return snapshot
-            await asyncio.sleep(0.02)
+
+    async def ended() -> dict[str, Any] | None:
+        snapshot: dict[str, Any] = (await client.get(f"/api/executions/{execution_id}")).json()
+        return snapshot if snapshot["status"] not in ("queued", "running") else None
+
+    found: dict[str, Any] = await until(ended, f"{execution_id} ended", 20)
+    return found
 
 
 async def test_a_template_that_never_ends_fails_its_block_while_other_tenants_are_served(

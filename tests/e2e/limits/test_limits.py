@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from pathlib import Path
 
 import httpx
 
-from tests.support.api import put, streaming_workflow, wait_finished
+from tests.support.api import put, streaming_workflow, wait_finished, wait_status
 from tests.support.servers import FlowcastServer, ValkeyServer
 
 
@@ -198,8 +197,7 @@ async def test_numbers_and_strings_json_can_carry_but_we_cannot_store_are_422(
 
     started = await client.post("/api/workflows/approve-refund/execute", json={"input": {}})
     execution_id = started.json()["executionId"]
-    while (await client.get(f"/api/executions/{execution_id}")).json()["status"] != "paused":
-        await asyncio.sleep(0.02)
+    await wait_status(client, execution_id, "paused", timeout=None)
     # The pause's schema allows more properties, so only the encoding can refuse this.
     answer = b'{"input": {"approved": true, "extra": 123456789012345678901234567890}}'
     response = await client.post(

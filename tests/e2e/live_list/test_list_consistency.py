@@ -24,11 +24,13 @@ from tests.support.api import (
     quick_workflow,
     wait_finished,
     wait_status,
+    within,
 )
 from tests.support.live_list import LIVE, View, live_frames, settles_on
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import events
 from tests.support.sse import frames as sse_frames
+from tests.support.timing import hold_for
 
 FRAME_SECONDS = 10
 
@@ -75,10 +77,14 @@ async def held_live(client: httpx.AsyncClient) -> AsyncIterator[httpx.Response]:
 
 
 async def _opens_within(client: httpx.AsyncClient, seconds: float) -> int:
-    deadline = time.monotonic() + seconds
-    while (status := await _opens(client)) != 200 and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    return status
+    statuses: list[int] = []
+
+    async def opens() -> bool:
+        statuses.append(await _opens(client))
+        return statuses[-1] == 200
+
+    await within(opens, seconds, every=0.1)
+    return statuses[-1]
 
 
 # ---------------------------------------------------------------- the live list
@@ -235,7 +241,7 @@ async def test_a_live_list_ends_up_as_a_reload_shows_it_after_a_burst_with_lost_
 
                 starting = asyncio.create_task(start_all())
                 for _ in range(3):
-                    await asyncio.sleep(0.2)
+                    await hold_for(0.2, "the starts go on between two pub/sub kills")
                     await admin.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
                 started = await starting
                 for execution_id in started:

@@ -21,6 +21,7 @@ from tests.support.api import (
     quick_workflow,
     sse_clients,
     start_execution,
+    until,
     wait_finished,
 )
 from tests.support.live_list import FRAME_SECONDS, LIVE, live
@@ -168,9 +169,11 @@ async def test_an_open_live_list_counts_among_the_sse_clients(
     # SPEC §10: "SSE clients connected": a live list is one, as much as a stream.
     async with live(client, f"workflowId=counted-{unique}") as shown:
         assert await shown.rows() == []
-        async with asyncio.timeout(FRAME_SECONDS):
-            while await sse_clients(client) < 1:
-                await asyncio.sleep(0.05)
+
+        async def counted() -> bool:
+            return await sse_clients(client) >= 1
+
+        await until(counted, "the live list counted", FRAME_SECONDS, every=0.05)
 
 
 async def test_live_and_its_token_are_routes_of_their_own(client: httpx.AsyncClient) -> None:
@@ -340,13 +343,13 @@ async def test_live_lists_count_among_the_tenants_streams(keyed: FlowcastServer)
             assert refused.json()["error"]["code"] == "too_many_streams"
             assert refused.headers["retry-after"]
         # Both closed: their slots come back as the server sees the clients leave.
-        async with asyncio.timeout(FRAME_SECONDS):
-            while True:
-                async with carol.stream("GET", LIVE) as response:
-                    if response.status_code == 200:
-                        break
-                    assert response.status_code == 429
-                await asyncio.sleep(0.05)
+
+        async def let_in() -> bool:
+            async with carol.stream("GET", LIVE) as response:
+                assert response.status_code in (200, 429), response.status_code
+                return response.status_code == 200
+
+        await until(let_in, "a slot came back", FRAME_SECONDS, every=0.05)
 
 
 # ---------------------------------------------------------------- reconnects and shutdown

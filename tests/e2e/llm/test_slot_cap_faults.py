@@ -25,7 +25,7 @@ import pytest
 from redis.asyncio import Redis
 
 from lib.backend import Keys
-from tests.support.api import put
+from tests.support.api import put, until
 from tests.support.faults import crash_and_wipe, replica
 from tests.support.llm import FakeLLM, Reply
 from tests.support.logcheck import TERMINAL
@@ -70,7 +70,8 @@ async def ended(clients: list[httpx.AsyncClient], execution_id: str) -> list[dic
     """Poll until the execution's log ends with a terminal event (through any replica
     that answers: a store that came back empty knows it again once its owner wrote
     it back); its events."""
-    while True:
+
+    async def the_end() -> list[dict[str, Any]] | None:
         for client in clients:
             try:
                 page = await client.get(f"/api/executions/{execution_id}/events?limit=1000")
@@ -80,7 +81,10 @@ async def ended(clients: list[httpx.AsyncClient], execution_id: str) -> list[dic
                 events: list[dict[str, Any]] = page.json()["events"]
                 if events and events[-1]["type"] in TERMINAL:
                     return events
-        await asyncio.sleep(0.05)
+        return None
+
+    found: list[dict[str, Any]] = await until(the_end, "a terminal event", None, every=0.05)
+    return found
 
 
 def one_terminal(events: list[dict[str, Any]]) -> str:
@@ -94,8 +98,11 @@ async def queued(valkey: ValkeyServer, count: int) -> None:
     queue = Keys("fc").slots(PROVIDERS)[1]
     redis = Redis.from_url(valkey.url)
     try:
-        while int(await redis.zcard(queue)) < count:
-            await asyncio.sleep(0.02)
+
+        async def in_line() -> bool:
+            return int(await redis.zcard(queue)) >= count
+
+        await until(in_line, f"{count} callers in line", None)
     finally:
         await redis.aclose()
 

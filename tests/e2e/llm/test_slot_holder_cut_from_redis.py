@@ -24,7 +24,7 @@ import pytest
 from redis.asyncio import Redis
 
 from lib.backend import Keys
-from tests.support.api import put
+from tests.support.api import put, until
 from tests.support.faults import replica
 from tests.support.llm import FakeLLM, Reply
 from tests.support.logcheck import TERMINAL
@@ -58,7 +58,8 @@ async def execute(client: httpx.AsyncClient, workflow_id: str) -> str:
 
 async def ended(clients: list[httpx.AsyncClient], execution_id: str) -> str:
     """Poll any replica that answers until the log ends; its terminal event's type."""
-    while True:
+
+    async def the_end() -> str | None:
         for client in clients:
             try:
                 page = await client.get(f"/api/executions/{execution_id}/events?limit=1000")
@@ -68,15 +69,21 @@ async def ended(clients: list[httpx.AsyncClient], execution_id: str) -> str:
                 events = page.json()["events"]
                 if events and events[-1]["type"] in TERMINAL:
                     return str(events[-1]["type"])
-        await asyncio.sleep(0.05)
+        return None
+
+    found: str = await until(the_end, "a terminal event", None, every=0.05)
+    return found
 
 
 async def in_line(valkey: ValkeyServer, count: int) -> None:
     queue = Keys("fc").slots("default")[1]
     redis = Redis.from_url(valkey.url)
     try:
-        while int(await redis.zcard(queue)) < count:
-            await asyncio.sleep(0.02)
+
+        async def queued() -> bool:
+            return int(await redis.zcard(queue)) >= count
+
+        await until(queued, f"{count} callers in line", None)
     finally:
         await redis.aclose()
 
@@ -102,8 +109,9 @@ async def test_a_holder_cut_from_redis_does_not_call_beside_the_next_one(
                 httpx.AsyncClient(base_url=other.url, timeout=60) as on_other,
             ):
                 await put(on_other, llm_workflow("cut", attempts))
-                # The holder's call streams for about 8 s (four leases).
-                llm.default = Reply(pieces=[f"w{i} " for i in range(40)], piece_delay=0.2)
+                # The holder's call streams for about 5 s (two and a half leases): had
+                # it gone on past the cut, it would still stream when the slot lapses.
+                llm.default = Reply(pieces=[f"w{i} " for i in range(25)], piece_delay=0.2)
                 first = await execute(on_holder, "cut")
                 await llm.wait_in_flight(1, timeout=20)
                 second = await execute(on_other, "cut")

@@ -8,7 +8,6 @@ tests/support/llm.py.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from tests.support.servers import (
     prefix,
     started_server,
 )
-from tests.support.timing import assert_below_timer
+from tests.support.timing import assert_below_timer, hold_for
 
 __all__ = ["fresh", "llm"]  # the module's fake provider (tests/support/llm.py)
 
@@ -137,7 +136,7 @@ async def test_a_waiter_does_not_spin_on_redis_after_it_came_back_empty(
                 return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
 
             before, at = await calls(), time.monotonic()
-            await asyncio.sleep(2)  # a measuring window, not a readiness wait
+            await hold_for(2, "a window measuring the waiter's calls to Redis")
             rate = (await calls() - before) / (time.monotonic() - at)
             await wait_finished(first, holder, timeout=30)
             await wait_finished(second, waiter, timeout=30)

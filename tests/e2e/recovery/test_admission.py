@@ -8,7 +8,6 @@ log goes through tests/support/logcheck.py, every client view through ``check_vi
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ from tests.support.recovery import (
     settled_store,
     valkey,
 )
+from tests.support.timing import hold_for
 
 __all__ = ["settled", "valkey"]  # the module's FaultyValkey (tests/support/recovery.py)
 
@@ -72,13 +72,18 @@ async def test_a_crashed_execution_still_counts_for_its_tenant_until_recovered(
         accepted: list[tuple[str, float]] = []
         killed_at = time.monotonic()
         on_b = http_for(http, b)
-        while not await has_event(on_b, x, "block:completed", "s1"):
+
+        async def probed_until_x_moved_on() -> bool:
+            if await has_event(on_b, x, "block:completed", "s1"):
+                return True
             response = await on_b.post("/api/workflows/capy/execute", json={"input": None})
             if response.status_code == 202:
                 accepted.append((response.json()["executionId"], time.monotonic() - killed_at))
             else:
                 assert response.status_code == 429, response.text
-            await asyncio.sleep(0.02)
+            return False
+
+        await until(probed_until_x_moved_on, "X recovered past s1", None)
         snapshot = await finished(on_b, x)
         later = await on_b.post("/api/workflows/capy/execute", json={"input": None})
         stored = await all_events(on_b, x)
@@ -118,7 +123,7 @@ async def test_a_running_execution_still_counts_for_its_tenant_after_the_store_l
         await put(http_for(http, a), chain("capone", blocks=1, ms=10))
         await until(lambda: has_event(http_for(http, a), x, "block:started"), "X recreated")
         await until(lambda: settled_store(valkey), "the store settled", timeout=20)
-        await asyncio.sleep(1.0)  # a few renewals of X's lease
+        await hold_for(1.0, "a few renewals of X's lease, none of which may uncount it")
         second = await http_for(http, a).post("/api/workflows/capone/execute", json={"input": 1})
         status_of_x = (await http_for(http, a).get(f"/api/executions/{x}")).json()["status"]
     assert status_of_x == "running"

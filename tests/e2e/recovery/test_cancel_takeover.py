@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.api import all_events, put, talking_workflow, wait_finished
+from tests.support.api import all_events, put, talking_workflow, until, wait_finished
 from tests.support.faults import kill_replica, replica
 from tests.support.logcheck import check_log
 from tests.support.servers import ValkeyServer
@@ -35,12 +35,13 @@ async def stored(client: httpx.AsyncClient, execution_id: str) -> list[dict[str,
 
 async def streaming(client: httpx.AsyncClient, execution_id: str) -> list[dict[str, Any]]:
     """Wait until the stored log holds a few chunks of the running block; the log."""
-    async with asyncio.timeout(20):
-        while True:
-            log = await stored(client, execution_id)
-            if sum(1 for event in log if event["type"] == "block:chunk") >= 3:
-                return log
-            await asyncio.sleep(0.02)
+
+    async def chunks() -> list[dict[str, Any]] | None:
+        log = await stored(client, execution_id)
+        return log if sum(1 for event in log if event["type"] == "block:chunk") >= 3 else None
+
+    found: list[dict[str, Any]] = await until(chunks, "three chunks stored", 20)
+    return found
 
 
 @pytest.mark.parametrize("attempt", range(3))

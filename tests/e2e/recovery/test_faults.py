@@ -19,7 +19,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from tests.support.api import all_events, put, talking_workflow, wait_status
+from tests.support.api import all_events, put, talking_workflow, until, wait_status, within
 from tests.support.faults import (
     FaultyValkey,
     crash_and_restart,
@@ -31,8 +31,10 @@ from tests.support.faults import (
     wait_store_settled,
 )
 from tests.support.logcheck import TERMINAL, check_view
+from tests.support.recovery import has_event
 from tests.support.servers import FlowcastServer
 from tests.support.sse import Frame, events, follow
+from tests.support.timing import hold_for
 
 TERMINAL_STATUSES = ("completed", "failed", "cancelled")
 # Every stream on an execution ends within about a lease plus the grace: far below this.
@@ -157,10 +159,11 @@ async def test_a_cancel_while_the_pause_is_being_saved_ends_the_execution(
         await put(a, approval_workflow(f"pausing-{unique}", wait_ms=300))
         execution_id = await execute(a, f"pausing-{unique}")
         reader = asyncio.create_task(follow(b, execution_id, timeout=STREAM_DEADLINE))
-        await asyncio.sleep(0.1)  # inside the delay block: the pause is saved after it
+        # Inside the delay block: the pause is saved after it.
+        await until(lambda: has_event(a, execution_id, "block:started", "wait"), "the delay")
         # Writes stall while the run saves its pause; the cancel arrives meanwhile.
         await pause_writes(valkey, 1500)
-        await asyncio.sleep(0.4)
+        await hold_for(0.4, "past the 300 ms delay: the run now waits to save its pause")
         # On the owner first (it stops the run mid-save), then on the other replica.
         first = await a.post(f"/api/executions/{execution_id}/cancel")
         assert first.status_code == 202, first.text
@@ -349,7 +352,7 @@ async def test_a_resumed_run_stays_counted_after_the_paused_run_lets_go(
                             )
                             assert resumed.status_code == 202, resumed.text
                             break
-                await asyncio.sleep(0.2)  # the paused run's cleanup has run by now
+                await hold_for(0.2, "the paused run's cleanup, had it uncounted this one")
                 second = await client.post(f"/api/workflows/{workflow['id']}/execute", json={})
                 assert second.status_code == 429, second.text
                 assert (await wait_finished(client, execution_id))["status"] == "completed"
@@ -395,22 +398,23 @@ async def test_redis_holds_each_workflow_version_once_and_large_state_as_refs(
 
 async def wait_finished(client: httpx.AsyncClient, execution_id: str) -> dict[str, Any]:
     """The snapshot once terminal (a 404 while a store that lost it is recreated)."""
-    async with asyncio.timeout(STREAM_DEADLINE):
-        while True:
-            response = await client.get(f"/api/executions/{execution_id}")
-            snapshot: dict[str, Any] = response.json()
-            if response.status_code == 200 and snapshot["status"] in TERMINAL_STATUSES:
-                return snapshot
-            await asyncio.sleep(0.02)
+
+    async def ended() -> dict[str, Any] | None:
+        response = await client.get(f"/api/executions/{execution_id}")
+        snapshot: dict[str, Any] = response.json()
+        ok = response.status_code == 200 and snapshot["status"] in TERMINAL_STATUSES
+        return snapshot if ok else None
+
+    found: dict[str, Any] = await until(ended, "the execution ended", STREAM_DEADLINE)
+    return found
 
 
 async def wait_last_id(client: httpx.AsyncClient, execution_id: str, at_least: int) -> None:
-    async with asyncio.timeout(STREAM_DEADLINE):
-        while True:
-            response = await client.get(f"/api/executions/{execution_id}")
-            if response.json().get("lastEventId", 0) >= at_least:
-                return
-            await asyncio.sleep(0.01)
+    async def reached() -> bool:
+        response = await client.get(f"/api/executions/{execution_id}")
+        return bool(response.json().get("lastEventId", 0) >= at_least)
+
+    await until(reached, f"id {at_least} stored", STREAM_DEADLINE, every=0.01)
 
 
 def clock_ahead(directory: Path, *, seconds: float) -> Path:
@@ -459,9 +463,10 @@ async def test_a_sigterm_while_the_pause_is_being_saved_still_ends_the_execution
             await put(a, approval_workflow(f"term-{unique}", wait_ms=300))
             execution_id = await execute(a, f"term-{unique}")
             reader = asyncio.create_task(follow(b, execution_id, timeout=STREAM_DEADLINE))
-            await asyncio.sleep(0.1)
+            # Inside the delay block: the pause is saved after it.
+            await until(lambda: has_event(a, execution_id, "block:started", "wait"), "delay")
             await pause_writes(valkey, 1500)
-            await asyncio.sleep(0.4)  # the run now waits to save its pause
+            await hold_for(0.4, "past the 300 ms delay: the run now waits to save its pause")
             await owner.stop(signal.SIGTERM)
             # Either the save finished within the grace (a pause, which any replica can
             # resume) or the shutdown ended the run; never a run left "running".
@@ -487,12 +492,13 @@ async def test_a_sigterm_while_the_pause_is_being_saved_still_ends_the_execution
 
 async def wait_settled(client: httpx.AsyncClient, execution_id: str) -> dict[str, Any]:
     """The snapshot once it is no longer running."""
-    async with asyncio.timeout(STREAM_DEADLINE):
-        while True:
-            snapshot: dict[str, Any] = (await client.get(f"/api/executions/{execution_id}")).json()
-            if snapshot["status"] != "running":
-                return snapshot
-            await asyncio.sleep(0.02)
+
+    async def settled() -> dict[str, Any] | None:
+        snapshot: dict[str, Any] = (await client.get(f"/api/executions/{execution_id}")).json()
+        return snapshot if snapshot["status"] != "running" else None
+
+    found: dict[str, Any] = await until(settled, "the run no longer running", STREAM_DEADLINE)
+    return found
 
 
 async def test_a_large_outcome_is_not_copied_into_the_metadata(
@@ -561,29 +567,31 @@ async def test_a_second_resume_after_a_rollback_never_renames_seen_events(
         execution_id = await execute(a, f"rollback-{unique}")
         await wait_status(a, execution_id, "paused")
         snapshot = await take_snapshot(valkey, tmp_path / "paused.rdb")
-        live = asyncio.create_task(follow(a, execution_id, timeout=STREAM_DEADLINE))
-        await asyncio.sleep(0.2)
+        opened = asyncio.Event()
+        live = asyncio.create_task(follow(a, execution_id, started=opened, timeout=STREAM_DEADLINE))
+        await opened.wait()
         first = await a.post(f"/api/executions/{execution_id}/resume", json={"input": {"ok": True}})
         assert first.status_code == 202, first.text
         await wait_status(a, execution_id, "completed")
         await crash_and_restore(valkey, snapshot)
-        second = None
-        for _ in range(200):
+
+        tries: list[httpx.Response] = []
+
+        async def answered() -> bool:
             with contextlib.suppress(httpx.TransportError):
-                second = await b.post(
-                    f"/api/executions/{execution_id}/resume", json={"input": {"ok": False}}
+                tries.append(
+                    await b.post(
+                        f"/api/executions/{execution_id}/resume", json={"input": {"ok": False}}
+                    )
                 )
-                if second.status_code != 503:
-                    break
-            await asyncio.sleep(0.02)
-        assert second is not None
-        finished = None
-        async with asyncio.timeout(20):
-            while finished is None:
-                snap = (await b.get(f"/api/executions/{execution_id}")).json()
-                if snap["status"] in ("completed", "failed", "cancelled"):
-                    finished = snap
-                await asyncio.sleep(0.05)
+                return tries[-1].status_code != 503
+            return False
+
+        # Up to 4 s of 503s (the store's settle); the last answer is the one checked.
+        await within(answered, 4)
+        assert tries
+        second = tries[-1]
+        finished = await wait_finished(b, execution_id)
         seen = check_view(await live)
         stored = await all_events(b, execution_id)
     assert seen[-1]["data"]["output"] == {"after": {"ok": True}}, seen[-1]
@@ -617,14 +625,14 @@ async def ended_or_after(
 ) -> httpx.Response:
     """The execution's snapshot once it is terminal (it stays so), or as it is after
     ``seconds`` (the deadline passed long ago by then; a lease and a sweep too)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
-    while True:
+
+    async def ended() -> httpx.Response | None:
         response = await client.get(f"/api/executions/{execution_id}")
-        ended = response.status_code == 200 and response.json()["status"] in ENDED
-        if ended or loop.time() >= deadline:
-            return response
-        await asyncio.sleep(0.05)
+        done = response.status_code == 200 and response.json()["status"] in ENDED
+        return response if done else None
+
+    found: httpx.Response | None = await within(ended, seconds, every=0.05)
+    return found or await client.get(f"/api/executions/{execution_id}")
 
 
 class ReplyDropper:
@@ -645,7 +653,7 @@ class ReplyDropper:
                     dst.write(data)
                     await dst.drain()
                     conn["drop"] = True
-                    await asyncio.sleep(0.2)  # Valkey runs it; its reply goes nowhere
+                    await hold_for(0.2, "Valkey runs it; its reply goes nowhere")
                     conn["client"].close()
                     conn["server"].close()
                     return

@@ -22,7 +22,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from tests.support.api import all_events, put
+from tests.support.api import all_events, put, until
 from tests.support.faults import replica, terminate_replica
 from tests.support.logcheck import check_log, check_view
 from tests.support.servers import FlowcastServer, ValkeyServer
@@ -57,15 +57,6 @@ async def pair(
         yield a, b
     finally:
         await asyncio.gather(a.stop(signal.SIGKILL), b.stop(signal.SIGKILL))
-
-
-async def until(check: Any, what: str, timeout: float = DEADLINE) -> None:
-    try:
-        async with asyncio.timeout(timeout):
-            while not await check():
-                await asyncio.sleep(0.02)
-    except TimeoutError:
-        raise AssertionError(f"timed out waiting for: {what}") from None
 
 
 async def meta(valkey: ValkeyServer, execution_id: str) -> dict[bytes, bytes]:

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.api import all_events, delay_workflow, put
+from tests.support.api import all_events, delay_workflow, put, until, wait_finished
 from tests.support.faults import crash_and_restart, fresh_replica, kill_replica
 from tests.support.logcheck import check_log
 from tests.support.servers import FlowcastServer, ValkeyServer
@@ -79,20 +79,15 @@ async def has_event(client: httpx.AsyncClient, execution_id: str, wanted: str) -
 
 
 async def until_event(client: httpx.AsyncClient, execution_id: str, wanted: str) -> None:
-    async with asyncio.timeout(20):
-        while not await has_event(client, execution_id, wanted):
-            await asyncio.sleep(0.02)
+    await until(lambda: has_event(client, execution_id, wanted), f"a stored {wanted}", 20)
 
 
 async def ended(client: httpx.AsyncClient, execution_id: str, timeout: float = 60) -> float:
     """Poll until the execution ends; when it was seen ended (monotonic time)."""
-    async with asyncio.timeout(timeout):
-        while True:
-            snapshot = (await client.get(f"/api/executions/{execution_id}")).json()
-            if snapshot["status"] in ("completed", "failed", "cancelled"):
-                assert snapshot["status"] == "completed", snapshot
-                return time.monotonic()
-            await asyncio.sleep(0.02)
+    snapshot = await wait_finished(client, execution_id, timeout=timeout)
+    at = time.monotonic()
+    assert snapshot["status"] == "completed", snapshot
+    return at
 
 
 async def engine_gone(server: FlowcastServer) -> None:
@@ -103,12 +98,12 @@ async def engine_gone(server: FlowcastServer) -> None:
         for line in (server.data_dir / "valkey" / "valkey.log").read_text().splitlines()
         if "Running mode=" in line and "port=" in line
     ]
-    async with asyncio.timeout(20):
-        while True:
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", ports[-1])) != 0:
-                    return
-            await asyncio.sleep(0.05)
+
+    async def refused() -> bool:
+        with socket.socket() as sock:
+            return sock.connect_ex(("127.0.0.1", ports[-1])) != 0
+
+    await until(refused, "the killed server's engine stopped answering", 20, every=0.05)
 
 
 @pytest.mark.parametrize("engine", ["shared valkey", "embedded engine"])

@@ -21,6 +21,7 @@ from tests.support.api import all_events, delay_workflow, execute, put, until
 from tests.support.logcheck import check_log
 from tests.support.recovery import finished, has_event
 from tests.support.servers import FlowcastServer, ValkeyServer
+from tests.support.timing import hold_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,9 +43,7 @@ async def test_a_server_on_the_data_directory_of_a_stopped_one_takes_none_of_its
         stopped = True
         await second.start()
         async with httpx.AsyncClient(base_url=second.url, timeout=20) as client:
-            # A few of the second one's janitor passes (every 0.25 s) while the first
-            # is still stopped: none may take its run.
-            await asyncio.sleep(1.5)
+            await hold_for(1.5, "janitor passes (every 0.25 s) of the second: none may take it")
             assert not await has_event(client, eid, "execution:recovered")
             os.kill(first.pid, signal.SIGCONT)
             stopped = False

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.api import put, streaming_workflow
+from tests.support.api import put, streaming_workflow, until
 from tests.support.logcheck import check_log, check_view
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import Frame, collect, events
@@ -102,16 +102,17 @@ async def stream_through_an_outage(running: Stack, workflow_id: str) -> tuple[st
 
 async def wait_stored_to_the_end(client: httpx.AsyncClient, execution_id: str) -> dict[str, Any]:
     """Poll the snapshot until the terminal status is stored (503s while reconnecting)."""
-    async with asyncio.timeout(30):
-        while True:
-            response = await client.get(f"/api/executions/{execution_id}")
-            if response.status_code == 200:
-                snapshot: dict[str, Any] = response.json()
-                if snapshot["status"] in ("completed", "failed", "cancelled"):
-                    return snapshot
-            else:
-                assert response.status_code == 503, response.text
-            await asyncio.sleep(0.05)
+
+    async def stored_end() -> dict[str, Any] | None:
+        response = await client.get(f"/api/executions/{execution_id}")
+        if response.status_code != 200:
+            assert response.status_code == 503, response.text
+            return None
+        snapshot: dict[str, Any] = response.json()
+        return snapshot if snapshot["status"] in ("completed", "failed", "cancelled") else None
+
+    found: dict[str, Any] = await until(stored_end, "the end stored", 30, every=0.05)
+    return found
 
 
 async def stored_page(client: httpx.AsyncClient, execution_id: str) -> list[dict[str, Any]]:

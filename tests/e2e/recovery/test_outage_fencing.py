@@ -16,14 +16,10 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from tests.support.api import (
-    all_events,
-    delay_workflow,
-    put,
-    streaming_workflow,
-)
+from tests.support.api import all_events, delay_workflow, put, streaming_workflow, until, within
 from tests.support.faults import stopped, wait_store_settled
 from tests.support.logcheck import same_ids_same_events
+from tests.support.recovery import has_event
 from tests.support.servers import FlowcastServer, ValkeyServer, flowcast_on
 from tests.support.sse import events
 
@@ -58,50 +54,48 @@ async def test_a_renewal_refused_for_memory_is_an_outage_not_a_fencing(
             response = await client.post("/api/workflows/sit/execute", json={"input": {}})
             assert response.status_code == 202, response.text
             execution_id = response.json()["executionId"]
-            async with asyncio.timeout(20):
-                while True:
-                    page = (
-                        await client.get(f"/api/executions/{execution_id}/events?after=0")
-                    ).json()
-                    if any(
-                        e["type"] == "block:started" and e["data"]["blockId"] == "think"
-                        for e in page["events"]
-                    ):
-                        break
-                    await asyncio.sleep(0.05)
+            await until(
+                lambda: has_event(client, execution_id, "block:started", "think"),
+                "the delay block started",
+                20,
+                every=0.05,
+            )
             # Redis refuses writes until a renewal has met the refusal (either verdict).
             await redis.config_set("maxmemory", "1")
             try:
-                async with asyncio.timeout(15):
-                    while not any(
-                        text in server.logs()
-                        for text in ("lease renewal failed", "execution taken over")
-                    ):
-                        await asyncio.sleep(0.05)
+
+                async def renewal_met_it() -> bool:
+                    logs = server.logs()
+                    return "lease renewal failed" in logs or "execution taken over" in logs
+
+                await until(renewal_met_it, "a renewal met the refusal", 15, every=0.05)
             finally:
                 await redis.config_set("maxmemory", "0")
             # The delay ends 5 s after it began; a lease (3 s) and more on top.
             status = "running"
-            async with asyncio.timeout(30):
-                while status == "running" and "execution taken over" not in server.logs():
-                    status = (await client.get(f"/api/executions/{execution_id}")).json()["status"]
-                    await asyncio.sleep(0.1)
+
+            async def moved_on() -> bool:
+                nonlocal status
+                status = (await client.get(f"/api/executions/{execution_id}")).json()["status"]
+                return status != "running" or "execution taken over" in server.logs()
+
+            await until(moved_on, "the run ended or was taken over", 30, every=0.1)
+
+            async def ended() -> bool:
+                nonlocal status
+                status = (await client.get(f"/api/executions/{execution_id}")).json()["status"]
+                return status != "running"
+
             if status == "running":
                 # Given every chance: a lease and then some for a janitor to step in.
-                deadline = time.monotonic() + 3 * 3 + 5
-                while status == "running" and time.monotonic() < deadline:
-                    status = (await client.get(f"/api/executions/{execution_id}")).json()["status"]
-                    await asyncio.sleep(0.2)
+                await within(ended, 3 * 3 + 5, every=0.2)
             if status == "completed":
                 return
             problems = [f"still {status!r} long after its only block ended"]
             # A cancel now: 202 means it will happen (SPEC §3), whatever raced with it.
             cancel = await client.post(f"/api/executions/{execution_id}/cancel")
             if cancel.status_code == 202:
-                deadline = time.monotonic() + 3 * 3 + 5
-                while status == "running" and time.monotonic() < deadline:
-                    status = (await client.get(f"/api/executions/{execution_id}")).json()["status"]
-                    await asyncio.sleep(0.2)
+                await within(ended, 3 * 3 + 5, every=0.2)
                 if status == "running":
                     problems.append("a cancel answered 202 and the execution is still running")
             logged = [line for line in server.logs().splitlines() if execution_id in line]
@@ -167,18 +161,20 @@ async def test_an_owner_that_wakes_from_a_stall_into_an_outage_never_shows_ids_i
                         arrived.clear()
                         await arrived.wait()
                 os.kill(a.pid, signal.SIGSTOP)
-                async with asyncio.timeout(5):
-                    while not stopped(a.pid):
-                        await asyncio.sleep(0.01)
+
+                async def a_stopped() -> bool:
+                    return stopped(a.pid)
+
+                await until(a_stopped, "A stopped", 5, every=0.01)
                 before_stall = seen[-1]["id"]
+
+                async def b_took_over() -> bool:
+                    stored = await all_events(on_b, execution_id)
+                    types = [event["type"] for event in stored]
+                    return "execution:recovered" in types and len(stored) > before_stall + 3
+
                 # B takes over and stores its own events under the next ids.
-                async with asyncio.timeout(30):
-                    while True:
-                        stored = await all_events(on_b, execution_id)
-                        types = [event["type"] for event in stored]
-                        if "execution:recovered" in types and len(stored) > before_stall + 3:
-                            break
-                        await asyncio.sleep(0.1)
+                await until(b_took_over, "B took over and stored more", 30, every=0.1)
                 own_valkey.kill()
                 os.kill(a.pid, signal.SIGCONT)
                 # What A shows its clients from now on (a measurement window).
@@ -189,9 +185,12 @@ async def test_an_owner_that_wakes_from_a_stall_into_an_outage_never_shows_ids_i
                         await asyncio.wait_for(arrived.wait(), deadline - time.monotonic())
                 await own_valkey.start()
                 newest = max(event["id"] for event in seen)
-                async with asyncio.timeout(30):
-                    while (stored := await all_events(on_b, execution_id))[-1]["id"] < newest:
-                        await asyncio.sleep(0.1)
+
+                async def stored_past_newest() -> list[dict[str, Any]] | None:
+                    stored = await all_events(on_b, execution_id)
+                    return stored if stored[-1]["id"] >= newest else None
+
+                stored = await until(stored_past_newest, "the log past A's ids", 30, every=0.1)
             finally:
                 follower.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

@@ -68,7 +68,9 @@ async def test_an_owner_lost_across_a_restore_from_an_older_snapshot_keeps_its_i
     the stored log."""
     a, b = replica(valkey, tmp_path, "a"), replica(valkey, tmp_path, "b")
     async with running(a, b), httpx.AsyncClient(timeout=30) as http:
-        wf = talking_workflow("stallsnap", words=4000, tps=200)
+        # Long enough that A is mid-block at the fault (it needs ~300 ids), short enough
+        # that B's rerun of the block after the takeover is not 20 s of waiting.
+        wf = talking_workflow("stallsnap", words=1200, tps=200)
         await put(http_for(http, a), wf)
         eid = await execute(http_for(http, a), wf["id"])
         live = LiveReader(a, eid)

@@ -23,12 +23,13 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.api import all_events, put
+from tests.support.api import all_events, put, until
 from tests.support.faults import replica
 from tests.support.logcheck import check_lossy_log, check_view, same_ids_same_events
 from tests.support.proxy import TcpLink
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import Frame, events
+from tests.support.timing import hold_for
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -83,8 +84,7 @@ class Follower:
                                 self.frames.append(frame)
                                 if frame.event in TERMINAL:
                                     return
-                # EventSource's reconnection delay (the replica answered 503, or cut).
-                await asyncio.sleep(0.2)
+                await hold_for(0.2, "EventSource's reconnection delay (a 503, or a cut)")
         finally:
             self.done.set()
 
@@ -92,15 +92,6 @@ class Follower:
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
         await self._client.aclose()
-
-
-async def until(check: Any, what: str, timeout: float = DEADLINE) -> None:
-    try:
-        async with asyncio.timeout(timeout):
-            while not await check():
-                await asyncio.sleep(0.02)
-    except TimeoutError:
-        raise AssertionError(f"timed out waiting for: {what}") from None
 
 
 async def stored(client: httpx.AsyncClient, execution_id: str) -> list[dict[str, Any]]:

@@ -71,10 +71,7 @@ async def eventually(
     check: Callable[[], Awaitable[bool]], what: str, timeout: float = 10.0
 ) -> float:
     """Poll ``check`` until it holds; returns the monotonic time it first held."""
-    deadline = time.monotonic() + timeout
-    while not await check():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout}s"
-        await asyncio.sleep(0.02)
+    await until(check, what, timeout)
     return time.monotonic()
 
 

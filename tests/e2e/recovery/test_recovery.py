@@ -39,6 +39,7 @@ from tests.support.faults import (
 from tests.support.logcheck import check_log, check_view
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import Frame, events
+from tests.support.timing import hold_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -71,13 +72,16 @@ async def start(client: httpx.AsyncClient, workflow_id: str) -> str:
 
 
 async def finished(client: httpx.AsyncClient, execution_id: str, timeout: float = 30) -> str:
-    async with asyncio.timeout(timeout):
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                snapshot = (await client.get(f"/api/executions/{execution_id}")).json()
-                if snapshot["status"] not in ("running", "queued"):
-                    return str(snapshot["status"])
-            await asyncio.sleep(0.05)
+
+    async def ended() -> str | None:
+        with contextlib.suppress(httpx.TransportError):
+            snapshot = (await client.get(f"/api/executions/{execution_id}")).json()
+            if snapshot["status"] not in ("running", "queued"):
+                return str(snapshot["status"])
+        return None
+
+    status: str = await until(ended, f"{execution_id} ended", timeout, every=0.05)
+    return status
 
 
 def check_recovered_run(stored: list[dict[str, Any]], moves: int | None = None) -> None:
@@ -172,7 +176,7 @@ async def test_a_rolling_restart_of_both_replicas_under_load_loses_and_fails_not
                             answer = await client.post(url, json={})
                             if answer.status_code == 202:
                                 started.append(answer.json()["executionId"])
-                    await asyncio.sleep(0.15)
+                    await hold_for(0.15, "the load's pace: a start on each replica")
 
             up = [a, b]
             loader = asyncio.create_task(load(up))

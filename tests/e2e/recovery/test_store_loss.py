@@ -49,7 +49,7 @@ from tests.support.recovery import (
     valkey,
 )
 from tests.support.sse import follow
-from tests.support.timing import assert_below_timer
+from tests.support.timing import assert_below_timer, hold_for
 
 __all__ = ["settled", "valkey"]  # the module's FaultyValkey (tests/support/recovery.py)
 
@@ -292,8 +292,7 @@ async def test_older_snapshot_while_the_owner_is_idle_then_it_goes_numbers_above
             await crash_and_restore(valkey, snap)
             await put(http_for(http, a), wf)
             await until(lambda: settled_store(valkey), "the store settled", timeout=20)
-            # One more lease: every owner had all the time the design gives it.
-            await asyncio.sleep(1.5)
+            await hold_for(1.5, "one more lease: every owner had all the time it is given")
             if fault == "sigkill":
                 await kill_replica(a)
             else:
@@ -336,7 +335,7 @@ async def test_older_snapshot_from_before_a_recovery_while_the_new_owner_is_idle
             await crash_and_restore(valkey, snap)
             await put(http_for(http, b), wf)
             await until(lambda: settled_store(valkey), "the store settled", timeout=20)
-            await asyncio.sleep(1.5)
+            await hold_for(1.5, "one more lease: every owner had all the time it is given")
             await c.start()
             alive.append(c)
             await terminate_replica(b)

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 from redis.asyncio import Redis
 
-from tests.support.api import delay_workflow, execute, put, wait_finished
+from tests.support.api import delay_workflow, execute, put, until, wait_finished
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import Frame, frames
 from tests.support.timing import assert_below_timer
@@ -37,13 +37,16 @@ async def command_calls(redis: Redis, command: str) -> int:
 
 async def until_quiet(redis: Redis, command: str, *, quiet: float, timeout: float) -> None:
     """Until Valkey has served no ``command`` for ``quiet`` seconds."""
-    async with asyncio.timeout(timeout):
-        calls, since = await command_calls(redis, command), time.monotonic()
-        while time.monotonic() - since < quiet:
-            await asyncio.sleep(0.05)
-            now = await command_calls(redis, command)
-            if now != calls:
-                calls, since = now, time.monotonic()
+    calls, since = await command_calls(redis, command), time.monotonic()
+
+    async def quiet_so_long() -> bool:
+        nonlocal calls, since
+        now = await command_calls(redis, command)
+        if now != calls:
+            calls, since = now, time.monotonic()
+        return time.monotonic() - since >= quiet
+
+    await until(quiet_so_long, f"no {command} for {quiet} s", timeout, every=0.05)
 
 
 class Reader:
@@ -266,15 +269,17 @@ async def test_a_silently_dead_notify_connection_is_replaced(
                 httpx.AsyncClient(base_url=b.url, timeout=20) as on_b,
             ):
                 await put(on_a, delay_workflow("quiet", 1500))
-                async with asyncio.timeout(10):
-                    while proxy.subscriptions < 1:
-                        await asyncio.sleep(0.05)
+
+                async def subscriptions_above(count: int) -> bool:
+                    return proxy.subscriptions > count
+
+                await until(lambda: subscriptions_above(0), "B subscribed", 10, every=0.05)
                 before = proxy.subscriptions
                 proxy.blackhole_subscribers()
                 # B finds its subscription silent, gets no PONG, and subscribes again.
-                async with asyncio.timeout(20):
-                    while proxy.subscriptions <= before:
-                        await asyncio.sleep(0.05)
+                await until(
+                    lambda: subscriptions_above(before), "B subscribed again", 20, every=0.05
+                )
                 execution_id = await execute(on_a, "quiet", {})
                 reader = Reader(on_b, execution_id)
                 await asyncio.wait_for(reader.task, timeout=10)

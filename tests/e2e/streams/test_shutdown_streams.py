@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.support.api import delay_workflow, put, streaming_workflow
+from tests.support.api import delay_workflow, put, streaming_workflow, within
 from tests.support.logcheck import check_view
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import events
@@ -81,8 +81,11 @@ async def test_a_client_that_stopped_reading_is_cut_after_the_grace(
         stopping = asyncio.create_task(server.stop(signal.SIGTERM, timeout=20))
         began = time.monotonic()
         cut = "without completing response"
-        while cut not in server.logs() and time.monotonic() - began < 8:
-            await asyncio.sleep(0.1)
+
+        async def cut_logged() -> bool:
+            return cut in server.logs()
+
+        await within(cut_logged, 8, every=0.1)
         assert_below_timer(
             time.monotonic() - began if cut in server.logs() else float("inf"),
             bound=8,

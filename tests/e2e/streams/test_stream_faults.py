@@ -16,7 +16,15 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.api import delay_workflow, paused_execution, put, sse_clients
+from tests.support.api import (
+    delay_workflow,
+    paused_execution,
+    put,
+    sse_clients,
+    until,
+    wait_status,
+    within,
+)
 from tests.support.faults import command, pause_writes, stopped, wait_store_settled
 from tests.support.servers import ValkeyServer, flowcast_on
 from tests.support.timing import assert_below_timer
@@ -32,21 +40,25 @@ def approval(workflow_id: str) -> dict[str, Any]:
 async def slot_back_within(client: httpx.AsyncClient, url: str, seconds: float) -> int:
     """Open (and close) a stream until it is not refused, for at most ``seconds``; the
     last status seen."""
-    deadline = time.monotonic() + seconds
-    while True:
+    statuses: list[int] = []
+
+    async def let_in() -> bool:
         async with client.stream("GET", url, headers={"Accept": "text/event-stream"}) as again:
-            status = again.status_code
-        if status == 200 or time.monotonic() > deadline:
-            return status
-        await asyncio.sleep(0.1)
+            statuses.append(again.status_code)
+        return statuses[-1] == 200
+
+    await within(let_in, seconds, every=0.1)
+    return statuses[-1]
 
 
 async def sse_clients_settled(client: httpx.AsyncClient, seconds: float) -> float:
     """``flowcast_sse_clients`` once it is 0, or as it is after ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while (count := await sse_clients(client)) != 0 and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    return count
+
+    async def none_left() -> bool:
+        return await sse_clients(client) == 0
+
+    await within(none_left, seconds, every=0.1)
+    return await sse_clients(client)
 
 
 async def read_for(
@@ -175,11 +187,7 @@ async def test_a_stream_waiting_on_a_stalled_replay_read_still_sends_heartbeats(
             response = await client.post("/api/workflows/long/execute", json=body)
             assert response.status_code == 202, response.text
             execution_id = response.json()["executionId"]
-            async with asyncio.timeout(30):
-                while (await client.get(f"/api/executions/{execution_id}")).json()[
-                    "status"
-                ] != "paused":
-                    await asyncio.sleep(0.05)
+            await wait_status(client, execution_id, "paused", timeout=30)
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", server.port))
@@ -195,9 +203,11 @@ async def test_a_stream_waiting_on_a_stalled_replay_read_still_sends_heartbeats(
             assert head.startswith(b"HTTP/1.1 200"), head
             os.kill(own_valkey.pid, signal.SIGSTOP)
             try:
-                async with asyncio.timeout(5):
-                    while not stopped(own_valkey.pid):
-                        await asyncio.sleep(0.01)
+
+                async def valkey_stopped() -> bool:
+                    return stopped(own_valkey.pid)
+
+                await until(valkey_stopped, "Valkey stopped", 5, every=0.01)
                 began = time.monotonic()
                 arrived = await read_for(reader, 4.0)
             finally:
@@ -237,11 +247,7 @@ async def test_a_stream_opens_and_replays_while_writes_are_paused(
             await put(client, delay_workflow("quick", ms=1))
             response = await client.post("/api/workflows/quick/execute", json={"input": {}})
             execution_id = response.json()["executionId"]
-            async with asyncio.timeout(20):
-                while (await client.get(f"/api/executions/{execution_id}")).json()[
-                    "status"
-                ] != "completed":
-                    await asyncio.sleep(0.05)
+            await wait_status(client, execution_id, "completed", timeout=20)
             # Once before: a script Valkey has not seen is loaded first (SCRIPT LOAD
             # waits out a write pause too).
             assert (await client.get(f"/api/executions/{execution_id}/stream")).is_success
