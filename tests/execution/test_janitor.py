@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 
 from redis.asyncio import Redis
@@ -10,6 +9,7 @@ from redis.asyncio import Redis
 from lib.execution.buffer import EventBuffer
 from lib.execution.record import Takeover
 from lib.workflows.janitor import Due, Janitor
+from tests.support.api import until
 from tests.support.ownership import ownership_parts
 
 LEASE_SECONDS = 0.2
@@ -72,7 +72,10 @@ async def test_deadlines_wait_about_a_lease_once_the_store_is_found_behind(redis
     assert (await parts.store.check()).behind_seconds > 0, "the machine is too slow"
     assert due is not None and due.deadlines == (fresh,)
     await parts.watch.forget_deadline(fresh)
-    while (await parts.store.check()).behind_seconds > 0:
-        await asyncio.sleep(0.01)
+
+    async def waited_out() -> bool:
+        return (await parts.store.check()).behind_seconds <= 0
+
+    await until(waited_out, "the wait after a store found behind ended", every=0.01)
     due = await janitor._look()
     assert due is not None and due.deadlines == (paused,)

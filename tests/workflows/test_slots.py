@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 
 from lib.backend import Keys
 from lib.workflows.slots import SlotLost, Slots
-from tests.support.api import until
+from tests.support.api import until, within
 from tests.support.faults import crash_and_restart
 from tests.support.servers import ValkeyServer
 from tests.support.timing import hold_for
@@ -262,9 +262,7 @@ async def test_without_redis_a_hold_waits_until_redis_answers_however_long(
                 for _ in range(3):
                     group.create_task(call())
                 # A whole lease of outage passed (the waiters said so): nobody went ahead.
-                async with asyncio.timeout(10):
-                    while not told():
-                        await asyncio.sleep(0.02)
+                await until(told, "the waiters said a lease of outage passed", timeout=10)
                 assert (peak, finished) == (0, 0)
                 await own_valkey.start()
     finally:
@@ -480,10 +478,8 @@ async def test_a_holder_on_one_replica_keeps_its_slot_across_a_redis_restart_and
             await crash_and_restart(own_valkey)
             # Two leases past the restart (A's renewals answered again meanwhile): B is
             # still in line, A still holds.
-            deadline = time.monotonic() + 2.5
-            while time.monotonic() < deadline:
-                assert not b_in.is_set() and inside == ["a"], inside
-                await asyncio.sleep(0.05)
+            moved = await within(lambda: b_in.is_set() or inside != ["a"], 2.5, every=0.05)
+            assert moved is None, inside
             released = time.monotonic()
             release_a.set()
             await asyncio.wait_for(b_in.wait(), 5)

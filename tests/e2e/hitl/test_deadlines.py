@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.api import all_events, put, wait_finished
+from tests.support.api import all_events, put, until, wait_finished
 from tests.support.faults import crash_and_restart
 from tests.support.logcheck import check_log
 from tests.support.servers import FlowcastServer, ValkeyServer
@@ -117,13 +117,16 @@ async def test_an_approval_deadline_fires_within_about_a_second_right_after_redi
 
 async def ended(client: httpx.AsyncClient, execution_id: str) -> dict[str, Any]:
     """Poll the snapshot to the end, through a Redis restart (a 503 or a cut meanwhile)."""
-    async with asyncio.timeout(40):
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                snapshot = (await client.get(f"/api/executions/{execution_id}")).json()
-                if snapshot.get("status") in ("completed", "failed", "cancelled"):
-                    return dict(snapshot)
-            await asyncio.sleep(0.02)
+
+    async def finished() -> dict[str, Any] | None:
+        with contextlib.suppress(httpx.TransportError):
+            snapshot = (await client.get(f"/api/executions/{execution_id}")).json()
+            if snapshot.get("status") in ("completed", "failed", "cancelled"):
+                return dict(snapshot)
+        return None
+
+    snapshot: dict[str, Any] = await until(finished, f"{execution_id} ended", timeout=40)
+    return snapshot
 
 
 async def test_a_pause_stored_before_redis_restarts_still_fails_at_its_deadline(
@@ -153,11 +156,12 @@ async def test_a_pause_stored_before_redis_restarts_still_fails_at_its_deadline(
             accepted = time.monotonic()
             execution_id = response.json()["executionId"]
             if restart:
-                async with asyncio.timeout(20):
-                    while (await client.get(f"/api/executions/{execution_id}")).json()[
-                        "status"
-                    ] != "paused":
-                        await asyncio.sleep(0.02)
+
+                async def paused() -> bool:
+                    response = await client.get(f"/api/executions/{execution_id}")
+                    return bool(response.json()["status"] == "paused")
+
+                await until(paused, f"{execution_id} paused", timeout=20)
                 await crash_and_restart(own_valkey)
             snapshot = await ended(client, execution_id)
             return time.monotonic() - accepted, snapshot
