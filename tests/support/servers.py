@@ -10,6 +10,7 @@ import sys
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -20,7 +21,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class ValkeyServer(EmbeddedValkey):
-    """A Valkey server the tests can stop, kill and start again on the same port."""
+    """A Valkey server the tests can stop, kill and start again on the same port.
+
+    ``durable``: every write is in its AOF before it is answered (``appendfsync
+    always``). With the default ``everysec``, Valkey may answer writes whose AOF write
+    it postponed while a slow fsync runs (up to 2 s, on a busy disk): a SIGKILL then
+    loses writes it acknowledged, a store come back behind. A test that kills Valkey to
+    cut the store off, and expects nothing it acknowledged to be lost, asks for this.
+    """
+
+    def __init__(self, *, durable: bool = False, **options: Any) -> None:
+        super().__init__(**options)
+        self.durable = durable
+
+    def command(self) -> list[str]:
+        return [*super().command(), *(["--appendfsync", "always"] if self.durable else [])]
 
     @property
     def pid(self) -> int:

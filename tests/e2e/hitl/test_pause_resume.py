@@ -519,7 +519,8 @@ async def test_a_resume_that_arrives_as_the_pause_is_stored_runs_to_the_end(
 async def test_a_buffer_outage_after_a_resume_degrades_to_live_delivery(
     tmp_path: Path, unique: str
 ) -> None:
-    valkey = ValkeyServer(data_dir=tmp_path / "valkey")
+    # Durable: the outage is the fault here, not writes the AOF had not taken yet.
+    valkey = ValkeyServer(data_dir=tmp_path / "valkey", durable=True)
     await valkey.start()
     server = FlowcastServer(
         data_dir=tmp_path / "server",

@@ -151,13 +151,16 @@ async def test_a_holder_stalled_past_its_lease_does_not_call_beside_the_next_one
 
         tap.when(lambda data: b"acquire" in data and b"{llm:default}" in data, stop)
         llm.script(Reply(pieces=["held ", "by ", "C"], delay=3))
-        first = await execute(on_holder, "stall")
+        # H may stop before its 202 goes out (a 202 waits for the first event to be
+        # stored while the block already asks for its slot): it answers once it runs.
+        answering = asyncio.create_task(execute(on_holder, "stall"))
         await asyncio.wait_for(stopped.wait(), 20)
         stopped_at = time.monotonic()
         second = await execute(on_other, "stall")
         await llm.wait_in_flight(1, timeout=20)  # C's call, after H's lease ended
         print(f"\nC called {time.monotonic() - stopped_at:.2f} s after H stopped")
         os.kill(holder.pid, signal.SIGCONT)
+        first = await asyncio.wait_for(answering, 30)
         for execution_id in (first, second):
             events = await asyncio.wait_for(ended([on_other, on_holder], execution_id), 60)
             assert one_terminal(events) == "execution:completed", events[-1]

@@ -40,7 +40,8 @@ class Stack:
 
 @asynccontextmanager
 async def stack(tmp_path: Path, env: dict[str, str]) -> AsyncIterator[Stack]:
-    valkey = ValkeyServer(data_dir=tmp_path / "valkey")
+    # Durable: the outage is the fault here, not writes the AOF had not taken yet.
+    valkey = ValkeyServer(data_dir=tmp_path / "valkey", durable=True)
     await valkey.start()
     flowcast = FlowcastServer(
         data_dir=tmp_path / "server",
