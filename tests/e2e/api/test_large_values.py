@@ -243,9 +243,15 @@ async def test_an_execution_producing_1_gib_keeps_its_redis_footprint_within_the
             names = ("events", "meta", "dropped", "state")  # the checkpoint counts too
             keys = [f"{prefix}:{{{execution_id}}}:{name}" for name in names]
             samples: list[int] = []
+            # The sampler stops at a flag, not a cancel: on Python 3.11 a cancel that
+            # lands as a Redis command's send completes is lost (asyncio.wait_for, which
+            # redis-py sends under when a socket timeout is set, returns the result
+            # instead), and the sampler then went on forever: the test never ended
+            # although the execution had completed (the gib hang investigation, step 15).
+            done = asyncio.Event()
 
             async def sample() -> None:
-                while True:
+                while not done.is_set():
                     samples.append(await footprint(redis, keys))
                     await hold_for(0.05, "the footprint's sampling pace")
 
@@ -253,8 +259,8 @@ async def test_an_execution_producing_1_gib_keeps_its_redis_footprint_within_the
             try:
                 snapshot = await wait_finished(client, execution_id)
             finally:
-                sampler.cancel()
-                await asyncio.gather(sampler, return_exceptions=True)
+                done.set()
+                await sampler
             elapsed = time.monotonic() - started
             assert snapshot["status"] == "completed", snapshot
             samples.append(await footprint(redis, keys))
