@@ -292,7 +292,8 @@ class Slots:
                     # instead would spin for as long as a lost stream stays behind them.)
                     if line.seen == asked:
                         with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(line.changed.wait(), int(wait_ms) / 1000)
+                            async with asyncio.timeout(int(wait_ms) / 1000):
+                                await line.changed.wait()
         finally:
             line.waiting -= 1
 
