@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 import random
 import time
@@ -10,9 +11,9 @@ import time
 import pytest
 from redis.asyncio import Redis
 
-from lib.errors import BlockError
+from lib.errors import BlockError, InvalidInput
 from lib.workflows.redact import Redactor, spellings
-from lib.workflows.secrets import SecretStore
+from lib.workflows.secrets import LOG_TENANT, SecretStore
 
 
 @pytest.fixture
@@ -42,7 +43,7 @@ async def test_a_value_comes_back_only_for_its_own_tenant_and_name(
 
 
 async def test_another_server_key_cannot_open_a_value(redis: Redis, prefix: str) -> None:
-    await SecretStore(redis=redis, key=b"one-key", prefix=prefix).put("t", "A", "value-1")
+    await SecretStore(redis=redis, key=b"one-key", prefix=prefix).put("t", "A", "value-one")
     with pytest.raises(BlockError) as unreadable:
         await SecretStore(redis=redis, key=b"another-key", prefix=prefix).reveal("t", {"A"})
     assert "FLOWCAST_SECRET_KEY" in unreadable.value.message
@@ -54,6 +55,30 @@ async def test_the_process_masks_every_value_it_revealed(redis: Redis, prefix: s
     assert store.redact_text("x hunter2-long y") == "x hunter2-long y"  # not revealed yet
     await store.reveal("t", {"A"})
     assert store.redact_text("x hunter2-long y") == "x *** y"
+
+
+async def test_a_log_line_is_masked_with_the_secrets_of_its_own_tenant(
+    redis: Redis, prefix: str
+) -> None:
+    """Step 16's review (row 8): tenant B's secrets ``ex_`` and ``api`` blanked 4 of 4 of
+    tenant A's log lines. A value under 8 characters is now refused, and a line logged
+    for a tenant (``LOG_TENANT``, set by a request's authentication and by a run) is
+    masked with that tenant's values only; a line of no tenant with every tenant's."""
+    store = SecretStore(redis=redis, key=b"k", prefix=prefix)
+    with pytest.raises(InvalidInput):
+        await store.put("b", "SHORT", "api_key")
+    await store.put("b", "KEY", "example_api_key")
+    await store.reveal("b", {"KEY"})
+    line = "calling with example_api_key"
+
+    def logged_for(tenant: str | None) -> str:
+        return contextvars.copy_context().run(
+            lambda: (LOG_TENANT.set(tenant), store.redact_text(line))[1]
+        )
+
+    assert logged_for("a") == line
+    assert logged_for("b") == "calling with ***"
+    assert logged_for(None) == "calling with ***"
 
 
 @pytest.mark.parametrize("read", ["masks", "reveal"])
