@@ -24,7 +24,7 @@ from app.runtime import Runtime
 from app.settings import Settings
 from app.sse import OpenStreams
 from app.stores import Stores
-from app.tokens import StreamTokens
+from app.tokens import ListGrant, StreamTokens
 from lib.execution.buffer import EventBuffer
 from lib.execution.hub import Hub
 from lib.execution.stream import Readers
@@ -81,12 +81,12 @@ async def reader(request: Request, execution_id: str) -> Caller:
     return caller
 
 
-async def lister(request: Request) -> str:
-    """The caller's tenant on the live list: an API key or a list token."""
+async def lister(request: Request) -> ListGrant:
+    """The caller of the live list: an API key or a list token (and until when)."""
     svc: Services = request.app.state.services
-    caller = authenticate_list(request, svc.keys, svc.tokens)
-    LOG_TENANT.set(caller)
-    return caller
+    grant = authenticate_list(request, svc.keys, svc.tokens)
+    LOG_TENANT.set(grant.tenant)
+    return grant
 
 
 def build_services(
