@@ -384,3 +384,29 @@ async def test_a_deeply_nested_template_or_condition_is_422_with_its_path(
     assert stored.status_code in (200, 201), stored.text
     assert rss_bytes(shared.pid) - before < 50 * 1024 * 1024
     assert (await alice.get("/api/workflows")).status_code == 200
+
+
+async def test_streams_opened_by_token_count_toward_the_tenant_cap(
+    capped: FlowcastServer, unique: str
+) -> None:
+    """Step 16's review (row 15): with a cap of 5, 3 streams by key and 2 by ``?token=``
+    let a 6th through. Every open stream of a tenant counts, however it was authorized:
+    the execution's, the live list's (by key or list token)."""
+    async with authed(capped, MALLORY) as mallory, authed(capped) as anonymous:
+        await put(mallory, approval(f"tok-{unique}", {"type": "boolean"}))
+        started = (await mallory.post(f"/api/workflows/tok-{unique}/execute", json={})).json()
+        url = f"/api/executions/{started['executionId']}/stream"
+        by_token = f"{url}?token={started['streamToken']}"
+        list_token = (await mallory.post("/api/executions/live/token")).json()["streamToken"]
+        for opened in (
+            [by_token, by_token, by_token],
+            [url, by_token, f"/api/executions/live?token={list_token}"],
+        ):
+            async with contextlib.AsyncExitStack() as stack:
+                for path in opened:
+                    client = mallory if "token=" not in path else anonymous
+                    response = await stack.enter_async_context(client.stream("GET", path))
+                    assert response.status_code == 200, path
+                for client, path in ((mallory, url), (anonymous, by_token)):
+                    refused = await client.get(path)
+                    assert refused.status_code == 429, (path, refused.text)
