@@ -410,3 +410,29 @@ async def test_streams_opened_by_token_count_toward_the_tenant_cap(
                 for client, path in ((mallory, url), (anonymous, by_token)):
                     refused = await client.get(path)
                     assert refused.status_code == 429, (path, refused.text)
+
+
+@pytest.mark.parametrize("authorization", ["", "Authorization: Bearer not-a-key\r\n"])
+async def test_a_request_without_a_valid_key_is_refused_before_its_body_is_read(
+    shared: FlowcastServer, authorization: str
+) -> None:
+    """Step 16's review (row 5): eight keyless clients sending 10 MiB bodies of
+    ``[{},{},…]`` added ~300 MiB and pushed another tenant's p99 to 1.25-3.5 s: bodies
+    were read and parsed before the key was checked. Here the body never comes: the
+    401 can only be the answer if nothing waited for it (else a 408, 30 s later)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", shared.port)
+    try:
+        writer.write(
+            (
+                "POST /api/workflows/any/execute HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                f"{authorization}Content-Type: application/json\r\n"
+                "Content-Length: 10000000\r\n\r\n[{},{},"
+            ).encode()
+        )
+        await writer.drain()
+        async with asyncio.timeout(10):
+            head = await reader.readuntil(b"\r\n\r\n")
+    finally:
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 401"), head
+    assert b"www-authenticate: bearer" in head.lower()
