@@ -436,3 +436,25 @@ async def test_a_request_without_a_valid_key_is_refused_before_its_body_is_read(
         writer.close()
     assert head.startswith(b"HTTP/1.1 401"), head
     assert b"www-authenticate: bearer" in head.lower()
+
+
+async def test_a_config_that_repeats_a_large_input_fails_before_it_is_built(
+    shared: FlowcastServer, mallory: httpx.AsyncClient, alice: httpx.AsyncClient, unique: str
+) -> None:
+    """Step 16's review (row 3): ``["{{ input.s }}"] * 300`` with a 1 MB input cost the
+    server +288 MiB and wrote 287 MiB to the value store, each answer within the bound.
+    The block now fails on the whole config's size before anything is built."""
+    workflow_id = f"repeat-{unique}"
+    config = {"value": ["{{ input.s }}"] * 300}
+    await put(
+        mallory, {"id": workflow_id, "blocks": [{"id": "r", "type": "transform", "config": config}]}
+    )
+    before = rss_bytes(shared.pid)
+    started = await mallory.post(
+        f"/api/workflows/{workflow_id}/execute", json={"input": {"s": "z" * 1_000_000}}
+    )
+    snapshot = await finished(mallory, started.json()["executionId"])
+    assert snapshot["status"] == "failed", snapshot
+    assert "renders to more than" in snapshot["error"]["message"], snapshot
+    assert rss_bytes(shared.pid) - before < 50 * 1024 * 1024
+    assert (await alice.get("/api/workflows")).status_code == 200
