@@ -3,6 +3,12 @@
 Workflows registered through the API are stored per tenant in one Redis hash, so every
 replica sees them. Files from the workflows directory are a read-only layer under them,
 visible to every tenant; an API workflow with the same id shadows the file.
+
+A start need not read its workflow first: the store keeps each workflow as this process
+last read or wrote it (``known``), and a start goes on with that one, its document read
+again in the start's own round trip (``confirm_in``). Another replica may have replaced
+or deleted it since: then the start is taken back and the workflow read afresh, so an
+execution always runs the version that was current when it was accepted.
 """
 
 from __future__ import annotations
@@ -16,8 +22,16 @@ from typing import Any, cast
 import orjson
 from redis.asyncio import Redis
 
-from lib.backend import Keys, translating
-from lib.errors import Conflict, FlowcastError, InvalidInput, NotFound, Problem, WorkflowInvalid
+from lib.backend import Batch, Keys, translating
+from lib.errors import (
+    Conflict,
+    FlowcastError,
+    InvalidInput,
+    NotFound,
+    Problem,
+    WorkflowChanged,
+    WorkflowInvalid,
+)
 from lib.workflows.model import Workflow
 
 log = logging.getLogger(__name__)
@@ -26,6 +40,8 @@ Validate = Callable[[Any], Workflow]
 # Problems a workflow has only against this server's configuration (an llm provider
 # it names is not configured): refused when stored, not when read back.
 Admit = Callable[[Workflow], list[Problem]]
+# Past this many, the workflows known by (tenant, id) are forgotten (and read again).
+KNOWN_MAX = 1024
 
 
 @dataclass(frozen=True)
@@ -87,6 +103,9 @@ class WorkflowStore:
         self._keys = Keys(prefix)
         # Parsed workflows by their stored bytes: a stored definition is validated once.
         self._parsed: dict[bytes, Workflow] = {}
+        # Each workflow as this process last read or wrote it, by (tenant, id), with the
+        # bytes the store held (None: none, the file's).
+        self._known: dict[tuple[str, str], tuple[bytes | None, StoredWorkflow]] = {}
 
     def _key(self, tenant: str) -> str:
         return self._keys.workflows(tenant)
@@ -98,6 +117,37 @@ class WorkflowStore:
                 self._parsed.clear()
             workflow = self._parsed[raw] = self._validate(orjson.loads(raw))
         return workflow
+
+    def _remember(
+        self, tenant: str, workflow_id: str, raw: bytes | None, stored: StoredWorkflow | None
+    ) -> None:
+        if stored is None:
+            self._known.pop((tenant, workflow_id), None)
+            return
+        if len(self._known) >= KNOWN_MAX:
+            self._known.clear()
+        self._known[(tenant, workflow_id)] = (raw, stored)
+
+    def known(self, tenant: str, workflow_id: str) -> StoredWorkflow | None:
+        """The workflow as this process last read or wrote it, or None. A start may go
+        on with it only if its round trip confirms it (``confirm_in``)."""
+        entry = self._known.get((tenant, workflow_id))
+        return None if entry is None else entry[1]
+
+    def confirm_in(self, batch: Batch, tenant: str, workflow_id: str) -> None:
+        """Read the workflow's document as one command of ``batch``: its answer raises
+        ``WorkflowChanged`` unless the store still holds the one ``known`` returned
+        (replaced or deleted by another replica since; forgotten here then)."""
+        key = (tenant, workflow_id)
+        entry = self._known.get(key)
+
+        def confirmed(raw: bytes | None) -> None:
+            if entry is None or raw != entry[0] or (raw is None and workflow_id not in self._files):
+                if self._known.get(key) is entry:
+                    self._known.pop(key, None)
+                raise WorkflowChanged(workflow_id)
+
+        batch.call("HGET", self._key(tenant), workflow_id, then=confirmed)
 
     async def put(self, tenant: str, workflow_id: str, body: Any) -> tuple[Workflow, bool]:
         """Validate and store; returns the workflow and whether it was created."""
@@ -115,16 +165,21 @@ class WorkflowStore:
         raw = orjson.dumps(workflow.model_dump(by_alias=True, exclude_none=True, mode="json"))
         with translating("store the workflow"):
             created = await self._redis.hset(self._key(tenant), workflow_id, raw)
+        self._remember(tenant, workflow_id, raw, StoredWorkflow(self._parse(raw), "api"))
         return workflow, bool(created) and workflow_id not in self._files
 
     async def get(self, tenant: str, workflow_id: str) -> StoredWorkflow:
         with translating("read the workflow"):
             raw = cast(bytes | None, await self._redis.hget(self._key(tenant), workflow_id))
+        stored: StoredWorkflow | None = None
         if raw is not None:
-            return StoredWorkflow(self._parse(raw), "api")
-        if workflow_id in self._files:
-            return StoredWorkflow(self._files[workflow_id], "file")
-        raise NotFound("workflow", workflow_id)
+            stored = StoredWorkflow(self._parse(raw), "api")
+        elif workflow_id in self._files:
+            stored = StoredWorkflow(self._files[workflow_id], "file")
+        self._remember(tenant, workflow_id, raw, stored)
+        if stored is None:
+            raise NotFound("workflow", workflow_id)
+        return stored
 
     async def list(self, tenant: str) -> list[StoredWorkflow]:
         with translating("list workflows"):
@@ -147,6 +202,7 @@ class WorkflowStore:
     async def delete(self, tenant: str, workflow_id: str) -> None:
         with translating("delete the workflow"):
             removed = await self._redis.hdel(self._key(tenant), workflow_id)
+        self._remember(tenant, workflow_id, None, None)
         if removed:
             return
         if workflow_id in self._files:
