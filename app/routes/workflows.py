@@ -166,7 +166,7 @@ async def execute(
         known = svc.workflows.known(tenant_id, workflow_id)
         if known is not None:
             confirm = functools.partial(
-                svc.workflows.confirm_in, tenant=tenant_id, workflow_id=workflow_id
+                svc.workflows.confirm_in, tenant=tenant_id, workflow_id=workflow_id, stored=known
             )
             try:
                 return await run(known.workflow, execution_id, write_back, confirm)

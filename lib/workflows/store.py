@@ -48,6 +48,7 @@ KNOWN_MAX = 1024
 class StoredWorkflow:
     workflow: Workflow
     source: str  # "api" or "file"
+    raw: bytes | None = None  # the document as the store held it; None for a file's
 
 
 @dataclass(frozen=True)
@@ -103,9 +104,8 @@ class WorkflowStore:
         self._keys = Keys(prefix)
         # Parsed workflows by their stored bytes: a stored definition is validated once.
         self._parsed: dict[bytes, Workflow] = {}
-        # Each workflow as this process last read or wrote it, by (tenant, id), with the
-        # bytes the store held (None: none, the file's).
-        self._known: dict[tuple[str, str], tuple[bytes | None, StoredWorkflow]] = {}
+        # Each workflow as this process last read or wrote it, by (tenant, id).
+        self._known: dict[tuple[str, str], StoredWorkflow] = {}
 
     def _key(self, tenant: str) -> str:
         return self._keys.workflows(tenant)
@@ -118,33 +118,31 @@ class WorkflowStore:
             workflow = self._parsed[raw] = self._validate(orjson.loads(raw))
         return workflow
 
-    def _remember(
-        self, tenant: str, workflow_id: str, raw: bytes | None, stored: StoredWorkflow | None
-    ) -> None:
+    def _remember(self, tenant: str, workflow_id: str, stored: StoredWorkflow | None) -> None:
         if stored is None:
             self._known.pop((tenant, workflow_id), None)
             return
         if len(self._known) >= KNOWN_MAX:
             self._known.clear()
-        self._known[(tenant, workflow_id)] = (raw, stored)
+        self._known[(tenant, workflow_id)] = stored
 
     def known(self, tenant: str, workflow_id: str) -> StoredWorkflow | None:
         """The workflow as this process last read or wrote it, or None. A start may go
         on with it only if its round trip confirms it (``confirm_in``)."""
-        entry = self._known.get((tenant, workflow_id))
-        return None if entry is None else entry[1]
+        return self._known.get((tenant, workflow_id))
 
-    def confirm_in(self, batch: Batch, tenant: str, workflow_id: str) -> None:
+    def confirm_in(
+        self, batch: Batch, tenant: str, workflow_id: str, stored: StoredWorkflow
+    ) -> None:
         """Read the workflow's document as one command of ``batch``: its answer raises
-        ``WorkflowChanged`` unless the store still holds the one ``known`` returned
-        (replaced or deleted by another replica since; forgotten here then)."""
+        ``WorkflowChanged`` unless the store still holds ``stored`` (replaced or deleted
+        by another replica since; then no longer known here)."""
         key = (tenant, workflow_id)
-        entry = self._known.get(key)
 
         def confirmed(raw: bytes | None) -> None:
-            if entry is None or raw != entry[0] or (raw is None and workflow_id not in self._files):
-                if self._known.get(key) is entry:
-                    self._known.pop(key, None)
+            if raw != stored.raw:
+                if self._known.get(key) is stored:
+                    del self._known[key]
                 raise WorkflowChanged(workflow_id)
 
         batch.call("HGET", self._key(tenant), workflow_id, then=confirmed)
@@ -165,7 +163,7 @@ class WorkflowStore:
         raw = orjson.dumps(workflow.model_dump(by_alias=True, exclude_none=True, mode="json"))
         with translating("store the workflow"):
             created = await self._redis.hset(self._key(tenant), workflow_id, raw)
-        self._remember(tenant, workflow_id, raw, StoredWorkflow(self._parse(raw), "api"))
+        self._remember(tenant, workflow_id, StoredWorkflow(workflow, "api", raw))
         return workflow, bool(created) and workflow_id not in self._files
 
     async def get(self, tenant: str, workflow_id: str) -> StoredWorkflow:
@@ -173,10 +171,10 @@ class WorkflowStore:
             raw = cast(bytes | None, await self._redis.hget(self._key(tenant), workflow_id))
         stored: StoredWorkflow | None = None
         if raw is not None:
-            stored = StoredWorkflow(self._parse(raw), "api")
+            stored = StoredWorkflow(self._parse(raw), "api", raw)
         elif workflow_id in self._files:
             stored = StoredWorkflow(self._files[workflow_id], "file")
-        self._remember(tenant, workflow_id, raw, stored)
+        self._remember(tenant, workflow_id, stored)
         if stored is None:
             raise NotFound("workflow", workflow_id)
         return stored
@@ -190,7 +188,7 @@ class WorkflowStore:
         }
         for raw_id, raw in stored.items():
             try:
-                found[raw_id.decode()] = StoredWorkflow(self._parse(raw), "api")
+                found[raw_id.decode()] = StoredWorkflow(self._parse(raw), "api", raw)
             except FlowcastError as exc:
                 # A stored workflow can turn invalid when plugins change; keep listing.
                 log.warning(
@@ -202,7 +200,7 @@ class WorkflowStore:
     async def delete(self, tenant: str, workflow_id: str) -> None:
         with translating("delete the workflow"):
             removed = await self._redis.hdel(self._key(tenant), workflow_id)
-        self._remember(tenant, workflow_id, None, None)
+        self._remember(tenant, workflow_id, None)
         if removed:
             return
         if workflow_id in self._files:

@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 from lib.backend import Batch
 from lib.errors import NotFound, WorkflowChanged
 from lib.workflows.model import Workflow
-from lib.workflows.store import WorkflowStore
+from lib.workflows.store import StoredWorkflow, WorkflowStore
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -39,9 +39,14 @@ def replicas(redis: Redis, **options: Any) -> tuple[WorkflowStore, WorkflowStore
     )
 
 
-async def confirm(store: WorkflowStore, redis: Redis, workflow_id: str) -> None:
+async def confirm(
+    store: WorkflowStore, redis: Redis, workflow_id: str, stored: StoredWorkflow | None = None
+) -> None:
+    """Confirm ``stored`` (the workflow ``store`` knows, by default) in a batch of its own."""
+    stored = stored or store.known("t", workflow_id)
+    assert stored is not None
     batch = Batch(redis)
-    store.confirm_in(batch, "t", workflow_id)
+    store.confirm_in(batch, "t", workflow_id, stored)
     await batch.send()
 
 
@@ -97,8 +102,18 @@ async def test_a_file_workflow_is_confirmed_until_the_api_shadows_it(redis: Redi
     await confirm(here, redis, "wf")
 
 
-async def test_a_workflow_never_read_here_is_not_confirmed(redis: Redis) -> None:
-    here, there = replicas(redis)
-    await there.put("t", "wf", definition("wf", 1))
+async def test_a_start_is_confirmed_against_the_workflow_it_went_on_with(
+    redis: Redis,
+) -> None:
+    """What this process knows may move on while a start is under way (a put here, a
+    read by another request): the start is judged against its own workflow."""
+    here, _ = replicas(redis)
+    await here.put("t", "wf", definition("wf", 1))
+    went_on_with = here.known("t", "wf")
+    assert went_on_with is not None
+    await here.put("t", "wf", definition("wf", 2))
     with pytest.raises(WorkflowChanged):
-        await confirm(here, redis, "wf")
+        await confirm(here, redis, "wf", went_on_with)
+    known = here.known("t", "wf")
+    assert known is not None and value_of(known.workflow) == 2  # the newer one stays known
+    await confirm(here, redis, "wf")
