@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.errors import ApiError, error_payload
 from app.responses import JSON
-from app.tokens import StreamTokens
+from app.tokens import ListGrant, StreamTokens
 
 DEFAULT_TENANT = "default"
 CHALLENGE = {"WWW-Authenticate": "Bearer"}
@@ -54,10 +54,10 @@ class ApiKeys:
                 found = key
         return tenant_of_key(found.decode()) if found is not None else None
 
-    def has_tenant(self, tenant: str) -> bool:
-        """Whether a configured key stands for ``tenant`` (a key taken out of the
-        configuration takes its tenant's list tokens with it)."""
-        return any(tenant_of_key(key.decode()) == tenant for key in self._keys)
+    def tenants(self) -> list[str]:
+        """The tenants of the configured keys (a key taken out of the configuration
+        takes its tenant's list tokens with it)."""
+        return [tenant_of_key(key.decode()) for key in self._keys]
 
 
 @dataclass(frozen=True)
@@ -116,22 +116,22 @@ def authenticate_reader(
     return Caller(None, execution_id)
 
 
-def authenticate_list(request: Request, keys: ApiKeys, tokens: StreamTokens) -> str:
-    """The caller's tenant on the live list: an API key or a list token."""
+def authenticate_list(request: Request, keys: ApiKeys, tokens: StreamTokens) -> ListGrant:
+    """The caller on the live list: an API key (no end), or a list token (until it expires)."""
     if not keys.enabled:
-        return DEFAULT_TENANT
+        return ListGrant(DEFAULT_TENANT, None)
     token = request.query_params.get("token")
     if token is None:
-        return _bearer(request, keys)
-    tenant = tokens.list_tenant(token)
-    if tenant is None or not keys.has_tenant(tenant):
+        return ListGrant(_bearer(request, keys), None)
+    grant = tokens.list_grant(token, keys.tenants())
+    if grant is None:
         raise ApiError(
             401,
             "unauthorized",
             "the list token is not valid (POST /api/executions/live/token issues one)",
             CHALLENGE,
         )
-    return tenant
+    return grant
 
 
 # Headers a proxy adds when it relays a request for someone else (RFC 7239's Forwarded,
