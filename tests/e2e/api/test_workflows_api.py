@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -173,24 +173,34 @@ async def output_of(client: httpx.AsyncClient, workflow_id: str, *, streamed: bo
     return frames[-1].json["data"]["output"]
 
 
-@pytest.mark.timeout(60)
+@pytest.fixture(scope="module")
+async def pair(
+    valkey: ValkeyServer, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[tuple[FlowcastServer, FlowcastServer]]:
+    """Replicas A and B on one Redis prefix of their own."""
+    async with serving_pair(valkey, tmp_path_factory.mktemp("pair")) as servers:
+        yield servers
+
+
 @pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "answered-202"])
 async def test_an_execute_runs_the_workflow_stored_when_it_is_accepted_whoever_changed_it(
-    valkey: ValkeyServer, tmp_path: Path, streamed: bool
+    pair: tuple[FlowcastServer, FlowcastServer], unique: str, streamed: bool
 ) -> None:
     """A replica starts a workflow it read before without reading it again first, the
     store's copy confirmed in the start's own round trip (step 15, the event path's
     latency): replaced or deleted on another replica since, the execute still runs the
     stored version, or answers 404 and starts nothing."""
-    async with serving_pair(valkey, tmp_path) as (a, b), authed(a) as on_a, authed(b) as on_b:
-        await put(on_a, valued("wf", 1))
-        assert await output_of(on_a, "wf", streamed=streamed) == {"a": 1}
-        await put(on_b, valued("wf", 2))
-        assert await output_of(on_a, "wf", streamed=streamed) == {"a": 2}
-        assert await output_of(on_a, "wf", streamed=streamed) == {"a": 2}
-        assert (await on_b.delete("/api/workflows/wf")).status_code == 204
-        assert await output_of(on_a, "wf", streamed=streamed) == 404
-        await put(on_b, valued("wf", 3))
-        assert await output_of(on_a, "wf", streamed=streamed) == {"a": 3}
-        listed = (await on_a.get("/api/executions", params={"workflowId": "wf"})).json()
+    a, b = pair
+    workflow_id = f"versions-{unique}"
+    async with authed(a) as on_a, authed(b) as on_b:
+        await put(on_a, valued(workflow_id, 1))
+        assert await output_of(on_a, workflow_id, streamed=streamed) == {"a": 1}
+        await put(on_b, valued(workflow_id, 2))
+        assert await output_of(on_a, workflow_id, streamed=streamed) == {"a": 2}
+        assert await output_of(on_a, workflow_id, streamed=streamed) == {"a": 2}
+        assert (await on_b.delete(f"/api/workflows/{workflow_id}")).status_code == 204
+        assert await output_of(on_a, workflow_id, streamed=streamed) == 404
+        await put(on_b, valued(workflow_id, 3))
+        assert await output_of(on_a, workflow_id, streamed=streamed) == {"a": 3}
+        listed = (await on_a.get("/api/executions", params={"workflowId": workflow_id})).json()
         assert len(listed["executions"]) == 4  # the 404 left no listing
