@@ -139,9 +139,10 @@ class TemplatePool:
     async def render(self, value: Any, context: dict[str, Any]) -> Any:
         """Render every template inside a JSON value; other values come back unchanged.
 
-        The output bound is on the whole value rendered, every answer counted where it
-        is used: a config of 300 ``"{{ input.s }}"`` with a 1 MB ``s`` built and stored
-        300 MB, each answer within the bound (step 16's review, row 3)."""
+        The output bound is on all the value's templates render to, every answer counted
+        where it is used: a config of 300 ``"{{ input.s }}"`` with a 1 MB ``s`` built and
+        stored 300 MB, each answer within the bound (step 16's review, row 3). Text that
+        is no template is the workflow's own, bounded when it was stored."""
         answers: dict[str, Any] = {}
         pending: list[str] = []
         self._plan(value, context, answers, pending)
@@ -162,12 +163,10 @@ class TemplatePool:
             current = stack.pop()
             if isinstance(current, dict):
                 stack.extend(current.values())
-                total += sum(len(key) for key in current)
             elif isinstance(current, list):
                 stack.extend(current)
-            elif isinstance(current, str):
-                found = answers.get(current, current) if is_template(current) else current
-                total += sizes.of(found)
+            elif isinstance(current, str) and is_template(current):
+                total += sizes.of(answers.get(current, current))
             if total > self.max_output_bytes:
                 raise BlockError(
                     "template_error",
