@@ -57,6 +57,7 @@ import orjson
 from lib.backoff import Backoff
 from lib.errors import BufferUnavailable, CancelWins, WriteGone, WriteOutOfOrder, WriteRefused
 from lib.execution.buffer import EventBuffer
+from lib.execution.ceiling import Ceiling
 from lib.execution.events import (
     EXECUTION_CANCELLED,
     EXECUTION_COMPLETED,
@@ -128,6 +129,7 @@ class EventWriter:
         reserved: int = 0,
         publish: Publish | None = None,
         gate: LiveGate | None = None,
+        ceiling: Ceiling | None = None,
         on_cancel: Callable[[], None] | None = None,
         on_lost: Callable[[], Awaitable[None]] | None = None,
         identity: Mapping[str, str] | None = None,
@@ -144,6 +146,10 @@ class EventWriter:
         self._tell_stored: Callable[[int], None] | None = None
         self._gate = gate or LiveGate.always_open()
         self._gate.when_open(self._show)
+        # The durable ceiling (ceiling.py): an unstored event is shown only under it too.
+        self._ceiling = ceiling
+        if ceiling is not None:
+            ceiling.on_raised = self._show
         self._on_cancel = on_cancel
         # Called when the store lost writes of this run, before they are written back:
         # the owner watches its lease again first (so a recreated execution is never
@@ -207,6 +213,8 @@ class EventWriter:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        if self._ceiling is not None:
+            await self._ceiling.close()
 
     def put(self, event: Event) -> None:
         """Queue one event for storing; never blocks. Drops the oldest waiting past the cap."""
@@ -220,6 +228,8 @@ class EventWriter:
             if len(self._waiting) <= 1:
                 break  # the newest event (maybe the terminal one) is never dropped
             self._drop(self._waiting.popleft())
+        if self._ceiling is not None:
+            self._ceiling.want(event.id)
         # Shown (if it may be) before the flush is woken: a reader here writes its frame
         # before the append is built and sent.
         self._show()
@@ -279,7 +289,10 @@ class EventWriter:
             # under an id reserved for this owner, while the gate is open, and never
             # when it is the run's final event.
             if event.id > self.stored_id and (
-                not gate_open or event.type in FINAL_TYPES or event.id > self.reserved
+                not gate_open
+                or event.type in FINAL_TYPES
+                or event.id > self.reserved
+                or (self._ceiling is not None and event.id > self._ceiling.value)
             ):
                 return
             unshown.popleft()
