@@ -106,6 +106,10 @@ class Ceiling:
             self._task = asyncio.create_task(self._raise(), name=f"ceiling:{self._execution_id}")
 
     def _due(self) -> bool:
+        if self.value == self._base:
+            # Only past what the claim reserved: a start's first event (its first
+            # frame) shares the moment with no value-store write.
+            return self._wanted > self.value
         return self._wanted > self.value - self._block // 2
 
     async def _raise(self) -> None:

@@ -228,8 +228,6 @@ class EventWriter:
             if len(self._waiting) <= 1:
                 break  # the newest event (maybe the terminal one) is never dropped
             self._drop(self._waiting.popleft())
-        if self._ceiling is not None:
-            self._ceiling.want(event.id)
         # Shown (if it may be) before the flush is woken: a reader here writes its frame
         # before the append is built and sent.
         self._show()
@@ -386,6 +384,9 @@ class EventWriter:
             waiting = len(self._waiting)
             self._ahead = min(waiting, self._max_pending) if waiting >= BURST_EVENTS else 0
             self.reserved = max(self.reserved, result.reserved)
+            if self._ceiling is not None:
+                # After an append: a start's first frame shares no moment with its write.
+                self._ceiling.want(max(self.reserved, self.stored_id, batch[-1].id if batch else 0))
             self._stored(batch, first)
             if result.cancel_requested and self._on_cancel is not None:
                 self._on_cancel()

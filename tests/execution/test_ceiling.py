@@ -39,6 +39,9 @@ async def test_the_ceiling_is_raised_a_block_ahead_once_per_block(tmp_path: Path
     )
     ceiling.on_raised = lambda: raised.append(ceiling.value)
     assert ceiling.value == 10  # reserved by the claim itself: no write needed for it
+    ceiling.want(10)
+    await hold_for(0.02, "a window in which an id the claim reserved may start no write")
+    assert values.writes == 0
     ceiling.want(11)
     await until(lambda: raised == [111], "raised a block past the id wanted")
     for event_id in range(12, 61):  # all more than half a block below it
