@@ -48,6 +48,7 @@ from lib.workflows.janitor import Ending
 from lib.workflows.leases import LocalRun
 from lib.workflows.model import Workflow
 from lib.workflows.runstate import RunStates
+from lib.workflows.secrets import LOG_TENANT
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,7 @@ class Launcher:
             opening(local, events)  # emitted before the log's tasks run: they find it
 
         async def run() -> None:
+            LOG_TENANT.set(local.tenant)  # this run's log lines: masked with its secrets
             try:
                 async with events:
                     await body(local, events)
@@ -323,7 +325,8 @@ class Launcher:
                 )
             else:
                 counting = self._admission.leave(local.tenant, local.fence)
-            await asyncio.wait_for(counting, 1.0)
+            async with asyncio.timeout(1.0):
+                await counting
         except (FlowcastError, TimeoutError) as exc:
             extra_error = {**extra, "error": str(exc) or type(exc).__name__}
             log.warning("could not stop counting the run; it will on letting go", extra=extra_error)
