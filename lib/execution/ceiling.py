@@ -30,6 +30,7 @@ import orjson
 
 from lib.backoff import Backoff
 from lib.execution.values import RECORD_PREFIX, ValueStore, ValueStoreError
+from lib.tasks import stop
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,5 @@ class Ceiling:
     async def close(self) -> None:
         """Stop raising it (the run let go)."""
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await stop(self._task)
             self._task = None
