@@ -30,9 +30,10 @@ from lib.execution.hub import Hub
 from lib.execution.stream import Readers
 from lib.execution.values import ValueStore
 from lib.metrics import Metrics
+from lib.tenancy import CURRENT_TENANT
 from lib.workflows.providers import Providers
 from lib.workflows.runner import Runner
-from lib.workflows.secrets import LOG_TENANT, SecretStore
+from lib.workflows.secrets import SecretStore
 from lib.workflows.store import WorkflowStore
 
 
@@ -69,7 +70,7 @@ async def tenant(request: Request) -> str:
     """The caller's tenant (a FastAPI dependency); ``default`` until API keys are set."""
     svc: Services = request.app.state.services
     caller = authenticate(request, svc.keys)
-    LOG_TENANT.set(caller)  # the request's log lines are masked with its secrets
+    CURRENT_TENANT.set(caller)  # whose request: its log lines are masked with its secrets
     return caller
 
 
@@ -77,7 +78,7 @@ async def reader(request: Request, execution_id: str) -> Caller:
     """The caller of a stream or values route: an API key or a stream token."""
     svc: Services = request.app.state.services
     caller = authenticate_reader(request, svc.keys, svc.tokens, execution_id)
-    LOG_TENANT.set(caller.tenant)
+    CURRENT_TENANT.set(caller.tenant)
     return caller
 
 
@@ -85,7 +86,7 @@ async def lister(request: Request) -> ListGrant:
     """The caller of the live list: an API key or a list token (and until when)."""
     svc: Services = request.app.state.services
     grant = authenticate_list(request, svc.keys, svc.tokens)
-    LOG_TENANT.set(grant.tenant)
+    CURRENT_TENANT.set(grant.tenant)
     return grant
 
 

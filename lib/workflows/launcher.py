@@ -41,6 +41,7 @@ from lib.execution.record import Field, StopReason
 from lib.execution.values import ValueStore, ValueStoreError
 from lib.execution.watchlists import WatchLists
 from lib.metrics import Metrics
+from lib.tenancy import CURRENT_TENANT
 from lib.workflows.checkpoint import Keeper
 from lib.workflows.executor import BlockFailed, Executor, HandedOff, Pause, Paused, RunState
 from lib.workflows.finals import Finals, SavedPause, record_final
@@ -48,7 +49,6 @@ from lib.workflows.janitor import Ending
 from lib.workflows.leases import LocalRun
 from lib.workflows.model import Workflow
 from lib.workflows.runstate import RunStates
-from lib.workflows.secrets import LOG_TENANT
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class Launcher:
             opening(local, events)  # emitted before the log's tasks run: they find it
 
         async def run() -> None:
-            LOG_TENANT.set(local.tenant)  # this run's log lines: masked with its secrets
+            CURRENT_TENANT.set(local.tenant)  # its log lines, its share of provider permits
             try:
                 async with events:
                     await body(local, events)

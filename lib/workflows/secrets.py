@@ -12,7 +12,7 @@ secret its workflow reads from its start, the value before the last change too
 (``masks``), so a value echoed back by a block that reads no secret, after a resume
 or a recovery, or after the secret was changed, is masked all the same. The values
 this process revealed last are also kept for ``redact_text``, which the log formatter
-applies to every line: a line logged for a tenant (``LOG_TENANT``: set by the request's
+applies to every line: a line logged for a tenant (``CURRENT_TENANT``: set by the request's
 authentication and by a run) is masked with that tenant's values only, so one tenant's
 secrets never blank another's lines; a line of no tenant, with every tenant's.
 """
@@ -28,7 +28,6 @@ import re
 import secrets
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -41,6 +40,7 @@ from redis.asyncio import Redis
 
 from lib.backend import Keys, translating
 from lib.errors import BlockError, BufferUnavailable, InvalidInput, NotFound, Problem
+from lib.tenancy import CURRENT_TENANT
 from lib.workflows.redact import Redactor, spelled
 from lib.workflows.templates import secret_names
 
@@ -55,9 +55,6 @@ MAX_SECRETS = 1000
 MAX_SECRETS_PER_WORKFLOW = 64
 # How many values a process masks in its log lines: the most recently revealed.
 _REMEMBERED = 1_000
-
-# The tenant whose work the current task does, for masking its log lines.
-LOG_TENANT: ContextVar[str | None] = ContextVar("flowcast_log_tenant", default=None)
 
 
 @dataclass(frozen=True)
@@ -209,8 +206,8 @@ class SecretStore:
 
     def redact_text(self, text: str) -> str:
         """``text`` with the values this process revealed replaced by ``***``: those of
-        the tenant ``LOG_TENANT`` names, or every tenant's when it names none."""
-        tenant = LOG_TENANT.get()
+        the tenant ``CURRENT_TENANT`` names, or every tenant's when it names none."""
+        tenant = CURRENT_TENANT.get()
         if tenant is not None:
             mask = self._masks.get(tenant)
             return mask.text(text) if mask is not None else text

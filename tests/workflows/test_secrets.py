@@ -12,8 +12,9 @@ import pytest
 from redis.asyncio import Redis
 
 from lib.errors import BlockError, InvalidInput
+from lib.tenancy import CURRENT_TENANT
 from lib.workflows.redact import Redactor, spellings
-from lib.workflows.secrets import LOG_TENANT, SecretStore
+from lib.workflows.secrets import SecretStore
 
 
 @pytest.fixture
@@ -62,7 +63,7 @@ async def test_a_log_line_is_masked_with_the_secrets_of_its_own_tenant(
 ) -> None:
     """Step 16's review (row 8): tenant B's secrets ``ex_`` and ``api`` blanked 4 of 4 of
     tenant A's log lines. A value under 8 characters is now refused, and a line logged
-    for a tenant (``LOG_TENANT``, set by a request's authentication and by a run) is
+    for a tenant (``CURRENT_TENANT``, set by a request's authentication and by a run) is
     masked with that tenant's values only; a line of no tenant with every tenant's."""
     store = SecretStore(redis=redis, key=b"k", prefix=prefix)
     with pytest.raises(InvalidInput):
@@ -73,7 +74,7 @@ async def test_a_log_line_is_masked_with_the_secrets_of_its_own_tenant(
 
     def logged_for(tenant: str | None) -> str:
         return contextvars.copy_context().run(
-            lambda: (LOG_TENANT.set(tenant), store.redact_text(line))[1]
+            lambda: (CURRENT_TENANT.set(tenant), store.redact_text(line))[1]
         )
 
     assert logged_for("a") == line
