@@ -57,6 +57,7 @@ import orjson
 from lib.backoff import Backoff
 from lib.errors import BufferUnavailable, CancelWins, WriteGone, WriteOutOfOrder, WriteRefused
 from lib.execution.buffer import EventBuffer
+from lib.execution.ceiling import Ceiling
 from lib.execution.events import (
     EXECUTION_CANCELLED,
     EXECUTION_COMPLETED,
@@ -129,6 +130,7 @@ class EventWriter:
         reserved: int = 0,
         publish: Publish | None = None,
         gate: LiveGate | None = None,
+        ceiling: Ceiling | None = None,
         on_cancel: Callable[[], None] | None = None,
         on_lost: Callable[[], Awaitable[None]] | None = None,
         identity: Mapping[str, str] | None = None,
@@ -145,6 +147,10 @@ class EventWriter:
         self._tell_stored: Callable[[int], None] | None = None
         self._gate = gate or LiveGate.always_open()
         self._gate.when_open(self._show)
+        # The durable ceiling (ceiling.py): an unstored event is shown only under it too.
+        self._ceiling = ceiling
+        if ceiling is not None:
+            ceiling.on_raised = self._show
         self._on_cancel = on_cancel
         # Called when the store lost writes of this run, before they are written back:
         # the owner watches its lease again first (so a recreated execution is never
@@ -207,6 +213,8 @@ class EventWriter:
         if self._task is not None:
             await stop(self._task)
             self._task = None
+        if self._ceiling is not None:
+            await self._ceiling.close()
 
     def put(self, event: Event) -> None:
         """Queue one event for storing; never blocks. Drops the oldest waiting past the cap."""
@@ -279,7 +287,10 @@ class EventWriter:
             # under an id reserved for this owner, while the gate is open, and never
             # when it is the run's final event.
             if event.id > self.stored_id and (
-                not gate_open or event.type in FINAL_TYPES or event.id > self.reserved
+                not gate_open
+                or event.type in FINAL_TYPES
+                or event.id > self.reserved
+                or (self._ceiling is not None and event.id > self._ceiling.value)
             ):
                 return
             unshown.popleft()
@@ -373,6 +384,9 @@ class EventWriter:
             waiting = len(self._waiting)
             self._ahead = min(waiting, self._max_pending) if waiting >= BURST_EVENTS else 0
             self.reserved = max(self.reserved, result.reserved)
+            if self._ceiling is not None:
+                # After an append: a start's first frame shares no moment with its write.
+                self._ceiling.want(max(self.reserved, self.stored_id, batch[-1].id if batch else 0))
             self._stored(batch, first)
             if result.cancel_requested and self._on_cancel is not None:
                 self._on_cancel()

@@ -41,6 +41,7 @@ import orjson
 
 from lib.errors import WriteRefused
 from lib.execution.buffer import EventBuffer
+from lib.execution.ceiling import Ceiling
 from lib.execution.events import (
     Checkpoint,
     Event,
@@ -192,6 +193,13 @@ class ExecutionLog:
         self.execution_id = execution_id
         self.workflow_id = identity["workflowId"]
         self._writer = EventWriter(
+            ceiling=Ceiling(
+                values=values,
+                execution_id=execution_id,
+                fence=fence,
+                epoch=epoch,
+                base=max(stored_id, base_id, reserved),
+            ),
             buffer=buffer,
             execution_id=execution_id,
             fence=fence,

@@ -30,7 +30,12 @@ against a real server, and checks that this drawing is the table):
                                                proved it dead, at once. The new owner
                                                recovers the run, or ends it cancelled
                                                if the claim says a cancel was accepted
-                                               (nothing runs again)
+                                               (nothing runs again). After the store
+                                               came back behind (store.py), it numbers
+                                               above the durable ceiling (ceiling.py),
+                                               or, if the run's final record says it
+                                               ended, stores that end again as its
+                                               owner would have (finals.py)
                                                refused: NOEXEC STATUS LEASE MOVED
     running  hand off    claim.lua   running   the owner, shutting down: no owner, for
                                                another process to take over at once
@@ -148,7 +153,9 @@ TRANSITIONS: tuple[Transition, ...] = (
         "any janitor, past the owner's lease; any\nprocess once the owner handed it off; the"
         "\nnext process of the owner's node, which\nproved it dead, at once. The new owner"
         "\nrecovers the run, or ends it cancelled\nif the claim says a cancel was accepted"
-        "\n(nothing runs again)",
+        "\n(nothing runs again). After the store\ncame back behind (store.py), it numbers"
+        "\nabove the durable ceiling (ceiling.py),\nor, if the run's final record says it"
+        "\nended, stores that end again as its\nowner would have (finals.py)",
         (Reply.NOEXEC, Reply.STATUS, Reply.LEASE, Reply.MOVED),
     ),
     Transition(
@@ -370,12 +377,15 @@ class Ownership:
         expected: str = "",
         takeover: Takeover = Takeover.EXPIRED,
         answer: bytes = b"",
+        base_at_least: int = 0,
     ) -> Claim:
         """Win a transition (see claim.lua); its refusal otherwise (``WrongStatus`` with
         the status that won, ``NotFound``, …: see ``TRANSITIONS``).
 
         A resume's ``answer`` (JSON) is checkpointed with the claim: the 202 holds if
-        this process dies before its resumed event is stored.
+        this process dies before its resumed event is stored. A takeover's
+        ``base_at_least`` (the durable ceiling, after the store came back behind) puts
+        the new owner's numbering above it.
         """
         argument = block_id if mode is Mode.RESUME else expected
         try:
@@ -398,6 +408,7 @@ class Ownership:
                     argument,
                     takeover.value,
                     answer,
+                    base_at_least,
                 ],
             )
         except ResponseError as exc:

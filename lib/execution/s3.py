@@ -16,7 +16,16 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from lib.errors import NotFound
-from lib.execution.values import CHUNK_BYTES, Sha256Check, ValueStoreError, check_ids
+from lib.execution.values import (
+    CHUNK_BYTES,
+    EXECUTION_ID,
+    RECORD_NAME,
+    RECORD_PREFIX,
+    Sha256Check,
+    ValueStoreError,
+    check_ids,
+    check_record,
+)
 
 MISSING = {"NoSuchKey", "404", "NotFound"}
 
@@ -77,6 +86,46 @@ class S3ValueStore:
         finally:
             body.close()
         check.verify(execution_id, value)
+
+    async def put_record(self, execution_id: str, name: str, data: bytes) -> None:
+        check_record(execution_id, name)
+        key = f"{self.prefix}{execution_id}/{name}"
+        try:
+            await asyncio.to_thread(
+                self._client.put_object,
+                Bucket=self.bucket,
+                Key=key,
+                Body=data,
+                ContentType="application/json",
+            )
+        except (BotoCoreError, ClientError) as exc:
+            raise ValueStoreError(f"could not store record {name}: {exc}") from exc
+
+    async def records(self, execution_id: str) -> list[bytes]:
+        if not EXECUTION_ID.match(execution_id):
+            return []
+        prefix = f"{self.prefix}{execution_id}/{RECORD_PREFIX}"
+
+        def read() -> list[bytes]:
+            found: list[bytes] = []
+            paginator = self._client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+                for item in page.get("Contents", []):
+                    if not RECORD_NAME.match(item["Key"].rpartition("/")[2]):
+                        continue
+                    try:
+                        response = self._client.get_object(Bucket=self.bucket, Key=item["Key"])
+                    except ClientError as exc:
+                        if exc.response.get("Error", {}).get("Code") in MISSING:
+                            continue  # swept meanwhile
+                        raise
+                    found.append(response["Body"].read())
+            return found
+
+        try:
+            return await asyncio.to_thread(read)
+        except (BotoCoreError, ClientError) as exc:
+            raise ValueStoreError(f"could not read the records of {execution_id}: {exc}") from exc
 
     async def delete_execution(self, execution_id: str) -> None:
         prefix = f"{self.prefix}{execution_id}/"

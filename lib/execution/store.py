@@ -12,7 +12,9 @@ snapshot, a lagging replica promoted); for about a lease after that is found
 (``Store.behind_seconds``), the approval deadlines it held then do not expire
 (janitor.py), so an owner stalled across the settle still has a fair chance to
 re-assert a pause it resumed. A restart that lost nothing keeps its mark, and deadlines
-fire at once after it.
+fire at once after it. For ``RESTORED_LEASES`` leases after a process last saw the store
+behind, its takeovers number above the durable ceiling (ceiling.py): an owner dead or
+stalled across the restore could not re-assert the ids it showed.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ SETTLE_SECONDS = 1.0
 # What a request that moves ownership (a resume, a cancel) waits of a settle, beyond
 # the settle itself, before it answers 503 (the store keeps changing servers).
 SETTLE_GRACE_SECONDS = 1.0
+# How long after a store was last seen behind a takeover trusts its reservations no more
+# (takeovers.py): a dead owner's lease expires and is taken over within a few leases
+# of the restore (the settle, a lease of trust, a sweep), with room for a busy machine.
+RESTORED_LEASES = 10
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,9 @@ class StoreIdentity:
         # The highest mark the store gave this process (store.lua): a store that comes
         # back with a lower one lost writes this process saw acknowledged.
         self._mark = 0
+        # When (monotonic) this process last saw the store behind; None: never.
+        self._behind_seen: float | None = None
+        self.restored_seconds = RESTORED_LEASES * lease_seconds
         # How often each process asks which server answers (and looks at deadlines).
         self.check_seconds = self.settle_seconds / 4
         self._store = register(self.redis, __package__, "store.lua")
@@ -78,7 +87,15 @@ class StoreIdentity:
             keys=[self.keys.store], args=[identity, settle_ms, self._mark, behind_ms]
         )
         self._mark = max(self._mark, int(mark))
+        if int(behind) > 0:
+            self._behind_seen = time.monotonic()
         return Store(identity, int(settle) / 1000, int(behind) / 1000)
+
+    def came_back_behind(self) -> bool:
+        """True while the store was seen behind less than ``restored_seconds`` ago: the
+        reservations it holds may be below ids an owner that is gone showed."""
+        seen = self._behind_seen
+        return seen is not None and time.monotonic() - seen < self.restored_seconds
 
     async def wait_settled(self) -> None:
         """Wait out the rest of a settle before moving ownership; BufferUnavailable only

@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1024 * 1024
 VALUE_ID = re.compile(r"^lv_[0-9a-f]{64}$")
+# A durable record of an execution's owner (ceiling.py), beside its values: swept with them.
+RECORD_NAME = re.compile(r"^rec_[0-9a-f]{16}$")
+RECORD_PREFIX = "rec_"
 EXECUTION_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -45,6 +48,12 @@ def value_id(sha256_hex: str) -> str:
     return f"lv_{sha256_hex}"
 
 
+def check_record(execution_id: str, name: str) -> None:
+    """Refuse a record name or execution id that could never have been issued."""
+    if not EXECUTION_ID.match(execution_id) or not RECORD_NAME.match(name):
+        raise NotFound("record", name)
+
+
 def check_ids(execution_id: str, value: str) -> None:
     """Refuse ids that could never have been issued (also blocks path tricks)."""
     if not EXECUTION_ID.match(execution_id) or not VALUE_ID.match(value):
@@ -61,7 +70,13 @@ class ValueStore(Protocol):
         """The value's bytes in chunks, checked against its sha256; NotFound if absent."""
 
     async def delete_execution(self, execution_id: str) -> None:
-        """Delete every value of one execution."""
+        """Delete every value (and record) of one execution."""
+
+    async def put_record(self, execution_id: str, name: str, data: bytes) -> None:
+        """Store (or replace) one small record of the execution, beside its values."""
+
+    async def records(self, execution_id: str) -> list[bytes]:
+        """Every record stored for the execution (none: empty)."""
 
     async def executions(self) -> list[str]:
         """Ids of the executions that have values stored."""
@@ -119,6 +134,36 @@ class LocalValueStore:
             handle.close()
         check.verify(execution_id, value)
 
+    async def put_record(self, execution_id: str, name: str, data: bytes) -> None:
+        check_record(execution_id, name)
+        path = self.root / execution_id / name
+        try:
+            await asyncio.to_thread(_replace_atomically, path, data)
+        except OSError as exc:
+            raise ValueStoreError(f"could not store record {name}: {exc}") from exc
+
+    async def records(self, execution_id: str) -> list[bytes]:
+        if not EXECUTION_ID.match(execution_id):
+            return []
+        folder = self.root / execution_id
+
+        def read() -> list[bytes]:
+            if not folder.is_dir():
+                return []
+            found = []
+            for entry in os.scandir(folder):
+                if RECORD_NAME.match(entry.name):
+                    try:
+                        found.append(Path(entry.path).read_bytes())
+                    except FileNotFoundError:
+                        continue  # swept meanwhile
+            return found
+
+        try:
+            return await asyncio.to_thread(read)
+        except OSError as exc:
+            raise ValueStoreError(f"could not read the records of {execution_id}: {exc}") from exc
+
     async def delete_execution(self, execution_id: str) -> None:
         if not EXECUTION_ID.match(execution_id):
             return
@@ -139,6 +184,11 @@ class LocalValueStore:
 def _write_atomically(path: Path, data: bytes) -> None:
     if path.exists():
         return  # same id, same content: values are immutable
+    _replace_atomically(path, data)
+
+
+def _replace_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole or not at all (a reader never sees half)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:

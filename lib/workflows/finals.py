@@ -7,6 +7,11 @@ second time under ids clients already saw. So each process keeps the last event 
 latest runs (and a pause's run state), and when another Redis server answers, stores
 again those the store lacks under the run's own fence and epoch (append.lua lets a
 newer epoch back in), the ids in between recorded as dropped.
+
+A process that left takes its memory with it, so the last event is also recorded
+outside Redis, in the value store beside the execution's values (``record_final``,
+before the run is let go): a takeover of a store found behind reads it (takeovers.py)
+and stores the run's end again, under its own id, instead of running it a second time.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ import orjson
 from lib.errors import WriteRefused
 from lib.execution.admission import Admission
 from lib.execution.buffer import EventBuffer
+from lib.execution.ceiling import record_name
 from lib.execution.events import EXECUTION_PAUSED, Event
 from lib.execution.flush import batch_meta
 from lib.execution.record import Field
+from lib.execution.values import ValueStore
 from lib.execution.watchlists import WatchLists
 from lib.workflows.executor import RunState
 from lib.workflows.leases import LocalRun
@@ -50,6 +57,23 @@ class SavedPause:
     def size(self) -> int:
         return len(orjson.dumps([self.input, self.run.to_json()]))
 
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "workflow": self.workflow.to_json(),
+            "input": self.input,
+            "run": self.run.to_json(),
+            "deadlineMs": self.deadline_ms,
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> SavedPause:
+        return cls(
+            Workflow.model_validate(raw["workflow"]),
+            raw.get("input"),
+            RunState.from_json(raw.get("run") or {}),
+            raw.get("deadlineMs"),
+        )
+
 
 @dataclass(frozen=True)
 class Final:
@@ -61,6 +85,34 @@ class Final:
     epoch: int
     identity: dict[str, str]
     pause: SavedPause | None = None
+
+    def to_record(self) -> dict[str, Any]:
+        """As the durable record stores it (``record_final``)."""
+        return {
+            "id": self.event.id,
+            "final": {
+                "type": self.event.type,
+                "event": self.event.json.decode(),
+                "fence": self.fence,
+                "epoch": self.epoch,
+                "identity": self.identity,
+                "pause": self.pause.to_json() if self.pause is not None else None,
+            },
+        }
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Final:
+        final = record["final"]
+        event = Event.stored(id=int(record["id"]), type=final["type"], raw=final["event"].encode())
+        pause = SavedPause.from_json(final["pause"]) if final.get("pause") else None
+        return cls(event, final["fence"], int(final["epoch"]), dict(final["identity"]), pause)
+
+
+async def record_final(values: ValueStore, execution_id: str, final: Final) -> None:
+    """Record the run's last event outside Redis (the value store), so a takeover after
+    the store came back without it ends the run as it ended. ``ValueStoreError``."""
+    name = record_name(final.fence, "final")
+    await values.put_record(execution_id, name, orjson.dumps(final.to_record()))
 
 
 class Finals:
@@ -79,6 +131,12 @@ class Finals:
         self._admission = admission
         self._states = states
         self._kept: OrderedDict[str, Final] = OrderedDict()
+
+    @staticmethod
+    def final_of(local: LocalRun, event: Event) -> Final:
+        """The last event a run here stored, with what restoring it needs."""
+        pause = local.saved_pause if event.type == EXECUTION_PAUSED else None
+        return Final(event, local.fence, local.epoch, local.identity, pause)
 
     def remember(self, local: LocalRun, event: Event) -> None:
         """Keep the last event a run here stored (with its pause's state)."""
@@ -106,31 +164,37 @@ class Finals:
         for (execution_id, final), last_id in zip(finals, stored, strict=True):
             if last_id is not None and last_id >= final.event.id:
                 continue
-            try:
-                if final.pause is not None:
-                    tenant = final.identity[Field.TENANT]
-                    await self._restore_pause(execution_id, tenant, final.pause)
-                await self._buffer.append(
-                    execution_id,
-                    [final.event],
-                    fence=final.fence,
-                    epoch=final.epoch,
-                    meta={**final.identity, **batch_meta([final.event])},
-                    after_drop=True,
-                    reserve=final.event.id,
-                    recreate=True,
-                )
-            except WriteRefused as exc:
-                log.warning(
-                    "could not restore a run's last event",
-                    extra={"executionId": execution_id, "reason": exc.reason},
-                )
-                continue
-            if last_id is None:
-                await self._buffer.index_again(execution_id, final.identity[Field.TENANT])
-            restored += 1
+            restored += await self.restore(execution_id, final, last_id)
         if restored:
             log.warning("restored the last events the store lost", extra={"count": restored})
+
+    async def restore(self, execution_id: str, final: Final, last_id: int | None) -> bool:
+        """Store ``final`` again (the store has the run up to ``last_id``; None: not at
+        all), under the run's own fence and epoch; False when the store refused it
+        (another owner holds the run)."""
+        try:
+            if final.pause is not None:
+                tenant = final.identity[Field.TENANT]
+                await self._restore_pause(execution_id, tenant, final.pause)
+            await self._buffer.append(
+                execution_id,
+                [final.event],
+                fence=final.fence,
+                epoch=final.epoch,
+                meta={**final.identity, **batch_meta([final.event])},
+                after_drop=True,
+                reserve=final.event.id,
+                recreate=True,
+            )
+        except WriteRefused as exc:
+            log.warning(
+                "could not restore a run's last event",
+                extra={"executionId": execution_id, "reason": exc.reason},
+            )
+            return False
+        if last_id is None:
+            await self._buffer.index_again(execution_id, final.identity[Field.TENANT])
+        return True
 
     async def _restore_pause(self, execution_id: str, tenant: str, pause: SavedPause) -> None:
         """Save a pause's run state and deadline again, before its event is restored."""

@@ -30,6 +30,7 @@ from lib.execution.events import (
     EXECUTION_COMPLETED,
     EXECUTION_FAILED,
     EXECUTION_PAUSED,
+    Event,
 )
 from lib.execution.hub import Hub
 from lib.execution.log import ExecutionLog
@@ -37,13 +38,13 @@ from lib.execution.offload import OffloadPolicy
 from lib.execution.outage import LiveGate
 from lib.execution.ownership import Claim, Ownership
 from lib.execution.record import Field, StopReason
-from lib.execution.values import ValueStore
+from lib.execution.values import ValueStore, ValueStoreError
 from lib.execution.watchlists import WatchLists
 from lib.metrics import Metrics
 from lib.tenancy import CURRENT_TENANT
 from lib.workflows.checkpoint import Keeper
 from lib.workflows.executor import BlockFailed, Executor, HandedOff, Pause, Paused, RunState
-from lib.workflows.finals import Finals, SavedPause
+from lib.workflows.finals import Finals, SavedPause, record_final
 from lib.workflows.janitor import Ending
 from lib.workflows.leases import LocalRun
 from lib.workflows.model import Workflow
@@ -103,6 +104,10 @@ class Launcher:
         self._max_pending = max_pending_events
         self._lease_seconds = lease_seconds
         self._metrics = metrics
+
+    @property
+    def values(self) -> ValueStore:
+        return self._values
 
     def launch(
         self,
@@ -226,6 +231,29 @@ class Launcher:
                 extra={"executionId": local.execution_id},
             )
         await self.quietly(local.execution_id, *work)
+        if writer.final_stored is not None and writer.refused is None:
+            # Before the run's task ends (a shutdown waits for it): a store that comes
+            # back behind once this process left still learns how the run ended
+            # (takeovers.py). After the lease entry went, which a request may wait for.
+            await self._record_final(local, writer.final_stored)
+
+    async def _record_final(self, local: LocalRun, event: Event) -> None:
+        """Record the run's last event in the value store (a few tries; then logged:
+        only a later restore of an older snapshot would miss it)."""
+        final = Finals.final_of(local, event)
+        backoff = Backoff(base=0.05, cap=1.0)
+        for attempt in range(1, 4):
+            try:
+                await record_final(self._values, local.execution_id, final)
+                return
+            except ValueStoreError as exc:
+                if attempt == 3:
+                    log.warning(
+                        "could not record the run's end outside the store",
+                        extra={"executionId": local.execution_id, "error": str(exc)},
+                    )
+                    return
+                await backoff.wait()
 
     async def _hand_off(self, local: LocalRun, shown_id: int) -> None:
         # The ids this run reserved but never showed go back with it: the next owner

@@ -18,11 +18,14 @@ from typing import Any
 
 from lib.errors import BufferUnavailable, Conflict, LeaseHeld, NotDue, NotFound
 from lib.execution.buffer import ExecutionMeta
+from lib.execution.ceiling import Durable, read_durable
 from lib.execution.events import EXECUTION_RECOVERED, EXECUTION_STARTED
 from lib.execution.log import ExecutionLog
 from lib.execution.ownership import Claim
 from lib.execution.record import Field, Mode, RecoveryReason, StopReason, Takeover
+from lib.execution.values import ValueStoreError
 from lib.workflows.executor import RunState
+from lib.workflows.finals import Final
 from lib.workflows.janitor import approval_timeout, worker_lost
 from lib.workflows.launcher import Body, Launcher, Outcome, ending_body, identity_of
 from lib.workflows.leases import LocalRun
@@ -113,11 +116,31 @@ class Takeovers:
             await self._store.wait_settled()
         except BufferUnavailable:
             return Claimed.NOT_YET
+        durable = Durable()
+        if self._store.came_back_behind():
+            # The store may have forgotten ids its owner showed, or how the run ended,
+            # and the process that knew is not here to re-assert it: what the owners
+            # recorded outside it says (ceiling.py, finals.py).
+            try:
+                durable = await read_durable(self._launcher.values, execution_id)
+            except ValueStoreError as exc:
+                log.warning(
+                    "takeover waits for the value store",
+                    extra={"executionId": execution_id, "error": str(exc)},
+                )
+                return Claimed.NOT_YET
         try:
             meta = await self._buffer.meta(execution_id)
+            if await self._ended_before(execution_id, meta, expected, durable):
+                return Claimed.SETTLED
             await self._watch.hold(execution_id, fence)
             claim = await self._ownership.claim(
-                execution_id, Mode.TAKEOVER, fence, expected=expected, takeover=how
+                execution_id,
+                Mode.TAKEOVER,
+                fence,
+                expected=expected,
+                takeover=how,
+                base_at_least=durable.ceiling,
             )
         except (Conflict, NotFound) as exc:
             await self._launcher.quietly(execution_id, self._watch.release(execution_id, fence))
@@ -136,6 +159,26 @@ class Takeovers:
             meta=meta,
         )
         return Claimed.WON
+
+    async def _ended_before(
+        self, execution_id: str, meta: ExecutionMeta, expected: str, durable: Durable
+    ) -> bool:
+        """A store back behind says "running", but the run's final record says it
+        ended (or paused) later, and no owner started after that: store its last event
+        again, as the process that ended it would have (finals.py), instead of running
+        it a second time. False when there is none, or the store refused it."""
+        record = durable.final
+        if record is None or record["id"] <= max(meta.last_id, durable.base):
+            return False
+        final = Final.from_record(record)
+        log.warning(
+            "a run the store brought back running had ended; storing its end again",
+            extra={"executionId": execution_id, "eventId": final.event.id},
+        )
+        if not await self._parts.finals.restore(execution_id, final, meta.last_id):
+            return False
+        await self._launcher.quietly(execution_id, self._admission.leave(meta.tenant, expected))
+        return True
 
     def _recovery_body(self, execution_id: str, claim: Claim) -> Body:
         """What a won takeover runs: the accepted cancel, the ``worker_lost`` ending of

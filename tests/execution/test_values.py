@@ -92,3 +92,26 @@ async def test_values_are_listed_and_deleted_per_execution(store: ValueStore) ->
     with pytest.raises(NotFound):
         await read_all(store, "ex_drop", ident(b"1"))
     assert await read_all(store, "ex_keep", ident(b"2")) == b"2"
+
+
+async def test_records_are_replaced_by_name_read_per_execution_and_deleted_with_it(
+    store: ValueStore,
+) -> None:
+    """The durable records of ceiling.py and finals.py: small objects beside the values,
+    one per name, replaced whole; never served as a value; swept with the execution."""
+    one, two = "rec_" + "a" * 16, "rec_" + "b" * 16
+    assert await store.records("ex_rec") == []
+    await store.put_record("ex_rec", one, b'{"ceiling":1}')
+    await store.put_record("ex_rec", one, b'{"ceiling":2}')
+    await store.put_record("ex_rec", two, b'{"ceiling":3}')
+    await store.put_record("ex_other", one, b'{"ceiling":9}')
+    await store.put("ex_rec", ident(b"1"), b"1")
+    assert sorted(await store.records("ex_rec")) == [b'{"ceiling":2}', b'{"ceiling":3}']
+    with pytest.raises(NotFound):
+        await read_all(store, "ex_rec", one)
+    for execution_id, name in [("../etc", one), ("ex_rec", "rec_../x"), ("ex_rec", "lv_1")]:
+        with pytest.raises(NotFound):
+            await store.put_record(execution_id, name, b"{}")
+    await store.delete_execution("ex_rec")
+    assert await store.records("ex_rec") == []
+    assert await store.records("ex_other") == [b'{"ceiling":9}']

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -23,11 +24,13 @@ from redis.asyncio import Redis
 
 from lib.errors import BufferUnavailable
 from lib.execution.buffer import AppendResult, EventBuffer, Page
+from lib.execution.ceiling import Ceiling
 from lib.execution.events import Event
 from lib.execution.flush import EventWriter
 from lib.execution.hub import Hub
 from lib.execution.outage import TRANSITIONS, LiveGate, Transition, WriterState
 from lib.execution.stream import Readers, StreamReader
+from lib.execution.values import LocalValueStore
 from tests.support.api import until
 from tests.support.logcheck import check_log, check_view
 from tests.support.sse import Frame, parse_frame
@@ -80,6 +83,19 @@ class FaultyBuffer(EventBuffer):
         if self.loses_reply(events):
             raise BufferUnavailable("injected: the reply was lost after the script ran")
         return result
+
+
+class HeldRecords(LocalValueStore):
+    """A local value store whose record writes wait until ``open`` is set (a seam)."""
+
+    def __init__(self, *, root: Path) -> None:
+        super().__init__(root=root)
+        self.open = asyncio.Event()
+        self.open.set()
+
+    async def put_record(self, execution_id: str, name: str, data: bytes) -> None:
+        await self.open.wait()
+        await super().put_record(execution_id, name, data)
 
 
 @pytest.fixture
@@ -528,6 +544,53 @@ async def test_in_an_outage_only_the_ids_reserved_ahead_are_shown(
     assert shown == list(range(1, total + 1))
     page = await read_page(faulty, execution_id)
     check_log(stored_envelopes(page))
+
+
+async def test_an_unstored_event_is_shown_only_under_the_durable_ceiling_too(
+    faulty: FaultyBuffer, redis: Redis, tmp_path: Path
+) -> None:
+    """Ids reserved ahead in Redis are shown unstored only once the durable ceiling
+    (ceiling.py, in the value store) is above them: a store restored from an older
+    snapshot forgets Redis's reservation, not the ceiling (step 15 fault review: an
+    owner lost across a restore). Stored events are shown whatever the ceiling says."""
+    total = 300
+    execution_id = await create(faulty)
+    values = HeldRecords(root=tmp_path)
+    values.open.clear()
+    ceiling = Ceiling(values=values, execution_id=execution_id, fence=FENCE, epoch=1, base=0)
+    shown: list[int] = []
+    writer = EventWriter(
+        buffer=faulty,
+        execution_id=execution_id,
+        fence=FENCE,
+        ceiling=ceiling,
+        publish=lambda shown_event: shown.append(shown_event.id),
+        retry_base_seconds=0.005,
+        retry_max_seconds=0.05,
+    )
+    faulty.holds = lambda batch: batch[0].id == 1
+    async with writer:
+        writer.put(event(execution_id, 1, last=total))
+        await wait_for(faulty.holding.is_set)
+        for event_id in range(2, 102):  # a burst: Redis reserves a block ahead
+            writer.put(event(execution_id, event_id, last=total))
+        faulty.holds = lambda _batch: False
+        faulty.release.set()
+        await wait_for(lambda: writer.stored_id == 101)
+        assert writer.reserved > 101
+        faulty.down = True
+        for event_id in range(102, total):
+            writer.put(event(execution_id, event_id, last=total))
+        await wait_for(lambda: writer.failures >= 3)
+        assert shown == list(range(1, 102))  # stored, so shown; none past them
+        values.open.set()
+        await wait_for(lambda: ceiling.value > total)
+        assert shown == list(range(1, writer.reserved + 1))
+        writer.put(event(execution_id, total, last=total))
+        faulty.down = False
+    assert shown == list(range(1, total + 1))
+    records = await values.records(execution_id)
+    assert [orjson.loads(record)["ceiling"] for record in records] == [ceiling.value]
 
 
 async def test_a_new_executions_first_event_is_shown_before_its_append_is_answered(

@@ -6,8 +6,10 @@ import asyncio
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
+import boto3
 import httpx
 
 from app.embedded import free_port
@@ -58,3 +60,18 @@ class MotoServer:
         if process is not None and process.poll() is None:
             process.terminate()
             await asyncio.to_thread(process.wait, 10)
+
+
+async def shared_bucket(moto: MotoServer) -> dict[str, str]:
+    """A new bucket on ``moto`` and the environment that makes a Flowcast process keep its
+    values (and durable records) there: replicas given the same share a value store."""
+    name = f"flowcast-{uuid.uuid4().hex[:8]}"
+    client = boto3.client(
+        "s3",
+        endpoint_url=moto.url,
+        aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+        region_name=CREDENTIALS["AWS_DEFAULT_REGION"],
+    )
+    await asyncio.to_thread(client.create_bucket, Bucket=name)
+    return {"FLOWCAST_S3_BUCKET": name, "FLOWCAST_S3_ENDPOINT_URL": moto.url, **CREDENTIALS}

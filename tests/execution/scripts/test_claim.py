@@ -32,8 +32,11 @@ def claim(
     argument: str = "",
     handoff_only: bool = False,
     answer: str = "",
+    base_at_least: int = 0,
 ) -> Any:
-    args = [mode, token, LEASE_MS, argument, "handoff" if handoff_only else "", answer]
+    args = [
+        mode, token, LEASE_MS, argument, "handoff" if handoff_only else "", answer, base_at_least,
+    ]  # fmt: skip
     return script(redis, "claim.lua")(keys=[keys.meta(eid), keys.state(eid)], args=args)
 
 
@@ -148,6 +151,29 @@ async def test_takeover_of_a_handed_off_execution_is_no_crash(
     assert reply == [5, 9, b"running", NEW.encode(), 3, 1, b"handoff", 1, b"0"]
     await assert_owned_by_new(redis, keys, eid, before)
     assert (await meta(redis, keys, eid))["recoveryReason"] == "handoff"
+
+
+@pytest.mark.parametrize(("floor", "base"), [(4_200, 4_200), (7, 9)])
+async def test_a_takeover_numbers_from_the_base_at_least_it_is_given_when_above_the_store(
+    redis: Redis, keys: Keys, eid: str, floor: int, base: int
+) -> None:
+    """ARGV[7], the durable ceiling a takeover after a restore passes (ceiling.py): the
+    new owner numbers above it, and it is the reservation from then on; one below what
+    the store reserved changes nothing. Only a takeover reads it."""
+    await execution(redis, keys, eid, leaseUntil=0)
+    reply = await claim(redis, keys, eid, "takeover", argument=OWNER, base_at_least=floor)
+    assert reply[:3] == [5, base, b"running"]
+    assert (await meta(redis, keys, eid))["reserved"] == str(base)
+    assert await claim(redis, keys, eid, "takeover", argument=OWNER, base_at_least=floor) == reply
+
+
+async def test_the_base_at_least_is_no_part_of_a_claim_but_a_takeover(
+    redis: Redis, keys: Keys, eid: str
+) -> None:
+    await execution(redis, keys, eid, status="paused", owner="", pauseBlock="q")
+    reply = await claim(redis, keys, eid, "resume", base_at_least=4_200)
+    assert reply[:2] == [5, 9]
+    assert (await meta(redis, keys, eid))["reserved"] == "9"
 
 
 async def test_a_takeover_sent_again_answers_with_the_recovery_it_started(
