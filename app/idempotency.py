@@ -111,7 +111,7 @@ class WriteBack:
     def __init__(self, redis: Redis, redis_key: str, record: bytes, expires: float) -> None:
         self._redis = redis
         self._key = redis_key
-        self._record = record
+        self.record = record  # as the key holds it: naming the execution
         self._expires = expires  # monotonic seconds
 
     async def __call__(self) -> None:
@@ -119,7 +119,7 @@ class WriteBack:
         if left_ms <= 0:
             return  # expired by now anyway
         with translating("write an Idempotency-Key back"):
-            await self._redis.set(self._key, self._record, nx=True, px=left_ms)
+            await self._redis.set(self._key, self.record, nx=True, px=left_ms)
 
 
 def _reused() -> ApiError:
@@ -164,6 +164,21 @@ class Idempotency:
             return accepted(await action(new_execution_id(), None))
         redis_key = self._record(tenant, "execute", _checked(key))
         digest = hashlib.sha256(fingerprint(scope, await request.body())).hexdigest()
+        claimed = await self._claim(redis_key, digest)
+        if isinstance(claimed, Outcome):
+            return claimed
+        execution_id, write_back = claimed
+        try:
+            started = await action(execution_id, write_back)
+        except FlowcastError as exc:
+            return await self._refused(exc, redis_key, digest, write_back.record, execution_id)
+        outcome = accepted(started)
+        await self._remember(redis_key, digest, outcome, exists=True)
+        return outcome
+
+    async def _claim(self, redis_key: str, digest: str) -> Outcome | tuple[str, WriteBack]:
+        """The key's record, claimed for a new execution id or found naming one (the id
+        to start, and the record's write-back), or the outcome a repeat answers."""
         while True:
             execution_id = new_execution_id()
             pending = orjson.dumps({"fingerprint": digest, "executionId": execution_id})
@@ -171,8 +186,7 @@ class Idempotency:
             with translating("check the Idempotency-Key"):
                 claimed = await self._redis.set(redis_key, pending, nx=True, ex=self._ttl)
             if claimed:
-                expires = written + self._ttl
-                break
+                return execution_id, WriteBack(self._redis, redis_key, pending, written + self._ttl)
             with translating("check the Idempotency-Key"):
                 raw = await self._redis.get(redis_key)
             if raw is None:
@@ -187,38 +201,34 @@ class Idempotency:
             if "executionId" not in stored:
                 # Claimed by a server of the previous version, which records no id.
                 return await self._repeat(redis_key, digest)
-            pending, execution_id = cast(bytes, raw), stored["executionId"]
+            execution_id = stored["executionId"]
             asked = time.monotonic()
             left_ms = await self._left_ms(redis_key, execution_id)
             if left_ms is None:
                 outcome = Outcome(202, {"executionId": execution_id, "status": "running"})
                 await self._remember(redis_key, digest, outcome, exists=True)
                 return outcome
-            expires = asked + left_ms / 1000
-            break
-        write_back = WriteBack(self._redis, redis_key, pending, expires)
-        try:
-            started = await action(execution_id, write_back)
-        except FlowcastError as exc:
-            status, body = error_payload(exc)
-            if status >= 500:
-                raise  # the record stays: a retry finds or creates the execution it names
-            if status in RETRIED_STATUSES and await self._created_meanwhile(execution_id):
-                # A concurrent request with the key was admitted first and creates the
-                # execution, which is what filled the cap: its outcome is this one's.
-                outcome = Outcome(202, {"executionId": execution_id, "status": "running"})
-                await self._remember(redis_key, digest, outcome, exists=True)
-                return outcome
-            retried = execution_id if status in RETRIED_STATUSES else None
-            first = await self._answer_once(
-                redis_key, pending, digest, Outcome(status, body), retried
-            )
-            if first is not None and first != Outcome(status, body):
-                return first  # another request answered first (it created the execution)
-            raise
-        outcome = accepted(started)
-        await self._remember(redis_key, digest, outcome, exists=True)
-        return outcome
+            record = WriteBack(self._redis, redis_key, cast(bytes, raw), asked + left_ms / 1000)
+            return execution_id, record
+
+    async def _refused(
+        self, exc: FlowcastError, redis_key: str, digest: str, pending: bytes, execution_id: str
+    ) -> Outcome:
+        """What a keyed start refused with ``exc`` answers (or raises), and records."""
+        status, body = error_payload(exc)
+        if status >= 500:
+            raise exc  # the record stays: a retry finds or creates the execution it names
+        if status in RETRIED_STATUSES and await self._created_meanwhile(execution_id):
+            # A concurrent request with the key was admitted first and creates the
+            # execution, which is what filled the cap: its outcome is this one's.
+            outcome = Outcome(202, {"executionId": execution_id, "status": "running"})
+            await self._remember(redis_key, digest, outcome, exists=True)
+            return outcome
+        retried = execution_id if status in RETRIED_STATUSES else None
+        first = await self._answer_once(redis_key, pending, digest, Outcome(status, body), retried)
+        if first is not None and first != Outcome(status, body):
+            return first  # another request answered first (it created the execution)
+        raise exc
 
     async def _created_meanwhile(self, execution_id: str) -> bool:
         """Whether the execution a refused (429) keyed start names was created by a

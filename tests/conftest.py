@@ -95,8 +95,13 @@ async def moto(session_dir: Path) -> AsyncIterator[MotoServer]:
 
 @pytest.fixture
 async def own_valkey(tmp_path: Path) -> AsyncIterator[ValkeyServer]:
-    """A Valkey of the test's own: faults injected into it reach no other test."""
-    server = ValkeyServer(data_dir=tmp_path / "valkey")
+    """A Valkey of the test's own: faults injected into it reach no other test.
+
+    Durable (``appendfsync always``): a test that kills it and starts it again means
+    "Redis restarted, having lost nothing"; with the default ``everysec`` the last
+    second of writes may be gone too, a different fault (a store restored behind,
+    which the restore tests inject on purpose). A start test failed in CI that way."""
+    server = ValkeyServer(data_dir=tmp_path / "valkey", durable=True)
     await server.start()
     yield server
     await server.stop()

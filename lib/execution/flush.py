@@ -71,6 +71,7 @@ from lib.execution.events import (
 from lib.execution.hub import LocalPublisher
 from lib.execution.outage import TRANSITIONS, LiveGate, Transition, WriterState
 from lib.metrics import Metrics
+from lib.tasks import stop
 
 log = logging.getLogger(__name__)
 
@@ -204,8 +205,7 @@ class EventWriter:
     async def close(self) -> None:
         """Stop writing now; whatever is still queued is abandoned."""
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await stop(self._task)
             self._task = None
 
     def put(self, event: Event) -> None:

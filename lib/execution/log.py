@@ -52,6 +52,7 @@ from lib.execution.offload import Compactor, OffloadPolicy
 from lib.execution.outage import LiveGate
 from lib.execution.values import ValueStore
 from lib.metrics import Metrics
+from lib.tasks import stop
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +91,7 @@ class Emitter:
         try:
             await self._idle.wait()
         finally:
-            if self._task is not None:
-                self._task.cancel()
-                await asyncio.gather(self._task, return_exceptions=True)
+            await stop(self._task)
 
     def emit(self, type: str, data: dict[str, Any], checkpoint: Checkpoint = ()) -> None:
         """Emit one event now; readers attached here may see it before it is stored.

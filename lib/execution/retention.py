@@ -14,6 +14,7 @@ import logging
 from lib.errors import FlowcastError
 from lib.execution.buffer import EventBuffer
 from lib.execution.values import ValueStore
+from lib.tasks import stop
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +33,7 @@ class Sweeper:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await stop(self._task)
 
     async def sweep(self) -> list[str]:
         """One pass; returns the executions whose values were deleted."""

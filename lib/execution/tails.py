@@ -229,7 +229,8 @@ class Tails:
                         break
                 if not events:
                     try:
-                        await asyncio.wait_for(channel.wake.wait(), self.tail_block_ms / 1000)
+                        async with asyncio.timeout(self.tail_block_ms / 1000):
+                            await channel.wake.wait()
                         continue
                     except TimeoutError:
                         pass

@@ -359,7 +359,8 @@ class _Run:
                 raise BlockFailed(block.id, error.code, message)
             # A drain ends the wait: the next attempt runs where the run goes on.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.drain.wait(), delay)
+                async with asyncio.timeout(delay):
+                    await self.drain.wait()
             if self.drain.is_set():
                 raise _Deferred
             attempt, announced = attempt + 1, False

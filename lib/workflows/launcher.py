@@ -295,7 +295,8 @@ class Launcher:
                 )
             else:
                 counting = self._admission.leave(local.tenant, local.fence)
-            await asyncio.wait_for(counting, 1.0)
+            async with asyncio.timeout(1.0):
+                await counting
         except (FlowcastError, TimeoutError) as exc:
             extra_error = {**extra, "error": str(exc) or type(exc).__name__}
             log.warning("could not stop counting the run; it will on letting go", extra=extra_error)

@@ -153,7 +153,8 @@ class Runner:
         # may be retried by the client and hold the shutdown up.
         control = next(task for task in self._loops if task.get_name() == "control-listener")
         with contextlib.suppress(FlowcastError, TimeoutError):
-            await asyncio.wait_for(self._listener.stop(), STOP_SECONDS)
+            async with asyncio.timeout(STOP_SECONDS):
+                await self._listener.stop()
             await asyncio.wait([control], timeout=STOP_SECONDS)
 
     async def _cancel(self, tasks: list[asyncio.Task[None]]) -> None:
@@ -250,7 +251,8 @@ class Runner:
             # its reserved id: see ownership.START_RESERVED). Bounded: an outage delays
             # the answer by a second at most, never fails it.
             try:
-                await asyncio.wait_for(events.stored_through(START_RESERVED), FIRST_STORED_SECONDS)
+                async with asyncio.timeout(FIRST_STORED_SECONDS):
+                    await events.stored_through(START_RESERVED)
             except TimeoutError:
                 # Said, not swallowed: a death from here leaves id 1 a reported gap.
                 log.warning(

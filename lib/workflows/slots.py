@@ -56,6 +56,7 @@ from redis.asyncio import Redis
 
 from lib.backend import Keys, register, translated
 from lib.errors import BufferUnavailable, FlowcastError
+from lib.tasks import stop
 
 log = logging.getLogger(__name__)
 
@@ -156,9 +157,7 @@ class Slots:
         """Stop every reader; slots held now are released by their holders."""
         self._closed = True
         readers = [line.reader for line in self._lines.values() if line.reader is not None]
-        for reader in readers:
-            reader.cancel()
-        await asyncio.gather(*readers, return_exceptions=True)
+        await stop(*readers)
 
     @contextlib.asynccontextmanager
     async def hold(self, provider: str, cap: int) -> AsyncIterator[None]:
@@ -182,10 +181,10 @@ class Slots:
                 raise
             finally:
                 held.inside = False
-                renewing.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await renewing
-                await self._release(provider, token)
+                try:
+                    await stop(renewing)
+                finally:
+                    await self._release(provider, token)
 
     async def _take(self, provider: str, line: _Line) -> tuple[str, float]:
         """Wait for a shared slot: (its token, when (loop time) the ask that got or
@@ -292,7 +291,8 @@ class Slots:
                     # instead would spin for as long as a lost stream stays behind them.)
                     if line.seen == asked:
                         with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(line.changed.wait(), int(wait_ms) / 1000)
+                            async with asyncio.timeout(int(wait_ms) / 1000):
+                                await line.changed.wait()
         finally:
             line.waiting -= 1
 

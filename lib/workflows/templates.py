@@ -18,16 +18,18 @@ server's own process.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jinja2
 from jinja2 import nodes
 from jinja2.environment import TemplateExpression
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
+from jinja2.parser import Parser
 from jinja2.runtime import Context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -253,7 +255,12 @@ class Templates:
     def check_expression(self, expr: str) -> str | None:
         """Why a bare expression (an edge's ``when``) cannot be parsed, or None."""
         try:
-            self._expression(expr)
+            with _bounded_nesting():
+                parser = Parser(self._env, expr, state="variable")
+                tree = parser.parse_expression()
+                if not parser.stream.eos:
+                    raise TemplateSyntaxError("chunk after expression", 1)
+                self._check_names(tree)
         except TemplateSyntaxError as exc:
             return f"unparsable expression: {exc.message}"
         return None
@@ -269,10 +276,10 @@ class Templates:
         problems: list[tuple[str, str]] = []
         for path, source in _template_paths(value, ""):
             try:
-                tree = self._env.parse(source)
+                with _bounded_nesting():
+                    found, bad = _secret_names(self._env.parse(source))
             except TemplateSyntaxError:
                 continue  # reported by ``check``
-            found, bad = _secret_names(tree)
             names |= found
             if bad:
                 problems.append((path, "read a secret by its name only: {{ secrets.NAME }}"))
@@ -281,21 +288,32 @@ class Templates:
     def expression_reads_secrets(self, expr: str) -> bool:
         """Whether a bare expression (an edge's ``when``) mentions ``secrets`` at all."""
         try:
-            tree = self._env.parse("{{ " + expr + " }}")
+            with _bounded_nesting():
+                tree = self._env.parse("{{ " + expr + " }}")
+                return any(node.name == "secrets" for node in tree.find_all(nodes.Name))
         except TemplateSyntaxError:
             return False
-        return any(node.name == "secrets" for node in tree.find_all(nodes.Name))
 
     def _syntax_problem(self, source: str) -> str | None:
+        # Parsed, never compiled: Jinja's code generator evaluates constant output
+        # while compiling ("{{ '%200000002s'|format(1) }}" built 200 MB), and storing a
+        # workflow evaluates nothing (SPEC §8). What compiling would also refuse, an
+        # unknown filter or test, is looked up here.
         try:
-            match = _SINGLE_EXPRESSION.match(source)
-            if match:
-                self._expression(match.group(1))
-            else:
-                self._template(source)
+            with _bounded_nesting():
+                self._check_names(self._env.parse(source))
         except TemplateSyntaxError as exc:
             return f"unparsable template: {exc.message}"
         return None
+
+    def _check_names(self, tree: nodes.Node) -> None:
+        for node in (tree, *tree.find_all((nodes.Filter, nodes.Test))):
+            if not isinstance(node, nodes.Filter | nodes.Test):
+                continue
+            known = self._env.filters if isinstance(node, nodes.Filter) else self._env.tests
+            if node.name not in known:
+                kind = "filter" if isinstance(node, nodes.Filter) else "test"
+                raise TemplateSyntaxError(f"no {kind} named {node.name!r}", node.lineno or 1)
 
     def _render_string(self, source: str, context: dict[str, Any]) -> Any:
         match = _SINGLE_EXPRESSION.match(source)
@@ -366,6 +384,16 @@ class Templates:
         return compiled
 
 
+@contextlib.contextmanager
+def _bounded_nesting() -> Iterator[None]:
+    """A template nested past Python's recursion limit (``((((…))))``, ``-----1``,
+    ``{% if %}`` in ``{% if %}``…) is a syntax problem of its own, never a 500."""
+    try:
+        yield
+    except RecursionError:
+        raise TemplateSyntaxError("nested too deeply", 1) from None
+
+
 # `blocks.<id>` and `blocks['<id>']` in a template; any other use of `blocks` reads all.
 _BLOCK_READ = re.compile(
     r"""\bblocks\s*(?:\.\s*([A-Za-z_][A-Za-z0-9_]*)|\[\s*(['"])([^'"]*)\2\s*\])"""
@@ -413,7 +441,8 @@ def secret_names(config: Any) -> set[str]:
 def _names_in(source: str) -> frozenset[str]:
     """The names ``source`` reads, parsed once: every run works out which secrets its
     blocks read, on the event loop, and 64 templates parsed again cost ~25 ms of CPU."""
-    return frozenset(_secret_names(_parser().parse(source))[0])
+    with _bounded_nesting():
+        return frozenset(_secret_names(_parser().parse(source))[0])
 
 
 def _secret_names(tree: nodes.Template) -> tuple[set[str], bool]:

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import contextlib
+import tracemalloc
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -98,6 +101,55 @@ def test_check_expression_reports_syntax_errors(templates: Templates) -> None:
     assert templates.check_expression("input.a == 1") is None
     message = templates.check_expression("input.a ===")
     assert message is not None and message.startswith("unparsable expression")
+
+
+NESTED = {
+    "parentheses": "{{ " + "(" * 3000 + "1" + ")" * 3000 + " }}",
+    "lists": "{{ " + "[" * 3000 + "]" * 3000 + " }}",
+    "unary minus": "{{ " + "-" * 5000 + "1 }}",
+    "blocks": "{% if 1 %}" * 500 + "x" + "{% endif %}" * 500,
+    "attributes": "{{ input" + ".a" * 5000 + " }}",
+}
+
+
+@pytest.mark.parametrize("shape", NESTED)
+def test_a_template_nested_too_deeply_is_a_syntax_problem_not_a_crash(
+    templates: Templates, shape: str
+) -> None:
+    """Step 16's hostile-tenant review (row 11): five shapes of deep nesting made storing
+    a workflow answer 500 (a RecursionError) and drop the connection."""
+    source = NESTED[shape]
+    assert templates.check({"v": source}) == [(".v", "unparsable template: nested too deeply")]
+    assert templates.secret_reads({"v": source}) == (set(), [])
+    if shape != "blocks":
+        expression = source.removeprefix("{{ ").removesuffix(" }}")
+        assert templates.check_expression(expression) == "unparsable expression: nested too deeply"
+
+
+def test_checking_a_template_evaluates_nothing(templates: Templates) -> None:
+    """Step 16's review (row 14): Jinja's code generator evaluates constant output while
+    compiling, so checking ``x{{ '%200000002s'|format(1) }}`` built 200 MB; a check
+    parses only, and an unknown filter or test is still refused as compiling would."""
+    for source in ("x{{ '%200000002s'|format(1) }}", "{{ ('x' * 9) ~ ('%09999999d'|format(1)) }}"):
+        with memory_held_under(20 * 1024 * 1024):
+            assert templates.check({"v": source}) == []
+    assert templates.check({"v": "{{ x|nosuch }}"}) == [
+        (".v", "unparsable template: no filter named 'nosuch'")
+    ]
+    assert (
+        templates.check_expression("x is nosuch") == "unparsable expression: no test named 'nosuch'"
+    )
+    assert templates.check_expression("x|upper is defined") is None
+
+
+@contextlib.contextmanager
+def memory_held_under(limit: int) -> Iterator[None]:
+    tracemalloc.start()
+    try:
+        yield
+        assert tracemalloc.get_traced_memory()[1] < limit
+    finally:
+        tracemalloc.stop()
 
 
 def test_compiled_templates_are_cached(templates: Templates) -> None:

@@ -341,3 +341,46 @@ async def test_a_template_that_builds_a_huge_value_fails_and_the_server_stays_sm
     assert snapshot["status"] == "failed", snapshot
     assert snapshot["error"]["code"] == "template_error", snapshot
     assert rss_bytes(shared.pid) - before < 100 * 1024 * 1024
+
+
+NESTED = {
+    "parentheses": "(" * 3000 + "1" + ")" * 3000,
+    "lists": "[" * 3000 + "]" * 3000,
+    "unary minus": "-" * 5000 + "1",
+    "attributes": "input" + ".a" * 5000,
+}
+
+
+async def test_a_deeply_nested_template_or_condition_is_422_with_its_path(
+    shared: FlowcastServer, mallory: httpx.AsyncClient, alice: httpx.AsyncClient, unique: str
+) -> None:
+    """Step 16's hostile-tenant review (row 11): a deeply nested template or ``when``
+    made PUT answer 500 (a RecursionError) and drop the keep-alive connection, 5 of 5
+    shapes. Each is now 422 with its path, on a connection that goes on serving; the
+    template that formats 200 MB (row 14) is stored without being evaluated."""
+    url = f"/api/workflows/deep-{unique}"
+    for expression in NESTED.values():
+        blocks = [
+            {"id": "a", "type": "transform", "config": {"value": "{{ " + expression + " }}"}},
+            {"id": "b", "type": "transform", "config": {"value": 1}},
+        ]
+        edges = [{"from": "a", "to": "b", "when": expression}]
+        response = await mallory.put(
+            url, json={"id": f"deep-{unique}", "blocks": blocks, "edges": edges}
+        )
+        assert response.status_code == 422, response.text
+        problems = {p["path"]: p["message"] for p in response.json()["error"]["problems"]}
+        assert "nested too deeply" in problems["$.blocks[0].config.value"], problems
+        assert "nested too deeply" in problems["$.edges[0].when"], problems
+    before = rss_bytes(shared.pid)
+    formatted = {"value": "x{{ '%200000002s'|format(1) }}"}
+    stored = await mallory.put(
+        url,
+        json={
+            "id": f"deep-{unique}",
+            "blocks": [{"id": "f", "type": "transform", "config": formatted}],
+        },
+    )
+    assert stored.status_code in (200, 201), stored.text
+    assert rss_bytes(shared.pid) - before < 50 * 1024 * 1024
+    assert (await alice.get("/api/workflows")).status_code == 200
