@@ -20,13 +20,15 @@ CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
 
 def connect(
-    url: str, *, socket_timeout: float, max_connections: int, wait_seconds: float | None = 10.0
+    url: str, *, socket_timeout: float, max_connections: int, queue: bool = True
 ) -> Redis:
     """A client for ``url``; cluster URLs get a cluster client with the same interface.
 
-    The pool holds at most ``max_connections`` (per node on a cluster). With
-    ``wait_seconds`` set, a call that finds them all busy waits that long for one
-    instead of failing at once, so a burst of requests queues rather than erroring.
+    The pool holds at most ``max_connections`` (per node on a cluster). With ``queue``,
+    a call that finds them all busy waits its turn for one, however long, instead of
+    failing: a Redis call never fails because the pool was busy (step 16's review: a
+    storm of 5,000 opens answered 79 of them 503 after a 10 s wait). Every connection
+    comes back within ``socket_timeout``, so the wait ends.
     """
     scheme, sep, rest = url.partition("://")
     options: dict[str, Any] = {
@@ -48,14 +50,14 @@ def connect(
         # The cluster client speaks the same commands; the buffer only uses those.
         client: Redis = cluster
         return client
-    if wait_seconds is None:
+    if not queue:
         return Redis.from_url(
             url, health_check_interval=30, max_connections=max_connections, **options, **retry
         )
     pool = BlockingConnectionPool.from_url(
         url,
         max_connections=max_connections,
-        timeout=wait_seconds,
+        timeout=None,
         health_check_interval=30,
         **options,
         **retry,

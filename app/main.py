@@ -15,7 +15,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from fastapi import FastAPI
 
 from app import errors, logs, memory
-from app.auth import LoopbackOnly
+from app.auth import ApiKeys, KeysFirst, LoopbackOnly
 from app.catalog import load_catalog
 from app.executor import open_executor
 from app.limits import BodyLimit
@@ -43,7 +43,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         max_bytes=settings.max_body_bytes,
         timeout_seconds=settings.body_timeout_seconds,
     )
-    if not settings.api_keys:
+    if settings.api_keys:
+        app.add_middleware(KeysFirst, keys=ApiKeys(settings.api_keys))
+    else:
         app.add_middleware(LoopbackOnly)
     # live before executions: /api/executions/{eid} would take "live" for an id.
     for module in (health, workflows, live, executions, streams, values, secrets, page):

@@ -24,12 +24,13 @@ from app.runtime import Runtime
 from app.settings import Settings
 from app.sse import OpenStreams
 from app.stores import Stores
-from app.tokens import StreamTokens
+from app.tokens import ListGrant, StreamTokens
 from lib.execution.buffer import EventBuffer
 from lib.execution.hub import Hub
 from lib.execution.stream import Readers
 from lib.execution.values import ValueStore
 from lib.metrics import Metrics
+from lib.tenancy import CURRENT_TENANT
 from lib.workflows.providers import Providers
 from lib.workflows.runner import Runner
 from lib.workflows.secrets import SecretStore
@@ -68,19 +69,25 @@ async def services(request: Request) -> Services:
 async def tenant(request: Request) -> str:
     """The caller's tenant (a FastAPI dependency); ``default`` until API keys are set."""
     svc: Services = request.app.state.services
-    return authenticate(request, svc.keys)
+    caller = authenticate(request, svc.keys)
+    CURRENT_TENANT.set(caller)  # whose request: its log lines are masked with its secrets
+    return caller
 
 
 async def reader(request: Request, execution_id: str) -> Caller:
     """The caller of a stream or values route: an API key or a stream token."""
     svc: Services = request.app.state.services
-    return authenticate_reader(request, svc.keys, svc.tokens, execution_id)
+    caller = authenticate_reader(request, svc.keys, svc.tokens, execution_id)
+    CURRENT_TENANT.set(caller.tenant)
+    return caller
 
 
-async def lister(request: Request) -> str:
-    """The caller's tenant on the live list: an API key or a list token."""
+async def lister(request: Request) -> ListGrant:
+    """The caller of the live list: an API key or a list token (and until when)."""
     svc: Services = request.app.state.services
-    return authenticate_list(request, svc.keys, svc.tokens)
+    grant = authenticate_list(request, svc.keys, svc.tokens)
+    CURRENT_TENANT.set(grant.tenant)
+    return grant
 
 
 def build_services(

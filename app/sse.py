@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import AsyncGenerator, Callable
 from types import TracebackType
 from typing import Any, Protocol
@@ -88,6 +89,7 @@ class EventStream(Response):
         streams: OpenStreams,
         release: Callable[[], None],
         execution_id: str | None = None,
+        ends_at: float | None = None,
     ) -> None:
         self.status_code = 200
         self.background = None
@@ -98,6 +100,7 @@ class EventStream(Response):
         self.sent_at = 0.0
         self._streams = streams
         self._release = release
+        self._ends_at = ends_at  # epoch seconds: what authorized the stream expires then
         self._task: asyncio.Task[Any] | None = None
         self._forced = False
         self._send: Send | None = None
@@ -116,6 +119,9 @@ class EventStream(Response):
             leaving = loop.create_task(self._watch(receive))
             self._streams.add(self)
             cap = self._streams.max_seconds
+            if self._ends_at is not None:
+                left = max(self._ends_at - time.time(), 0.0)
+                cap = left if cap is None else min(cap, left)
             capped = None if cap is None else loop.call_later(cap, self.reader.close)
             try:
                 async with contextlib.aclosing(self.reader.frames()) as frames:

@@ -76,7 +76,7 @@ async def open_stores(stack: AsyncExitStack, settings: Settings) -> Stores:
         redis_url,
         socket_timeout=TAIL_BLOCK_MS / 1000 + 10,
         max_connections=MAX_TAIL_CONNECTIONS,
-        wait_seconds=None,
+        queue=False,
     )
     stack.push_async_callback(tail_redis.aclose)
     buffer = EventBuffer(

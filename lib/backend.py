@@ -98,7 +98,7 @@ class Keys:
         base = f"{self.prefix}:{{llm:{provider}}}"
         return [
             f"{base}:{name}"
-            for name in ("holders", "queue", "waiters", "tickets", "freed", "pause", "store")
+            for name in ("holders", "queue", "waiters", "fair", "freed", "pause", "store")
         ]
 
 

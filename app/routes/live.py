@@ -16,6 +16,7 @@ from app.routes.executions import LIST_PARAMETERS, list_filter
 from app.schemas import API_ERRORS, SSE, LiveToken, errors, query
 from app.services import Services, lister, services, tenant
 from app.sse import EventStream
+from app.tokens import ListGrant
 from lib.execution.listing import ListReader
 
 router = APIRouter(prefix="/api/executions", tags=["executions"])
@@ -50,7 +51,7 @@ async def live_list_token(svc: ServicesDep, tenant_id: Annotated[str, Depends(te
     openapi_extra={"parameters": [*LIST_PARAMETERS, LIST_TOKEN]},
 )
 async def live_list(
-    request: Request, svc: ServicesDep, tenant_id: Annotated[str, Depends(lister)]
+    request: Request, svc: ServicesDep, grant: Annotated[ListGrant, Depends(lister)]
 ) -> EventStream:
     """The caller's recent executions (the filters of ``GET /api/executions``), then one
     frame per status change (started, paused, resumed, recovered, finished), from
@@ -66,21 +67,24 @@ async def live_list(
     A row is ``{"id", "workflowId", "status", "createdAt", "updatedAt", "lastEventId"}``
     (no frame takes a row shown back to an older state), plus a ``streamToken`` for
     that execution's stream when the server has API keys. The stream counts among the
-    tenant's ``FLOWCAST_MAX_STREAMS_PER_TENANT``.
+    tenant's ``FLOWCAST_MAX_STREAMS_PER_TENANT``. Opened with a list token, it ends when
+    the token expires, and the rows' tokens expire no later.
     """
     wanted = list_filter(request.query_params)
+    tenant_id = grant.tenant
     svc.streams.take(tenant_id)
     release = functools.partial(svc.streams.give_back, tenant_id)
+    stream_token = functools.partial(svc.tokens.issue, not_after=grant.expires)
     reader = ListReader(
         buffer=svc.buffer,
         feed=svc.hub.statuses,
         tenant=tenant_id,
         wanted=wanted,
-        stream_token=svc.tokens.issue if svc.keys.enabled else None,
+        stream_token=stream_token if svc.keys.enabled else None,
     )
     try:
         await reader.open()
     except BaseException:
         release()
         raise
-    return EventStream(reader, streams=svc.open_streams, release=release)
+    return EventStream(reader, streams=svc.open_streams, release=release, ends_at=grant.expires)

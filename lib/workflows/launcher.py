@@ -40,6 +40,7 @@ from lib.execution.record import Field, StopReason
 from lib.execution.values import ValueStore
 from lib.execution.watchlists import WatchLists
 from lib.metrics import Metrics
+from lib.tenancy import CURRENT_TENANT
 from lib.workflows.checkpoint import Keeper
 from lib.workflows.executor import BlockFailed, Executor, HandedOff, Pause, Paused, RunState
 from lib.workflows.finals import Finals, SavedPause
@@ -160,6 +161,7 @@ class Launcher:
             opening(local, events)  # emitted before the log's tasks run: they find it
 
         async def run() -> None:
+            CURRENT_TENANT.set(local.tenant)  # its log lines, its share of provider permits
             try:
                 async with events:
                     await body(local, events)

@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from lib.errors import BlockError
 from lib.workflows.templates import NOT_SIMPLE, is_template, lookup
 from lib.workflows.worker import HEADER, MiB
@@ -135,14 +137,41 @@ class TemplatePool:
         return [worker.process.pid for worker in self._workers]
 
     async def render(self, value: Any, context: dict[str, Any]) -> Any:
-        """Render every template inside a JSON value; other values come back unchanged."""
+        """Render every template inside a JSON value; other values come back unchanged.
+
+        The output bound is on the whole value rendered, every answer counted where it
+        is used: a config of 300 ``"{{ input.s }}"`` with a 1 MB ``s`` built and stored
+        300 MB, each answer within the bound (step 16's review, row 3)."""
         answers: dict[str, Any] = {}
         pending: list[str] = []
         self._plan(value, context, answers, pending)
+        sizes = _Sizes()
+        self._check_total(value, answers, sizes)  # before a worker is asked anything
         if pending:
             results = await self._evaluate("render", pending, context)
             answers.update(zip(pending, results, strict=True))
+            self._check_total(value, answers, sizes)
         return _substitute(value, answers)
+
+    def _check_total(self, value: Any, answers: dict[str, Any], sizes: _Sizes) -> None:
+        total = 0
+        stack = [value]
+        while stack:
+            current = stack.pop()
+            if isinstance(current, dict):
+                stack.extend(current.values())
+                total += sum(len(key) for key in current)
+            elif isinstance(current, list):
+                stack.extend(current)
+            elif isinstance(current, str):
+                found = answers.get(current, current) if is_template(current) else current
+                total += sizes.of(found)
+            if total > self.max_output_bytes:
+                raise BlockError(
+                    "template_error",
+                    f"the block's config renders to more than {self.max_output_bytes} bytes",
+                    retryable=False,
+                )
 
     async def condition(self, expr: str, context: dict[str, Any]) -> bool:
         """Evaluate an edge's ``when`` expression; undefined is false."""
@@ -283,6 +312,27 @@ class TemplatePool:
         task = asyncio.get_running_loop().create_task(worker.process.wait())
         self._reaping.add(task)
         task.add_done_callback(self._reaping.discard)
+
+
+class _Sizes:
+    """The encoded size of each answer, worked out once however often it is used."""
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[Any, int]] = {}
+
+    def of(self, value: Any) -> int:
+        if isinstance(value, str):
+            return len(value)  # characters: a bound that costs nothing to check
+        if value is None or isinstance(value, bool | int | float):
+            return 8
+        known = self._known.get(id(value))
+        if known is None or known[0] is not value:
+            try:
+                size = len(orjson.dumps(value))
+            except (TypeError, orjson.JSONEncodeError):
+                size = len(str(value))
+            known = self._known[id(value)] = (value, size)
+        return known[1]
 
 
 def _too_large(max_output_bytes: int) -> BlockError:

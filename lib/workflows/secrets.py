@@ -12,7 +12,9 @@ secret its workflow reads from its start, the value before the last change too
 (``masks``), so a value echoed back by a block that reads no secret, after a resume
 or a recovery, or after the secret was changed, is masked all the same. The values
 this process revealed last are also kept for ``redact_text``, which the log formatter
-applies to every line.
+applies to every line: a line logged for a tenant (``CURRENT_TENANT``: set by the request's
+authentication and by a run) is masked with that tenant's values only, so one tenant's
+secrets never blank another's lines; a line of no tenant, with every tenant's.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from redis.asyncio import Redis
 
 from lib.backend import Keys, translating
 from lib.errors import BlockError, BufferUnavailable, InvalidInput, NotFound, Problem
+from lib.tenancy import CURRENT_TENANT
 from lib.workflows.redact import Redactor, spelled
 from lib.workflows.templates import secret_names
 
@@ -45,6 +48,9 @@ NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 log = logging.getLogger(__name__)
 
 MAX_VALUE_BYTES = 8 * 1024
+# Shorter values are refused: masking one would blank ordinary words in every line and
+# output of its tenant ("api", "ex_"), and a guessable value is no secret anyway.
+MIN_VALUE_CHARS = 8
 MAX_SECRETS = 1000
 MAX_SECRETS_PER_WORKFLOW = 64
 # How many values a process masks in its log lines: the most recently revealed.
@@ -79,15 +85,16 @@ class SecretStore:
         self._aead = AESGCM(derived)
         self._redis = redis
         self._keys = Keys(prefix)
-        self._revealed: OrderedDict[str, None] = OrderedDict()
-        self._mask = Redactor()
+        self._revealed: OrderedDict[tuple[str, str], None] = OrderedDict()  # tenant, value
+        self._masks: dict[str, Redactor] = {}  # per tenant
 
     async def put(self, tenant: str, name: str, value: str) -> tuple[SecretInfo, bool]:
         """Store ``value`` as ``name``; the secret's listing, and whether it is new."""
         check_name(name)
         plain = value.encode("utf-8", "surrogatepass")
-        if not plain:
-            raise InvalidInput("empty secret", [Problem("$.value", "a secret cannot be empty")])
+        if len(value) < MIN_VALUE_CHARS:
+            problem = Problem("$.value", f"a secret is at least {MIN_VALUE_CHARS} characters")
+            raise InvalidInput("secret too short", [problem])
         if len(plain) > MAX_VALUE_BYTES:
             raise InvalidInput(
                 "secret too large",
@@ -147,7 +154,7 @@ class SecretStore:
                     retryable=False,
                 )
             values[name] = self._open(tenant, name, orjson.loads(raw).get("sealed"))
-        self._remember(await spelled(values.values()))
+        self._remember(tenant, await spelled(values.values()))
         return values
 
     async def masks(self, tenant: str, names: set[str]) -> Sequence[str]:
@@ -170,7 +177,7 @@ class SecretStore:
                 if sealed:
                     with contextlib.suppress(BlockError):
                         found.append(self._open(tenant, name, sealed))
-        self._remember(await spelled(found))
+        self._remember(tenant, await spelled(found))
         return found
 
     def _open(self, tenant: str, name: str, sealed: Any) -> str:
@@ -185,19 +192,28 @@ class SecretStore:
             ) from exc
         return plain.decode("utf-8", "surrogatepass")
 
-    def _remember(self, values: Mapping[str, frozenset[str]]) -> None:
+    def _remember(self, tenant: str, values: Mapping[str, frozenset[str]]) -> None:
         for value in values:
-            self._revealed[value] = None
-            self._revealed.move_to_end(value)
-        self._mask.add_spelled(values)
-        forgotten = []
+            self._revealed[tenant, value] = None
+            self._revealed.move_to_end((tenant, value))
+        self._masks.setdefault(tenant, Redactor()).add_spelled(values)
         while len(self._revealed) > _REMEMBERED:
-            forgotten.append(self._revealed.popitem(last=False)[0])
-        self._mask.remove(forgotten)
+            owner, forgotten = self._revealed.popitem(last=False)[0]
+            mask = self._masks[owner]
+            mask.remove([forgotten])
+            if not mask:
+                del self._masks[owner]
 
     def redact_text(self, text: str) -> str:
-        """``text`` with every value this process revealed replaced by ``***``."""
-        return self._mask.text(text)
+        """``text`` with the values this process revealed replaced by ``***``: those of
+        the tenant ``CURRENT_TENANT`` names, or every tenant's when it names none."""
+        tenant = CURRENT_TENANT.get()
+        if tenant is not None:
+            mask = self._masks.get(tenant)
+            return mask.text(text) if mask is not None else text
+        for mask in list(self._masks.values()):
+            text = mask.text(text)
+        return text
 
 
 def _aad(tenant: str, name: str) -> bytes:

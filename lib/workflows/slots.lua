@@ -1,11 +1,16 @@
 --[[
-slots.lua: one provider's concurrency slots, shared by every process (a lease-based,
-first-come-first-served semaphore on Redis's clock).
+slots.lua: one provider's concurrency slots, shared by every process (a lease-based
+semaphore on Redis's clock), taken in turn by the tenants that wait: each tenant's calls
+in arrival order, the tenants by fair queuing (a call's place is one past the later of
+its tenant's last place and the place of the latest grant), so a tenant with one call
+waiting is served next to one with a hundred (step 16's review: cap 2, ten queued calls
+of tenant A, B's one call waited ~20 s). A tenant alone may use every slot.
 
 KEYS[1]  holders: zset token -> lease end (ms)        fc:{llm:<provider>}:holders
 KEYS[2]  queue:   zset token -> ticket (arrival order) fc:{llm:<provider>}:queue
 KEYS[3]  waiters: zset token -> alive until (ms)       fc:{llm:<provider>}:waiters
-KEYS[4]  tickets: the counter that numbers arrivals    fc:{llm:<provider>}:tickets
+KEYS[4]  fair:    hash tenant -> its last place,       fc:{llm:<provider>}:fair
+                  "@clock" -> the place of the latest grant
 KEYS[5]  freed:   a stream, one entry per freed slot   fc:{llm:<provider>}:freed
 KEYS[6]  pause:   set while the provider asked to wait fc:{llm:<provider>}:pause
 KEYS[7]  store:   hash runId, grantsFrom               fc:{llm:<provider>}:store
@@ -15,6 +20,7 @@ ARGV[3]  acquire: the cap; pause: how long to pause (ms)
 ARGV[4]  lease length in milliseconds
 ARGV[5]  acquire, renew, hello: the server the caller last saw answer (a run id; ""
          if none)
+ARGV[6]  acquire: the caller's tenant ("" for none)
 
 Returns
   acquire  {1, 0, "", 0, server} when the caller now holds a slot, else
@@ -43,7 +49,7 @@ lease later, when each of them has renewed, found itself gone and stopped. (The 
 idea as ownership's store.lua; a FLUSHALL on the same server is not noticed.)
 ]]
 
-local holders, queue, waiters, tickets, freed, pause = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local holders, queue, waiters, fair, freed, pause = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local store = KEYS[7]
 local op, token = ARGV[1], ARGV[2]
 local lease = tonumber(ARGV[4])
@@ -51,7 +57,7 @@ local now = now_ms()
 local keep = lease * 4 + 60000
 
 local function touch()
-  for _, key in ipairs({holders, queue, waiters, tickets, freed, store}) do
+  for _, key in ipairs({holders, queue, waiters, fair, freed, store}) do
     redis.call("PEXPIRE", key, keep)
   end
 end
@@ -138,8 +144,12 @@ if redis.call("ZSCORE", holders, token) then
   touch()
   return {1, 0, "", 0, id}
 end
+local tenant = ARGV[6] or ""
 if not redis.call("ZSCORE", queue, token) then
-  redis.call("ZADD", queue, redis.call("INCR", tickets), token)
+  local clock = tonumber(redis.call("HGET", fair, "@clock")) or 0
+  local place = math.max(clock, tonumber(redis.call("HGET", fair, tenant)) or 0) + 1
+  redis.call("HSET", fair, tenant, place)
+  redis.call("ZADD", queue, place, token)
 end
 redis.call("ZADD", waiters, now + lease, token)
 touch()
@@ -154,6 +164,13 @@ if grants_from > now then
 end
 local free = cap - redis.call("ZCARD", holders)
 if free > 0 and redis.call("ZRANK", queue, token) < free then
+  local place = tonumber(redis.call("ZSCORE", queue, token))
+  if place > (tonumber(redis.call("HGET", fair, "@clock")) or 0) then
+    redis.call("HSET", fair, "@clock", place)
+  end
+  if (tonumber(redis.call("HGET", fair, tenant)) or 0) <= place then
+    redis.call("HDEL", fair, tenant)  -- nothing of its own waits behind: forgotten
+  end
   redis.call("ZREM", queue, token)
   redis.call("ZREM", waiters, token)
   redis.call("ZADD", holders, now + lease, token)

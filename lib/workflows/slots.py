@@ -1,9 +1,12 @@
 """Concurrency slots per model provider, shared by every replica (``slots.lua``).
 
-A call to a provider first takes a slot of this process (an ``asyncio.Semaphore`` of
-the same cap), then a slot in Redis: a lease-based, first-come-first-served semaphore
-on Redis's clock. The holder renews its lease while the call runs; a holder that dies
-stops renewing and its slot frees itself when the lease ends. Waiters keep their place
+A call to a provider first takes a slot of this process (a gate of the same cap), then
+a slot in Redis: a lease-based semaphore on Redis's clock. Both are shared fairly
+between the tenants that wait (``CURRENT_TENANT``): each tenant's calls in arrival
+order, the tenants in turn, so one tenant's backlog never holds another's one call
+behind it; a tenant alone may use every slot. The holder renews its lease while the
+call runs; a holder that dies stops renewing and its slot frees itself when the lease
+ends. Waiters keep their place
 in line by asking again within a third of a lease; one that stops asking is dropped.
 
 Waiting polls nothing: a freed slot is an entry on the provider's ``freed`` stream, and
@@ -47,6 +50,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import logging
 import secrets
 from collections.abc import AsyncIterator, Iterable
@@ -57,6 +62,7 @@ from redis.asyncio import Redis
 from lib.backend import Keys, register, translated
 from lib.errors import BufferUnavailable, FlowcastError
 from lib.tasks import stop
+from lib.tenancy import CURRENT_TENANT
 
 log = logging.getLogger(__name__)
 
@@ -124,12 +130,65 @@ class _Held:
         return remaining <= self.outer
 
 
+class _FairGate:
+    """At most ``cap`` of this process's calls ask Redis for a slot at once; the others
+    wait here, taken by fair queuing as slots.lua takes them across processes: a call's
+    place is one past the later of its tenant's last place and the place of the latest
+    call let in, so each tenant's calls go in arrival order and the tenants in turn."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.inside = 0
+        self._clock = 0  # the place of the latest call let in
+        self._last: dict[str, int] = {}  # each waiting tenant's last place
+        self._line: list[tuple[int, int, asyncio.Future[None], str]] = []  # a heap
+        self._arrivals = itertools.count()
+
+    @contextlib.asynccontextmanager
+    async def entered(self, tenant: str) -> AsyncIterator[None]:
+        place = max(self._clock, self._last.get(tenant, 0)) + 1
+        self._last[tenant] = place
+        if self.inside < self.cap and not self._line:
+            self._let_in(tenant, place)
+        else:
+            turn = asyncio.get_running_loop().create_future()
+            heapq.heappush(self._line, (place, next(self._arrivals), turn, tenant))
+            try:
+                await turn  # let in by _leave, counted inside already
+            except BaseException:
+                if turn.done() and not turn.cancelled():
+                    self._leave()  # let in as it was cancelled: the place goes on
+                raise  # else its entry in the line is skipped when it comes up
+        try:
+            yield
+        finally:
+            self._leave()
+
+    def __len__(self) -> int:
+        """How many calls wait in this line (a cancelled one until it comes up)."""
+        return len(self._line)
+
+    def _let_in(self, tenant: str, place: int) -> None:
+        self.inside += 1
+        self._clock = max(self._clock, place)
+        if self._last.get(tenant, 0) <= place:
+            del self._last[tenant]  # nothing of its own waits behind: forgotten
+
+    def _leave(self) -> None:
+        self.inside -= 1
+        while self.inside < self.cap and self._line:
+            place, _arrival, turn, tenant = heapq.heappop(self._line)
+            if not turn.done():
+                self._let_in(tenant, place)
+                turn.set_result(None)
+
+
 class _Line:
     """One provider's waiters in this process and the reader that wakes them."""
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
-        self.local = asyncio.Semaphore(cap)
+        self.local = _FairGate(cap)
         self.changed = asyncio.Condition()
         self.seen = "0-0"  # the last freed entry the reader has read
         self.waiting = 0
@@ -168,8 +227,9 @@ class Slots:
             line = self._lines[provider] = _Line(cap)
         task = asyncio.current_task()
         assert task is not None, "a slot is held by a task"
-        async with line.local:
-            token, since = await self._take(provider, line)
+        tenant = CURRENT_TENANT.get() or ""
+        async with line.local.entered(tenant):
+            token, since = await self._take(provider, line, tenant)
             held = _Held(task, provider)
             renewing = asyncio.create_task(self._renew(token, held, since))
             try:
@@ -186,14 +246,14 @@ class Slots:
                 finally:
                     await self._release(provider, token)
 
-    async def _take(self, provider: str, line: _Line) -> tuple[str, float]:
+    async def _take(self, provider: str, line: _Line, tenant: str) -> tuple[str, float]:
         """Wait for a shared slot: (its token, when (loop time) the ask that got or
         kept it was sent)."""
         loop = asyncio.get_running_loop()
         while True:
             token = secrets.token_hex(8)
             try:
-                asked = await self._acquire(provider, line, token)
+                asked = await self._acquire(provider, line, token, tenant)
                 if loop.time() - asked <= self._lease_ms / 3000:
                     return token, asked
                 # The grant reached us later than a renewal period after we asked (this
@@ -234,10 +294,10 @@ class Slots:
             )
 
     @translated
-    async def _call(self, provider: str, op: str, token: str, arg: int) -> Any:
+    async def _call(self, provider: str, op: str, token: str, arg: int, tenant: str = "") -> Any:
         reply = await self._script(
             keys=self._keys.slots(provider),
-            args=[op, token, arg, self._lease_ms, self._servers.get(provider, "")],
+            args=[op, token, arg, self._lease_ms, self._servers.get(provider, ""), tenant],
         )
         if op in ("acquire", "renew"):
             self._servers[provider] = _text(reply[-1])
@@ -245,7 +305,7 @@ class Slots:
             self._servers[provider] = _text(reply)
         return reply
 
-    async def _acquire(self, provider: str, line: _Line, token: str) -> float:
+    async def _acquire(self, provider: str, line: _Line, token: str, tenant: str) -> float:
         """Wait for a shared slot: when (loop time) the granting ask was sent. While
         Redis cannot be reached it keeps asking (see the module doc)."""
         loop = asyncio.get_running_loop()
@@ -258,7 +318,7 @@ class Slots:
                 sent = loop.time()
                 try:
                     granted, wait_ms, freed, paused_ms, _server = await self._call(
-                        provider, "acquire", token, line.cap
+                        provider, "acquire", token, line.cap, tenant
                     )
                 except BufferUnavailable as exc:
                     # Waited out, however long: nobody here can tell whether a slot is

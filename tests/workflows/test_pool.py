@@ -261,3 +261,23 @@ async def test_a_template_that_never_reaches_a_sandbox_check_is_still_cut_at_its
             await worker.process.wait()
     spent = os.times().children_user + os.times().children_system - children - before
     assert spent < 0.5 * 1.5, f"a template bounded to 500 ms of CPU used {spent:.2f} s of CPU"
+
+
+async def test_the_output_bound_is_on_the_whole_config_each_answer_counted_where_used() -> None:
+    """Step 16's review (row 3): a 5 KB workflow of ``["{{ input.s }}"] * 300`` and a
+    1 MB input cost +288 MiB and wrote 287 MiB to the value store; an ``llm`` block with
+    100 messages of ``{{ input.s }}`` sent a 100 MB prompt: each answer was checked
+    against the bound, never their sum. Plain paths fail before any worker is asked;
+    templates a worker renders, once their answers are in."""
+    context = {"input": {"s": "x" * 10_000, "o": {"k": "y" * 10_000}}}
+    async with TemplatePool(size=1, timeout_ms=500, max_output_bytes=100_000) as pool:
+        assert len(await pool.render(["{{ input.s }}"] * 9, context)) == 9
+        for config in (
+            ["{{ input.s }}"] * 11,
+            {"messages": [{"content": "{{ input.o }}"}] * 11},
+            [f"{{{{ input.s ~ '{n}' }}}}" for n in range(11)],
+        ):
+            with pytest.raises(BlockError) as caught:
+                await pool.render(config, context)
+            assert caught.value.code == "template_error"
+            assert "renders to more than 100000 bytes" in caught.value.message

@@ -7,6 +7,7 @@ waiters and its own clients, and they share the provider's keys.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -15,6 +16,7 @@ import pytest
 from redis.asyncio import Redis
 
 from lib.backend import Keys
+from lib.tenancy import CURRENT_TENANT
 from lib.workflows.slots import SlotLost, Slots
 from tests.support.api import until, within
 from tests.support.faults import crash_and_restart
@@ -33,7 +35,7 @@ def prefix(unique: str) -> str:
 
 @pytest.fixture
 def keys(prefix: str) -> list[str]:
-    """holders, queue, waiters, tickets, freed, pause, store (the order slots.lua takes them)."""
+    """holders, queue, waiters, fair, freed, pause, store (the order slots.lua takes them)."""
     return Keys(prefix).slots(PROVIDER)
 
 
@@ -126,6 +128,76 @@ async def test_waiters_on_two_replicas_are_served_in_arrival_order(
     await asyncio.wait_for(asyncio.gather(*waiters), 10)
 
     assert served == [0, 1, 2, 3, 4, 5]
+
+
+def as_tenant(tenant: str, call: Awaitable[None]) -> asyncio.Task[None]:
+    """``call`` in a task of its own, working for ``tenant``."""
+    context = contextvars.copy_context()
+    context.run(CURRENT_TENANT.set, tenant)
+    return asyncio.get_running_loop().create_task(call, context=context)
+
+
+async def test_slots_are_shared_fairly_between_the_tenants_waiting_across_replicas(
+    replica: Replica, redis: Redis, keys: list[str]
+) -> None:
+    """Step 16's review (row 7): with a cap of 2 and ten queued 4 s calls of tenant A,
+    tenant B's one call waited ~19.6 s, served after all of A's. In the shared line
+    (slots.lua) B's first call now stands beside A's first, whatever A queued before."""
+    cap = 3
+    first, second = replica(lease_seconds=30), replica(lease_seconds=30)
+    for n in range(cap):
+        granted, *_ = await first._call(PROVIDER, "acquire", f"taken-{n}", cap)
+        assert granted == 1
+    served: list[str] = []
+
+    async def wait(name: str, slots: Slots) -> None:
+        async with slots.hold(PROVIDER, cap):
+            served.append(name)
+
+    waiters = [as_tenant("a", wait(f"a{n}", first)) for n in range(cap)]
+    await queued(redis, keys, cap)
+    waiters.append(as_tenant("b", wait("b0", second)))
+    await queued(redis, keys, cap + 1)
+    for n in range(cap):  # one slot at a time
+        assert await first._call(PROVIDER, "release", f"taken-{n}", 0) == 1
+        await eventually(lambda n=n: _served(served, n + 1), f"{n + 1} served")
+    async with asyncio.timeout(10):
+        await asyncio.gather(*waiters)
+    assert served.index("b0") <= 1, served  # first come, first served: last (3)
+
+
+async def _served(served: list[str], count: int) -> bool:
+    return len(served) >= count
+
+
+async def test_a_replicas_own_line_is_shared_fairly_between_tenants(replica: Replica) -> None:
+    """The same in one process: past the cap, calls wait in the replica's own line
+    before they ask Redis; B's one call goes in next to A's second, not after A's five."""
+    slots = replica()
+    release = asyncio.Event()
+    held = asyncio.Event()
+    first = as_tenant("a", holding(slots, 1, release, held))
+    await held.wait()
+    served: list[str] = []
+
+    async def call(name: str) -> None:
+        async with slots.hold(PROVIDER, 1):
+            served.append(name)
+
+    def in_line(count: int) -> Callable[[], Awaitable[bool]]:
+        async def check() -> bool:
+            return len(slots._lines[PROVIDER].local) == count
+
+        return check
+
+    waiters = [as_tenant("a", call(f"a{n}")) for n in range(5)]
+    await eventually(in_line(5), "A's calls in the replica's line")
+    waiters.append(as_tenant("b", call("b0")))
+    await eventually(in_line(6), "B's call in the replica's line")
+    release.set()
+    async with asyncio.timeout(10):
+        await asyncio.gather(first, *waiters)
+    assert served.index("b0") <= 1, served  # first come, first served: last (5)
 
 
 async def test_a_dead_holder_stops_counting_when_its_lease_ends(

@@ -55,6 +55,7 @@ async def replicas(
         "FLOWCAST_API_KEYS": KEY,
         "FLOWCAST_SECRET_KEY": "proxy-secret-" + "s" * 20,
         "FLOWCAST_SSE_PING_SECONDS": "1",
+        "FLOWCAST_BODY_TIMEOUT_SECONDS": "3",
     }
     pair = (
         FlowcastServer(data_dir=root / "a", env=env),
@@ -312,3 +313,35 @@ async def test_a_server_without_api_keys_refuses_what_the_proxy_relays(
             assert (await client.get(f"{keyless.url}/api/workflows")).status_code == 200
     finally:
         await keyless.stop()
+
+
+async def test_a_trickled_body_is_answered_408_through_the_proxy(proxy: NginxProxy) -> None:
+    """Step 16's review (row 12): behind the shipped nginx, a body trickled a byte every
+    20 s was never answered 408 (still connected after 65 s; to a replica directly, 408
+    at its bound): nginx buffered the body, and its own bound is on the wait between two
+    reads only. Bodies now pass on as they come, so the replica's bound on the whole
+    body (3 s here) holds through the proxy."""
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    answer = b""
+    try:
+        writer.write(
+            (
+                "PUT /api/workflows/trickled HTTP/1.1\r\nHost: proxy\r\n"
+                f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+                "Content-Length: 1000\r\n\r\n{"
+            ).encode()
+        )
+        await writer.drain()
+        async with asyncio.timeout(30):
+            while not answer:
+                try:
+                    async with asyncio.timeout(0.5):
+                        answer = await reader.read(4096)
+                except TimeoutError:
+                    writer.write(b" ")  # a byte at a time, well within nginx's own bound
+                    await writer.drain()
+    finally:
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert b"body_timeout" in answer

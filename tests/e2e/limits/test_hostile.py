@@ -384,3 +384,77 @@ async def test_a_deeply_nested_template_or_condition_is_422_with_its_path(
     assert stored.status_code in (200, 201), stored.text
     assert rss_bytes(shared.pid) - before < 50 * 1024 * 1024
     assert (await alice.get("/api/workflows")).status_code == 200
+
+
+async def test_streams_opened_by_token_count_toward_the_tenant_cap(
+    capped: FlowcastServer, unique: str
+) -> None:
+    """Step 16's review (row 15): with a cap of 5, 3 streams by key and 2 by ``?token=``
+    let a 6th through. Every open stream of a tenant counts, however it was authorized:
+    the execution's, the live list's (by key or list token)."""
+    async with authed(capped, MALLORY) as mallory, authed(capped) as anonymous:
+        await put(mallory, approval(f"tok-{unique}", {"type": "boolean"}))
+        started = (await mallory.post(f"/api/workflows/tok-{unique}/execute", json={})).json()
+        url = f"/api/executions/{started['executionId']}/stream"
+        by_token = f"{url}?token={started['streamToken']}"
+        list_token = (await mallory.post("/api/executions/live/token")).json()["streamToken"]
+        for opened in (
+            [by_token, by_token, by_token],
+            [url, by_token, f"/api/executions/live?token={list_token}"],
+        ):
+            async with contextlib.AsyncExitStack() as stack:
+                for path in opened:
+                    client = mallory if "token=" not in path else anonymous
+                    response = await stack.enter_async_context(client.stream("GET", path))
+                    assert response.status_code == 200, path
+                for client, path in ((mallory, url), (anonymous, by_token)):
+                    refused = await client.get(path)
+                    assert refused.status_code == 429, (path, refused.text)
+
+
+@pytest.mark.parametrize("authorization", ["", "Authorization: Bearer not-a-key\r\n"])
+async def test_a_request_without_a_valid_key_is_refused_before_its_body_is_read(
+    shared: FlowcastServer, authorization: str
+) -> None:
+    """Step 16's review (row 5): eight keyless clients sending 10 MiB bodies of
+    ``[{},{},…]`` added ~300 MiB and pushed another tenant's p99 to 1.25-3.5 s: bodies
+    were read and parsed before the key was checked. Here the body never comes: the
+    401 can only be the answer if nothing waited for it (else a 408, 30 s later)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", shared.port)
+    try:
+        writer.write(
+            (
+                "POST /api/workflows/any/execute HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                f"{authorization}Content-Type: application/json\r\n"
+                "Content-Length: 10000000\r\n\r\n[{},{},"
+            ).encode()
+        )
+        await writer.drain()
+        async with asyncio.timeout(10):
+            head = await reader.readuntil(b"\r\n\r\n")
+    finally:
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 401"), head
+    assert b"www-authenticate: bearer" in head.lower()
+
+
+async def test_a_config_that_repeats_a_large_input_fails_before_it_is_built(
+    shared: FlowcastServer, mallory: httpx.AsyncClient, alice: httpx.AsyncClient, unique: str
+) -> None:
+    """Step 16's review (row 3): ``["{{ input.s }}"] * 300`` with a 1 MB input cost the
+    server +288 MiB and wrote 287 MiB to the value store, each answer within the bound.
+    The block now fails on the whole config's size before anything is built."""
+    workflow_id = f"repeat-{unique}"
+    config = {"value": ["{{ input.s }}"] * 300}
+    await put(
+        mallory, {"id": workflow_id, "blocks": [{"id": "r", "type": "transform", "config": config}]}
+    )
+    before = rss_bytes(shared.pid)
+    started = await mallory.post(
+        f"/api/workflows/{workflow_id}/execute", json={"input": {"s": "z" * 1_000_000}}
+    )
+    snapshot = await finished(mallory, started.json()["executionId"])
+    assert snapshot["status"] == "failed", snapshot
+    assert "renders to more than" in snapshot["error"]["message"], snapshot
+    assert rss_bytes(shared.pid) - before < 50 * 1024 * 1024
+    assert (await alice.get("/api/workflows")).status_code == 200

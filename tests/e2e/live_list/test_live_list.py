@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,8 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from app.tokens import StreamTokens
+from app.auth import tenant_of_key
+from app.tokens import ListGrant, StreamTokens
 from tests.support.api import (
     execute,
     put,
@@ -190,28 +192,45 @@ async def test_live_and_its_token_are_routes_of_their_own(client: httpx.AsyncCli
 def test_list_tokens_name_their_tenant_expire_and_never_pass_for_stream_tokens() -> None:
     tokens = StreamTokens(secret=b"s" * 32, lifetime_seconds=60)
     token = tokens.issue_list("t_abc", now=1_000)
-    assert token.startswith("t_abc.1060.")
-    assert tokens.list_tenant(token, now=1_059) == "t_abc"
-    assert tokens.list_tenant(token, now=1_061) is None
-    assert tokens.list_tenant("t_other" + token.removeprefix("t_abc"), now=1_000) is None
+    configured = ["t_other", "t_abc"]
+    assert tokens.list_grant(token, configured, now=1_059) == ListGrant("t_abc", 1_060)
+    assert tokens.list_grant(token, configured, now=1_061) is None
+    assert tokens.list_grant(token, ["t_other"], now=1_000) is None  # its key taken out
     other = StreamTokens(secret=b"x" * 32, lifetime_seconds=60)
-    assert other.list_tenant(token, now=1_000) is None
+    assert other.list_grant(token, configured, now=1_000) is None
     # A list token opens no execution, an execution's token no list.
     assert not tokens.check(token, "list:t_abc", now=1_000)
-    assert tokens.list_tenant(tokens.issue("ex_1", now=1_000), now=1_000) is None
+    assert tokens.list_grant(tokens.issue("ex_1", now=1_000), configured, now=1_000) is None
     for odd in ("", "t_abc..x", "t_abc.²0.x", "ü.1.x", token + "="):
-        assert tokens.list_tenant(odd, now=1_000) is None
+        assert tokens.list_grant(odd, configured, now=1_000) is None
+
+
+def test_a_list_token_tells_nothing_of_its_tenant_or_key() -> None:
+    """Step 16's review (row 10): list tokens began with the tenant, ``sha256(key)[:24]``
+    unsalted, and the example key ``change-me`` was found from a token offline. The
+    token now names its tenant by an HMAC under the server's secret."""
+    tenant = tenant_of_key("change-me")
+    token = StreamTokens(secret=b"s" * 32, lifetime_seconds=60).issue_list(tenant, now=1_000)
+    assert tenant not in token and tenant.removeprefix("t_")[:8] not in token
+    again = StreamTokens(secret=b"x" * 32, lifetime_seconds=60).issue_list(tenant, now=1_000)
+    assert token.split(".")[0] != again.split(".")[0]
+
+
+def test_a_token_handed_out_under_another_expires_no_later() -> None:
+    tokens = StreamTokens(secret=b"s" * 32, lifetime_seconds=60)
+    token = tokens.issue("ex_1", now=1_000, not_after=1_010)
+    assert tokens.check(token, "ex_1", now=1_010)
+    assert not tokens.check(token, "ex_1", now=1_011)
+    assert tokens.issue("ex_1", now=1_000, not_after=9_999) == tokens.issue("ex_1", now=1_000)
 
 
 def test_a_list_token_with_its_tenant_cut_off_opens_no_execution() -> None:
-    # A list token is "<tenant>.<expiry>.<mac>" with the mac over "list:<tenant>.<expiry>";
+    # A list token is "<alias>.<expiry>.<mac>" with the mac over "list:<tenant>.<expiry>";
     # a stream token is "<expiry>.<mac>" with the mac over "<eid>.<expiry>". Without its
     # first part a list token is a well-formed stream token for the "execution"
     # "list:<tenant>": the tokens module promises neither kind ever passes for the
     # other, and no execution id contains ":".
     """Found by the step 14 review."""
-    from app.tokens import StreamTokens
-
     tokens = StreamTokens(secret=b"s" * 32, lifetime_seconds=60)
     token = tokens.issue_list("t_abc", now=1_000)
     cut = token.split(".", 1)[1]
@@ -293,7 +312,7 @@ async def test_the_live_list_needs_a_key_or_a_list_token(
     assert issued["streamUrl"] == LIVE
     # Not an execution's stream token, not a tampered list token, not on other routes.
     tampered = token[:-2] + ("AA" if not token.endswith("AA") else "BB")
-    for wrong in (started["streamToken"], tampered, "t_x.1.abc", ""):
+    for wrong in (started["streamToken"], tampered, "t_x.1.abc", "A" * 22 + ".1." + "B" * 43, ""):
         response = await anonymous.get(f"{LIVE}?token={wrong}")
         assert response.status_code == 401, wrong
     assert (await anonymous.get(f"/api/executions?token={token}")).status_code == 401
@@ -393,3 +412,25 @@ async def test_a_server_shutting_down_ends_its_live_lists(
     await stopping
     assert "ending the open streams" in server.logs()
     assert "without completing response" not in server.logs()
+
+
+async def test_nothing_a_list_token_grants_outlives_it(
+    valkey: ValkeyServer, tmp_path: Path, unique: str
+) -> None:
+    """Step 16's review (row 9): an open live list kept handing out fresh stream tokens
+    after its list token expired (reopening was 401), so one list token granted reads for
+    about three times its lifetime. The list now ends when its token expires, and the
+    tokens of its rows expire no later; the page then asks for a new list token."""
+    async with serving(valkey, tmp_path, api_keys=ALICE, stream_token_seconds="3") as server:
+        async with authed(server, ALICE) as alice, authed(server) as anonymous:
+            workflow_id = f"expiring-{unique}"
+            await put(alice, quick_workflow(workflow_id))
+            token = (await alice.post(f"{LIVE}/token")).json()["streamToken"]
+            expires = int(token.split(".")[1])
+            async with live(anonymous, f"workflowId={workflow_id}&token={token}") as stream:
+                assert await stream.rows() == []
+                await stream.until(await execute(alice, workflow_id, {}), "completed")
+                assert int(stream.row["streamToken"].split(".")[0]) <= expires
+                await stream.rest()  # the server ends it
+            assert time.time() >= expires - 1  # at the token's expiry, not before
+            assert (await anonymous.get(f"{LIVE}?token={token}")).status_code == 401
