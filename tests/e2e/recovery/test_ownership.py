@@ -470,13 +470,18 @@ async def test_sigterm_after_the_grace_still_stores_a_terminal_event_already_emi
             httpx.AsyncClient(base_url=a.url, timeout=20) as on_a,
             httpx.AsyncClient(base_url=b.url, timeout=20) as on_b,
         ):
-            # From think's start stored to the SIGSTOP: a poll's pause and one or two
-            # of its GETs on B, each about as slow as the probe.
+            # From think's start to the SIGSTOP: the stream's first frame, a poll's pause
+            # and one or two of its GETs on B, each about as slow as the probe.
             poll = max(await latencies(on_b, "/api/workflows", 5))
             think_ms = round(1000 * (10 * poll + 0.3))
             await put(on_a, delay_workflow(f"stall-end-{unique}", ms=think_ms))
             execution_id = await execute(on_a, f"stall-end-{unique}", {})
             live = LiveReader(on_a, execution_id)
+            # The client's stream is open before the stall: a stream still opening then
+            # waits on the stalled buffer, and uvicorn waits for its connection before
+            # the runner may drain (no "draining executions": 1 run in 15 beside a
+            # busy loop).
+            await eventually(lambda: live.saw("execution:started"), "the client attached")
             await eventually(lambda: has_stored(on_b, execution_id, "block:started"), "started")
 
             os.kill(stalled.pid, signal.SIGSTOP)
