@@ -48,6 +48,7 @@ OUTCOMES = {"completed": COMPLETED, "failed": FAILED, "cancelled": CANCELLED}
 # SSE opens at once overflowed the queue 24,000 times and 113 connections were reset.
 BACKLOG = 16384
 
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True

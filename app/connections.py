@@ -19,9 +19,7 @@ from redis.exceptions import ConnectionError
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
 
-def connect(
-    url: str, *, socket_timeout: float, max_connections: int, queue: bool = True
-) -> Redis:
+def connect(url: str, *, socket_timeout: float, max_connections: int, queue: bool = True) -> Redis:
     """A client for ``url``; cluster URLs get a cluster client with the same interface.
 
     The pool holds at most ``max_connections`` (per node on a cluster). With ``queue``,

@@ -15,6 +15,7 @@
     │   └── WorkflowInvalid            a workflow definition with every problem found
     ├── BlockError                     a block attempt failed (code, message, retryable)
     ├── ShuttingDown                   the process no longer starts executions
+    ├── WorkflowChanged                a start's workflow changed since this process read it
     ├── TooBusy                        the tenant runs as many executions as it may
     │   └── TooManyStreams             the tenant has as many streams open as it may
     ├── BufferUnavailable              the event buffer could not be reached
@@ -204,6 +205,18 @@ class ShuttingDown(FlowcastError):
     """The process is shutting down and starts nothing new."""
 
     code = "shutting_down"
+
+
+class WorkflowChanged(FlowcastError):
+    """The workflow a start went on with, as this process last read it, was replaced or
+    deleted since: the start is taken back (it changed nothing) and the workflow is read
+    again. Never an answer of its own: the caller starts once more."""
+
+    code = "workflow_changed"
+
+    def __init__(self, workflow_id: str) -> None:
+        super().__init__(f"workflow {workflow_id!r} changed since it was read")
+        self.workflow_id = workflow_id
 
 
 class TooBusy(FlowcastError):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import orjson
@@ -24,7 +26,8 @@ from app.schemas import (
     workflow_body,
 )
 from app.services import Services, services, tenant
-from lib.errors import InvalidInput, Problem
+from lib.backend import Batch
+from lib.errors import InvalidInput, Problem, WorkflowChanged
 from lib.workflows.model import Workflow
 from lib.workflows.runner import Started as Run
 
@@ -135,22 +138,42 @@ async def execute(
     """Start an execution; stream it when the client accepts SSE, else answer 202."""
     request_body = body or ExecuteRequest()
 
-    async def start(execution_id: str, write_back: WriteBack | None) -> Run:
-        stored = await svc.workflows.get(tenant_id, workflow_id)
-        missing = svc.providers.problems(stored.workflow)
+    async def run(
+        workflow: Workflow,
+        execution_id: str,
+        write_back: WriteBack | None,
+        confirm: Callable[[Batch], None] | None,
+    ) -> Run:
+        missing = svc.providers.problems(workflow)
         if missing:
             refused = InvalidInput("the workflow needs an llm provider this server lacks", missing)
             refused.code = "llm_provider_unknown"
             raise refused
         return await svc.runner.start(
-            stored.workflow,
+            workflow,
             input=request_body.input,
             tenant=tenant_id,
             inline_files=request_body.inline_files,
             execution_id=execution_id,
             write_back=write_back,
             first_stored=not streaming,
+            confirm=confirm,
         )
+
+    async def start(execution_id: str, write_back: WriteBack | None) -> Run:
+        # The workflow as this process knows it saves a round trip before the first
+        # event: the start's own round trip confirms it is still the stored one.
+        known = svc.workflows.known(tenant_id, workflow_id)
+        if known is not None:
+            confirm = functools.partial(
+                svc.workflows.confirm_in, tenant=tenant_id, workflow_id=workflow_id, stored=known
+            )
+            try:
+                return await run(known.workflow, execution_id, write_back, confirm)
+            except WorkflowChanged:
+                pass  # replaced or deleted by another replica: nothing started; read it
+        stored = await svc.workflows.get(tenant_id, workflow_id)
+        return await run(stored.workflow, execution_id, write_back, None)
 
     streaming = "text/event-stream" in request.headers.get("accept", "")
     if streaming:

@@ -247,6 +247,7 @@ class Ownership:
         created_ms: int,
         extra: dict[str, str] | None = None,
         state: dict[str, bytes] | None = None,
+        checked: Callable[[Batch], None] | None = None,
         alongside: Callable[[Batch], None] | None = None,
     ) -> Claim | None:
         """Create an execution, running and owned by ``fence``, with its run state fields
@@ -257,9 +258,11 @@ class Ownership:
         Before the creation, in one round trip (none needs another's answer): the
         tenant's admission, the lease entry that watches the new owner, its listing in
         the tenant's index, and what ``alongside`` adds to the batch, which the caller
-        must have stored before the execution exists (its workflow version). The
-        admission, the lease entry and the listing this call made are taken back when the
-        batch fails (a refusal changes nothing); cleanup that fails is logged.
+        must have stored before the execution exists (its workflow version). ``checked``
+        adds reads whose answers may refuse the start (the workflow the caller went on
+        with, still the stored one), judged before the admission. The admission, the
+        lease entry and the listing this call made are taken back when the batch fails
+        or a check refuses (a refusal changes nothing); cleanup that fails is logged.
         The new owner shows its first event as it emits it (``START_RESERVED``).
         """
         batch = Batch(self.redis)
@@ -267,6 +270,8 @@ class Ownership:
         # others: a start refused takes back the listing it made (a 429 changes nothing).
         listed: list[int] = []
         self.buffer.index_in(batch, execution_id, tenant, created_ms, then=listed.append)
+        if checked is not None:
+            checked(batch)
         self._admission.admit_in(batch, tenant, fence)
         self._watch.hold_in(batch, execution_id, fence)
         if alongside is not None:

@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 
 from lib.errors import BlockError
-from lib.workflows.templates import NOT_SIMPLE, is_template, lookup
+from lib.workflows.templates import NOT_SIMPLE, is_template, lookup, plain_value
 from lib.workflows.worker import HEADER, MiB
 
 log = logging.getLogger(__name__)
@@ -147,6 +147,8 @@ class TemplatePool:
         self._plan(value, context, answers, pending)
         sizes = _Sizes()
         self._check_total(value, answers, sizes)  # before a worker is asked anything
+        for source, found in answers.items():  # within the bound: cheap to make plain
+            answers[source] = plain_value(found)
         if pending:
             results = await self._evaluate("render", pending, context)
             answers.update(zip(pending, results, strict=True))
@@ -195,7 +197,7 @@ class TemplatePool:
                 stack.extend(current)
             elif is_template(current) and current not in seen:
                 seen.add(current)
-                result = lookup(current, context, braces=True)
+                result = lookup(current, context, braces=True, plain=False)
                 if result is NOT_SIMPLE:
                     pending.append(current)
                     continue
@@ -328,8 +330,8 @@ class _Sizes:
         known = self._known.get(id(value))
         if known is None or known[0] is not value:
             try:
-                size = len(orjson.dumps(value))
-            except (TypeError, orjson.JSONEncodeError):
+                size = len(orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS))
+            except (TypeError, orjson.JSONEncodeError):  # nested too deep for orjson
                 size = len(str(value))
             known = self._known[id(value)] = (value, size)
         return known[1]

@@ -28,6 +28,7 @@ from typing import Any
 
 import orjson
 
+from lib.backend import Batch
 from lib.errors import (
     Conflict,
     FlowcastError,
@@ -197,6 +198,7 @@ class Runner:
         execution_id: str | None = None,
         write_back: Callable[[], Awaitable[None]] | None = None,
         first_stored: bool = False,
+        confirm: Callable[[Batch], None] | None = None,
     ) -> Started:
         """Create an execution and start running it here; returns once it is replayable.
 
@@ -208,7 +210,9 @@ class Runner:
         ``write_back`` writes that record back, should the store lose writes of the run
         here (a restore from an older snapshot): on a cluster the record is in another
         hash slot than the execution, so it is a write of its own, made before the
-        execution is written back.
+        execution is written back. ``confirm`` reads, in the start's own round trip,
+        that ``workflow`` is still the stored one (``WorkflowStore.confirm_in``): when
+        it is not, ``WorkflowChanged`` and nothing was started.
         """
         if not self._runs.accepting:
             raise ShuttingDown("the server is shutting down and starts no new executions")
@@ -220,7 +224,7 @@ class Runner:
             Field.CREATED_AT.value: utc_timestamp(now),
             Field.INLINE_FILES.value: "1" if inline_files else "",
         }
-        created = await self._create(execution_id, workflow, input, identity, now)
+        created = await self._create(execution_id, workflow, input, identity, now, confirm)
         if created is None:
             log.info("execution created by another request", extra={"executionId": execution_id})
             return Started(execution_id, "running")
@@ -268,6 +272,7 @@ class Runner:
         input: Any,
         identity: dict[str, str],
         now: datetime,
+        confirm: Callable[[Batch], None] | None = None,
     ) -> tuple[Claim, dict[str, bytes]] | None:
         """Admit the tenant's execution and create it, owned here, with its run state
         (the claim and the state as stored); None when another request created it first
@@ -287,6 +292,7 @@ class Runner:
             created_ms=int(now.timestamp() * 1000),
             extra={Field.INLINE_FILES.value: identity[Field.INLINE_FILES]},
             state=saved,
+            checked=confirm,
             alongside=lambda batch: self._states.save_version_in(batch, workflow),
         )
         if claim is None:

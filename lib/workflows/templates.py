@@ -99,12 +99,14 @@ def _step(value: Any, step: str | int) -> Any:
     raise _NotSimple
 
 
-def lookup(expr: str, context: dict[str, Any], *, braces: bool) -> Any:
+def lookup(expr: str, context: dict[str, Any], *, braces: bool, plain: bool = True) -> Any:
     """A plain path's value (``input.a``, ``blocks.x.output['k'][0]``), or NOT_SIMPLE.
 
     With ``braces`` the source must be exactly ``{{ path }}``. Only dict and list lookups
     are answered here, with the same result the sandbox gives (missing is None); those
-    cannot loop or allocate, so they are safe on the event loop.
+    cannot loop or allocate, so they are safe on the event loop. Without ``plain`` the
+    value is the context's own, not yet made plain data (``plain_value``): a caller that
+    bounds its size checks it first, as making a large value plain walks all of it.
     """
     if braces:
         match = _BRACES.match(expr)
@@ -122,6 +124,11 @@ def lookup(expr: str, context: dict[str, Any], *, braces: bool) -> Any:
             value = _step(value, step)
     except _NotSimple:
         return NOT_SIMPLE
+    return _plain(value) if plain else value
+
+
+def plain_value(value: Any) -> Any:
+    """What ``lookup`` gives for a value it found (``plain=False``)."""
     return _plain(value)
 
 

@@ -123,6 +123,36 @@ async def test_a_start_refused_by_its_tenants_cap_leaves_no_listing(
     assert await redis.zrange(buffer.keys.index("t"), 0, -1) == [running.encode()]
 
 
+async def test_a_start_whose_check_refuses_is_taken_back_before_its_admission_is_judged(
+    buffer: EventBuffer, redis: Redis
+) -> None:
+    """A check queued with the start (the workflow the caller went on with, still the
+    stored one) that refuses stops the start as a refusal does: nothing created, nothing
+    admitted, watched or listed; judged before the admission (a tenant at its cap whose
+    workflow changed is told about the workflow, as a start that read it first was)."""
+    ownership = capped_ownership(buffer, 1)
+    assert await start(ownership, "node-a:1") is not None  # the tenant is at its cap
+
+    class Changed(Exception):
+        pass
+
+    def refused(reply: object) -> None:
+        raise Changed
+
+    before = await redis.zrange(buffer.keys.index("t"), 0, -1)
+    with pytest.raises(Changed):
+        await start(
+            ownership,
+            "node-a:2",
+            checked=lambda batch: batch.call("GET", f"{buffer.prefix}:x", then=refused),
+        )
+    assert await redis.zrange(buffer.keys.index("t"), 0, -1) == before
+    running = await redis.zrange(buffer.keys.running("t"), 0, -1)
+    assert b"node-a:2" not in running
+    leases = await redis.zrange(buffer.keys.leases, 0, -1)
+    assert not [lease for lease in leases if lease.endswith(b"node-a:2")]
+
+
 async def test_a_refused_start_of_a_named_id_keeps_the_listing_of_its_creator(
     buffer: EventBuffer, redis: Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-import httpx
+from collections.abc import AsyncIterator
+from typing import Any
 
-from tests.support.servers import FlowcastServer
+import httpx
+import pytest
+
+from tests.support.api import put
+from tests.support.servers import FlowcastServer, ValkeyServer, authed, serving_pair
+from tests.support.sse import collect
 
 
 def simple(workflow_id: str) -> dict[str, object]:
@@ -142,3 +148,59 @@ async def test_bad_workflow_file_is_reported_and_does_not_stop_the_server(
         assert "invalid.json" in logs and "$.blocks[0].type" in logs
     finally:
         await server.stop()
+
+
+def valued(workflow_id: str, value: int) -> dict[str, Any]:
+    return {
+        "id": workflow_id,
+        "blocks": [{"id": "a", "type": "transform", "config": {"value": value}}],
+    }
+
+
+async def output_of(client: httpx.AsyncClient, workflow_id: str, *, streamed: bool) -> Any:
+    """Execute ``workflow_id`` (streamed, or answered 202 and read back) to its end."""
+    if streamed:
+        response, frames = await collect(
+            client, f"/api/workflows/{workflow_id}/execute", method="POST", json={}
+        )
+        if response.status_code != 200:
+            return response.status_code
+        return frames[-1].json["data"]["output"]
+    response = await client.post(f"/api/workflows/{workflow_id}/execute", json={})
+    if response.status_code != 202:
+        return response.status_code
+    _, frames = await collect(client, response.json()["streamUrl"])
+    return frames[-1].json["data"]["output"]
+
+
+@pytest.fixture(scope="module")
+async def pair(
+    valkey: ValkeyServer, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[tuple[FlowcastServer, FlowcastServer]]:
+    """Replicas A and B on one Redis prefix of their own."""
+    async with serving_pair(valkey, tmp_path_factory.mktemp("pair")) as servers:
+        yield servers
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "answered-202"])
+async def test_an_execute_runs_the_workflow_stored_when_it_is_accepted_whoever_changed_it(
+    pair: tuple[FlowcastServer, FlowcastServer], unique: str, streamed: bool
+) -> None:
+    """A replica starts a workflow it read before without reading it again first, the
+    store's copy confirmed in the start's own round trip (step 15, the event path's
+    latency): replaced or deleted on another replica since, the execute still runs the
+    stored version, or answers 404 and starts nothing."""
+    a, b = pair
+    workflow_id = f"versions-{unique}"
+    async with authed(a) as on_a, authed(b) as on_b:
+        await put(on_a, valued(workflow_id, 1))
+        assert await output_of(on_a, workflow_id, streamed=streamed) == {"a": 1}
+        await put(on_b, valued(workflow_id, 2))
+        assert await output_of(on_a, workflow_id, streamed=streamed) == {"a": 2}
+        assert await output_of(on_a, workflow_id, streamed=streamed) == {"a": 2}
+        assert (await on_b.delete(f"/api/workflows/{workflow_id}")).status_code == 204
+        assert await output_of(on_a, workflow_id, streamed=streamed) == 404
+        await put(on_b, valued(workflow_id, 3))
+        assert await output_of(on_a, workflow_id, streamed=streamed) == {"a": 3}
+        listed = (await on_a.get("/api/executions", params={"workflowId": workflow_id})).json()
+        assert len(listed["executions"]) == 4  # the 404 left no listing

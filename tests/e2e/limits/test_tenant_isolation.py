@@ -210,3 +210,42 @@ async def test_reading_large_secrets_does_not_stall_other_tenants(
             )
     finally:
         await server.stop(signal.SIGKILL)
+
+
+async def test_storing_deeply_nested_templates_does_not_stall_other_tenants(
+    valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """Step 16's review (rows 11 and 14): checking a workflow's templates ran on the
+    event loop, and a template of 5,000 chained attributes (10 KB) takes ~0.25 s to
+    parse and walk before it is refused: a few PUTs at once held every tenant's
+    requests that long. Validation now runs off the loop."""
+    server = await started_server(
+        tmp_path,
+        "nested",
+        FLOWCAST_REDIS_URL=valkey.url,
+        FLOWCAST_REDIS_PREFIX=prefix(),
+        FLOWCAST_API_KEYS=f"{ALPHA},{BETA}",
+    )
+    nested = "{{ input" + ".a" * 5000 + " }}"
+    body = {
+        "id": "nested",
+        "blocks": [{"id": "t", "type": "transform", "config": {"value": nested}}],
+    }
+    try:
+        async with authed(server, ALPHA) as alpha, authed(server, BETA) as beta:
+            quiet = await latencies(beta, PROBE, 40)
+            async with probing(beta, PROBE) as loaded:
+                for _ in range(3):
+                    answers = await asyncio.gather(
+                        *(alpha.put("/api/workflows/nested", json=body) for _ in range(4))
+                    )
+                    assert {answer.status_code for answer in answers} == {422}
+            assert_within(
+                max(loaded),
+                probe=max(quiet),
+                ratio=STALL_RATIO,
+                floor=STALL_FLOOR / 2,
+                what=f"another tenant's worst GET of {len(loaded)}",
+            )
+    finally:
+        await server.stop(signal.SIGKILL)
