@@ -359,27 +359,45 @@ class EventBuffer:
         keep: Callable[[ExecutionMeta], bool] = lambda _meta: True,
         scan_limit: int = 5_000,
     ) -> list[ExecutionMeta]:
-        """A tenant's newest executions that ``keep`` accepts; expired ones leave the index."""
+        """A tenant's newest executions that ``keep`` accepts; expired ones leave the index.
+
+        The index is read in pages by score (its creation time), each page below the
+        last one read, not by offset: starts that list new executions at the top (or
+        listings taken back) between two pages would shift an offset, and the list would
+        name an execution twice (a live list's client then kept the older copy) or skip
+        one. An id a page names again (listed anew at the same millisecond) is skipped.
+        """
         found: list[ExecutionMeta] = []
         expired: list[bytes] = []
+        seen: set[bytes] = set()
         index = self.keys.index(tenant)
         # create() writes the index beside start.lua, not after it: an id listed a
         # moment ago may have no metadata yet. Only an id listed long before is gone.
         listed_before = (time.time() - INDEX_GRACE_SECONDS) * 1000
-        offset = 0
-        while len(found) < limit and offset < scan_limit:
+        top: float | str = "+inf"
+        at_top = 0  # entries of the last page with the score ``top``: the next page skips them
+        scanned = 0
+        while len(found) < limit and scanned < scan_limit:
             entries = cast(
                 list[tuple[bytes, float]],
-                await self.redis.zrevrange(index, offset, offset + 199, withscores=True),
+                await self.redis.zrevrangebyscore(
+                    index, top, "-inf", start=at_top, num=200, withscores=True
+                ),
             )
             if not entries:
                 break
-            offset += len(entries)
+            scanned += len(entries)
+            lowest = entries[-1][1]
+            ties = sum(1 for _raw_id, score in entries if score == lowest)
+            at_top = ties + (at_top if lowest == top else 0)
+            top = lowest
+            fresh = [(raw_id, score) for raw_id, score in entries if raw_id not in seen]
+            seen.update(raw_id for raw_id, _score in fresh)
             async with self.redis.pipeline(transaction=False) as pipe:
-                for raw_id, _score in entries:
+                for raw_id, _score in fresh:
                     pipe.hgetall(self.keys.meta(raw_id.decode()))
                 results = await pipe.execute()
-            for (raw_id, score), fields in zip(entries, results, strict=True):
+            for (raw_id, score), fields in zip(fresh, results, strict=True):
                 if not fields:
                     if score < listed_before:
                         expired.append(raw_id)

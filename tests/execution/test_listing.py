@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -222,3 +222,54 @@ async def test_one_tenant_reads_one_list_at_a_time_and_never_holds_every_read_sl
         await asyncio.gather(*busy, other)
     assert inside.count("noisy") == 5
     assert feed._tenant_reads == {}  # nothing kept for tenants that stopped reading
+
+
+class BetweenPages(Redis):
+    """A client on which ``between`` runs right after the first page of a tenant's index
+    is read, before the reader asks for the next: starts (or listings taken back) that
+    land while a list is read. The seam where the fault goes in; everything else is the
+    real Valkey."""
+
+    between: Callable[[], Awaitable[None]] | None = None
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        reply = await super().execute_command(*args, **options)
+        if str(args[0]).upper().startswith(("ZREVRANGE", "ZRANGE")) and self.between:
+            between, self.between = self.between, None
+            await between()
+        return reply
+
+
+@pytest.mark.parametrize("change_between", ["new starts", "listings taken back"])
+async def test_a_list_read_while_the_index_changes_names_each_execution_once(
+    valkey_url: str, buffer: EventBuffer, change_between: str
+) -> None:
+    # The list was read in pages by offset: 5 starts between two pages shifted the
+    # index down, the next page named 5 executions again, and a live list's client
+    # kept a stale copy of each ("running" beside "completed"); 5 listings taken back
+    # shifted it up, and the list skipped 5 executions a reload shows.
+    """Found by the step 15 runs beside a busy loop (issue 23 point 6): the flake of
+    test_a_live_list_ends_up_as_a_reload_shows_it_after_a_burst_with_lost_messages."""
+    listed = 150 if change_between == "new starts" else 250  # one page is 200
+    ids = [await create(buffer, created_ms=ms) for ms in range(1, listed + 1)]
+    newest_first = ids[::-1]
+    client = BetweenPages.from_url(valkey_url)
+    try:
+        reading = EventBuffer(redis=client, prefix=buffer.keys.prefix)
+
+        async def grow() -> None:
+            for ms in range(1_000, 1_005):
+                await create(buffer, created_ms=ms)
+
+        async def shrink() -> None:
+            await buffer.redis.zrem(buffer.keys.index(TENANT), *newest_first[:5])
+
+        client.between = grow if change_between == "new starts" else shrink
+        rows = await reading.recent_metas(TENANT, limit=400)
+    finally:
+        await client.aclose()
+    names = [meta.id for meta in rows]
+    assert client.between is None  # the change went in between two pages
+    assert len(names) == len(set(names)), "an execution named twice"
+    stayed = newest_first if change_between == "new starts" else newest_first[5:]
+    assert [name for name in names if name in set(stayed)] == stayed

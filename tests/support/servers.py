@@ -18,6 +18,9 @@ from app.embedded import EmbeddedValkey, free_port
 from tests.support.zygote import Process, spawn
 
 ROOT = Path(__file__).resolve().parents[2]
+# How long a test server keeps an idle keep-alive connection: well past the 5 s after
+# which an httpx client stops reusing one (FlowcastServer.command says why).
+KEEP_ALIVE_SECONDS = 30
 
 
 class ValkeyServer(EmbeddedValkey):
@@ -77,9 +80,17 @@ class FlowcastServer:
         return self._process.pid
 
     def command(self) -> list[str]:
+        # The server keeps an idle connection longer than a test's client reuses one
+        # (httpx: 5 s, KEEP_ALIVE_SECONDS here). With both at 5 s, a request sent on a
+        # connection idle for almost 5 s races the server's close; on a busy machine the
+        # client reads a response late, so its 5 s end after the server's, and the
+        # server closed connections the client had just sent a request on (httpx
+        # ReadError: a 64-PUT round of test_tenant_isolation, beside a busy loop). A
+        # client would have to read a response 25 s late for this to happen again.
         return [
             sys.executable, "-m", "uvicorn", "--factory", "app.main:create_app",
             "--host", "127.0.0.1", "--port", str(self.port),
+            "--timeout-keep-alive", str(KEEP_ALIVE_SECONDS),
             *([] if self.access_log else ["--no-access-log"]),
         ]  # fmt: skip
 

@@ -36,7 +36,7 @@ from tests.support.api import (
 from tests.support.logcheck import check_log, check_view
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.sse import Frame, events
-from tests.support.timing import assert_below_timer
+from tests.support.timing import assert_below_timer, latencies
 
 LEASE_SECONDS = 1.0
 
@@ -453,6 +453,10 @@ async def test_sigterm_after_the_grace_still_stores_a_terminal_event_already_emi
     # but not yet stored when the grace ends (a terminal event is shown live only once
     # stored). Ending it then must not abandon that write: the terminal is stored once
     # the buffer answers again, and what the client saw is the stored log's start.
+    """The stall must begin while think runs, and the test notices think's start by
+    polling B: think lasts ten times the slowest of five GETs on B here and now, plus
+    0.3 s. A fixed 300 ms was too short beside a busy loop (step 15's runs, issue 23
+    point 6): think ended and was stored before the SIGSTOP, 1 run in 10."""
     stalled = ValkeyServer(data_dir=tmp_path / "valkey")
     await stalled.start()
     grace = 1.0
@@ -466,9 +470,18 @@ async def test_sigterm_after_the_grace_still_stores_a_terminal_event_already_emi
             httpx.AsyncClient(base_url=a.url, timeout=20) as on_a,
             httpx.AsyncClient(base_url=b.url, timeout=20) as on_b,
         ):
-            await put(on_a, delay_workflow(f"stall-end-{unique}", ms=300))
+            # From think's start to the SIGSTOP: the stream's first frame, a poll's pause
+            # and one or two of its GETs on B, each about as slow as the probe.
+            poll = max(await latencies(on_b, "/api/workflows", 5))
+            think_ms = round(1000 * (10 * poll + 0.3))
+            await put(on_a, delay_workflow(f"stall-end-{unique}", ms=think_ms))
             execution_id = await execute(on_a, f"stall-end-{unique}", {})
             live = LiveReader(on_a, execution_id)
+            # The client's stream is open before the stall: a stream still opening then
+            # waits on the stalled buffer, and uvicorn waits for its connection before
+            # the runner may drain (no "draining executions": 1 run in 15 beside a
+            # busy loop).
+            await eventually(lambda: live.saw("execution:started"), "the client attached")
             await eventually(lambda: has_stored(on_b, execution_id, "block:started"), "started")
 
             os.kill(stalled.pid, signal.SIGSTOP)
