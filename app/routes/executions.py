@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from app.errors import ApiError
 from app.idempotency import Outcome
 from app.limits import checked_input
+from app.requests import JsonRoute
 from app.responses import JSON
 from app.routes.streams import CURSOR, parse_cursor
 from app.schemas import (
@@ -33,7 +34,7 @@ from lib.execution.events import TERMINAL_STATUSES
 from lib.execution.listing import ListFilter
 from lib.workflows.runner import Started as Run
 
-router = APIRouter(prefix="/api/executions", tags=["executions"])
+router = APIRouter(prefix="/api/executions", tags=["executions"], route_class=JsonRoute)
 
 ServicesDep = Annotated[Services, Depends(services)]
 TenantDep = Annotated[str, Depends(tenant)]

@@ -8,12 +8,13 @@ import orjson
 from fastapi import APIRouter, Body, Depends, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.requests import JsonRoute
 from app.responses import JSON
 from app.schemas import API_ERRORS, errors, json_example
 from app.services import Services, services, tenant
 from lib.workflows.secrets import check_name
 
-router = APIRouter(prefix="/api/secrets", tags=["secrets"])
+router = APIRouter(prefix="/api/secrets", tags=["secrets"], route_class=JsonRoute)
 
 ServicesDep = Annotated[Services, Depends(services)]
 TenantDep = Annotated[str, Depends(tenant)]

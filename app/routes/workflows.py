@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.idempotency import WriteBack
 from app.limits import checked_input, unstorable
+from app.requests import JsonRoute
 from app.responses import JSON
 from app.routes.streams import sse_response
 from app.schemas import (
@@ -31,7 +32,7 @@ from lib.errors import InvalidInput, Problem, WorkflowChanged
 from lib.workflows.model import Workflow
 from lib.workflows.runner import Started as Run
 
-router = APIRouter(prefix="/api/workflows", tags=["workflows"])
+router = APIRouter(prefix="/api/workflows", tags=["workflows"], route_class=JsonRoute)
 
 ServicesDep = Annotated[Services, Depends(services)]
 TenantDep = Annotated[str, Depends(tenant)]
