@@ -150,17 +150,22 @@ async def test_slots_are_shared_fairly_between_the_tenants_waiting_across_replic
         assert granted == 1
     served: list[str] = []
 
+    done = asyncio.Event()
+
     async def wait(name: str, slots: Slots) -> None:
         async with slots.hold(PROVIDER, cap):
             served.append(name)
+            await done.wait()  # held: each release below frees exactly one slot
 
     waiters = [as_tenant("a", wait(f"a{n}", first)) for n in range(cap)]
     await queued(redis, keys, cap)
     waiters.append(as_tenant("b", wait("b0", second)))
     await queued(redis, keys, cap + 1)
-    for n in range(cap):  # one slot at a time
+    for n in range(2):  # one slot at a time
         assert await first._call(PROVIDER, "release", f"taken-{n}", 0) == 1
         await eventually(lambda n=n: _served(served, n + 1), f"{n + 1} served")
+    done.set()
+    assert await first._call(PROVIDER, "release", f"taken-{cap - 1}", 0) == 1
     async with asyncio.timeout(10):
         await asyncio.gather(*waiters)
     assert served.index("b0") <= 1, served  # first come, first served: last (3)
