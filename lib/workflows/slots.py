@@ -134,13 +134,15 @@ class _FairGate:
     """At most ``cap`` of this process's calls ask Redis for a slot at once; the others
     wait here, taken by fair queuing as slots.lua takes them across processes: a call's
     place is one past the later of its tenant's last place and the place of the latest
-    call let in, so each tenant's calls go in arrival order and the tenants in turn."""
+    call let in, so each tenant's calls go in arrival order and the tenants in turn. A
+    call cancelled while it waits gives its place back as slots.lua's do."""
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
         self.inside = 0
         self._clock = 0  # the place of the latest call let in
         self._last: dict[str, int] = {}  # each waiting tenant's last place
+        self._waiting: dict[str, int] = {}  # how many calls of each tenant wait
         self._line: list[tuple[int, int, asyncio.Future[None], str]] = []  # a heap
         self._arrivals = itertools.count()
 
@@ -148,6 +150,7 @@ class _FairGate:
     async def entered(self, tenant: str) -> AsyncIterator[None]:
         place = max(self._clock, self._last.get(tenant, 0)) + 1
         self._last[tenant] = place
+        self._waiting[tenant] = self._waiting.get(tenant, 0) + 1
         if self.inside < self.cap and not self._line:
             self._let_in(tenant, place)
         else:
@@ -158,7 +161,9 @@ class _FairGate:
             except BaseException:
                 if turn.done() and not turn.cancelled():
                     self._leave()  # let in as it was cancelled: the place goes on
-                raise  # else its entry in the line is skipped when it comes up
+                else:  # its entry in the line is skipped when it comes up
+                    self._gave_up(tenant, place)
+                raise
         try:
             yield
         finally:
@@ -171,8 +176,26 @@ class _FairGate:
     def _let_in(self, tenant: str, place: int) -> None:
         self.inside += 1
         self._clock = max(self._clock, place)
-        if self._last.get(tenant, 0) <= place:
-            del self._last[tenant]  # nothing of its own waits behind: forgotten
+        self._left_line(tenant, place)  # nothing of its own waits behind: forgotten
+
+    def _gave_up(self, tenant: str, place: int) -> None:
+        """A call cancelled while it waited: its tenant's next call does not stand
+        behind it (the step 16 fresh-eyes review: five cancelled calls put A's next
+        one behind every call B queued meanwhile)."""
+        self._left_line(tenant, place)
+
+    def _left_line(self, tenant: str, place: int) -> None:
+        """A call of ``tenant`` no longer waits: a tenant with none left waiting is
+        forgotten; one whose last call left steps back to ``place - 1``, which is as
+        good as its call before (a place is one past the later of that and the clock,
+        and the clock only grows)."""
+        left = self._waiting[tenant] - 1
+        if left == 0:
+            del self._waiting[tenant], self._last[tenant]
+            return
+        self._waiting[tenant] = left
+        if self._last[tenant] == place:
+            self._last[tenant] = place - 1
 
     def _leave(self) -> None:
         self.inside -= 1
