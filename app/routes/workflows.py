@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 import orjson
@@ -111,6 +111,56 @@ async def delete_workflow(workflow_id: str, svc: ServicesDep, tenant_id: TenantD
     return Response(status_code=204)
 
 
+def _starter(
+    svc: Services,
+    tenant_id: str,
+    workflow_id: str,
+    request_body: ExecuteRequest,
+    *,
+    first_stored: bool,
+) -> Callable[[str, WriteBack | None], Awaitable[Run]]:
+    """What starts the execution, once its Idempotency-Key allows, under the id given."""
+
+    async def run(
+        workflow: Workflow,
+        execution_id: str,
+        write_back: WriteBack | None,
+        confirm: Callable[[Batch], None] | None,
+    ) -> Run:
+        missing = svc.providers.problems(workflow)
+        if missing:
+            refused = InvalidInput("the workflow needs an llm provider this server lacks", missing)
+            refused.code = "llm_provider_unknown"
+            raise refused
+        return await svc.runner.start(
+            workflow,
+            input=request_body.input,
+            tenant=tenant_id,
+            inline_files=request_body.inline_files,
+            execution_id=execution_id,
+            write_back=write_back,
+            first_stored=first_stored,
+            confirm=confirm,
+        )
+
+    async def start(execution_id: str, write_back: WriteBack | None) -> Run:
+        # The workflow as this process knows it saves a round trip before the first
+        # event: the start's own round trip confirms it is still the stored one.
+        known = svc.workflows.known(tenant_id, workflow_id)
+        if known is not None:
+            confirm = functools.partial(
+                svc.workflows.confirm_in, tenant=tenant_id, workflow_id=workflow_id, stored=known
+            )
+            try:
+                return await run(known.workflow, execution_id, write_back, confirm)
+            except WorkflowChanged:
+                pass  # replaced or deleted by another replica: nothing started; read it
+        stored = await svc.workflows.get(tenant_id, workflow_id)
+        return await run(stored.workflow, execution_id, write_back, None)
+
+    return start
+
+
 @router.post(
     "/{workflow_id}/execute",
     response_model=None,
@@ -137,45 +187,8 @@ async def execute(
 ) -> Response:
     """Start an execution; stream it when the client accepts SSE, else answer 202."""
     request_body = body or ExecuteRequest()
-
-    async def run(
-        workflow: Workflow,
-        execution_id: str,
-        write_back: WriteBack | None,
-        confirm: Callable[[Batch], None] | None,
-    ) -> Run:
-        missing = svc.providers.problems(workflow)
-        if missing:
-            refused = InvalidInput("the workflow needs an llm provider this server lacks", missing)
-            refused.code = "llm_provider_unknown"
-            raise refused
-        return await svc.runner.start(
-            workflow,
-            input=request_body.input,
-            tenant=tenant_id,
-            inline_files=request_body.inline_files,
-            execution_id=execution_id,
-            write_back=write_back,
-            first_stored=not streaming,
-            confirm=confirm,
-        )
-
-    async def start(execution_id: str, write_back: WriteBack | None) -> Run:
-        # The workflow as this process knows it saves a round trip before the first
-        # event: the start's own round trip confirms it is still the stored one.
-        known = svc.workflows.known(tenant_id, workflow_id)
-        if known is not None:
-            confirm = functools.partial(
-                svc.workflows.confirm_in, tenant=tenant_id, workflow_id=workflow_id, stored=known
-            )
-            try:
-                return await run(known.workflow, execution_id, write_back, confirm)
-            except WorkflowChanged:
-                pass  # replaced or deleted by another replica: nothing started; read it
-        stored = await svc.workflows.get(tenant_id, workflow_id)
-        return await run(stored.workflow, execution_id, write_back, None)
-
     streaming = "text/event-stream" in request.headers.get("accept", "")
+    start = _starter(svc, tenant_id, workflow_id, request_body, first_stored=not streaming)
     if streaming:
         svc.streams.take(tenant_id)  # before starting: a refused stream starts nothing
     try:

@@ -139,6 +139,7 @@ class EventWriter:
         retry_base_seconds: float = 0.05,
         retry_max_seconds: float = 5.0,
     ) -> None:
+        """Longer than most: one commented declaration per part of the writer's state."""
         self._buffer = buffer
         self._execution_id = execution_id
         self._fence = fence
@@ -152,10 +153,9 @@ class EventWriter:
         if ceiling is not None:
             ceiling.on_raised = self._show
         self._on_cancel = on_cancel
-        # Called when the store lost writes of this run, before they are written back:
-        # the owner watches its lease again first (so a recreated execution is never
-        # running with nobody watching) and saves what lives outside the execution's
-        # keys (its workflow version).
+        # Called when the store lost writes of this run, before they are written back: the
+        # owner watches its lease again first (a recreated execution is never running with
+        # nobody watching) and saves what lives outside its keys (its workflow version).
         self._on_lost = on_lost
         # Fields to recreate the metadata with if the store comes back empty, written
         # again whenever it lost writes (recovery counts among them).
@@ -323,6 +323,7 @@ class EventWriter:
         return batch
 
     async def _run(self) -> None:
+        """The writer's one loop (longer than most: each reply handled by its append)."""
         backoff = Backoff(base=self._retry_base, cap=self._retry_max)
         while True:
             if not self._in_flight:

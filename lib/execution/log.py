@@ -190,6 +190,9 @@ class ExecutionLog:
         max_pending: int = 10_000,
         metrics: Metrics | None = None,
     ) -> None:
+        """The log's parts built from what the claim gave: the writer (with its durable
+        ceiling), the compactor and the channel. Longer than most: it only hands each
+        part its share of the claim, one argument a line."""
         self.execution_id = execution_id
         self.workflow_id = identity["workflowId"]
         self._writer = EventWriter(

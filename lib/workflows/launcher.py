@@ -307,12 +307,24 @@ class Launcher:
             if not task.done():  # the run itself is being torn down
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        # The run stops counting among its tenant's before its end can be seen, so a
-        # client that saw it end may start another at once (left again when it lets
-        # go); a pause goes on counting, as its own entry.
+        await self._stop_counting(local, task, extra)
         handed_off = (task.cancelled() and local.stop_reason is StopReason.HANDOFF) or (
             not task.cancelled() and isinstance(task.exception(), HandedOff)
         )
+        if handed_off:
+            # No last event: the process that takes over recovers the run from its
+            # checkpoint, once this one stored every event (on letting go).
+            log.info("execution to be handed off", extra=extra)
+            local.handoff = True
+            return
+        self._emit_end(local, emitter, task, started, extra)
+
+    async def _stop_counting(
+        self, local: LocalRun, task: asyncio.Task[Outcome], extra: dict[str, Any]
+    ) -> None:
+        """The run stops counting among its tenant's before its end can be seen, so a
+        client that saw it end may start another at once (left again when it lets go);
+        a pause goes on counting, as its own entry."""
         try:
             paused = (
                 not task.cancelled()
@@ -330,12 +342,16 @@ class Launcher:
         except (FlowcastError, TimeoutError) as exc:
             extra_error = {**extra, "error": str(exc) or type(exc).__name__}
             log.warning("could not stop counting the run; it will on letting go", extra=extra_error)
-        if handed_off:
-            # No last event: the process that takes over recovers the run from its
-            # checkpoint, once this one stored every event (on letting go).
-            log.info("execution to be handed off", extra=extra)
-            local.handoff = True
-            return
+
+    def _emit_end(
+        self,
+        local: LocalRun,
+        emitter: ExecutionLog,
+        task: asyncio.Task[Outcome],
+        started: float,
+        extra: dict[str, Any],
+    ) -> None:
+        """The run's last event, from how its work ended (none when it was fenced)."""
         if task.cancelled():
             reason = local.stop_reason
             log.info("execution stopped", extra={**extra, "reason": reason})

@@ -97,6 +97,26 @@ async def test_nested_values_are_compacted_bottom_up(store: LocalValueStore) -> 
     assert data["output"]["inner"]["big"]["kind"] == "string"
 
 
+async def test_a_large_container_is_sized_at_once_and_decided_as_a_walk_would(
+    store: LocalValueStore,
+) -> None:
+    """Step 16's review (row 1): an input of 5 million zeros was walked an element at a
+    time on the event loop (seconds for every tenant). A container is now sized in C
+    first: kept whole when within the threshold, offloaded whole when it is a flat list
+    (no part could go alone), and walked only when a part may be a ref, a file or too
+    large on its own; the outcome is what the walk gave."""
+    zeros = [0] * 300_000
+    refs_inside = {"kept": {"$ref": "value", "id": "lv_" + "0" * 64}, "n": [1, 2]}
+    mixed = [1.5, None, True, "y" * 2_000]
+    data = await compactor(store).compact({"z": zeros, "r": refs_inside, "m": mixed})
+    assert data["z"]["kind"] == "array" and data["z"]["preview"] == 300_000
+    assert await stored(store, data["z"]) == zeros
+    assert data["r"] == refs_inside  # a ref already made stays as it is
+    assert data["m"][:3] == [1.5, None, True] and data["m"][3]["kind"] == "string"
+    small = {"list": list(range(50)), "nested": {"deep": [[1], [2, [3]]]}}
+    assert await compactor(store).compact({"s": small}) == {"s": small}
+
+
 async def test_the_threshold_tightens_once_the_ring_is_past_half_its_budget(
     store: LocalValueStore,
 ) -> None:
