@@ -10,7 +10,9 @@ KEYS[1]  holders: zset token -> lease end (ms)        fc:{llm:<provider>}:holder
 KEYS[2]  queue:   zset token -> ticket (arrival order) fc:{llm:<provider>}:queue
 KEYS[3]  waiters: zset token -> alive until (ms)       fc:{llm:<provider>}:waiters
 KEYS[4]  fair:    hash tenant -> its last place,       fc:{llm:<provider>}:fair
-                  "@clock" -> the place of the latest grant
+                  "@clock" -> the place of the latest grant,
+                  "n:" .. tenant -> how many of its calls wait,
+                  "#" .. token -> the tenant of a waiting call
 KEYS[5]  freed:   a stream, one entry per freed slot   fc:{llm:<provider>}:freed
 KEYS[6]  pause:   set while the provider asked to wait fc:{llm:<provider>}:pause
 KEYS[7]  store:   hash runId, grantsFrom               fc:{llm:<provider>}:store
@@ -87,6 +89,26 @@ local function last_freed()
   return last[1][1]
 end
 
+-- A waiting call leaves the line (granted, released or dropped): a tenant with no call
+-- left waiting is forgotten, and one whose last call left steps back, so calls
+-- cancelled in line do not put the tenant's next call behind others (the step 16
+-- fresh-eyes review). Stepping back to place - 1 is as good as to the place of its
+-- call before: a new call's place is one past the later of that and the clock, and
+-- place - 1 was the later of the two when the call came, and the clock only grows.
+local function leave_line(gone, place)
+  local who = redis.call("HGET", fair, "#" .. gone)
+  if not who then
+    return false  -- queued before the tenants of calls were kept
+  end
+  redis.call("HDEL", fair, "#" .. gone)
+  if redis.call("HINCRBY", fair, "n:" .. who, -1) <= 0 then
+    redis.call("HDEL", fair, who, "n:" .. who)
+  elseif tonumber(redis.call("HGET", fair, who)) == place then
+    redis.call("HSET", fair, who, place - 1)
+  end
+  return true
+end
+
 local function announce()
   redis.call("XADD", freed, "MAXLEN", "~", 64, "*", "t", token)
 end
@@ -107,7 +129,11 @@ end
 
 if op == "release" then
   local freed_slot = redis.call("ZREM", holders, token)
-  redis.call("ZREM", queue, token)
+  local place = tonumber(redis.call("ZSCORE", queue, token))
+  if place then
+    redis.call("ZREM", queue, token)
+    leave_line(token, place)
+  end
   redis.call("ZREM", waiters, token)
   if freed_slot == 1 then
     announce()
@@ -135,7 +161,11 @@ if #expired > 0 then
   announce()
 end
 for _, gone in ipairs(redis.call("ZRANGEBYSCORE", waiters, "-inf", now)) do
-  redis.call("ZREM", queue, gone)
+  local place = tonumber(redis.call("ZSCORE", queue, gone))
+  if place then
+    redis.call("ZREM", queue, gone)
+    leave_line(gone, place)
+  end
   redis.call("ZREM", waiters, gone)
 end
 if redis.call("ZSCORE", holders, token) then
@@ -148,7 +178,8 @@ local tenant = ARGV[6] or ""
 if not redis.call("ZSCORE", queue, token) then
   local clock = tonumber(redis.call("HGET", fair, "@clock")) or 0
   local place = math.max(clock, tonumber(redis.call("HGET", fair, tenant)) or 0) + 1
-  redis.call("HSET", fair, tenant, place)
+  redis.call("HSET", fair, tenant, place, "#" .. token, tenant)
+  redis.call("HINCRBY", fair, "n:" .. tenant, 1)
   redis.call("ZADD", queue, place, token)
 end
 redis.call("ZADD", waiters, now + lease, token)
@@ -168,10 +199,10 @@ if free > 0 and redis.call("ZRANK", queue, token) < free then
   if place > (tonumber(redis.call("HGET", fair, "@clock")) or 0) then
     redis.call("HSET", fair, "@clock", place)
   end
-  if (tonumber(redis.call("HGET", fair, tenant)) or 0) <= place then
+  redis.call("ZREM", queue, token)
+  if not leave_line(token, place) and (tonumber(redis.call("HGET", fair, tenant)) or 0) <= place then
     redis.call("HDEL", fair, tenant)  -- nothing of its own waits behind: forgotten
   end
-  redis.call("ZREM", queue, token)
   redis.call("ZREM", waiters, token)
   redis.call("ZADD", holders, now + lease, token)
   touch()  -- holders may be new: one that dies before renewing must not keep it for ever

@@ -50,8 +50,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
-import itertools
 import logging
 import secrets
 from collections.abc import AsyncIterator, Iterable
@@ -62,7 +60,7 @@ from redis.asyncio import Redis
 from lib.backend import Keys, register, translated
 from lib.errors import BufferUnavailable, FlowcastError
 from lib.tasks import stop
-from lib.tenancy import CURRENT_TENANT
+from lib.tenancy import CURRENT_TENANT, FairGate
 
 log = logging.getLogger(__name__)
 
@@ -130,65 +128,12 @@ class _Held:
         return remaining <= self.outer
 
 
-class _FairGate:
-    """At most ``cap`` of this process's calls ask Redis for a slot at once; the others
-    wait here, taken by fair queuing as slots.lua takes them across processes: a call's
-    place is one past the later of its tenant's last place and the place of the latest
-    call let in, so each tenant's calls go in arrival order and the tenants in turn."""
-
-    def __init__(self, cap: int) -> None:
-        self.cap = cap
-        self.inside = 0
-        self._clock = 0  # the place of the latest call let in
-        self._last: dict[str, int] = {}  # each waiting tenant's last place
-        self._line: list[tuple[int, int, asyncio.Future[None], str]] = []  # a heap
-        self._arrivals = itertools.count()
-
-    @contextlib.asynccontextmanager
-    async def entered(self, tenant: str) -> AsyncIterator[None]:
-        place = max(self._clock, self._last.get(tenant, 0)) + 1
-        self._last[tenant] = place
-        if self.inside < self.cap and not self._line:
-            self._let_in(tenant, place)
-        else:
-            turn = asyncio.get_running_loop().create_future()
-            heapq.heappush(self._line, (place, next(self._arrivals), turn, tenant))
-            try:
-                await turn  # let in by _leave, counted inside already
-            except BaseException:
-                if turn.done() and not turn.cancelled():
-                    self._leave()  # let in as it was cancelled: the place goes on
-                raise  # else its entry in the line is skipped when it comes up
-        try:
-            yield
-        finally:
-            self._leave()
-
-    def __len__(self) -> int:
-        """How many calls wait in this line (a cancelled one until it comes up)."""
-        return len(self._line)
-
-    def _let_in(self, tenant: str, place: int) -> None:
-        self.inside += 1
-        self._clock = max(self._clock, place)
-        if self._last.get(tenant, 0) <= place:
-            del self._last[tenant]  # nothing of its own waits behind: forgotten
-
-    def _leave(self) -> None:
-        self.inside -= 1
-        while self.inside < self.cap and self._line:
-            place, _arrival, turn, tenant = heapq.heappop(self._line)
-            if not turn.done():
-                self._let_in(tenant, place)
-                turn.set_result(None)
-
-
 class _Line:
     """One provider's waiters in this process and the reader that wakes them."""
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
-        self.local = _FairGate(cap)
+        self.local = FairGate(cap)
         self.changed = asyncio.Condition()
         self.seen = "0-0"  # the last freed entry the reader has read
         self.waiting = 0

@@ -33,6 +33,7 @@ from lib.errors import (
     WorkflowChanged,
     WorkflowInvalid,
 )
+from lib.tenancy import FairGate
 from lib.workflows.model import Workflow
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,9 @@ class WorkflowStore:
         self._validate = validate
         # One check at a time, in a thread: the event loop then shares the GIL with one
         # other thread only, however many workflows are being stored at once.
-        self._checking = asyncio.Semaphore(1)
+        # Shared fairly between tenants: one tenant's backlog of costly checks holds
+        # another's for one check, not all of them (the step 16 fresh-eyes review).
+        self._checking = FairGate(1)
         self._admit = admit
         self._files = dict(files or {})
         self._keys = Keys(prefix)
@@ -114,10 +117,10 @@ class WorkflowStore:
     def _key(self, tenant: str) -> str:
         return self._keys.workflows(tenant)
 
-    async def _parse(self, raw: bytes) -> Workflow:
+    async def _parse(self, raw: bytes, tenant: str) -> Workflow:
         workflow = self._parsed.get(raw)
         if workflow is None:
-            async with self._checking:  # off the loop, as when it was stored
+            async with self._checking.entered(tenant):  # off the loop, as when stored
                 workflow = await asyncio.to_thread(self._validate, orjson.loads(raw))
             if len(self._parsed) > 1024:
                 self._parsed.clear()
@@ -159,7 +162,7 @@ class WorkflowStore:
             body = {**body, "id": workflow_id}
         # Off the event loop: checking a tenant's templates costs what their shape costs
         # (5,000 chained attributes: ~0.25 s), and every tenant's requests wait on the loop.
-        async with self._checking:
+        async with self._checking.entered(tenant):
             workflow = await asyncio.to_thread(self._validate, body)
         problems = self._admit(workflow) if self._admit else []
         if problems:
@@ -180,7 +183,7 @@ class WorkflowStore:
             raw = cast(bytes | None, await self._redis.hget(self._key(tenant), workflow_id))
         stored: StoredWorkflow | None = None
         if raw is not None:
-            stored = StoredWorkflow(await self._parse(raw), "api", raw)
+            stored = StoredWorkflow(await self._parse(raw, tenant), "api", raw)
         elif workflow_id in self._files:
             stored = StoredWorkflow(self._files[workflow_id], "file")
         self._remember(tenant, workflow_id, stored)
@@ -197,7 +200,7 @@ class WorkflowStore:
         }
         for raw_id, raw in stored.items():
             try:
-                found[raw_id.decode()] = StoredWorkflow(await self._parse(raw), "api", raw)
+                found[raw_id.decode()] = StoredWorkflow(await self._parse(raw, tenant), "api", raw)
             except FlowcastError as exc:
                 # A stored workflow can turn invalid when plugins change; keep listing.
                 log.warning(

@@ -82,6 +82,35 @@ async def test_a_log_line_is_masked_with_the_secrets_of_its_own_tenant(
     assert logged_for(None) == "calling with ***"
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="the log masks remember the 1,000 values revealed last in the whole process "
+    "(_REMEMBERED), not per tenant or per running run: another tenant's reveals evict a "
+    "value still in use; the fix (keep a value while a run that read it runs, or bound "
+    "each tenant on its own) changes the memory bound and is left to the lead",
+)
+async def test_another_tenants_secrets_never_unmask_a_tenants_log_lines(
+    redis: Redis, prefix: str
+) -> None:
+    """The step 16 fresh-eyes review: tenant B, within its own limits (1,000 secrets,
+    64 read per workflow), read its secrets in 16 runs; tenant A's secret, read by a
+    run of A's still going, was no longer masked in A's log lines, which then showed
+    it in plain text."""
+    store = SecretStore(redis=redis, key=b"k", prefix=prefix)
+    await store.put("a", "TOKEN", "alpha-secret-value")
+    await store.reveal("a", {"TOKEN"})
+    names = [f"S{n}" for n in range(1000)]
+    for name in names:
+        await store.put("b", name, f"bravo-value-{name}")
+    for start in range(0, len(names), 64):
+        await store.reveal("b", set(names[start : start + 64]))
+    line = "calling with alpha-secret-value"
+    logged = contextvars.copy_context().run(
+        lambda: (CURRENT_TENANT.set("a"), store.redact_text(line))[1]
+    )
+    assert logged == "calling with ***"
+
+
 @pytest.mark.parametrize("read", ["masks", "reveal"])
 async def test_reading_many_large_secrets_lets_other_tasks_run_between_values(
     redis: Redis, prefix: str, read: str

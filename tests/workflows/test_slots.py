@@ -150,17 +150,22 @@ async def test_slots_are_shared_fairly_between_the_tenants_waiting_across_replic
         assert granted == 1
     served: list[str] = []
 
+    done = asyncio.Event()
+
     async def wait(name: str, slots: Slots) -> None:
         async with slots.hold(PROVIDER, cap):
             served.append(name)
+            await done.wait()  # held: each release below frees exactly one slot
 
     waiters = [as_tenant("a", wait(f"a{n}", first)) for n in range(cap)]
     await queued(redis, keys, cap)
     waiters.append(as_tenant("b", wait("b0", second)))
     await queued(redis, keys, cap + 1)
-    for n in range(cap):  # one slot at a time
+    for n in range(2):  # one slot at a time
         assert await first._call(PROVIDER, "release", f"taken-{n}", 0) == 1
         await eventually(lambda n=n: _served(served, n + 1), f"{n + 1} served")
+    done.set()
+    assert await first._call(PROVIDER, "release", f"taken-{cap - 1}", 0) == 1
     async with asyncio.timeout(10):
         await asyncio.gather(*waiters)
     assert served.index("b0") <= 1, served  # first come, first served: last (3)
@@ -198,6 +203,87 @@ async def test_a_replicas_own_line_is_shared_fairly_between_tenants(replica: Rep
     async with asyncio.timeout(10):
         await asyncio.gather(first, *waiters)
     assert served.index("b0") <= 1, served  # first come, first served: last (5)
+
+
+async def test_a_tenant_whose_calls_were_cancelled_in_line_keeps_its_turn_across_replicas(
+    replica: Replica, redis: Redis, keys: list[str]
+) -> None:
+    """The step 16 fresh-eyes review: a call cancelled in line (its block timed out, its
+    execution was cancelled) still moved its tenant's last place on in slots.lua's
+    fair hash. After A's three calls queued and were cancelled, A's next call stood
+    behind the three B queued meanwhile (served last of four): A waited for calls that
+    no longer existed, for as long as other tenants kept the line busy."""
+    cap = 3
+    first, second = replica(lease_seconds=30), replica(lease_seconds=30)
+    for n in range(cap):
+        granted, *_ = await first._call(PROVIDER, "acquire", f"taken-{n}", cap)
+        assert granted == 1
+    served: list[str] = []
+
+    done = asyncio.Event()
+
+    async def wait(name: str, slots: Slots) -> None:
+        async with slots.hold(PROVIDER, cap):
+            served.append(name)
+            await done.wait()  # held: each release below frees exactly one slot
+
+    gone = [as_tenant("a", wait(f"gone{n}", first)) for n in range(cap)]
+    await queued(redis, keys, cap)
+    for task in gone:
+        task.cancel()
+    await asyncio.gather(*gone, return_exceptions=True)
+    await queued(redis, keys, 0)
+    waiters = [as_tenant("b", wait(f"b{n}", second)) for n in range(cap)]
+    await queued(redis, keys, cap)
+    waiters.append(as_tenant("a", wait("a0", first)))
+    await queued(redis, keys, cap + 1)
+    for n in range(2):  # one slot at a time
+        assert await first._call(PROVIDER, "release", f"taken-{n}", 0) == 1
+        await eventually(lambda n=n: _served(served, n + 1), f"{n + 1} served")
+    done.set()
+    assert await first._call(PROVIDER, "release", f"taken-{cap - 1}", 0) == 1
+    async with asyncio.timeout(10):
+        await asyncio.gather(*waiters)
+    assert served.index("a0") <= 1, served  # behind its cancelled calls: last (3)
+
+
+async def test_a_tenant_whose_calls_were_cancelled_in_a_replicas_line_keeps_its_turn(
+    replica: Replica,
+) -> None:
+    """The same in one process's own line (the step 16 fresh-eyes review): A's five
+    calls cancelled while they waited there put A's next call behind B's three."""
+    slots = replica()
+    release = asyncio.Event()
+    held = asyncio.Event()
+    first = as_tenant("c", holding(slots, 1, release, held))
+    await held.wait()
+    served: list[str] = []
+
+    async def call(name: str) -> None:
+        async with slots.hold(PROVIDER, 1):
+            served.append(name)
+
+    line = slots._lines[PROVIDER].local
+
+    def in_line(count: int) -> Callable[[], Awaitable[bool]]:
+        async def check() -> bool:
+            return len(line) == count
+
+        return check
+
+    gone = [as_tenant("a", call(f"gone{n}")) for n in range(5)]
+    await eventually(in_line(5), "A's calls in the replica's line")
+    for task in gone:
+        task.cancel()
+    await asyncio.gather(*gone, return_exceptions=True)
+    waiters = [as_tenant("b", call(f"b{n}")) for n in range(3)]
+    await eventually(in_line(8), "B's calls in the replica's line")
+    waiters.append(as_tenant("a", call("a0")))
+    await eventually(in_line(9), "A's call in the replica's line")
+    release.set()
+    async with asyncio.timeout(10):
+        await asyncio.gather(first, *waiters)
+    assert served.index("a0") <= 1, served  # behind its cancelled calls: last (3)
 
 
 async def test_a_dead_holder_stops_counting_when_its_lease_ends(

@@ -12,7 +12,9 @@ import asyncio
 import random
 import signal
 import string
+import time
 from pathlib import Path
+from typing import Any
 
 from tests.support.api import execute, put, start_execution, wait_finished
 from tests.support.llm import FakeLLM, Reply, fresh, llm, llm_block, one_block
@@ -246,6 +248,64 @@ async def test_storing_deeply_nested_templates_does_not_stall_other_tenants(
                 ratio=STALL_RATIO,
                 floor=STALL_FLOOR / 2,
                 what=f"another tenant's worst GET of {len(loaded)}",
+            )
+    finally:
+        await server.stop(signal.SIGKILL)
+
+
+async def test_another_tenants_backlog_of_costly_checks_does_not_hold_a_tenants_put(
+    valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """The step 16 fresh-eyes review: tenant A sent 24 PUTs of a workflow whose template
+    takes ~0.25 s to check (each refused 422); tenant B's PUT of a plain workflow, sent
+    once A's first answer came, waited in the same one-at-a-time line behind A's other
+    checks, seconds against a probe of milliseconds (3.2 s against 3 ms). The one
+    checker is now shared fairly between tenants: B waits for about one of A's checks,
+    measured alone in the same test."""
+    server = await started_server(
+        tmp_path,
+        "backlog",
+        FLOWCAST_REDIS_URL=valkey.url,
+        FLOWCAST_REDIS_PREFIX=prefix(),
+        FLOWCAST_API_KEYS=f"{ALPHA},{BETA}",
+    )
+    nested = "{{ input" + ".a" * 5000 + " }}"
+    costly = {
+        "id": "nested",
+        "blocks": [{"id": "t", "type": "transform", "config": {"value": nested}}],
+    }
+    plain = {"id": "plain", "blocks": [{"id": "t", "type": "transform", "config": {"value": 1}}]}
+
+    async def timed_put(client: Any, n: int) -> float:
+        started = time.monotonic()
+        answer = await client.put(f"/api/workflows/plain{n}", json={**plain, "id": f"plain{n}"})
+        assert answer.status_code in (200, 201), answer.text
+        return time.monotonic() - started
+
+    try:
+        async with authed(server, ALPHA) as alpha, authed(server, BETA) as beta:
+            one_check = []  # the probe: one of A's costly checks, alone
+            for _ in range(3):
+                started = time.monotonic()
+                answer = await alpha.put("/api/workflows/nested", json=costly)
+                assert answer.status_code == 422, answer.text
+                one_check.append(time.monotonic() - started)
+            puts = [
+                asyncio.create_task(alpha.put("/api/workflows/nested", json=costly))
+                for _ in range(24)
+            ]
+            await asyncio.wait(puts, return_when=asyncio.FIRST_COMPLETED)  # the rest queued
+            loaded = await timed_put(beta, 99)
+            answers = await asyncio.gather(*puts)
+            assert {answer.status_code for answer in answers} == {422}
+            # B waits for the check under way and A's next (placed level with B's,
+            # it came first), not for the twenty-odd behind them.
+            assert_within(
+                loaded,
+                probe=max(one_check),
+                ratio=3,
+                floor=STALL_FLOOR,
+                what="another tenant's PUT behind a backlog of costly checks",
             )
     finally:
         await server.stop(signal.SIGKILL)
