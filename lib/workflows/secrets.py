@@ -53,7 +53,9 @@ MAX_VALUE_BYTES = 8 * 1024
 MIN_VALUE_CHARS = 8
 MAX_SECRETS = 1000
 MAX_SECRETS_PER_WORKFLOW = 64
-# How many values a process masks in its log lines: the most recently revealed.
+# How many values a process masks in its log lines, in all: each tenant's most recently
+# revealed, the tenant that holds the most giving up its oldest first, so no tenant's
+# secrets push another's out (step 16's fresh-eyes review).
 _REMEMBERED = 1_000
 
 
@@ -85,7 +87,8 @@ class SecretStore:
         self._aead = AESGCM(derived)
         self._redis = redis
         self._keys = Keys(prefix)
-        self._revealed: OrderedDict[tuple[str, str], None] = OrderedDict()  # tenant, value
+        self._revealed: dict[str, OrderedDict[str, None]] = {}  # per tenant, oldest first
+        self._remembered = 0
         self._masks: dict[str, Redactor] = {}  # per tenant
 
     async def put(self, tenant: str, name: str, value: str) -> tuple[SecretInfo, bool]:
@@ -193,16 +196,20 @@ class SecretStore:
         return plain.decode("utf-8", "surrogatepass")
 
     def _remember(self, tenant: str, values: Mapping[str, frozenset[str]]) -> None:
+        revealed = self._revealed.setdefault(tenant, OrderedDict())
         for value in values:
-            self._revealed[tenant, value] = None
-            self._revealed.move_to_end((tenant, value))
+            self._remembered += value not in revealed
+            revealed[value] = None
+            revealed.move_to_end(value)
         self._masks.setdefault(tenant, Redactor()).add_spelled(values)
-        while len(self._revealed) > _REMEMBERED:
-            owner, forgotten = self._revealed.popitem(last=False)[0]
+        while self._remembered > _REMEMBERED:
+            owner = max(self._revealed, key=lambda name: len(self._revealed[name]))
+            forgotten, _ = self._revealed[owner].popitem(last=False)
+            self._remembered -= 1
             mask = self._masks[owner]
             mask.remove([forgotten])
-            if not mask:
-                del self._masks[owner]
+            if not self._revealed[owner]:
+                del self._revealed[owner], self._masks[owner]
 
     def redact_text(self, text: str) -> str:
         """``text`` with the values this process revealed replaced by ``***``: those of
