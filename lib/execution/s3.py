@@ -54,7 +54,9 @@ class S3ValueStore:
         return f"{self.prefix}{execution_id}/{value}"
 
     async def put(self, execution_id: str, value: str, data: bytes) -> None:
-        key = self._key(execution_id, value)
+        await self._put(self._key(execution_id, value), data, f"value {value}")
+
+    async def _put(self, key: str, data: bytes, what: str) -> None:
         try:
             await asyncio.to_thread(
                 self._client.put_object,
@@ -64,7 +66,7 @@ class S3ValueStore:
                 ContentType="application/json",
             )
         except (BotoCoreError, ClientError) as exc:
-            raise ValueStoreError(f"could not store value {value}: {exc}") from exc
+            raise ValueStoreError(f"could not store {what}: {exc}") from exc
 
     async def read(self, execution_id: str, value: str) -> AsyncIterator[bytes]:
         key = self._key(execution_id, value)
@@ -89,17 +91,7 @@ class S3ValueStore:
 
     async def put_record(self, execution_id: str, name: str, data: bytes) -> None:
         check_record(execution_id, name)
-        key = f"{self.prefix}{execution_id}/{name}"
-        try:
-            await asyncio.to_thread(
-                self._client.put_object,
-                Bucket=self.bucket,
-                Key=key,
-                Body=data,
-                ContentType="application/json",
-            )
-        except (BotoCoreError, ClientError) as exc:
-            raise ValueStoreError(f"could not store record {name}: {exc}") from exc
+        await self._put(f"{self.prefix}{execution_id}/{name}", data, f"record {name}")
 
     async def records(self, execution_id: str) -> list[bytes]:
         if not EXECUTION_ID.match(execution_id):
