@@ -92,6 +92,11 @@ class Keys:
         # contains one cannot make two of these names the same.
         return f"{base}:{bucket}:workflow:{workflow_id}"
 
+    def indexed(self, tenant: str) -> str:
+        """ "1" once the tenant's executions stored before the workflow and bucket
+        indexes existed are listed in them too (indexes.complete)."""
+        return f"{self.prefix}:{{t:{tenant}}}:indexed"
+
     def running(self, tenant: str) -> str:
         return f"{self.prefix}:running:{tenant}"
 

@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -32,12 +32,6 @@ log = logging.getLogger(__name__)
 # channel (append.lua), so a reader on another process forwards it without a read.
 INLINE_BYTES = 8 * 1024
 
-# How long after an execution is listed in its tenant's index a list read may find no
-# metadata for it without taking it for expired (see recent_metas); above any clock
-# skew between the replicas that write the index and read it.
-INDEX_GRACE_SECONDS = 600
-# Index entries a list read takes at a time.
-PAGE = 200
 # The identity fields that say where an execution is listed (indexes.Listed).
 IDENTITY = (Field.TENANT.value, Field.WORKFLOW_ID.value, Field.CREATED_AT.value)
 
@@ -367,7 +361,11 @@ class EventBuffer:
                 for key in opened:
                     pipe.zrem(key, execution_id)
                 await pipe.execute()
-            await self.sweep(indexes.creation_keys(self.keys, listed.tenant, listed.workflow_id))
+            await indexes.sweep(
+                self.redis,
+                self.keys,
+                indexes.creation_keys(self.keys, listed.tenant, listed.workflow_id),
+            )
         except Exception as exc:
             if not is_unreachable(exc):
                 raise
@@ -430,14 +428,17 @@ class EventBuffer:
         """A tenant's newest executions of ``workflow_id`` in ``status`` (None: any),
         read from the one index that lists them (indexes.py); the entries found stale
         leave it. ``scan_limit`` bounds the entries read whatever they hold."""
-        index = indexes.read_key(self.keys, tenant, workflow_id=workflow_id, status=status)
-        bucket = indexes.bucket(status)
+        index, bucket = self.keys.index(tenant), None
+        filtered = workflow_id is not None or status is not None
+        if filtered and await indexes.complete(self.redis, self.keys, tenant):
+            index = indexes.read_key(self.keys, tenant, workflow_id=workflow_id, status=status)
+            bucket = indexes.bucket(status)
         found: list[ExecutionMeta] = []
         dropped: list[bytes] = []
         # create() writes the index beside start.lua, not after it: an id listed a
         # moment ago may have no metadata yet. Only an id listed long before is gone.
-        listed_before = (time.time() - INDEX_GRACE_SECONDS) * 1000
-        async for entries in self._newest_first(index, scan_limit, first_page=limit):
+        listed_before = (time.time() - indexes.INDEX_GRACE_SECONDS) * 1000
+        async for entries in indexes.newest_first(self.redis, index, scan_limit, first_page=limit):
             metas = await self._metas([raw_id for raw_id, _score in entries])
             for (raw_id, score), meta in zip(entries, metas, strict=True):
                 if meta is None:
@@ -451,45 +452,8 @@ class EventBuffer:
                 break
         if dropped:
             await self.redis.zrem(index, *dropped)
-        await self.sweep([index])
+        await indexes.sweep(self.redis, self.keys, [index])
         return found[:limit]
-
-    async def _newest_first(
-        self, index: str, scan_limit: int, *, first_page: int
-    ) -> AsyncIterator[list[tuple[bytes, float]]]:
-        """An index's entries, newest first, in pages, each id once, up to ``scan_limit``:
-        ``first_page`` entries first (what a list of an exact index reads), then pages
-        twice as large each time, up to ``PAGE``.
-
-        Pages go by score (the creation ms), each below the last one read, not by
-        offset: starts that list new executions at the top (or listings taken back)
-        between two pages would shift an offset, and the list would name an execution
-        twice (a live list's client then kept the older copy) or skip one. An id a page
-        names again (listed anew at the same millisecond) is skipped.
-        """
-        seen: set[bytes] = set()
-        top: float | str = "+inf"
-        at_top = 0  # entries of the last page with the score ``top``: the next page skips them
-        scanned = 0
-        size = max(1, first_page)
-        while scanned < scan_limit:
-            entries = cast(
-                list[tuple[bytes, float]],
-                await self.redis.zrevrangebyscore(
-                    index, top, "-inf", start=at_top, num=size, withscores=True
-                ),
-            )
-            size = min(PAGE, size * 2)
-            if not entries:
-                return
-            scanned += len(entries)
-            lowest = entries[-1][1]
-            ties = sum(1 for _raw_id, score in entries if score == lowest)
-            at_top = ties + (at_top if lowest == top else 0)
-            top = lowest
-            fresh = [(raw_id, score) for raw_id, score in entries if raw_id not in seen]
-            seen.update(raw_id for raw_id, _score in fresh)
-            yield fresh
 
     async def _metas(self, raw_ids: Sequence[bytes]) -> list[ExecutionMeta | None]:
         """The metadata of each execution (None for one whose record is gone)."""
@@ -501,39 +465,6 @@ class EventBuffer:
             ExecutionMeta.from_hash(raw_id.decode(), fields) if fields else None
             for raw_id, fields in zip(raw_ids, results, strict=True)
         ]
-
-    async def sweep(self, keys: Sequence[str]) -> int:
-        """Check ``SWEEP`` random entries of each index in ``keys`` and drop those whose
-        record expired (listed before the grace): the oldest entries, which no read
-        reaches, leave too (indexes.py). How many were dropped."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for key in keys:
-                pipe.zrandmember(key, indexes.SWEEP)
-            samples: list[list[bytes] | None] = await pipe.execute()
-        picked = [
-            (key, raw_id)
-            for key, sample in zip(keys, samples, strict=True)
-            for raw_id in sample or ()
-        ]
-        if not picked:
-            return 0
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for key, raw_id in picked:
-                pipe.exists(self.keys.meta(raw_id.decode()))
-                pipe.zscore(key, raw_id)
-            answers = await pipe.execute()
-        listed_before = (time.time() - INDEX_GRACE_SECONDS) * 1000
-        gone = [
-            (key, raw_id)
-            for (key, raw_id), there, score in zip(picked, answers[::2], answers[1::2], strict=True)
-            if not there and score is not None and score < listed_before
-        ]
-        if gone:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for key, raw_id in gone:
-                    pipe.zrem(key, raw_id)
-                await pipe.execute()
-        return len(gone)
 
     @translated
     async def last_ids(self, execution_ids: list[str]) -> list[int | None]:

@@ -44,17 +44,31 @@ every execution ever run.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TYPE_CHECKING, cast
 
 from lib.backend import Keys
 from lib.execution.events import TERMINAL_STATUSES
 from lib.execution.record import Field
 
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+
 OPEN = "open"  # the bucket of every unfinished status
 # Random entries a read or a final event checks for an expired record.
 SWEEP = 4
+# How long after an execution is listed a list read may find no metadata for it
+# without taking it for expired; above any clock skew between the replicas that write
+# the indexes and read them.
+INDEX_GRACE_SECONDS = 600
+# Index entries a list read takes at a time, at most.
+PAGE = 200
+# How long one process may take to list a tenant's older executions (``complete``)
+# before another may try.
+BACKFILL_SECONDS = 300
 
 
 def bucket(status: str | None) -> str | None:
@@ -120,3 +134,116 @@ class Listed:
             identity[Field.WORKFLOW_ID],
             created_ms(identity[Field.CREATED_AT]),
         )
+
+
+async def newest_first(
+    redis: Redis, index: str, scan_limit: int, *, first_page: int
+) -> AsyncIterator[list[tuple[bytes, float]]]:
+    """An index's entries, newest first, in pages, each id once, up to ``scan_limit``:
+    ``first_page`` entries first (what a list of an exact index reads), then pages
+    twice as large each time, up to ``PAGE``.
+
+    Pages go by score (the creation ms), each below the last one read, not by offset:
+    starts that list new executions at the top (or listings taken back) between two
+    pages would shift an offset, and the list would name an execution twice (a live
+    list's client then kept the older copy) or skip one. An id a page names again
+    (listed anew at the same millisecond) is skipped.
+    """
+    seen: set[bytes] = set()
+    top: float | str = "+inf"
+    at_top = 0  # entries of the last page with the score ``top``: the next page skips them
+    scanned = 0
+    size = min(PAGE, max(1, first_page))
+    while scanned < scan_limit:
+        entries = cast(
+            list[tuple[bytes, float]],
+            await redis.zrevrangebyscore(
+                index, top, "-inf", start=at_top, num=size, withscores=True
+            ),
+        )
+        if not entries:
+            return
+        size = min(PAGE, size * 2)
+        scanned += len(entries)
+        lowest = entries[-1][1]
+        ties = sum(1 for _raw_id, score in entries if score == lowest)
+        at_top = ties + (at_top if lowest == top else 0)
+        top = lowest
+        fresh = [(raw_id, score) for raw_id, score in entries if raw_id not in seen]
+        seen.update(raw_id for raw_id, _score in fresh)
+        yield fresh
+
+
+async def sweep(redis: Redis, keys: Keys, index_keys: Sequence[str]) -> int:
+    """Check ``SWEEP`` random entries of each index in ``index_keys`` and drop those
+    whose record expired (listed before the grace): the oldest entries, which no read
+    reaches, leave too. How many were dropped."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for key in index_keys:
+            pipe.zrandmember(key, SWEEP)
+        samples: list[list[bytes] | None] = await pipe.execute()
+    picked = [
+        (key, raw_id)
+        for key, sample in zip(index_keys, samples, strict=True)
+        for raw_id in sample or ()
+    ]
+    if not picked:
+        return 0
+    async with redis.pipeline(transaction=False) as pipe:
+        for key, raw_id in picked:
+            pipe.exists(keys.meta(raw_id.decode()))
+            pipe.zscore(key, raw_id)
+        answers = await pipe.execute()
+    listed_before = (time.time() - INDEX_GRACE_SECONDS) * 1000
+    there, scores = answers[::2], answers[1::2]
+    gone = [
+        (key, raw_id)
+        for (key, raw_id), found, score in zip(picked, there, scores, strict=True)
+        if not found and score is not None and score < listed_before
+    ]
+    if gone:
+        async with redis.pipeline(transaction=False) as pipe:
+            for key, raw_id in gone:
+                pipe.zrem(key, raw_id)
+            await pipe.execute()
+    return len(gone)
+
+
+async def complete(redis: Redis, keys: Keys, tenant: str) -> bool:
+    """True when the tenant's workflow and bucket indexes list all its executions.
+
+    Executions stored before these indexes existed are only in the tenant's index: the
+    first filtered list of a tenant lists them (``backfill``), once, and marks the
+    tenant done. While another process does that, False: the caller reads the tenant's
+    whole index instead, as lists did before (slow, never incomplete)."""
+    marker = keys.indexed(tenant)
+    if await redis.get(marker) == b"1":
+        return True
+    if not await redis.set(marker, b"building", nx=True, ex=BACKFILL_SECONDS):
+        return False
+    await backfill(redis, keys, tenant)
+    await redis.set(marker, b"1")
+    return True
+
+
+async def backfill(redis: Redis, keys: Keys, tenant: str) -> int:
+    """List every execution of the tenant's index in the indexes of its workflow and of
+    its status's bucket (ZADD NX: what is listed stays), a page at a time; how many."""
+    fields = (Field.WORKFLOW_ID.value, Field.STATUS.value)
+    listed = 0
+    async for entries in newest_first(redis, keys.index(tenant), 2**62, first_page=PAGE):
+        async with redis.pipeline(transaction=False) as pipe:
+            for raw_id, _score in entries:
+                pipe.hmget(keys.meta(raw_id.decode()), list(fields))
+            found: list[list[bytes | None]] = await pipe.execute()
+        async with redis.pipeline(transaction=False) as pipe:
+            for (raw_id, score), (workflow, status) in zip(entries, found, strict=True):
+                if workflow is None or status is None:
+                    continue  # expired: a read drops it
+                workflow_id = workflow.decode()
+                by_workflow = keys.listing(tenant, workflow_id=workflow_id, bucket=None)
+                for key in (by_workflow, *bucket_keys(keys, tenant, workflow_id, status.decode())):
+                    pipe.zadd(key, {raw_id: score}, nx=True)
+                listed += 1
+            await pipe.execute()
+    return listed
