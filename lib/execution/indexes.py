@@ -44,11 +44,14 @@ every execution ever run.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, cast
+
+from redis.exceptions import RedisError
 
 from lib.backend import Keys
 from lib.execution.events import TERMINAL_STATUSES
@@ -56,6 +59,8 @@ from lib.execution.record import Field
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
+
+log = logging.getLogger(__name__)
 
 OPEN = "open"  # the bucket of every unfinished status
 # Random entries a read or a final event checks for an expired record.
@@ -221,7 +226,16 @@ async def complete(redis: Redis, keys: Keys, tenant: str) -> bool:
         return True
     if not await redis.set(marker, b"building", nx=True, ex=BACKFILL_SECONDS):
         return False
-    await backfill(redis, keys, tenant)
+    try:
+        await backfill(redis, keys, tenant)
+    except BaseException:
+        # Cut off (Redis failed, the request was cancelled): the next list tries again
+        # at once, instead of every list reading the whole index until the marker expires.
+        try:
+            await redis.delete(marker)
+        except (RedisError, OSError) as exc:
+            log.warning("could not release a tenant's backfill", extra={"error": str(exc)})
+        raise
     await redis.set(marker, b"1")
     return True
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 
-from lib.errors import CancelWins
+from lib.errors import BufferUnavailable, CancelWins
 from lib.execution import indexes
 from lib.execution.buffer import EventBuffer
 from lib.execution.indexes import Listed
@@ -183,3 +183,24 @@ async def test_a_list_read_while_another_process_lists_older_runs_reads_the_whol
     await buffer.redis.set(buffer.keys.indexed(TENANT), b"building")
     assert ids(await buffer.recent_metas(TENANT, limit=5, workflow_id="x")) == [done]
     assert await buffer.redis.get(buffer.keys.indexed(TENANT)) == b"building"
+
+
+async def test_a_listing_of_older_runs_cut_off_by_an_error_is_done_by_the_next_list(
+    buffer: EventBuffer,
+) -> None:
+    """A tenant's first filtered list fails half way through listing its older runs (a
+    record Redis refuses to read): the list fails with that error, and the next list
+    lists them, instead of every list reading the whole index until the marker expires."""
+    done = await stored_run(buffer, TENANT, "x", status="completed")
+    tagged = [key async for key in buffer.redis.scan_iter(f"{buffer.prefix}:{{t:{TENANT}}}:*")]
+    await buffer.redis.delete(*tagged)
+    broken = "ex_broken"
+    await buffer.redis.zadd(buffer.keys.index(TENANT), {broken: time.time() * 1000})
+    await buffer.redis.set(buffer.keys.meta(broken), "not a hash")  # HMGET: WRONGTYPE
+    with pytest.raises(BufferUnavailable, match="WRONGTYPE"):
+        await buffer.recent_metas(TENANT, limit=5, workflow_id="x")
+    assert await buffer.redis.get(buffer.keys.indexed(TENANT)) is None
+
+    await buffer.redis.delete(buffer.keys.meta(broken))
+    assert ids(await buffer.recent_metas(TENANT, limit=5, workflow_id="x")) == [done]
+    assert await buffer.redis.get(buffer.keys.indexed(TENANT)) == b"1"
