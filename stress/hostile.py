@@ -12,7 +12,8 @@ What must hold, each broken rule a finding:
   (and other spellings) never appears in the server log; a template that would build
   200 MB is stored within ``FAST`` seconds without growing the server, and its run fails
   the block. With ``include_templates`` (the default) also loops, repetition, padding,
-  ``format`` and ``lipsum`` bombs: stored fast, run failed;
+  ``format`` and ``lipsum`` bombs: stored fast, run failed; six filtered lists at once
+  answer within ``FAST`` seconds;
 - well-behaved: request latency p99 under 100 ms, every execution completes, every
   stream ends;
 - the server's resident memory stays under its baseline + ``RSS_ALLOWANCE`` (VmHWM,
@@ -247,7 +248,7 @@ class Hostile:
             (await put(self.client, workflow)).raise_for_status()
 
     async def round(self) -> None:
-        steps = [self.refs, self.redos, self.fold, self.token, self.caps]
+        steps = [self.refs, self.redos, self.fold, self.token, self.lists, self.caps]
         if self.templates:
             steps[3:3] = [self.bombs]
         for step in steps:
@@ -265,6 +266,23 @@ class Hostile:
         number = self.t.outcomes["rounds"] % len(BOMBS)
         self.t.doing = f"bomb{number}"
         await self.bomb(number, BOMBS[number])
+
+    async def lists(self) -> None:
+        """Six filtered lists at once, none of them matching anything: each read every
+        stored run of the tenant (issue 24 row 13); they read their own index now."""
+        queries = ["workflowId=none", "status=failed", "workflowId=quick&status=paused"] * 2
+        started = time.monotonic()
+        answers = await asyncio.gather(
+            *(self.client.get(f"/api/executions?{query}") for query in queries)
+        )
+        took = time.monotonic() - started
+        self.t.took("six filtered lists", took)
+        if any(answer.status_code != 200 for answer in answers):
+            self.find(f"a filtered list answered {[a.status_code for a in answers]}")
+        elif took > FAST:
+            self.find(f"six filtered lists took {took:.2f} s")
+        else:
+            self.t.outcomes["lists fast"] += 1
 
     async def refs(self) -> None:
         for ref in (f"http://127.0.0.1:{self.port}/x.json", "file:///etc/passwd"):
