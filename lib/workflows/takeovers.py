@@ -116,9 +116,19 @@ class Takeovers:
             await self._store.wait_settled()
         except BufferUnavailable:
             return Claimed.NOT_YET
-        durable = await self._durable(execution_id)
-        if durable is None:
-            return Claimed.NOT_YET
+        durable = Durable()
+        if self._store.came_back_behind():
+            # The store may have forgotten ids its owner showed, or how the run ended,
+            # and the process that knew is not here to re-assert it: what the owners
+            # recorded outside it says (ceiling.py, finals.py).
+            try:
+                durable = await read_durable(self._launcher.values, execution_id)
+            except ValueStoreError as exc:
+                log.warning(
+                    "takeover waits for the value store",
+                    extra={"executionId": execution_id, "error": str(exc)},
+                )
+                return Claimed.NOT_YET
         try:
             meta = await self._buffer.meta(execution_id)
             if await self._ended_before(execution_id, meta, expected, durable):
@@ -149,29 +159,6 @@ class Takeovers:
             meta=meta,
         )
         return Claimed.WON
-
-    async def _durable(self, execution_id: str) -> Durable | None:
-        """What the execution's owners recorded outside the store (ceiling.py,
-        finals.py); None: wait for the value store.
-
-        Read on every takeover, not only in a process that saw the store come back
-        behind: a process started after the restore (a restarted deployment, a replica
-        added) has no earlier mark to compare, yet the store may have forgotten ids its
-        dead owner showed, or how the run ended. Takeovers are rare, so one listing of
-        the execution's records each costs little. When the value store cannot say, a
-        process that saw the store behind waits for it; one that did not goes on (the
-        store is most likely whole, and the run must not wait on the value store)."""
-        try:
-            return await read_durable(self._launcher.values, execution_id)
-        except ValueStoreError as exc:
-            behind = self._store.came_back_behind()
-            log.warning(
-                "takeover waits for the value store"
-                if behind
-                else "takeover without the durable records: the value store cannot be read",
-                extra={"executionId": execution_id, "error": str(exc)},
-            )
-            return None if behind else Durable()
 
     async def _ended_before(
         self, execution_id: str, meta: ExecutionMeta, expected: str, durable: Durable
