@@ -111,13 +111,25 @@ class Takeovers:
     async def _recover(self, execution_id: str, expected: str, how: Takeover) -> Claimed:
         """Win the execution from ``expected`` (the owner it may replace: see
         Takeover), then carry it on from its checkpoint here."""
+        behind = self._store.came_back_behind()
+        claimed = await self._recover_from(execution_id, expected, how, behind=behind)
+        if behind and claimed is Claimed.NOT_YET:
+            # Not taken over yet (the value store did not answer, the lease is not
+            # trusted yet, ...): the store's reservations stay distrusted until it is,
+            # or a later try past the window would number below ids a client saw.
+            self._store.still_behind()
+        return claimed
+
+    async def _recover_from(
+        self, execution_id: str, expected: str, how: Takeover, *, behind: bool
+    ) -> Claimed:
         fence = self._parts.new_fence()
         try:
             await self._store.wait_settled()
         except BufferUnavailable:
             return Claimed.NOT_YET
         durable = Durable()
-        if self._store.came_back_behind():
+        if behind:
             # The store may have forgotten ids its owner showed, or how the run ended,
             # and the process that knew is not here to re-assert it: what the owners
             # recorded outside it says (ceiling.py, finals.py).
