@@ -119,6 +119,16 @@ class Takeovers:
     async def _recover(self, execution_id: str, expected: str, how: Takeover) -> Claimed:
         """Win the execution from ``expected`` (the owner it may replace: see
         Takeover), then carry it on from its checkpoint here."""
+        behind = self._store.came_back_behind()
+        claimed = await self._recover_from(execution_id, expected, how)
+        if behind and claimed is Claimed.NOT_YET:
+            # Not taken over yet (the value store did not answer, the lease is not
+            # trusted yet, ...): the store's reservations stay distrusted until it is,
+            # or a later try past the window would number below ids a client saw.
+            self._store.still_behind()
+        return claimed
+
+    async def _recover_from(self, execution_id: str, expected: str, how: Takeover) -> Claimed:
         fence = self._parts.new_fence()
         try:
             await self._store.wait_settled()
@@ -182,7 +192,11 @@ class Takeovers:
         stored again)."""
         if not self._store.came_back_behind():
             return 0
-        durable = await read_durable(self._launcher.values, execution_id)
+        try:
+            durable = await read_durable(self._launcher.values, execution_id)
+        except ValueStoreError:
+            self._store.still_behind()  # the window lasts until the records are read
+            raise
         if await self._ended_before(execution_id, meta, expected, durable):
             return None
         return durable.ceiling
