@@ -15,9 +15,12 @@ from typing import Any
 
 import httpx
 import pytest
+from redis.asyncio import Redis
 
+from app.auth import tenant_of_key
+from lib.backend import Keys
 from tests.support.api import all_events, execute, put, until, wait_finished
-from tests.support.servers import ALPHA, BETA, ValkeyServer, authed, serving
+from tests.support.servers import ALPHA, BETA, ValkeyServer, authed, prefix, serving
 
 QUOTA = 400_000
 SIZE = 20_000  # the text each run echoes: its input, its block's output, its output
@@ -92,6 +95,8 @@ async def test_a_tenant_past_its_storage_quota_is_refused_new_work_while_its_run
         error = assert_over_quota(refused)
         assert (await alpha.get(f"/api/executions/{slow}")).json()["status"] == "running"
         listed = (await alpha.get("/api/executions?limit=100")).json()
+        # A refused start counted nothing: refused again, with the same figures.
+        assert assert_over_quota(await run_echo(alpha))["usedBytes"] == error["usedBytes"]
         assert_over_quota(await alpha.put("/api/workflows/more", json=padded("more", 40_000)))
         assert (await alpha.get("/api/workflows/more")).status_code == 404
         # A refused start created nothing.
@@ -139,3 +144,31 @@ async def test_a_tenant_past_its_storage_quota_may_start_again_once_its_runs_exp
 
         started = await until(accepted, "a start accepted once the runs expired", 60, every=0.25)
         assert (await wait_finished(alpha, started))["status"] == "completed"
+
+
+@pytest.mark.timeout(60)
+async def test_a_start_refused_for_another_cap_leaves_nothing_counted(
+    valkey: ValkeyServer, tmp_path: Path, redis: Redis
+) -> None:
+    """The storage figure a start counts in its round trip is taken back when the
+    start is refused after it (here by FLOWCAST_MAX_EXECUTIONS_PER_TENANT): the ledger
+    holds the running execution and the workflow, nothing of the refused start."""
+    own = prefix()
+    async with (
+        serving(
+            valkey,
+            tmp_path,
+            api_keys=ALPHA,
+            redis_prefix=own,
+            max_executions_per_tenant="1",
+        ) as server,
+        authed(server, ALPHA) as alpha,
+    ):
+        await put(alpha, echo("slow", delay_ms=3000))
+        slow = await execute(alpha, "slow", {"s": "s"})
+        response = await alpha.post("/api/workflows/slow/execute", json={"input": {"s": "t"}})
+        assert response.json()["error"]["code"] == "too_many_executions"
+        _ledger, sizes = Keys(own).quota(tenant_of_key(ALPHA))
+        counted = {name.decode() for name in await redis.hkeys(sizes)}
+        assert counted == {"total", "w:slow", f"e:{slow}"}
+        await wait_finished(alpha, slow)
