@@ -23,7 +23,7 @@ from lib.backend import Batch, Keys, is_unreachable, register, translated
 from lib.errors import BufferUnavailable, NotFound
 from lib.execution.events import Event
 from lib.execution.record import TERMINAL, Asked, Field, Script, Status, refused
-from lib.quota import StorageQuota, execution_member
+from lib.quota import StorageQuota, Thing, execution_member, version_member
 
 log = logging.getLogger(__name__)
 
@@ -336,14 +336,20 @@ class EventBuffer:
         tenant: str,
         execution_id: str,
         size: int,
+        version: tuple[str, int] | None = None,
     ) -> None:
-        """Count a new execution's run state (``size`` bytes) for its tenant, as one
-        command of ``batch`` whose answer raises ``OverQuota`` when it has no room (and
-        nothing was counted)."""
-        if self.quota is not None:
-            self.quota.reserve_in(
-                batch, tenant, execution_member(execution_id), size, self._lifetime_ms()
-            )
+        """Count a new execution's run state (``size`` bytes) for its tenant, and the
+        workflow ``version`` it runs (digest, bytes; it lives as long as the newest
+        execution of it), as one command of ``batch`` whose answer raises ``OverQuota``
+        when the tenant has no room (and nothing was counted)."""
+        if self.quota is None:
+            return
+        things = [Thing(execution_member(execution_id), size, self._lifetime_ms())]
+        if version is not None:
+            digest, version_size = version
+            lifetime = self.active_ttl_seconds * 1000
+            things.append(Thing(version_member(digest), version_size, lifetime))
+        self.quota.reserve_in(batch, tenant, things)
 
     async def unreserve(self, tenant: str, execution_id: str) -> None:
         """Take back what ``reserve_in`` counted for an execution that was not created."""

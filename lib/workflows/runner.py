@@ -52,7 +52,6 @@ from lib.workflows.leases import LeaseKeeper, LocalRun
 from lib.workflows.listener import ControlListener
 from lib.workflows.model import Workflow
 from lib.workflows.parts import Parts
-from lib.workflows.runstate import RunStates
 from lib.workflows.schemas import answer_problems
 from lib.workflows.takeovers import Takeovers, load_run
 
@@ -283,7 +282,7 @@ class Runner:
         # that creates the execution: a process may die right after the 202. The
         # workflow version is stored before, in the batch of the admission and the
         # lease entry (ownership.start).
-        version = RunStates.version(workflow)
+        raw, version = workflow.canonical()
         saved = await self._states.encode(execution_id, {"workflow": version, "input": input})
         tenant = identity[Field.TENANT]
         # What the run state keeps counts for its tenant from the start, in the start's
@@ -292,7 +291,7 @@ class Runner:
         size = sum(len(value) for value in saved.values())
 
         def checked(batch: Batch) -> None:
-            self._buffer.reserve_in(batch, tenant, execution_id, size)
+            self._buffer.reserve_in(batch, tenant, execution_id, size, (version, len(raw)))
             if confirm is not None:
                 confirm(batch)
 

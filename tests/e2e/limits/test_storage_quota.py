@@ -152,7 +152,8 @@ async def test_a_start_refused_for_another_cap_leaves_nothing_counted(
 ) -> None:
     """The storage figure a start counts in its round trip is taken back when the
     start is refused after it (here by FLOWCAST_MAX_EXECUTIONS_PER_TENANT): the ledger
-    holds the running execution and the workflow, nothing of the refused start."""
+    holds the running execution, its workflow version and the workflow, nothing of the
+    refused start."""
     own = prefix()
     async with (
         serving(
@@ -170,5 +171,7 @@ async def test_a_start_refused_for_another_cap_leaves_nothing_counted(
         assert response.json()["error"]["code"] == "too_many_executions"
         _ledger, sizes = Keys(own).quota(tenant_of_key(ALPHA))
         counted = {name.decode() for name in await redis.hkeys(sizes)}
-        assert counted == {"total", "w:slow", f"e:{slow}"}
+        assert {name for name in counted if not name.startswith("v:")} == {
+            "total", "w:slow", f"e:{slow}",
+        }  # fmt: skip
         await wait_finished(alpha, slow)
