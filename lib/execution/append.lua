@@ -31,7 +31,8 @@ ARGV[16] the status channel  fc:status  (pub/sub, not a key)
 ARGV[17] inline cap: a batch whose envelopes add up to at most this many bytes is
          published on ARGV[15] whole (0: never)
 ARGV[18] quota step: the execution's footprint (retained envelope bytes + `ckptBytes` +
-         `quotaBase`, its run state as created) is handed to its tenant's storage ledger
+         `copiedBytes`, the outcomes its metadata copies, + `quotaBase`, its run state
+         as created) is handed to its tenant's storage ledger
          (lib/quota.lua, another slot: the caller sets it) when the batch sets the
          status, when it was never handed (`quotaRecorded` missing), or when it moved by
          this many bytes since `quotaRecorded` (0: never)
@@ -99,7 +100,8 @@ local quota_step = tonumber(ARGV[18])
 local base = 18
 
 local state = redis.call("HMGET", meta, "owner", "lastId", "firstId", "bytes", "count",
-  "epoch", "reserved", "cancelRequested", "ckptBytes", "tenant", "quotaBase", "quotaRecorded")
+  "epoch", "reserved", "cancelRequested", "ckptBytes", "tenant", "quotaBase", "quotaRecorded",
+  "copiedBytes")
 if not state[1] then
   if not recreate then
     return redis.error_reply("NOEXEC")
@@ -181,10 +183,16 @@ end
 
 local reserved = math.max(tonumber(state[7]) or 0, reserve, last)
 local status = nil
+-- The outcomes the metadata copies (small ones; a large one names its event instead).
+local copied = tonumber(state[13]) or 0
+local COPIES = {output = true, error = true, pause = true}
 if m > 0 then
   local fields = {}
   for i = 1, 2 * m do
     fields[i] = ARGV[base + 2 * n + i]
+    if i % 2 == 0 and COPIES[fields[i - 1]] then
+      copied = copied + #fields[i] - redis.call("HSTRLEN", meta, fields[i - 1])
+    end
     if i % 2 == 0 and fields[i - 1] == "status" then
       status = fields[i]
       if status ~= "running" then
@@ -197,11 +205,12 @@ if m > 0 then
     end
   end
   hset(meta, fields)
+  redis.call("HSET", meta, "copiedBytes", copied)
 end
 -- The tenant's ledger is due this execution's figure (lib/quota.lua, set by the caller).
 local footprint, tenant = -1, ""
 if quota_step > 0 and state[10] then
-  local now_footprint = bytes + held + (tonumber(state[11]) or 0)
+  local now_footprint = bytes + held + copied + (tonumber(state[11]) or 0)
   local recorded = tonumber(state[12])
   if status or not recorded or math.abs(now_footprint - recorded) >= quota_step then
     footprint, tenant = now_footprint, state[10]

@@ -92,6 +92,7 @@ class Field(StrEnum):
     # the footprint the ledger was last handed (append.lua).
     QUOTA_BASE = "quotaBase"
     QUOTA_RECORDED = "quotaRecorded"
+    COPIED_BYTES = "copiedBytes"  # the output, error and pause this hash copies
     # Outcomes, as JSON (or {"$event": id} naming the event that holds a large one).
     OUTPUT = "output"
     ERROR = "error"

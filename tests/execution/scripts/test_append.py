@@ -362,9 +362,10 @@ async def test_a_recreate_or_a_take_back_before_an_order_refusal_stays(
 async def test_the_footprint_is_handed_to_the_tenant_ledger_when_it_moved_by_a_step(
     redis: Redis, keys: Keys, eid: str
 ) -> None:
-    """ARGV[18]: the footprint (envelopes + checkpoint outputs + ``quotaBase``) is
-    answered, with the tenant, when it moved by the step since ``quotaRecorded`` or the
-    batch sets the status; otherwise -1 and "", and ``quotaRecorded`` stays."""
+    """ARGV[18]: the footprint (envelopes + checkpoint outputs + outcomes the hash
+    copies + ``quotaBase``) is answered, with the tenant, when it moved by the step
+    since ``quotaRecorded`` or the batch sets the status; otherwise -1 and "", and
+    ``quotaRecorded`` stays."""
     await owned(redis, keys, eid, quotaBase=100, quotaRecorded=100)
     small = chunk(1)
     reply = await append(redis, keys, eid, [small], first=1, quota_step=1000)
@@ -377,10 +378,9 @@ async def test_the_footprint_is_handed_to_the_tenant_ledger_when_it_moved_by_a_s
     assert reply[6:] == [footprint, b"acme"]
     assert await redis.hget(keys.meta(eid), "quotaRecorded") == str(footprint).encode()
     done = ("execution:completed", "{}")
-    reply = await append(
-        redis, keys, eid, [done], first=3, quota_step=1000, meta={"status": "completed"}
-    )
-    assert reply[6:] == [footprint + 2, b"acme"]  # a status change: handed whatever moved
+    ended = {"status": "completed", "output": '"xyz"'}  # the output the hash copies counts
+    reply = await append(redis, keys, eid, [done], first=3, quota_step=1000, meta=ended)
+    assert reply[6:] == [footprint + 2 + 5, b"acme"]  # a status change: handed whatever moved
 
 
 async def test_no_footprint_is_handed_without_a_step_or_a_tenant(
