@@ -53,6 +53,8 @@ from tests.support.servers import FlowcastServer, ValkeyServer
 HOSTILE = "hostile-key-" + "h" * 20
 GOOD = "good-key-" + "g" * 20
 CAP = 20  # FLOWCAST_MAX_EXECUTIONS_PER_TENANT and FLOWCAST_MAX_STREAMS_PER_TENANT
+STORAGE = 16 * 1024 * 1024  # FLOWCAST_TENANT_STORAGE_BYTES
+PAD = 1024 * 1024  # the bytes of one workflow the storage step stores
 BODY_TIMEOUT = 2.0  # FLOWCAST_BODY_TIMEOUT_SECONDS
 CLOSE_WITHIN = 3.0  # seconds after its 408 by which a trickling connection is closed
 FAST = 0.5  # seconds: a refused PUT or resume, or a stored template, answers within this
@@ -173,6 +175,7 @@ async def tenants(root: Path, report: Report) -> AsyncIterator[Tenants]:
             "FLOWCAST_API_KEYS": f"{HOSTILE},{GOOD}",
             "FLOWCAST_MAX_EXECUTIONS_PER_TENANT": str(CAP),
             "FLOWCAST_MAX_STREAMS_PER_TENANT": str(CAP),
+            "FLOWCAST_TENANT_STORAGE_BYTES": str(STORAGE),
             "FLOWCAST_BODY_TIMEOUT_SECONDS": str(BODY_TIMEOUT),
             "FLOWCAST_SSE_PING_SECONDS": "1",
             "FLOWCAST_LOG_LEVEL": "info",
@@ -247,7 +250,7 @@ class Hostile:
             (await put(self.client, workflow)).raise_for_status()
 
     async def round(self) -> None:
-        steps = [self.refs, self.redos, self.fold, self.token, self.caps]
+        steps = [self.refs, self.redos, self.fold, self.token, self.caps, self.storage]
         if self.templates:
             steps[3:3] = [self.bombs]
         for step in steps:
@@ -393,6 +396,35 @@ class Hostile:
             self.t.doing = "caps: cancels"
             for execution_id in paused:
                 await self.client.post(f"/api/executions/{execution_id}/cancel")
+
+    async def storage(self) -> None:
+        """Store large workflows until the tenant's storage quota refuses one (issue 24,
+        row 6: 1.07 GB in under a minute): 429 storage_quota with Retry-After and the
+        figures, never more than the quota stored; then delete them all."""
+        stored: list[str] = []
+        try:
+            for number in range(STORAGE // PAD + 3):
+                workflow = transform(f"pad-{number}", "p" * PAD)
+                response = await put(self.client, workflow)
+                if response.status_code in (200, 201):
+                    stored.append(workflow["id"])
+                    continue
+                error = response.json().get("error", {}) if response.status_code == 429 else {}
+                if error.get("code") != "storage_quota" or error.get("limitBytes") != STORAGE:
+                    self.find(f"a PUT past the storage quota answered {response.text[:200]}")
+                elif not response.headers.get("retry-after"):
+                    self.find("a PUT past the storage quota answered without Retry-After")
+                else:
+                    self.t.outcomes["storage 429"] += 1
+                break
+            else:
+                self.find(f"{len(stored)} workflows of {PAD} bytes stored, quota {STORAGE}")
+            if len(stored) * PAD > STORAGE:
+                self.find(f"{len(stored)} workflows of {PAD} bytes stored, quota {STORAGE}")
+        finally:
+            self.t.doing = "storage: deletes"
+            for workflow_id in stored:
+                await self.client.delete(f"/api/workflows/{workflow_id}")
 
     async def streams(self, paused: list[str]) -> None:
         headers = {"Accept": "text/event-stream"}
