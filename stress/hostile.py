@@ -56,9 +56,6 @@ from tests.support.servers import FlowcastServer, ValkeyServer
 HOSTILE = "hostile-key-" + "h" * 20
 GOOD = "good-key-" + "g" * 20
 CAP = 20  # FLOWCAST_MAX_EXECUTIONS_PER_TENANT and FLOWCAST_MAX_STREAMS_PER_TENANT
-STORAGE = 4 * 1024 * 1024  # FLOWCAST_TENANT_STORAGE_BYTES
-PAD = 64 * 1024  # the bytes of one workflow the storage step stores
-STORAGE_EVERY = 4  # rounds: the storage step runs in the first and every fourth after
 BODY_TIMEOUT = 2.0  # FLOWCAST_BODY_TIMEOUT_SECONDS
 CLOSE_WITHIN = 3.0  # seconds after its 408 by which a trickling connection is closed
 FAST = 0.5  # seconds: a refused PUT or resume, or a stored template, answers within this
@@ -184,7 +181,6 @@ async def tenants(root: Path, report: Report) -> AsyncIterator[Tenants]:
             "FLOWCAST_API_KEYS": f"{HOSTILE},{GOOD}",
             "FLOWCAST_MAX_EXECUTIONS_PER_TENANT": str(CAP),
             "FLOWCAST_MAX_STREAMS_PER_TENANT": str(CAP),
-            "FLOWCAST_TENANT_STORAGE_BYTES": str(STORAGE),
             "FLOWCAST_BODY_TIMEOUT_SECONDS": str(BODY_TIMEOUT),
             "FLOWCAST_SSE_PING_SECONDS": "1",
             "FLOWCAST_LOG_LEVEL": "info",
@@ -266,8 +262,6 @@ class Hostile:
         ]  # fmt: skip
         if self.templates:
             steps[3:3] = [self.bombs]
-        if self.t.outcomes["rounds"] % STORAGE_EVERY == 0:
-            steps.append(self.storage)  # ~130 paced requests: not every round
         for step in steps:
             self.t.doing = step.__name__
             try:
@@ -483,35 +477,6 @@ class Hostile:
             self.t.doing = "caps: cancels"
             for execution_id in paused:
                 await self.client.post(f"/api/executions/{execution_id}/cancel")
-
-    async def storage(self) -> None:
-        """Store large workflows until the tenant's storage quota refuses one (issue 24,
-        row 6: 1.07 GB in under a minute): 429 storage_quota with Retry-After and the
-        figures, never more than the quota stored; then delete them all."""
-        stored: list[str] = []
-        try:
-            for number in range(STORAGE // PAD + 3):
-                workflow = transform(f"pad-{number}", "p" * PAD)
-                response = await put(self.client, workflow)
-                if response.status_code in (200, 201):
-                    stored.append(workflow["id"])
-                    continue
-                error = response.json().get("error", {}) if response.status_code == 429 else {}
-                if error.get("code") != "storage_quota" or error.get("limitBytes") != STORAGE:
-                    self.find(f"a PUT past the storage quota answered {response.text[:200]}")
-                elif not response.headers.get("retry-after"):
-                    self.find("a PUT past the storage quota answered without Retry-After")
-                else:
-                    self.t.outcomes["storage 429"] += 1
-                break
-            else:
-                self.find(f"{len(stored)} workflows of {PAD} bytes stored, quota {STORAGE}")
-            if len(stored) * PAD > STORAGE:
-                self.find(f"{len(stored)} workflows of {PAD} bytes stored, quota {STORAGE}")
-        finally:
-            self.t.doing = "storage: deletes"
-            for workflow_id in stored:
-                await self.client.delete(f"/api/workflows/{workflow_id}")
 
     async def streams(self, paused: list[str]) -> None:
         headers = {"Accept": "text/event-stream"}
