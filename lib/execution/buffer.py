@@ -35,6 +35,10 @@ INLINE_BYTES = 8 * 1024
 # moved by 1/256 of the tenant's limit, within these bounds: what a running execution
 # keeps beyond its figure stays under a step plus one batch.
 QUOTA_STEP_MIN, QUOTA_STEP_MAX = 4 * 1024, 1024 * 1024
+# What Redis spends on an execution's keys beyond their contents (its stream's first
+# node, four keys, its listing), counted with its run state: measured ~4.4 KB for a run
+# of one small transform, whose contents are ~800 bytes.
+EXECUTION_OVERHEAD_BYTES = 4 * 1024
 
 # How long after an execution is listed in its tenant's index a list read may find no
 # metadata for it without taking it for expired (see recent_metas); above any clock

@@ -40,7 +40,7 @@ from lib.errors import (
     ShuttingDown,
 )
 from lib.execution.admission import paused_member
-from lib.execution.buffer import ExecutionMeta
+from lib.execution.buffer import EXECUTION_OVERHEAD_BYTES, ExecutionMeta
 from lib.execution.events import EXECUTION_RESUMED, EXECUTION_STARTED, utc_timestamp
 from lib.execution.log import ExecutionLog
 from lib.execution.ownership import START_RESERVED, Claim, node_of
@@ -288,7 +288,7 @@ class Runner:
         # What the run state keeps counts for its tenant from the start, in the start's
         # round trip, before the admission: a tenant past its storage quota is refused
         # there (OverQuota) and nothing is created.
-        size = sum(len(value) for value in saved.values())
+        size = sum(len(value) for value in saved.values()) + EXECUTION_OVERHEAD_BYTES
 
         def checked(batch: Batch) -> None:
             self._buffer.reserve_in(batch, tenant, execution_id, size, (version, len(raw)))
