@@ -14,12 +14,13 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from lib.backend import Batch
+from lib.backend import Batch, Keys
 from lib.errors import BufferUnavailable, OverQuota
 from lib.execution.buffer import EventBuffer
 from lib.execution.events import Event
 from lib.execution.record import Field
 from lib.quota import StorageQuota
+from tests.execution.scripts.contract import now_ms
 from tests.support.api import until
 
 BASE = 100  # the run state's bytes as created
@@ -144,3 +145,28 @@ async def test_a_start_past_the_quota_is_refused_in_its_batch_and_counts_nothing
     assert await quota.usage(f"a{unique}") == 950
     await started(buffer, f"b{unique}")
     assert await quota.usage(f"b{unique}") == BASE
+
+
+async def test_a_paused_executions_figure_counts_as_long_as_its_keys_wait(
+    redis: Redis, unique: str
+) -> None:
+    """A pause keeps its keys for the active TTL (days, for an approval): its figure
+    counts that long, not just a retention period; once it ends, a retention period."""
+    quota = StorageQuota(redis=redis, limit_bytes=1_000_000, prefix=f"q{unique}")
+    buffer = buffer_with(redis, quota, unique, retention_seconds=60, active_ttl_seconds=7200)
+    tenant = f"t{unique}"
+    execution_id = await started(buffer, tenant)
+    kind = "execution:paused"
+    paused = Event(id=1, type=kind, execution_id=execution_id, workflow_id="wf", data={})
+    await buffer.append(execution_id, [paused], fence="owner-1", meta={"status": "paused"})
+    ledger = Keys(f"q{unique}").quota(tenant)[0]
+    member = f"e:{execution_id}"
+
+    async def counts_for() -> float:
+        score = await redis.zscore(ledger, member)
+        assert score is not None
+        return (score - await now_ms(redis, ledger)) / 1000
+
+    assert 7100 < await counts_for() <= 7200
+    await finish(buffer, execution_id, 2)
+    assert 0 < await counts_for() <= 60
