@@ -165,10 +165,11 @@ class EventBuffer:
         self.redis = redis
         # Each tenant's storage ledger: what its executions keep is handed to it.
         self.quota = quota
-        limit = quota.limit_bytes if quota is not None else 0
         self.quota_step = 0
         if quota is not None:
-            self.quota_step = min(max(limit // 256, QUOTA_STEP_MIN), QUOTA_STEP_MAX)
+            # No limit (0): counted all the same, in the coarsest steps.
+            share = quota.limit_bytes // 256 if quota.limit_bytes else QUOTA_STEP_MAX
+            self.quota_step = min(max(share, QUOTA_STEP_MIN), QUOTA_STEP_MAX)
         self.inline_bytes = inline_bytes
         # Blocking tail reads may use a client (a pool) of their own.
         self.tail_redis = tail_redis or redis
