@@ -58,6 +58,16 @@ async def fill_with_runs(client: httpx.AsyncClient) -> httpx.Response:
     raise AssertionError("40 runs of 80 KB each were never refused")
 
 
+async def kept_in_redis(redis: Redis, own: str, tenant: str, execution_ids: list[str]) -> int:
+    """What the tenant's data takes in Redis (MEMORY USAGE): its workflows, its
+    executions' keys and the workflow versions stored (only this tenant ran any)."""
+    keys = Keys(own)
+    names = [keys.workflows(tenant), keys.secrets(tenant)]
+    names += [name for eid in execution_ids for name in keys.execution(eid)]
+    names += [name.decode() async for name in redis.scan_iter(match=f"{own}:workflow-version:*")]
+    return sum([await redis.memory_usage(name, samples=0) or 0 for name in names])
+
+
 def assert_over_quota(response: httpx.Response) -> dict[str, Any]:
     """A 429 storage_quota with the figures in the body and the message."""
     assert response.status_code == 429, response.text
@@ -72,15 +82,21 @@ def assert_over_quota(response: httpx.Response) -> dict[str, Any]:
 
 @pytest.mark.timeout(120)
 async def test_a_tenant_past_its_storage_quota_is_refused_new_work_while_its_runs_finish(
-    valkey: ValkeyServer, tmp_path: Path
+    valkey: ValkeyServer, tmp_path: Path, redis: Redis
 ) -> None:
     """Past its quota, tenant A's new execution and new workflow are refused (429
-    storage_quota, with what it keeps and the limit) and nothing is written; A's run
-    accepted before finishes with all its events stored; tenant B still starts runs;
-    once A deletes a workflow it may start again."""
+    storage_quota, with what it keeps and the limit) and nothing is written; what A
+    keeps in Redis (MEMORY USAGE) is then within 10% of the figure and of the quota;
+    A's run accepted before finishes with all its events stored; tenant B still starts
+    runs; once A deletes a workflow it may start again."""
+    own = prefix()
     async with (
         serving(
-            valkey, tmp_path, api_keys=f"{ALPHA},{BETA}", tenant_storage_bytes=str(QUOTA)
+            valkey,
+            tmp_path,
+            api_keys=f"{ALPHA},{BETA}",
+            tenant_storage_bytes=str(QUOTA),
+            redis_prefix=own,
         ) as server,
         authed(server, ALPHA) as alpha,
         authed(server, BETA) as beta,
@@ -95,6 +111,10 @@ async def test_a_tenant_past_its_storage_quota_is_refused_new_work_while_its_run
         error = assert_over_quota(refused)
         assert (await alpha.get(f"/api/executions/{slow}")).json()["status"] == "running"
         listed = (await alpha.get("/api/executions?limit=100")).json()
+        ids = [row["id"] for row in listed["executions"]]
+        kept = await kept_in_redis(redis, own, tenant_of_key(ALPHA), ids)
+        assert abs(error["usedBytes"] - kept) < kept / 10, (error, kept)
+        assert kept < QUOTA * 1.1, kept
         # A refused start counted nothing: refused again, with the same figures.
         assert assert_over_quota(await run_echo(alpha))["usedBytes"] == error["usedBytes"]
         assert_over_quota(await alpha.put("/api/workflows/more", json=padded("more", 40_000)))
