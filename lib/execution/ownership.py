@@ -385,9 +385,9 @@ class Ownership:
         the status that won, ``NotFound``, …: see ``TRANSITIONS``).
 
         A resume's ``answer`` (JSON) is checkpointed with the claim: the 202 holds if
-        this process dies before its resumed event is stored. A takeover's
-        ``base_at_least`` (the durable ceiling, after the store came back behind) puts
-        the new owner's numbering above it.
+        this process dies before its resumed event is stored. ``base_at_least`` (the
+        durable ceiling, after the store came back behind: takeovers.py ``recall``)
+        puts the new owner's numbering above it, whatever the transition.
         """
         argument = block_id if mode is Mode.RESUME else expected
         try:

@@ -45,6 +45,7 @@ from lib.execution.events import EXECUTION_RESUMED, EXECUTION_STARTED, utc_times
 from lib.execution.log import ExecutionLog
 from lib.execution.ownership import START_RESERVED, Claim, node_of
 from lib.execution.record import Field, Mode, Status, StopReason, Takeover
+from lib.execution.values import ValueStoreError
 from lib.workflows.checkpoint import answer_field
 from lib.workflows.janitor import Janitor, cancelled
 from lib.workflows.launcher import Outcome, ending_body, identity_of
@@ -353,7 +354,13 @@ class Runner:
         fence = self._parts.new_fence()
         await self._admission.admit(tenant, fence, replaces=paused_member(execution_id))
         claim = await self._claim(
-            execution_id, Mode.RESUME, fence, tenant, block_id=paused_at, answer=orjson.dumps(input)
+            execution_id,
+            Mode.RESUME,
+            fence,
+            tenant,
+            meta=meta,
+            block_id=paused_at,
+            answer=orjson.dumps(input),
         )
 
         async def body(local: LocalRun, emitter: ExecutionLog) -> None:
@@ -384,7 +391,7 @@ class Runner:
         """
         meta = await self._owned(execution_id, tenant)
         fence = self._parts.new_fence()
-        claim = await self._claim(execution_id, Mode.CANCEL, fence, tenant)
+        claim = await self._claim(execution_id, Mode.CANCEL, fence, tenant, meta=meta)
         if claim.status_before is not Status.RUNNING:
             self._launcher.launch(
                 execution_id,
@@ -418,6 +425,7 @@ class Runner:
         fence: str,
         tenant: str,
         *,
+        meta: ExecutionMeta,
         block_id: str = "",
         answer: bytes = b"",
     ) -> Claim:
@@ -426,12 +434,15 @@ class Runner:
         A refused claim undoes the watch. One whose answer was lost (the buffer failed
         mid-call) keeps it: if the claim did apply, the lease it set expires unrenewed
         and a janitor ends the execution, so it is never running with nobody watching.
+        A store that came back behind is told first what it forgot (``recall``): a run
+        whose end it lost has that end stored again, and the claim is refused with it.
         """
         try:
             await self._store.wait_settled()
+            ceiling = await self._recalled(execution_id, meta)
             await self._watch.hold(execution_id, fence)
             claim = await self._ownership.claim(
-                execution_id, mode, fence, block_id=block_id, answer=answer
+                execution_id, mode, fence, block_id=block_id, answer=answer, base_at_least=ceiling
             )
         except (Conflict, NotFound):
             await self._launcher.quietly(
@@ -449,6 +460,18 @@ class Runner:
                 execution_id, self._admission.leave(tenant, paused_member(execution_id))
             )
         return claim
+
+    async def _recalled(self, execution_id: str, meta: ExecutionMeta) -> int:
+        """The id a claim numbers above after the store came back behind; a run whose
+        end the store had lost has it stored again, and the claim then meets that end
+        (409 with the status that won)."""
+        try:
+            ceiling = await self._takeovers.recall(execution_id, meta)
+        except ValueStoreError as exc:
+            raise BufferUnavailable(
+                f"the store came back behind and the value store cannot say what it lost: {exc}"
+            ) from exc
+        return 0 if ceiling is None else ceiling
 
     # -- what the janitor and the hand-offs report -------------------------------
 
