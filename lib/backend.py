@@ -115,6 +115,13 @@ class Keys:
     def secrets(self, tenant: str) -> str:
         return f"{self.prefix}:secrets:{tenant}"
 
+    def quota(self, tenant: str) -> list[str]:
+        """A tenant's storage ledger (quota.lua): the things it keeps, scored by when they
+        stop counting, and their sizes with the total. Under the tenant's own hash tag
+        ``{t:<tenant>}``, the tag every per-tenant key a script touches shares."""
+        base = f"{self.prefix}:{{t:{tenant}}}:quota"
+        return [base, f"{base}:bytes"]
+
     def slots(self, provider: str) -> list[str]:
         """One model provider's concurrency slots (slots.lua), under one hash tag."""
         base = f"{self.prefix}:{{llm:{provider}}}"

@@ -20,17 +20,27 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from lib.backend import Batch, Keys, is_unreachable, register, translated
-from lib.errors import NotFound
+from lib.errors import BufferUnavailable, NotFound
 from lib.execution import indexes
 from lib.execution.events import TERMINAL_STATUSES, Event
 from lib.execution.indexes import Listed
-from lib.execution.record import TERMINAL, Asked, Field, Script, refused
+from lib.execution.record import TERMINAL, Asked, Field, Script, Status, refused
+from lib.quota import StorageQuota, Thing, execution_member, version_member
 
 log = logging.getLogger(__name__)
 
 # A batch whose envelopes add up to at most this is published whole on the notify
 # channel (append.lua), so a reader on another process forwards it without a read.
 INLINE_BYTES = 8 * 1024
+
+# An execution's figure in its tenant's storage ledger is set again when its footprint
+# moved by 1/256 of the tenant's limit, within these bounds: what a running execution
+# keeps beyond its figure stays under a step plus one batch.
+QUOTA_STEP_MIN, QUOTA_STEP_MAX = 4 * 1024, 1024 * 1024
+# What Redis spends on an execution's keys beyond their contents (its stream's first
+# node, four keys, its listing), counted with its run state: measured ~4.4 KB for a run
+# of one small transform, whose contents are ~800 bytes.
+EXECUTION_OVERHEAD_BYTES = 4 * 1024
 
 # The identity fields that say where an execution is listed (indexes.Listed).
 IDENTITY = (Field.TENANT.value, Field.WORKFLOW_ID.value, Field.CREATED_AT.value)
@@ -150,8 +160,16 @@ class EventBuffer:
         retention_seconds: int = 86_400,
         active_ttl_seconds: int = 30 * 86_400,
         inline_bytes: int = INLINE_BYTES,
+        quota: StorageQuota | None = None,
     ) -> None:
         self.redis = redis
+        # Each tenant's storage ledger: what its executions keep is handed to it.
+        self.quota = quota
+        self.quota_step = 0
+        if quota is not None:
+            # No limit (0): counted all the same, in the coarsest steps.
+            share = quota.limit_bytes // 256 if quota.limit_bytes else QUOTA_STEP_MAX
+            self.quota_step = min(max(share, QUOTA_STEP_MIN), QUOTA_STEP_MAX)
         self.inline_bytes = inline_bytes
         # Blocking tail reads may use a client (a pool) of their own.
         self.tail_redis = tail_redis or redis
@@ -306,7 +324,9 @@ class EventBuffer:
             pairs.update(event.checkpoint)
         args.append(len(pairs))
         # Where the script's messages go: the readers' wake-up and the live lists.
-        args += [execution_id, self.keys.notify, self.keys.status, self.inline_bytes]
+        args += [
+            execution_id, self.keys.notify, self.keys.status, self.inline_bytes, self.quota_step,
+        ]  # fmt: skip
         for event in events:
             args.append(event.type)
             args.append(event.json)
@@ -324,10 +344,62 @@ class EventBuffer:
             raise refused(Script.APPEND, exc, Asked(execution_id)) from exc
         if finishing is not None:
             await self._finished(execution_id, finishing)
-        last, first_kept, size, count, reserved, cancel = result
+        last, first_kept, size, count, reserved, cancel, footprint, tenant = result
+        if int(footprint) >= 0 and tenant:
+            paused = (meta or {}).get(Field.STATUS) == Status.PAUSED
+            await self._record(execution_id, tenant.decode(), int(footprint), paused=paused)
         return AppendResult(
             int(last), int(first_kept), int(size), int(count), int(reserved), cancel == b"1"
         )
+
+    def reserve_in(
+        self,
+        batch: Batch,
+        tenant: str,
+        execution_id: str,
+        size: int,
+        version: tuple[str, int] | None = None,
+    ) -> None:
+        """Count a new execution's run state (``size`` bytes) for its tenant, and the
+        workflow ``version`` it runs (digest, bytes; it lives as long as the newest
+        execution of it), as one command of ``batch`` whose answer raises ``OverQuota``
+        when the tenant has no room (and nothing was counted)."""
+        if self.quota is None:
+            return
+        things = [Thing(execution_member(execution_id), size, self._lifetime_ms())]
+        if version is not None:
+            digest, version_size = version
+            lifetime = self.active_ttl_seconds * 1000
+            things.append(Thing(version_member(digest), version_size, lifetime))
+        self.quota.reserve_in(batch, tenant, things)
+
+    async def unreserve(self, tenant: str, execution_id: str) -> None:
+        """Take back what ``reserve_in`` counted for an execution that was not created."""
+        if self.quota is not None:
+            await self.quota.forget(tenant, execution_member(execution_id))
+
+    def _lifetime_ms(self, *, paused: bool = False) -> int:
+        """How long an execution's figure counts: as long as a finished one's keys live
+        (a running one's figure is set again as it grows, and when it ends), as long as
+        a paused one's keys live while it waits."""
+        return (self.active_ttl_seconds if paused else self.retention_seconds) * 1000
+
+    async def _record(
+        self, execution_id: str, tenant: str, footprint: int, *, paused: bool
+    ) -> None:
+        """Hand an execution's footprint to its tenant's ledger, after the batch that
+        changed it is stored. Never a refusal, and a failure only logged: the batch is
+        stored, and the next figure (or the ledger's expiry) makes up for a lost one."""
+        assert self.quota is not None
+        try:
+            await self.quota.record(
+                tenant, execution_member(execution_id), footprint, self._lifetime_ms(paused=paused)
+            )
+        except BufferUnavailable as exc:
+            log.warning(
+                "could not count an execution's storage for its tenant",
+                extra={"executionId": execution_id, "bytes": footprint, "error": str(exc)},
+            )
 
     async def _finishing(self, execution_id: str, meta: Mapping[str, str]) -> Listed | None:
         """List an execution in the bucket of the final status ``meta`` sets (none:

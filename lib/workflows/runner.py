@@ -36,10 +36,11 @@ from lib.errors import (
     InvalidInput,
     NotFound,
     NotPausedThere,
+    OverQuota,
     ShuttingDown,
 )
 from lib.execution.admission import paused_member
-from lib.execution.buffer import ExecutionMeta
+from lib.execution.buffer import EXECUTION_OVERHEAD_BYTES, ExecutionMeta
 from lib.execution.events import EXECUTION_RESUMED, EXECUTION_STARTED, utc_timestamp
 from lib.execution.log import ExecutionLog
 from lib.execution.ownership import START_RESERVED, Claim, node_of
@@ -52,7 +53,6 @@ from lib.workflows.leases import LeaseKeeper, LocalRun
 from lib.workflows.listener import ControlListener
 from lib.workflows.model import Workflow
 from lib.workflows.parts import Parts
-from lib.workflows.runstate import RunStates
 from lib.workflows.schemas import answer_problems
 from lib.workflows.takeovers import Takeovers, load_run
 
@@ -283,23 +283,58 @@ class Runner:
         # that creates the execution: a process may die right after the 202. The
         # workflow version is stored before, in the batch of the admission and the
         # lease entry (ownership.start).
-        version = RunStates.version(workflow)
+        raw, version = workflow.canonical()
         saved = await self._states.encode(execution_id, {"workflow": version, "input": input})
-        claim = await self._ownership.start(
-            execution_id,
-            fence=self._parts.new_fence(),
-            workflow_id=workflow.id,
-            tenant=identity[Field.TENANT],
-            created_at=identity[Field.CREATED_AT],
-            created_ms=int(now.timestamp() * 1000),
-            extra={Field.INLINE_FILES.value: identity[Field.INLINE_FILES]},
-            state=saved,
-            checked=confirm,
-            alongside=lambda batch: self._states.save_version_in(batch, workflow),
-        )
+        tenant = identity[Field.TENANT]
+        # What the run state keeps counts for its tenant from the start, in the start's
+        # round trip, before the admission: a tenant past its storage quota is refused
+        # there (OverQuota) and nothing is created.
+        size = sum(len(value) for value in saved.values()) + EXECUTION_OVERHEAD_BYTES
+
+        def checked(batch: Batch) -> None:
+            self._buffer.reserve_in(batch, tenant, execution_id, size, (version, len(raw)))
+            if confirm is not None:
+                confirm(batch)
+
+        try:
+            claim = await self._ownership.start(
+                execution_id,
+                fence=self._parts.new_fence(),
+                workflow_id=workflow.id,
+                tenant=tenant,
+                created_at=identity[Field.CREATED_AT],
+                created_ms=int(now.timestamp() * 1000),
+                extra={
+                    Field.INLINE_FILES.value: identity[Field.INLINE_FILES],
+                    Field.QUOTA_BASE.value: str(size),
+                    Field.QUOTA_RECORDED.value: str(size),
+                },
+                state=saved,
+                checked=checked,
+                alongside=lambda batch: self._states.save_version_in(batch, workflow),
+            )
+        except OverQuota:
+            raise  # refused before anything was counted
+        except BaseException:
+            # Refused after it was counted (another check, the admission), or not known
+            # to be: the figure goes (a named id another request created is counted
+            # again by its run's first figure).
+            await self._uncount(tenant, execution_id)
+            raise
         if claim is None:
             return None
         return claim, saved
+
+    async def _uncount(self, tenant: str, execution_id: str) -> None:
+        """Take back the figure a refused start counted (best effort: left, it stops
+        counting after the retention)."""
+        try:
+            await self._buffer.unreserve(tenant, execution_id)
+        except BufferUnavailable as exc:
+            log.warning(
+                "could not take back a refused start's storage figure",
+                extra={"executionId": execution_id, "error": str(exc)},
+            )
 
     async def resume(
         self, execution_id: str, *, tenant: str, block_id: str | None, input: Any
