@@ -3,8 +3,11 @@ time out, and carrying it on here.
 
 A run taken over is recovered (SPEC §7): it emits ``execution:recovered`` and carries
 on from the checkpoint, so only the blocks that had not completed run again; past
-``max_recoveries`` crashes it ends ``worker_lost`` instead, and one whose cancel was
-accepted before its owner died ends cancelled before anything runs again (F5). A pause
+``max_recoveries`` crashes charged to it it ends ``worker_lost`` instead, one charged
+with a death as its process's one suspect ends ``quarantined`` (blame.py: who a death is
+charged to is judged from the dead process's record, and this process takes at most one
+suspect at a time), and one whose cancel was accepted before its owner died ends
+cancelled before anything runs again (F5). A pause
 past its approval deadline ends ``approval_timeout``. Each starts with a fenced claim
 (take over, expire), so of all the processes that try, exactly one wins.
 """
@@ -16,17 +19,18 @@ import logging
 from enum import Enum
 from typing import Any
 
-from lib.errors import BufferUnavailable, Conflict, LeaseHeld, NotDue, NotFound
+from lib.errors import BufferUnavailable, Conflict, LeaseHeld, NotDue, NotFound, SuspectHeld
+from lib.execution.blame import Suspicion, Verdict
 from lib.execution.buffer import ExecutionMeta
 from lib.execution.ceiling import Durable, read_durable
 from lib.execution.events import EXECUTION_RECOVERED, EXECUTION_STARTED
 from lib.execution.log import ExecutionLog
-from lib.execution.ownership import Claim
+from lib.execution.ownership import Claim, node_of
 from lib.execution.record import Field, Mode, RecoveryReason, StopReason, Takeover
 from lib.execution.values import ValueStoreError
 from lib.workflows.executor import RunState
 from lib.workflows.finals import Final
-from lib.workflows.janitor import approval_timeout, worker_lost
+from lib.workflows.janitor import approval_timeout, quarantined, worker_lost
 from lib.workflows.launcher import Body, Launcher, Outcome, ending_body, identity_of
 from lib.workflows.leases import LocalRun
 from lib.workflows.model import Workflow
@@ -60,7 +64,9 @@ async def load_run(
 class Takeovers:
     """Wins the executions found due here, and launches what follows."""
 
-    def __init__(self, parts: Parts, *, max_recoveries: int = 3) -> None:
+    def __init__(
+        self, parts: Parts, *, max_recoveries: int = 3, suspicion: Suspicion | None = None
+    ) -> None:
         transitions = parts.transitions
         self._parts = parts
         self._buffer = parts.buffer
@@ -72,6 +78,7 @@ class Takeovers:
         self._launcher = parts.launcher
         self._runs = parts.runs
         self._max_recoveries = max_recoveries
+        self._suspicion = suspicion
 
     async def take_over(self, execution_id: str, fence: str, *, how: Takeover) -> None:
         """Take over an execution from ``fence`` and recover it, if it is due."""
@@ -133,6 +140,7 @@ class Takeovers:
             meta = await self._buffer.meta(execution_id)
             if await self._ended_before(execution_id, meta, expected, durable):
                 return Claimed.SETTLED
+            verdict, busy = await self._judge(meta, expected)
             await self._watch.hold(execution_id, fence)
             claim = await self._ownership.claim(
                 execution_id,
@@ -141,24 +149,61 @@ class Takeovers:
                 expected=expected,
                 takeover=how,
                 base_at_least=durable.ceiling,
+                verdict=verdict,
+                busy=busy,
             )
         except (Conflict, NotFound) as exc:
-            await self._launcher.quietly(execution_id, self._watch.release(execution_id, fence))
-            return Claimed.NOT_YET if isinstance(exc, LeaseHeld) else Claimed.SETTLED
+            await self._launcher.quietly(
+                execution_id,
+                self._watch.release(execution_id, fence),
+                self._settle_suspect(execution_id, suspect=False),
+            )
+            waits = isinstance(exc, LeaseHeld | SuspectHeld)
+            return Claimed.NOT_YET if waits else Claimed.SETTLED
+        except BaseException:
+            # Not claimed (the store failed, or this was cancelled): nor a suspect here.
+            await self._launcher.quietly(
+                execution_id, self._settle_suspect(execution_id, suspect=False)
+            )
+            raise
         # The new owner counts for the tenant in place of the one it took over from.
         await self._launcher.quietly(
             execution_id,
             self._admission.count(meta.tenant, fence),
             self._admission.leave(meta.tenant, expected),
         )
+        body, runs_again = self._recovery_body(execution_id, claim)
         self._launcher.launch(
-            execution_id,
-            claim,
-            identity=_recovered_identity(meta, claim),
-            body=self._recovery_body(execution_id, claim),
-            meta=meta,
+            execution_id, claim, identity=_recovered_identity(meta, claim), body=body, meta=meta
+        )
+        # A run whose owners died runs here as this process's suspect (blame.py).
+        suspect = runs_again and claim.deaths > 0
+        await self._launcher.quietly(
+            execution_id, self._settle_suspect(execution_id, suspect=suspect)
         )
         return Claimed.WON
+
+    async def _judge(self, meta: ExecutionMeta, expected: str) -> tuple[Verdict, bool]:
+        """Who the death of the owner is charged to, from its process's record, and
+        whether this process runs a suspect already. A run whose owner died (it was not
+        handed off) or that died before is a suspect: unless this process runs one, it
+        is recorded as this process's suspect before the claim, so that a death from
+        the moment it runs here is charged to it (blame.py)."""
+        if self._suspicion is None:
+            return Verdict.ALONE, False
+        died = meta.owner != ""  # a hand-off leaves no owner: nobody died
+        verdict = Verdict.ALONE
+        if died:
+            record = await self._suspicion.records.read(node_of(expected or meta.owner))
+            verdict = record.verdict(meta.id) if record is not None else Verdict.ALONE
+        busy = self._suspicion.busy()
+        if (died or meta.deaths > 0) and not busy:
+            await self._suspicion.take(meta.id)
+        return verdict, busy
+
+    async def _settle_suspect(self, execution_id: str, *, suspect: bool) -> None:
+        if self._suspicion is not None:
+            await self._suspicion.settle(execution_id, suspect=suspect)
 
     async def _ended_before(
         self, execution_id: str, meta: ExecutionMeta, expected: str, durable: Durable
@@ -180,18 +225,28 @@ class Takeovers:
         await self._launcher.quietly(execution_id, self._admission.leave(meta.tenant, expected))
         return True
 
-    def _recovery_body(self, execution_id: str, claim: Claim) -> Body:
-        """What a won takeover runs: the accepted cancel, the ``worker_lost`` ending of
-        one that crashed too often, or the run carried on from its checkpoint."""
-        extra = {"executionId": execution_id, "reason": claim.reason, "recovery": claim.recovery}
+    def _recovery_body(self, execution_id: str, claim: Claim) -> tuple[Body, bool]:
+        """What a won takeover runs: the accepted cancel, the ``quarantined`` ending of
+        one charged as its process's suspect, the ``worker_lost`` ending of one that
+        crashed too often, or the run carried on from its checkpoint; and whether that
+        runs its blocks again."""
+        extra = {
+            "executionId": execution_id,
+            "reason": claim.reason,
+            "recovery": claim.recovery,
+            "deaths": claim.deaths,
+        }
         if claim.cancel_requested:
             # Its owner accepted a cancel and stopped before writing it (F5): the
             # cancel is honoured before anything runs again, so no block starts here.
             log.warning("recovering a cancelled execution; ending it", extra=extra)
-            return self._cancelled(claim)
+            return self._cancelled(claim), False
+        if claim.reason is RecoveryReason.QUARANTINED:
+            log.warning("execution quarantined: its owners kept dying; ending it", extra=extra)
+            return ending_body(quarantined(claim.deaths)), False
         if claim.reason is RecoveryReason.WORKER_LOST and claim.crashes > self._max_recoveries:
             log.warning("execution lost its owner too often; ending it", extra=extra)
-            return ending_body(worker_lost)
+            return ending_body(worker_lost), False
         log.warning("recovering an execution", extra=extra)
 
         async def body(local: LocalRun, emitter: ExecutionLog) -> None:
@@ -204,7 +259,7 @@ class Takeovers:
 
             await self._launcher.execute(local, emitter, work)
 
-        return body
+        return body, True
 
     def _cancelled(self, claim: Claim) -> Body:
         """A takeover of an execution whose cancel was accepted: ``execution:recovered``
@@ -234,6 +289,7 @@ def _recovered_identity(meta: ExecutionMeta, claim: Claim) -> dict[str, str]:
         **identity_of(meta),
         Field.RECOVERIES.value: str(claim.recovery),
         Field.CRASHES.value: str(claim.crashes),
+        Field.DEATHS.value: str(claim.deaths),
     }
 
 
