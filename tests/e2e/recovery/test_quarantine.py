@@ -11,7 +11,6 @@ its own process each time it runs; three replicas share one Valkey (lease 1 s).
 from __future__ import annotations
 
 import asyncio
-import signal
 from pathlib import Path
 from typing import Any
 
