@@ -41,6 +41,7 @@ class Settings(BaseSettings):
     block_concurrency: int = Field(8, ge=1, le=1024)
     max_executions_per_tenant: int = Field(1000, ge=0)
     max_recoveries: int = Field(3, ge=0)
+    execution_memory_bytes: int = Field(128 * 1024 * 1024, ge=1024 * 1024)
     lease_seconds: float = Field(15.0, gt=0)
     shutdown_grace_seconds: float = Field(30.0, ge=0)
     api_keys: str | None = None
