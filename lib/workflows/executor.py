@@ -297,6 +297,8 @@ class _Run:
         completed = [edge for edge in edges if edge.from_ in self.outputs]
         if not completed:
             return "every upstream block was skipped"
+        if completed[0].when is None:
+            return None  # taken, as the conditions would find first: nothing to load
         with self.holdings.loading(block_id) as count:
             try:
                 context = await self._context(block_id, count)
