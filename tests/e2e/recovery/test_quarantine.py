@@ -19,6 +19,7 @@ import pytest
 
 from tests.support.api import all_events, execute, put, until
 from tests.support.faults import FaultyValkey, replica
+from tests.support.live_list import live
 from tests.support.logcheck import check_log
 from tests.support.recovery import (
     DEADLINE,
@@ -66,8 +67,9 @@ async def test_a_killer_is_quarantined_at_its_second_death_and_its_neighbours_co
     (nobody is charged: 4 ran, none suspected); b and c each take one suspect at a time,
     so wherever the killer lands it is that process's only suspect beside B's runs, and
     its second kill is charged to it alone: it ends ``failed`` with code ``quarantined``
-    after exactly 2 deaths (FLOWCAST_MAX_RECOVERIES is 3: it used to kill 4). Every one
-    of B's 7 runs completes, its log whole, none charged a crash."""
+    after exactly 2 deaths (FLOWCAST_MAX_RECOVERIES is 3: it used to kill 4), and A's
+    live list shows it failed with that code. Every one of B's 7 runs completes, its log
+    whole, none charged a crash."""
     env = {"FLOWCAST_PLUGINS": "tests.support.plugins", "FLOWCAST_API_KEYS": f"{ALPHA},{BETA}"}
     a, b, c = (replica(valkey, tmp_path, name, **env) for name in "abc")
     async with running(a, b, c) as servers:
@@ -92,6 +94,8 @@ async def test_a_killer_is_quarantined_at_its_second_death_and_its_neighbours_co
             ended = await finished(as_a, killer_id)
             endings = await asyncio.gather(*(finished(as_b, eid) for eid in plain + neighbours))
             killer_log = await all_events(as_a, killer_id)
+            async with live(as_a, "status=failed") as listed:
+                rows = await listed.rows()
             logs = await asyncio.gather(*(all_events(as_b, eid) for eid in plain + neighbours))
         assert [s for s in servers if dead(s)] == [a, b if survivor is c else c]
 
@@ -103,6 +107,8 @@ async def test_a_killer_is_quarantined_at_its_second_death_and_its_neighbours_co
     assert [r["reason"] for r in recovered] == ["worker_lost"], recovered
     assert killer_log[-1]["data"]["error"]["code"] == "quarantined"
     assert await meta_field(valkey, killer_id, "deaths") == b"2"
+    shown = [(row["id"], row["status"], row.get("errorCode")) for row in rows]
+    assert shown == [(killer_id, "failed", "quarantined")], rows
 
     assert [e["status"] for e in endings] == ["completed"] * 7, endings
     for eid, stored in zip(plain + neighbours, logs, strict=True):
