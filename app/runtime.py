@@ -127,6 +127,7 @@ def build_runner(
         node_id=node.id,
         runs=runs,
         refresh_seconds=lease / 3,
+        probation_seconds=2 * lease,
     )
     return Runner(
         parts,

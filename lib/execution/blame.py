@@ -8,7 +8,9 @@ the dead process can say which one killed it (an OOM kill leaves no last words).
 - A run whose owner died is a *suspect* from then on (claim.lua counts its ``deaths``).
 - A process runs at most one suspect at a time, beside any number of other runs: a
   takeover of a suspect by a process that runs one already is refused (``SUSPECT``)
-  and left for a process without one, or for later.
+  and left for a process without one, or for later. A suspect that ran a probation
+  (two leases) without its process dying is no longer that process's suspect: the
+  process takes the next (a killer kills soon after it lands: its block runs again).
 - Each process keeps a record in Redis of how many runs it holds and which one is its
   suspect (``NodeRecords``), written before it takes a suspect over and whenever either
   changes. The takers of a dead process's runs read it to judge each (``Verdict``):
@@ -24,7 +26,10 @@ the dead process can say which one killed it (an OOM kill leaves no last words).
 So a run that kills every process it lands on is quarantined at its second death (the
 first made it a suspect, the second found it the only suspect beside others), and a run
 that only died beside it is never charged for it. A run alone on a dying process keeps
-FLOWCAST_MAX_RECOVERIES's meaning: its process may have died of anything.
+FLOWCAST_MAX_RECOVERIES's meaning: its process may have died of anything. A run that
+kills its process only after a probation is never the suspect when it does: past
+``DEATHS_PER_RECOVERY`` deaths per recovery allowed (charged or not) it ends
+``worker_lost`` all the same (takeovers.py), so no run kills processes without end.
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ from lib.backend import Keys, translated
 
 # A dead process's record outlives the takeovers of its runs (a lease or so) by far.
 RECORD_SECONDS = 24 * 3600
+# Deaths of its owners (charged or not) a run may go through per recovery allowed
+# (FLOWCAST_MAX_RECOVERIES + 1), before it ends worker_lost whoever is to blame.
+DEATHS_PER_RECOVERY = 2
 
 
 class Verdict(StrEnum):
@@ -105,24 +113,39 @@ class Suspicion:
         node_id: str,
         runs: Collection[str],
         refresh_seconds: float,
+        probation_seconds: float,
     ) -> None:
         self.records = records
         self.node_id = node_id
         self._runs = runs
         self._refresh_seconds = refresh_seconds
+        self._probation_seconds = probation_seconds
         self.suspect = ""
         self._claiming = False  # taken, its claim not settled yet (not in ``runs`` yet)
+        self._since = 0.0  # when the suspect was taken (monotonic)
         self._written: NodeRecord | None = None
         self._written_at = 0.0
 
     def busy(self) -> bool:
-        """Whether a suspect runs here (or is being claimed)."""
-        return bool(self.suspect) and (self._claiming or self.suspect in self._runs)
+        """Whether a suspect runs here (or is being claimed), still on probation.
+
+        A suspect that ran here a probation long without this process dying is no
+        longer this process's suspect (it still is one wherever it runs next): the
+        process may take the next, so that the runs of a process that died of something
+        else (a lost machine) are not taken over one at a time for as long as each runs.
+        """
+        if not self.suspect:
+            return False
+        if self._claiming:
+            return True
+        on_probation = time.monotonic() - self._since < self._probation_seconds
+        return on_probation and self.suspect in self._runs
 
     async def take(self, execution_id: str) -> None:
         """Record ``execution_id`` as this process's suspect before claiming it, so
         that a death from the moment it runs here is charged to it."""
         self.suspect, self._claiming = execution_id, True
+        self._since = time.monotonic()
         await self.publish(force=True)
 
     async def settle(self, execution_id: str, *, suspect: bool) -> None:
@@ -139,7 +162,8 @@ class Suspicion:
         """Write the record when it changed (its suspect ended, runs came or went), or
         when its refresh is due."""
         if self.suspect and not self.busy():
-            self.suspect = ""  # its run here ended: paused, finished, moved or fenced
+            # Its run here ended (paused, finished, moved, fenced) or it passed probation.
+            self.suspect = ""
         runs = len(self._runs) + (1 if self._claiming and self.suspect not in self._runs else 0)
         record = NodeRecord(runs, self.suspect)
         due = time.monotonic() - self._written_at >= self._refresh_seconds

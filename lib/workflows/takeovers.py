@@ -20,7 +20,7 @@ from enum import Enum
 from typing import Any
 
 from lib.errors import BufferUnavailable, Conflict, LeaseHeld, NotDue, NotFound, SuspectHeld
-from lib.execution.blame import Suspicion, Verdict
+from lib.execution.blame import DEATHS_PER_RECOVERY, Suspicion, Verdict
 from lib.execution.buffer import ExecutionMeta
 from lib.execution.ceiling import Durable, read_durable
 from lib.execution.events import EXECUTION_RECOVERED, EXECUTION_STARTED
@@ -79,12 +79,17 @@ class Takeovers:
         self._runs = parts.runs
         self._max_recoveries = max_recoveries
         self._suspicion = suspicion
+        # One takeover at a time (the janitor's and the hand-off listener's): two at once
+        # could both find no suspect here, and take one each.
+        self._one_at_a_time = asyncio.Lock()
 
     async def take_over(self, execution_id: str, fence: str, *, how: Takeover) -> None:
         """Take over an execution from ``fence`` and recover it, if it is due."""
         if execution_id in self._runs or not self._runs.accepting:
             return
-        if await self._recover(execution_id, fence, how) is not Claimed.NOT_YET:
+        async with self._one_at_a_time:
+            claimed = await self._recover(execution_id, fence, how)
+        if claimed is not Claimed.NOT_YET:
             # Recovered now by a new owner (whose own entry watches it from here on),
             # or settled already: this entry names nothing left to do.
             await self._watch.release(execution_id, fence)
@@ -244,7 +249,7 @@ class Takeovers:
         if claim.reason is RecoveryReason.QUARANTINED:
             log.warning("execution quarantined: its owners kept dying; ending it", extra=extra)
             return ending_body(quarantined(claim.deaths)), False
-        if claim.reason is RecoveryReason.WORKER_LOST and claim.crashes > self._max_recoveries:
+        if claim.reason is RecoveryReason.WORKER_LOST and self._lost_too_often(claim):
             log.warning("execution lost its owner too often; ending it", extra=extra)
             return ending_body(worker_lost), False
         log.warning("recovering an execution", extra=extra)
@@ -260,6 +265,15 @@ class Takeovers:
             await self._launcher.execute(local, emitter, work)
 
         return body, True
+
+    def _lost_too_often(self, claim: Claim) -> bool:
+        """Past ``max_recoveries`` crashes charged to it (0: no recovery at all, charged
+        or not), or past ``DEATHS_PER_RECOVERY`` deaths per recovery allowed whoever was
+        to blame: a run that kills its process only after a probation (blame.py)."""
+        allowed = self._max_recoveries
+        if allowed == 0 or claim.crashes > allowed:
+            return True
+        return claim.deaths > DEATHS_PER_RECOVERY * (allowed + 1)
 
     def _cancelled(self, claim: Claim) -> Body:
         """A takeover of an execution whose cancel was accepted: ``execution:recovered``
