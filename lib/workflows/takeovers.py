@@ -123,6 +123,11 @@ class Takeovers:
     async def _recover(self, execution_id: str, expected: str, how: Takeover) -> Claimed:
         """Win the execution from ``expected`` (the owner it may replace: see
         Takeover), then carry it on from its checkpoint here."""
+        if how is not Takeover.HANDOFF and self._suspicion and self._suspicion.busy():
+            # Its owner died (or it is a hand-off, which the hand-off stream brings
+            # anyway): a suspect, and this process runs one. Left for a process without
+            # one, asking nothing of Redis (a restart may find a thousand orphans due).
+            return Claimed.NOT_YET
         fence = self._parts.new_fence()
         try:
             await self._store.wait_settled()
