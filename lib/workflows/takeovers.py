@@ -254,7 +254,9 @@ class Takeovers:
         if claim.reason is RecoveryReason.QUARANTINED:
             log.warning("execution quarantined: its owners kept dying; ending it", extra=extra)
             return ending_body(quarantined(claim.deaths)), False
-        if claim.reason is RecoveryReason.WORKER_LOST and self._lost_too_often(claim):
+        if claim.reason is RecoveryReason.WORKER_LOST and lost_too_often(
+            claim, self._max_recoveries
+        ):
             log.warning("execution lost its owner too often; ending it", extra=extra)
             return ending_body(worker_lost), False
         log.warning("recovering an execution", extra=extra)
@@ -270,15 +272,6 @@ class Takeovers:
             await self._launcher.execute(local, emitter, work)
 
         return body, True
-
-    def _lost_too_often(self, claim: Claim) -> bool:
-        """Past ``max_recoveries`` crashes charged to it (0: no recovery at all, charged
-        or not), or past ``DEATHS_PER_RECOVERY`` deaths per recovery allowed whoever was
-        to blame: a run that kills its process only after a probation (blame.py)."""
-        allowed = self._max_recoveries
-        if allowed == 0 or claim.crashes > allowed:
-            return True
-        return claim.deaths > DEATHS_PER_RECOVERY * (allowed + 1)
 
     def _cancelled(self, claim: Claim) -> Body:
         """A takeover of an execution whose cancel was accepted: ``execution:recovered``
@@ -299,6 +292,16 @@ class Takeovers:
             await self._launcher.execute(local, emitter, work)
 
         return body
+
+
+def lost_too_often(claim: Claim, max_recoveries: int) -> bool:
+    """Whether a run taken over after a death ends ``worker_lost``: past
+    ``max_recoveries`` crashes charged to it (0: no recovery at all, charged or not), or
+    past ``DEATHS_PER_RECOVERY`` deaths per recovery allowed, whoever was to blame (a
+    run that kills its process only after its probation as a suspect: blame.py)."""
+    if max_recoveries == 0 or claim.crashes > max_recoveries:
+        return True
+    return claim.deaths > DEATHS_PER_RECOVERY * (max_recoveries + 1)
 
 
 def _recovered_identity(meta: ExecutionMeta, claim: Claim) -> dict[str, str]:

@@ -4,11 +4,16 @@ Found by the step 16 hostile-tenant review (issue 24, row 4)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from redis.asyncio import Redis
 
 from lib.backend import Keys
 from lib.execution.blame import NodeRecord, NodeRecords, Suspicion, Verdict
+from lib.execution.ownership import Claim
+from lib.execution.record import RecoveryReason, Status
+from lib.workflows.takeovers import lost_too_often
 from tests.support.api import until
 
 pytestmark = pytest.mark.timeout(20)
@@ -81,3 +86,22 @@ async def test_a_suspect_past_its_probation_is_no_longer_the_processs_suspect(
     await until(lambda: not mine.busy(), "the probation over", 5)
     await mine.publish()
     assert await mine.records.read("n1") == NodeRecord(2, "")
+
+
+@pytest.mark.parametrize(
+    ("crashes", "deaths", "max_recoveries", "ends"),
+    [
+        (1, 1, 3, False),
+        (3, 3, 3, False),
+        (4, 4, 3, True),  # alone every time: FLOWCAST_MAX_RECOVERIES as ever
+        (0, 1, 0, True),  # recovery off: no death is recovered, charged or not
+        (0, 8, 3, False),  # beside others 8 times, never charged
+        (0, 9, 3, True),  # past 2 deaths per recovery allowed: a slow killer ends
+        (2, 3, 1, True),
+    ],
+)
+def test_a_run_ends_worker_lost_past_its_charged_crashes_or_too_many_deaths(
+    crashes: int, deaths: int, max_recoveries: int, ends: bool
+) -> None:
+    claim = Claim(5, 9, Status.RUNNING, "n2:1", 3, 1, RecoveryReason.WORKER_LOST, crashes)
+    assert lost_too_often(replace(claim, deaths=deaths), max_recoveries) is ends
