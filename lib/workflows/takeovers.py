@@ -129,23 +129,9 @@ class Takeovers:
             # one, asking nothing of Redis (a restart may find a thousand orphans due).
             return Claimed.NOT_YET
         fence = self._parts.new_fence()
-        try:
-            await self._store.wait_settled()
-        except BufferUnavailable:
+        durable = await self._durable(execution_id)
+        if durable is None:
             return Claimed.NOT_YET
-        durable = Durable()
-        if self._store.came_back_behind():
-            # The store may have forgotten ids its owner showed, or how the run ended,
-            # and the process that knew is not here to re-assert it: what the owners
-            # recorded outside it says (ceiling.py, finals.py).
-            try:
-                durable = await read_durable(self._launcher.values, execution_id)
-            except ValueStoreError as exc:
-                log.warning(
-                    "takeover waits for the value store",
-                    extra={"executionId": execution_id, "error": str(exc)},
-                )
-                return Claimed.NOT_YET
         try:
             meta = await self._buffer.meta(execution_id)
             if await self._ended_before(execution_id, meta, expected, durable):
@@ -192,6 +178,27 @@ class Takeovers:
             execution_id, self._settle_suspect(execution_id, suspect=suspect)
         )
         return Claimed.WON
+
+    async def _durable(self, execution_id: str) -> Durable | None:
+        """What the owners recorded outside the store, once it settled: needed when it
+        came back behind (it may have forgotten ids its owner showed, or how the run
+        ended, and the process that knew is not here to re-assert it: ceiling.py,
+        finals.py). None while the takeover must wait (the store settles, or the value
+        store does not answer)."""
+        try:
+            await self._store.wait_settled()
+        except BufferUnavailable:
+            return None
+        if not self._store.came_back_behind():
+            return Durable()
+        try:
+            return await read_durable(self._launcher.values, execution_id)
+        except ValueStoreError as exc:
+            log.warning(
+                "takeover waits for the value store",
+                extra={"executionId": execution_id, "error": str(exc)},
+            )
+            return None
 
     async def _judge(self, meta: ExecutionMeta, expected: str) -> tuple[Verdict, bool]:
         """Who the death of the owner is charged to, from its process's record, and
