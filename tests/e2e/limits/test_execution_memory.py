@@ -69,3 +69,35 @@ async def test_a_block_that_would_load_more_than_its_execution_may_hold_fails_be
     assert completed == ["first"], completed
     refused = [e["data"] for e in events if e["type"] == "block:failed"]
     assert [(r["blockId"], r["willRetry"]) for r in refused] == [("second", False)], refused
+
+
+async def test_a_condition_that_would_load_more_than_its_execution_may_hold_fails_its_block(
+    valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """A ``when`` reads stored values back as a template does, under the same bound: the
+    3 MiB string's condition fails ``second`` with ``execution_memory``; the 1 MiB one's
+    is judged and taken."""
+    settings = {
+        "execution_memory_bytes": str(4 * MIB),
+        "large_value_bytes": str(64 * 1024),
+        "template_max_bytes": str(8 * MIB),
+    }
+    workflow = echo_twice("judged")
+    workflow["blocks"][1]["config"] = {"value": 1}
+    workflow["edges"][0]["when"] = "blocks.first.output | length > 0"
+    async with (
+        serving(valkey, tmp_path, **settings) as server,
+        httpx.AsyncClient(base_url=server.url, timeout=30) as http,
+    ):
+        await put(http, workflow)
+        small = await execute(http, "judged", {"s": "x" * MIB})
+        large = await execute(http, "judged", {"s": "y" * (3 * MIB)})
+        done = await wait_finished(http, small)
+        failed = await wait_finished(http, large)
+
+    assert done["status"] == "completed", done
+    assert done["output"] == {"second": 1}, done
+    error = failed["error"]
+    assert (failed["status"], error["code"], error["blockId"]) == (
+        "failed", "execution_memory", "second",
+    ), failed  # fmt: skip
