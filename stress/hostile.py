@@ -16,6 +16,7 @@ What must hold, each broken rule a finding:
   template or ``when`` nested past any parser's stack is 422 with both paths; a config
   rendering a 1 MB input 300 times fails its block before it is built; a keyless request
   announcing a 10 MiB body gets its 401 before sending it; a 3-character secret is 422;
+  six filtered lists at once answer within ``FAST`` seconds;
 - well-behaved: request latency p99 under 100 ms, every execution completes, every
   stream ends;
 - the server's resident memory stays under its baseline + ``RSS_ALLOWANCE`` (VmHWM,
@@ -257,7 +258,7 @@ class Hostile:
 
     async def round(self) -> None:
         steps = [
-            self.refs, self.redos, self.fold, self.token, self.caps,
+            self.refs, self.redos, self.fold, self.token, self.lists, self.caps,
             self.nested, self.repeat, self.keyless, self.short_secret,
         ]  # fmt: skip
         if self.templates:
@@ -277,6 +278,23 @@ class Hostile:
         number = self.t.outcomes["rounds"] % len(BOMBS)
         self.t.doing = f"bomb{number}"
         await self.bomb(number, BOMBS[number])
+
+    async def lists(self) -> None:
+        """Six filtered lists at once, none of them matching anything: each read every
+        stored run of the tenant (issue 24 row 13); they read their own index now."""
+        queries = ["workflowId=none", "status=failed", "workflowId=quick&status=paused"] * 2
+        started = time.monotonic()
+        answers = await asyncio.gather(
+            *(self.client.get(f"/api/executions?{query}") for query in queries)
+        )
+        took = time.monotonic() - started
+        self.t.took("six filtered lists", took)
+        if any(answer.status_code != 200 for answer in answers):
+            self.find(f"a filtered list answered {[a.status_code for a in answers]}")
+        elif took > FAST:
+            self.find(f"six filtered lists took {took:.2f} s")
+        else:
+            self.t.outcomes["lists fast"] += 1
 
     async def refs(self) -> None:
         for ref in (f"http://127.0.0.1:{self.port}/x.json", "file:///etc/passwd"):

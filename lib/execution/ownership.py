@@ -79,6 +79,7 @@ from lib.execution.admission import COUNTED_LEASES, Admission
 from lib.execution.blame import Verdict
 from lib.execution.buffer import EventBuffer
 from lib.execution.control import ControlStreams
+from lib.execution.indexes import Listed
 from lib.execution.record import (
     Asked,
     Mode,
@@ -285,7 +286,8 @@ class Ownership:
         # The listing's answer is handed over before the admission's refusal stops the
         # others: a start refused takes back the listing it made (a 429 changes nothing).
         listed: list[int] = []
-        self.buffer.index_in(batch, execution_id, tenant, created_ms, then=listed.append)
+        where = Listed(tenant, workflow_id, created_ms)
+        self.buffer.index_in(batch, execution_id, where, then=listed.append)
         if checked is not None:
             checked(batch)
         self._admission.admit_in(batch, tenant, fence)
@@ -297,7 +299,7 @@ class Ownership:
         except BaseException:
             await self._undo_start(execution_id, tenant, fence)
             if listed == [1]:
-                unlisting = self.buffer.unlist(execution_id, tenant, created_ms)
+                unlisting = self.buffer.unlist(execution_id, where)
                 await self._quietly("take back a listing", execution_id, unlisting)
             raise
         try:
@@ -324,7 +326,7 @@ class Ownership:
         if listed != [1]:
             # Listed by another request starting the same id, which may take it back.
             await self._quietly(
-                "list again", execution_id, self.buffer.list_again(execution_id, tenant, created_ms)
+                "list again", execution_id, self.buffer.list_again(execution_id, where)
             )
         return Claim(0, 0, None, fence, 1, reserved=START_RESERVED)
 

@@ -193,7 +193,7 @@ class Launcher:
         if local.write_back is not None:
             await local.write_back()
         await self._watch.hold(execution_id, local.fence)
-        await self._buffer.index_again(execution_id, local.tenant)
+        await self._buffer.index_again(execution_id, local.identity)
         await self._admission.count(local.tenant, local.fence)
         if local.workflow is not None:
             await self._states.save_version(local.workflow)

@@ -232,6 +232,13 @@ async def test_events_page_snapshot_and_listing_read_through_the_cluster(
         assert [execution["id"] for execution in listed["executions"]] == ids[::-1]
         limited = (await http.get(f"/api/executions?workflowId=page-{unique}&limit=2")).json()
         assert [execution["id"] for execution in limited["executions"]] == ids[:0:-1]
+        # The workflow's and the status bucket's indexes, on whichever node has their slot.
+        done = f"/api/executions?workflowId=page-{unique}&status=completed"
+        assert [
+            execution["id"] for execution in (await http.get(done)).json()["executions"]
+        ] == ids[::-1]
+        running = f"/api/executions?workflowId=page-{unique}&status=running"
+        assert (await http.get(running)).json()["executions"] == []
 
 
 async def test_a_second_process_follows_an_execution_of_the_first_live_to_the_end(
