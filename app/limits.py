@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -189,7 +190,8 @@ class Turns:
     come first served, so another tenant's request waited behind all of them (1-2.6 s).
     Here a request waits for its turn first (``FairGate``: at most ``cap`` at once, the
     callers in turn), keyed by what names its caller (its ``Authorization``, else its
-    ``?token=``), so one caller's storm waits in its own line, not in the loop's queue.
+    ``?token=``, as ``caller`` reads them: app/auth.py ``Callers``), so one caller's storm
+    waits in its own line, not in the loop's queue.
     A caller holds at most ``per_caller`` turns, so its slow requests (a keyed execute
     waiting for its twin) cannot hold them all.
 
@@ -198,8 +200,16 @@ class Turns:
     waits on events, which may be minutes away) or when the request ends.
     """
 
-    def __init__(self, app: ASGIApp, *, cap: int = 64, per_caller: int = 8) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        caller: Callable[[Scope], bytes] = lambda scope: b"",
+        cap: int = 64,
+        per_caller: int = 8,
+    ) -> None:
         self.app = app
+        self.caller = caller
         self.gate = FairGate(cap)
         self.per_caller = per_caller
         self._callers: dict[bytes, tuple[asyncio.Semaphore, int]] = {}
@@ -208,7 +218,7 @@ class Turns:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        turn = _Turn(self, _caller(scope))
+        turn = _Turn(self, self.caller(scope))
         if not carries_body(scope["headers"]):
             await turn.take()
 
@@ -273,19 +283,6 @@ class _Turn:
         state, self.state = self.state, "done"
         if state == "held":
             await self.held.aclose()
-
-
-def _caller(scope: Scope) -> bytes:
-    """What names a request's caller: its ``Authorization``, its ``?token=``, else
-    nothing (the callers without either share one line)."""
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            return bytes(value)
-    query: bytes = scope.get("query_string", b"")
-    for pair in query.split(b"&"):
-        if pair.startswith(b"token="):
-            return pair
-    return b""
 
 
 def carries_body(headers: list[tuple[bytes, bytes]]) -> bool:
