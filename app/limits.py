@@ -195,9 +195,11 @@ class Turns:
     A caller holds at most ``per_caller`` turns, so its slow requests (a keyed execute
     waiting for its twin) cannot hold them all.
 
-    A turn is taken once the request's body has arrived (a body that trickles holds
-    nothing) and given back when the answer begins (its status line: a stream then
-    waits on events, which may be minutes away) or when the request ends.
+    A turn is taken once the request's body has arrived, read here whether or not its
+    route reads it (a body that trickles holds nothing; a GET sent with a body waits
+    its turn all the same), and given back when the answer begins (its status line: a
+    stream then waits on events, which may be minutes away) or when the request ends.
+    It runs inside ``BodyLimit`` (which bounds what is read here) and ``KeysFirst``.
     """
 
     def __init__(
@@ -218,15 +220,12 @@ class Turns:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if carries_body(scope["headers"]):
+            # Read before the turn: a body that trickles holds nothing, and a route
+            # that never reads its body (a GET that was sent one) still waits its turn.
+            receive = await _arrived(receive)
         turn = _Turn(self, self.caller(scope))
-        if not carries_body(scope["headers"]):
-            await turn.take()
-
-        async def receiving() -> Message:
-            message = await receive()
-            if message["type"] == "http.request" and not message.get("more_body", False):
-                await turn.take()
-            return message
+        await turn.take()
 
         async def sending(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -234,7 +233,7 @@ class Turns:
             await send(message)
 
         try:
-            await self.app(scope, receiving, sending)
+            await self.app(scope, receive, sending)
         finally:
             await turn.give_back()
 
@@ -251,6 +250,36 @@ class Turns:
             del self._callers[caller]
         else:
             self._callers[caller] = (semaphore, users - 1)
+
+
+async def _arrived(receive: Receive) -> Receive:
+    """A request's body read to its end (or to its client's disconnect, or to the error
+    ``BodyLimit``'s reading raised: 413, 408), and the ``receive`` that hands the app
+    the same messages, then whatever comes next (a disconnect)."""
+    kept: list[Message] = []
+    failure: BaseException | None = None
+    try:
+        while True:
+            message = await receive()
+            kept.append(message)
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                break
+    except Exception as exc:  # raised again where the app reads the body
+        failure = exc
+    replay = iter(kept)
+
+    async def receiving() -> Message:
+        nonlocal failure
+        message = next(replay, None)
+        if message is not None:
+            return message
+        if failure is not None:
+            raised: BaseException = failure
+            failure = None
+            raise raised
+        return await receive()
+
+    return receiving
 
 
 class _Turn:

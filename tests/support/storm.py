@@ -4,7 +4,8 @@ A test that times another tenant's requests during a storm cannot open the storm
 thousands of connections in its own event loop: its probe would wait behind them there
 and measure the client, not the server. This process opens ``COUNT`` streams of ``PATH``
 on ``127.0.0.1:PORT`` at once (``Authorization: Bearer KEY``; with a fifth argument
-``spelled``, each stream spells that header its own way, see ``spelled``), prints one JSON line when
+``spelled``, each stream spells that header its own way, see ``spelled``; with
+``bodied``, each GET carries a one-byte body), prints one JSON line when
 every answer's head is read (``{"opened": n, "failed": {...}, "seconds": s}``), waits for a
 line on its stdin, then reads every stream to its end and prints how each ended
 (``{"ends": {"completed": n, ...}}``).
@@ -27,14 +28,17 @@ def spelled(key: str, index: int) -> str:
 
 
 async def open_stream(
-    port: int, path: str, authorization: str
+    port: int, path: str, authorization: str, body: bytes = b""
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """One stream, its head read and its status 200 (else RuntimeError). The writer
     must be kept: a writer collected closes its connection."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(
         f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: {authorization}\r\n"
-        "Accept: text/event-stream\r\n\r\n".encode()
+        "Accept: text/event-stream\r\n".encode()
+        + (f"Content-Length: {len(body)}\r\n".encode() if body else b"")
+        + b"\r\n"
+        + body
     )
     await writer.drain()
     head = await reader.readuntil(b"\r\n\r\n")
@@ -58,11 +62,12 @@ def outcome(item: object) -> str:
     return item if isinstance(item, str) else f"{type(item).__name__}: {item}"
 
 
-async def main(port: int, path: str, key: str, count: int, *, spell: bool) -> None:
+async def main(port: int, path: str, key: str, count: int, mode: str) -> None:
     began = time.monotonic()
-    headers = [spelled(key, i) if spell else f"Bearer {key}" for i in range(count)]
+    headers = [spelled(key, i) if mode == "spelled" else f"Bearer {key}" for i in range(count)]
+    body = b"x" if mode == "bodied" else b""
     opened = await asyncio.gather(
-        *(open_stream(port, path, header) for header in headers), return_exceptions=True
+        *(open_stream(port, path, header, body) for header in headers), return_exceptions=True
     )
     streams = [item for item in opened if isinstance(item, tuple)]
     failed = Counter(outcome(item) for item in opened if isinstance(item, BaseException))
@@ -78,4 +83,4 @@ async def main(port: int, path: str, key: str, count: int, *, spell: bool) -> No
 
 if __name__ == "__main__":
     port, path, key, count = sys.argv[1:5]
-    asyncio.run(main(int(port), path, key, int(count), spell=sys.argv[5:6] == ["spelled"]))
+    asyncio.run(main(int(port), path, key, int(count), "".join(sys.argv[5:6])))
