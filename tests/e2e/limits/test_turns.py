@@ -98,20 +98,26 @@ async def worst_beside_storm(
     """Beta's worst GET while ``STORM`` streams of alpha's open, plain or as ``mode``
     says (tests/support/storm.py); the storm's process is killed once they opened."""
     async with probing(beta, "/api/workflows") as loaded:
-        storm = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tests.support.storm",
-            str(server.port), path, ALPHA, str(STORM), *mode,
-            cwd=ROOT, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        try:
-            assert storm.stdout is not None
-            async with asyncio.timeout(120):
-                opened = json.loads(await storm.stdout.readline())
-        finally:
-            storm.kill()
-            await storm.wait()
-    assert opened["opened"] == STORM and not opened["failed"], opened
+        await storm_of(server, path, *mode)
     return max(loaded)
+
+
+async def storm_of(server: FlowcastServer, path: str, *mode: str) -> None:
+    """``STORM`` opens of ``path`` from a process of their own (tests/support/storm.py),
+    as ``mode`` says; the process is killed once every one was answered."""
+    storm = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tests.support.storm",
+        str(server.port), path, ALPHA, str(STORM), *mode,
+        cwd=ROOT, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert storm.stdout is not None
+        async with asyncio.timeout(120):
+            opened = json.loads(await storm.stdout.readline())
+    finally:
+        storm.kill()
+        await storm.wait()
+    assert opened["opened"] == STORM and not opened["failed"], opened
 
 
 @pytest.mark.parametrize(
@@ -150,6 +156,38 @@ async def test_a_storm_waits_in_its_callers_line_however_its_requests_look(
             ratio=2.5,
             floor=0.5,
             what=f"beta's worst GET beside {STORM} {mode} opens (beside plain: {plain:.2f} s)",
+        )
+    finally:
+        await server.stop()
+
+
+@pytest.mark.timeout(300)
+async def test_health_checks_are_answered_beside_a_storm_without_keys(
+    tmp_path: Path, valkey: ValkeyServer
+) -> None:
+    """1,500 stream opens without a key (each refused 401) share one line, the line of
+    every request without a key: the load balancer's ``/healthz`` and ``/readyz``
+    (which need none) are answered meanwhile within a bound of a keyed tenant's GET,
+    so a flood from anyone cannot get a replica taken out of service."""
+    env = env_on(valkey, api_keys=f"{ALPHA},{BETA}")
+    server = FlowcastServer(data_dir=tmp_path / "keyless", env=env)
+    await server.start()
+    try:
+        async with (
+            authed(server, BETA) as beta,
+            authed(server) as balancer,
+            probing(beta, "/api/workflows") as keyed,
+            probing(balancer, "/healthz") as live,
+            probing(balancer, "/readyz") as ready,
+        ):
+            await storm_of(server, "/api/executions/any/stream", "keyless")
+        worst = {"healthz": max(live), "readyz": max(ready), "keyed": max(keyed)}
+        assert_within(
+            max(worst["healthz"], worst["readyz"]),
+            probe=worst["keyed"],
+            ratio=3,
+            floor=0.3,
+            what=f"the worst health check beside {STORM} keyless opens ({worst})",
         )
     finally:
         await server.stop()
