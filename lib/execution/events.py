@@ -13,6 +13,8 @@ from typing import Any, Final
 
 import orjson
 
+from lib import slices
+
 EXECUTION_STARTED: Final = "execution:started"
 BLOCK_STARTED: Final = "block:started"
 BLOCK_CHUNK: Final = "block:chunk"
@@ -199,6 +201,12 @@ class Event:
             "ts": self.ts,
             "data": self.data,
         }
+
+    async def encode(self) -> None:
+        """Encode the envelope now, in slices when it is large (``lib.slices``), so that
+        ``json`` does not encode it whole on the event loop."""
+        if self._json is None:
+            self._json = await slices.encode(self.envelope())
 
     @property
     def json(self) -> bytes:

@@ -1,0 +1,269 @@
+"""JSON encoding of large values in slices that each hold the event loop briefly.
+
+``orjson.dumps`` is one C call that holds the GIL for all of a value: 5 million zeros
+take 80-150 ms on a busy machine, and a thread does not help (it holds the same GIL).
+Every tenant's requests wait that long (step 16's review, row 1: "no tenant's data holds
+the event loop"). ``encode`` gives the same bytes as ``orjson.dumps`` but builds them
+piece by piece, each piece at most ``PIECE`` elements, and lets the loop run between
+pieces. ``size_past`` answers "is this value's JSON larger than ``limit``?" at a cost
+proportional to ``limit``, not to the value.
+
+A value of at most ``PIECE`` elements (the normal case) is encoded by one call, as
+before: counting its elements stops at ``PIECE``, so it costs microseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import orjson
+
+# Elements encoded in one go: about a millisecond of orjson on a busy machine.
+PIECE = 16_384
+# The longest the loop is held between two yields of ``encode``.
+SLICE_SECONDS = 0.005
+
+
+def weight(value: Any, cap: int = PIECE) -> int:
+    """How many elements ``value`` holds, counted up to just past ``cap``."""
+    if not isinstance(value, list | dict):
+        return 1
+    count = 0
+    stack: list[Any] = [value]
+    while stack:
+        current = stack.pop()
+        children = current.values() if isinstance(current, dict) else current
+        count += len(children)
+        if count > cap:
+            return count
+        if not _SCALARS.issuperset(map(type, children)):  # in C: only scalars below
+            stack.extend(child for child in children if isinstance(child, list | dict))
+    return count
+
+
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
+async def encode(value: Any) -> bytes:
+    """``orjson.dumps(value)`` (the same bytes, the same errors), in slices when large."""
+    if weight(value) <= PIECE:
+        return orjson.dumps(value)
+    parts: list[bytes] = []
+    since = time.perf_counter()
+    for piece in pieces(value):
+        parts.append(piece)
+        if time.perf_counter() - since > SLICE_SECONDS:
+            await asyncio.sleep(0)  # the loop runs between pieces
+            since = time.perf_counter()
+    return b"".join(parts)
+
+
+def size_past(value: Any, limit: int) -> int:
+    """The size of ``value``'s JSON when it is at most ``limit``, else a number above
+    ``limit``; it costs about what encoding ``limit`` bytes costs, whatever the value."""
+    size = 0
+    for piece in pieces(value):
+        size += len(piece)
+        if size > limit:
+            break
+    return size
+
+
+def pieces(value: Any) -> Iterator[bytes]:
+    """``orjson.dumps(value)`` as consecutive pieces, each of at most ``PIECE`` elements."""
+    if weight(value) <= PIECE:
+        yield orjson.dumps(value)
+    elif isinstance(value, list):
+        yield b"["
+        yield from _runs(
+            value, lambda run: orjson.dumps(value[run])[1:-1], lambda at: pieces(value[at])
+        )
+        yield b"]"
+    else:
+        keys, items = list(value), list(value.values())
+        yield b"{"
+        yield from _runs(
+            items,
+            lambda run: orjson.dumps({key: value[key] for key in keys[run]})[1:-1],
+            lambda at: _member(keys[at], items[at]),
+        )
+        yield b"}"
+
+
+def _member(key: Any, value: Any) -> Iterator[bytes]:
+    yield orjson.dumps({key: None})[1:-6]  # the key as orjson spells it, with its checks
+    yield b":"
+    yield from pieces(value)
+
+
+def _runs(
+    children: list[Any],
+    whole: Callable[[slice], bytes],
+    alone: Callable[[int], Iterator[bytes]],
+) -> Iterator[bytes]:
+    """The children's JSON, comma-separated: runs of light children encoded together,
+    a heavy child on its own in pieces. The run grows while runs stay light."""
+    start, step = 0, PIECE
+    while start < len(children):
+        run = slice(start, min(start + step, len(children)))
+        if weight(children[run]) <= PIECE:
+            if start:
+                yield b","
+            yield whole(run)
+            start = run.stop
+            step = min(PIECE, step * 2)
+        elif step > 1:
+            step = max(1, step // 8)
+        else:
+            if start:
+                yield b","
+            yield from alone(start)
+            start += 1
+            step = PIECE
+
+
+# A body at most this long is parsed in one call (a few milliseconds at most).
+PIECE_BYTES = 128 * 1024
+_SPACE = b" \t\r\n"
+
+
+_Parse = Callable[[bytes], Any]
+_BLANK = re.compile(rb"[ \t\r\n]*")
+
+
+class _Unsliced(Exception):
+    """The body is not cut where ``decode`` tried: it is parsed whole instead."""
+
+
+async def decode(body: bytes, parse: _Parse, attempt: _Parse) -> Any:
+    """``parse(body)``, the body parsed by pieces of about ``PIECE_BYTES`` with the loop
+    running between them, when it is a large array or object.
+
+    An array's elements (an object's members) are cut at commas and each run parsed by
+    ``parse`` wrapped in brackets; a cut inside a string or a nested value does not
+    parse, and the run grows to the next comma further on. The last element (member
+    value) is parsed the same way inside, so ``{"input": [... 5 million ...]}`` is cut
+    where it is large. Whatever does not parse by pieces (bad JSON, a large element
+    that is not the last) is parsed whole, so the answer and the errors are those of
+    ``parse``. ``attempt`` parses a run where a cut is tried: as ``parse`` does, but
+    without any slower second try when it fails (a cut in the wrong place fails)."""
+    if len(body) <= PIECE_BYTES:
+        return parse(body)
+    try:
+        return await _value(body, 0, len(body), _Parsers(parse, attempt))
+    except _Unsliced:
+        return parse(body)
+
+
+class _Parsers:
+    def __init__(self, parse: _Parse, attempt: _Parse) -> None:
+        self.parse = parse
+        self.attempt = attempt
+
+
+async def _value(body: bytes, start: int, end: int, parse: _Parsers) -> Any:
+    while start < end and body[start] in _SPACE:
+        start += 1
+    while end > start and body[end - 1] in _SPACE:
+        end -= 1
+    if end - start <= PIECE_BYTES or body[start] not in b"[{":
+        return _parsed(parse.parse, body[start:end])
+    opening, closing = body[start : start + 1], b"]" if body[start] == ord("[") else b"}"
+    if body[end - 1] != closing[0]:
+        raise _Unsliced
+    return await _container(body, start + 1, end - 1, opening, closing, parse)
+
+
+async def _container(
+    body: bytes, start: int, end: int, opening: bytes, closing: bytes, parse: _Parsers
+) -> Any:
+    """The array or object whose inside is ``body[start:end]``, parsed by runs."""
+    whole: Any = [] if opening == b"[" else {}
+    position = start
+    while position < end:
+        size, cut = PIECE_BYTES, -1
+        while True:
+            cut = body.find(b",", position + size, end)
+            if cut == -1:
+                break  # the rest
+            try:
+                run = _parsed(parse.attempt, opening + body[position:cut] + closing)
+            except _Unsliced:
+                if size >= 2 * PIECE_BYTES:
+                    cut = -1
+                    break  # a large element with commas inside: the rest, by its last
+                size *= 2
+                continue
+            _add(whole, run)
+            position = cut + 1
+            await asyncio.sleep(0)  # the loop runs between runs
+            break
+        if cut == -1:
+            _add(whole, await _rest(body, position, end, opening, closing, parse))
+            break
+    return whole
+
+
+async def _rest(
+    body: bytes, start: int, end: int, opening: bytes, closing: bytes, parse: _Parsers
+) -> Any:
+    """The last run of a container: one large element (member), parsed inside by runs,
+    or else all of it at once."""
+    if _BLANK.fullmatch(body, start, end):
+        raise _Unsliced  # a trailing comma: the whole parse says so
+    if end - start <= PIECE_BYTES:
+        return _parsed(parse.parse, opening + body[start:end] + closing)
+    if opening == b"[":
+        try:
+            return [await _value(body, start, end, parse)]
+        except _Unsliced:
+            return _parsed(parse.parse, opening + body[start:end] + closing)
+    colon = _after_key(body, start, end)
+    if colon is not None:
+        key = _parsed(parse.parse, body[start:colon])
+        if isinstance(key, str):
+            try:
+                return {key: await _value(body, colon + 1, end, parse)}
+            except _Unsliced:
+                pass
+    return _parsed(parse.parse, opening + body[start:end] + closing)
+
+
+def _after_key(body: bytes, start: int, end: int) -> int | None:
+    """Where the ``:`` after an object member's key is, if the member starts with one."""
+    quote = body.find(b'"', start, end)
+    if quote == -1 or body[start:quote].strip(_SPACE):
+        return None
+    at = quote + 1
+    while True:
+        at = body.find(b'"', at, end)
+        if at == -1:
+            return None
+        backslashes = 0
+        while body[at - 1 - backslashes] == ord("\\"):
+            backslashes += 1
+        if backslashes % 2 == 0:
+            break
+        at += 1
+    colon = body.find(b":", at + 1, end)
+    if colon == -1 or body[at + 1 : colon].strip(_SPACE):
+        return None
+    return colon
+
+
+def _parsed(parse: _Parse, piece: bytes) -> Any:
+    try:
+        return parse(piece)
+    except ValueError:  # json.JSONDecodeError and orjson's are ValueErrors
+        raise _Unsliced from None
+
+
+def _add(whole: Any, run: Any) -> None:
+    if isinstance(whole, list):
+        whole.extend(run)
+    else:
+        whole.update(run)
