@@ -10,18 +10,15 @@ before, so what it accepts and how it answers are unchanged.
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-import orjson
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
-from lib.slices import decode
+from lib.slices import decode_json, parse_json
 
-_LONG_NUMBER = re.compile(rb"[0-9]{19}")
+__all__ = ["JsonRoute", "parse_json"]
 
 
 class _JsonRequest(Request):
@@ -29,26 +26,8 @@ class _JsonRequest(Request):
         if not hasattr(self, "_json"):
             # In pieces with the loop running between them when large (step 16, row 1:
             # parsing 10 MB held every tenant's requests 160-300 ms).
-            self._json = await decode(await self.body(), parse_json, _attempt)
+            self._json = await decode_json(await self.body())
         return self._json
-
-
-def parse_json(body: bytes) -> Any:
-    """A JSON body as the standard library reads it, by orjson where that is the same."""
-    if not _LONG_NUMBER.search(body):
-        try:
-            return orjson.loads(body)
-        except orjson.JSONDecodeError:
-            pass  # the standard library decides: its value, or its error, as before
-    return json.loads(body)
-
-
-def _attempt(body: bytes) -> Any:
-    """``parse_json`` without the standard library's second try when orjson fails: a
-    run of a large body cut in the wrong place fails fast (``lib.slices.decode``)."""
-    if _LONG_NUMBER.search(body):
-        return json.loads(body)
-    return orjson.loads(body)
 
 
 class JsonRoute(APIRoute):

@@ -15,10 +15,12 @@ before: counting its elements stops at ``PIECE``, so it costs microseconds.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
+import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
@@ -48,17 +50,88 @@ def weight(value: Any, cap: int = PIECE) -> int:
 _SCALARS = frozenset({str, int, float, bool, type(None)})
 
 
+class _Turn:
+    """A turn in the loop's lane for large values: a slice of one large value at a time.
+
+    Between two slices every other ready callback runs once (``asyncio.sleep(0)``);
+    with six large values in slices at once, a request would otherwise wait for six
+    slices at each of its own steps. In the lane it waits for one: the large values
+    take turns among themselves (FIFO, ``asyncio.Lock``), and the requests of every
+    tenant pass between them."""
+
+    # One lane per event loop (a test may run several loops, one after another).
+    _lanes: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock]] = (
+        weakref.WeakKeyDictionary()
+    )
+
+    def __init__(self) -> None:
+        loop = asyncio.get_running_loop()
+        lane = self._lanes.get(loop)
+        if lane is None:
+            lane = self._lanes[loop] = asyncio.Lock()
+        self._lane = lane
+        self._held = False
+
+    async def __aenter__(self) -> _Turn:
+        await self._lane.acquire()
+        self._held = True
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._held:
+            self._held = False
+            self._lane.release()
+
+    async def pause(self) -> None:
+        """Let every other ready callback run, then wait for the next turn."""
+        self._held = False
+        self._lane.release()
+        await asyncio.sleep(0)
+        await self._lane.acquire()
+        self._held = True
+
+
+class Pacer:
+    """Lets the event loop run every ``SLICE_SECONDS`` of a long walk in Python."""
+
+    def __init__(self) -> None:
+        self._since = time.perf_counter()
+
+    async def tick(self) -> None:
+        """Called between two steps of the walk: yields when this slice is used up."""
+        if time.perf_counter() - self._since > SLICE_SECONDS:
+            await asyncio.sleep(0)
+            self._since = time.perf_counter()
+
+
+# Bytes scanned by one regular-expression search of ``search``.
+SCAN_BYTES = 256 * 1024
+
+
+async def search(pattern: re.Pattern[bytes], data: bytes, *, longest: int = 64) -> bool:
+    """True when ``pattern`` (whose matches are at most ``longest`` bytes) matches in
+    ``data``; a long ``data`` is scanned in windows, the loop running between them."""
+    if len(data) <= SCAN_BYTES:
+        return pattern.search(data) is not None
+    for start in range(0, len(data), SCAN_BYTES):
+        if pattern.search(data, start, min(len(data), start + SCAN_BYTES + longest)):
+            return True
+        await asyncio.sleep(0)
+    return False
+
+
 async def encode(value: Any) -> bytes:
     """``orjson.dumps(value)`` (the same bytes, the same errors), in slices when large."""
     if weight(value) <= PIECE:
         return orjson.dumps(value)
     parts: list[bytes] = []
-    since = time.perf_counter()
-    for piece in pieces(value):
-        parts.append(piece)
-        if time.perf_counter() - since > SLICE_SECONDS:
-            await asyncio.sleep(0)  # the loop runs between pieces
-            since = time.perf_counter()
+    async with _Turn() as turn:
+        since = time.perf_counter()
+        for piece in pieces(value):
+            parts.append(piece)
+            if time.perf_counter() - since > SLICE_SECONDS:
+                await turn.pause()  # the loop runs between pieces
+                since = time.perf_counter()
     return b"".join(parts)
 
 
@@ -154,15 +227,17 @@ async def decode(body: bytes, parse: _Parse, attempt: _Parse) -> Any:
     if len(body) <= PIECE_BYTES:
         return parse(body)
     try:
-        return await _value(body, 0, len(body), _Parsers(parse, attempt))
+        async with _Turn() as turn:
+            return await _value(body, 0, len(body), _Parsers(parse, attempt, turn))
     except _Unsliced:
         return parse(body)
 
 
 class _Parsers:
-    def __init__(self, parse: _Parse, attempt: _Parse) -> None:
+    def __init__(self, parse: _Parse, attempt: _Parse, turn: _Turn) -> None:
         self.parse = parse
         self.attempt = attempt
+        self.turn = turn
 
 
 async def _value(body: bytes, start: int, end: int, parse: _Parsers) -> Any:
@@ -185,27 +260,43 @@ async def _container(
     whole: Any = [] if opening == b"[" else {}
     position = start
     while position < end:
-        size, cut = PIECE_BYTES, -1
-        while True:
-            cut = body.find(b",", position + size, end)
-            if cut == -1:
-                break  # the rest
-            try:
-                run = _parsed(parse.attempt, opening + body[position:cut] + closing)
-            except _Unsliced:
-                if size >= 2 * PIECE_BYTES:
-                    cut = -1
-                    break  # a large element with commas inside: the rest, by its last
-                size *= 2
-                continue
-            _add(whole, run)
-            position = cut + 1
-            await asyncio.sleep(0)  # the loop runs between runs
-            break
-        if cut == -1:
+        found = _run(body, position, end, opening, closing, parse)
+        if found is None:
             _add(whole, await _rest(body, position, end, opening, closing, parse))
             break
+        cut, run = found
+        _add(whole, run)
+        position = cut + 1
+        await parse.turn.pause()  # the loop runs between runs
     return whole
+
+
+# Cuts tried for one run before the rest is taken as one (large) element.
+_TRIES = 8
+_ENDINGS = (b"},", b"],", b'",')
+
+
+def _run(
+    body: bytes, start: int, end: int, opening: bytes, closing: bytes, parse: _Parsers
+) -> tuple[int, Any] | None:
+    """The next run of elements from ``start``, about ``PIECE_BYTES`` long, and the
+    comma that ends it; None when no cut tried parses."""
+    cut = body.find(b",", start + PIECE_BYTES, end)
+    for _ in range(_TRIES):
+        if cut == -1:
+            return None
+        try:
+            return cut, _parsed(parse.attempt, opening + body[start:cut] + closing)
+        except _Unsliced:
+            cut = _next_cut(body, cut + 1, min(end, cut + 4 * PIECE_BYTES))
+    return None
+
+
+def _next_cut(body: bytes, start: int, end: int) -> int:
+    """The next comma after what likely ends an element (an object, a list, a string),
+    else the next comma: a cut inside an element does not parse."""
+    endings = [at + 1 for at in (body.find(ending, start, end) for ending in _ENDINGS) if at >= 0]
+    return min(endings) if endings else body.find(b",", start, end)
 
 
 async def _rest(
@@ -267,3 +358,29 @@ def _add(whole: Any, run: Any) -> None:
         whole.extend(run)
     else:
         whole.update(run)
+
+
+_LONG_NUMBER = re.compile(rb"[0-9]{19}")
+
+
+async def decode_json(body: bytes) -> Any:
+    """``parse_json(body)``, in slices when the body is large (``decode``)."""
+    return await decode(body, parse_json, _attempt)
+
+
+def parse_json(body: bytes) -> Any:
+    """A JSON body as the standard library reads it, by orjson where that is the same."""
+    if not _LONG_NUMBER.search(body):
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError:
+            pass  # the standard library decides: its value, or its error, as before
+    return json.loads(body)
+
+
+def _attempt(body: bytes) -> Any:
+    """``parse_json`` without the standard library's second try when orjson fails: a
+    run of a large body cut in the wrong place fails fast (``lib.slices.decode``)."""
+    if _LONG_NUMBER.search(body):
+        return json.loads(body)
+    return orjson.loads(body)

@@ -33,7 +33,7 @@ from lib.backoff import Backoff
 from lib.errors import FlowcastError
 from lib.execution.values import ValueStore, value_id
 from lib.metrics import Metrics
-from lib.slices import encode
+from lib.slices import Pacer, encode
 
 log = logging.getLogger(__name__)
 
@@ -139,12 +139,12 @@ _FILE_MARK = b'"base64"'
 def _flat(encoded: bytes) -> bool:
     """True for the JSON of a list of numbers, booleans and nulls only; each test is a
     memchr over the bytes, not a regular expression (50 ms for 10 MB on the loop)."""
-    return (
+    return (  # the searches first: they stop at the first object or string
         encoded[:1] == b"["
-        and encoded.count(b"[") == 1
-        and encoded.count(b"]") == 1
         and b"{" not in encoded
         and b'"' not in encoded
+        and encoded.count(b"[") == 1
+        and encoded.count(b"]") == 1
     )
 
 
@@ -206,6 +206,9 @@ class Compactor:
         self.ring = RingModel(budget_bytes=policy.budget_bytes, event_limit=policy.event_limit)
         self._stored: set[str] = set()
         self.offload_failures = 0
+        # The walk of a container of many small parts lets the loop run between them
+        # (700,000 objects in a 35 MB http answer: seconds of walking; step 16, row 1).
+        self._pacer = Pacer()
 
     @property
     def threshold(self) -> int:
@@ -268,21 +271,23 @@ class Compactor:
             items = []
             size = 2 + max(len(value) - 1, 0)
             for item in value:
+                await self._pacer.tick()
                 new_item, item_size = await self._walk(item, threshold, files)
                 items.append(new_item)
                 size += item_size
             if size > threshold:
-                return await self._offload(value, orjson.dumps(value)), 0
+                return await self._offload(value, await encode(value)), 0
             return items, size
         if isinstance(value, dict):
             fields = {}
             size = 2 + max(len(value) - 1, 0)
             for key, item in value.items():
+                await self._pacer.tick()
                 new_item, item_size = await self._walk(item, threshold, files)
                 fields[key] = new_item
                 size += len(orjson.dumps(key)) + 1 + item_size
             if size > threshold:
-                return await self._offload(value, orjson.dumps(value)), 0
+                return await self._offload(value, await encode(value)), 0
             return fields, size
         return value, len(orjson.dumps(value))
 
