@@ -22,6 +22,7 @@ from fastapi import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.errors import ApiError, error_payload
+from app.limits import carries_body
 from app.responses import JSON
 from app.tokens import ListGrant, StreamTokens
 
@@ -154,7 +155,7 @@ class KeysFirst:
         self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and _carries_body(scope["headers"]):
+        if scope["type"] == "http" and carries_body(scope["headers"]):
             header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             try:
                 _bearer_of(header.decode("latin-1"), self.keys)
@@ -165,13 +166,6 @@ class KeysFirst:
                 await JSON(body, status_code=status, headers=headers)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-def _carries_body(headers: list[tuple[bytes, bytes]]) -> bool:
-    for name, value in headers:
-        if name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):
-            return True
-    return False
 
 
 class LoopbackOnly:

@@ -16,6 +16,7 @@ from lib.errors import (
     FlowcastError,
     InvalidInput,
     NotFound,
+    OverQuota,
     ShuttingDown,
     TooBusy,
     error_path,
@@ -64,6 +65,8 @@ def error_payload(exc: FlowcastError) -> tuple[int, dict[str, Any]]:
     if isinstance(exc, InvalidInput) and exc.problems:
         extra["problems"] = [problem.as_dict() for problem in exc.problems]
     if isinstance(exc, Conflict) and exc.details:
+        extra.update(exc.details)
+    if isinstance(exc, OverQuota):
         extra.update(exc.details)
     return status_of(exc), {"error": {"code": exc.code, "message": exc.message, **extra}}
 

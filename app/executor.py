@@ -56,7 +56,9 @@ async def open_executor(
     await slots.introduce(catalog.llm_providers)
     providers = Providers(catalog.llm_providers, http=llm_http, slots=slots)
     secret_key = load_secret(settings.secret_key, settings.data_dir)
-    secrets = SecretStore(redis=stores.redis, key=secret_key, prefix=settings.redis_prefix)
+    secrets = SecretStore(
+        redis=stores.redis, key=secret_key, prefix=settings.redis_prefix, quota=stores.quota
+    )
     logs.mask_with(secrets.redact_text)
     stack.callback(logs.mask_with, None)
     template_pool = await stack.enter_async_context(

@@ -13,6 +13,7 @@ anything is written.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
 from typing import Any
 
@@ -24,6 +25,7 @@ from app.errors import ApiError, error_payload
 from app.responses import JSON
 from lib.errors import TooManyStreams
 from lib.slices import PIECE, encode, weight
+from lib.tenancy import FairGate
 from lib.workflows.limits import MAX_DEPTH, too_deep
 
 MAX_HEADER_BYTES = 64 * 1024
@@ -210,3 +212,118 @@ async def _answer(error: ApiError, scope: Scope, receive: Receive, send: Send) -
     # connection before the client reads the answer.)
     headers = {"Connection": "close"} if status == 408 else None
     await JSON(body, status_code=status, headers=headers)(scope, receive, send)
+
+
+class Turns:
+    """ASGI middleware: the requests this process works on at once, shared fairly.
+
+    Step 16's review opened 5,000 streams at once on one replica: every open costs about
+    a millisecond of routing and a first read, and the event loop takes ready work first
+    come first served, so another tenant's request waited behind all of them (1-2.6 s).
+    Here a request waits for its turn first (``FairGate``: at most ``cap`` at once, the
+    callers in turn), keyed by what names its caller (its ``Authorization``, else its
+    ``?token=``), so one caller's storm waits in its own line, not in the loop's queue.
+    A caller holds at most ``per_caller`` turns, so its slow requests (a keyed execute
+    waiting for its twin) cannot hold them all.
+
+    A turn is taken once the request's body has arrived (a body that trickles holds
+    nothing) and given back when the answer begins (its status line: a stream then
+    waits on events, which may be minutes away) or when the request ends.
+    """
+
+    def __init__(self, app: ASGIApp, *, cap: int = 64, per_caller: int = 8) -> None:
+        self.app = app
+        self.gate = FairGate(cap)
+        self.per_caller = per_caller
+        self._callers: dict[bytes, tuple[asyncio.Semaphore, int]] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        turn = _Turn(self, _caller(scope))
+        if not carries_body(scope["headers"]):
+            await turn.take()
+
+        async def receiving() -> Message:
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body", False):
+                await turn.take()
+            return message
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                await turn.give_back()
+            await send(message)
+
+        try:
+            await self.app(scope, receiving, sending)
+        finally:
+            await turn.give_back()
+
+    def line(self, caller: bytes) -> asyncio.Semaphore:
+        semaphore, users = self._callers.get(caller, (None, 0))
+        if semaphore is None:
+            semaphore = asyncio.Semaphore(self.per_caller)
+        self._callers[caller] = (semaphore, users + 1)
+        return semaphore
+
+    def leave_line(self, caller: bytes) -> None:
+        semaphore, users = self._callers[caller]
+        if users == 1:
+            del self._callers[caller]
+        else:
+            self._callers[caller] = (semaphore, users - 1)
+
+
+class _Turn:
+    """One request's turn: taken at most once, given back at most once."""
+
+    def __init__(self, turns: Turns, caller: bytes) -> None:
+        self.turns, self.caller = turns, caller
+        self.state = "waiting"  # -> "taking" -> "held" -> "done" (or straight to "done")
+        self.held = contextlib.AsyncExitStack()
+
+    async def take(self) -> None:
+        if self.state != "waiting":
+            return
+        self.state = "taking"
+        semaphore = self.turns.line(self.caller)
+        self.held.callback(self.turns.leave_line, self.caller)
+        try:
+            await self.held.enter_async_context(semaphore)
+            await self.held.enter_async_context(self.turns.gate.entered(self.caller.hex()))
+        except BaseException:
+            self.state = "done"
+            await self.held.aclose()
+            raise
+        if self.state == "done":  # the answer began while it waited: nothing to hold
+            await self.held.aclose()
+        else:
+            self.state = "held"
+
+    async def give_back(self) -> None:
+        state, self.state = self.state, "done"
+        if state == "held":
+            await self.held.aclose()
+
+
+def _caller(scope: Scope) -> bytes:
+    """What names a request's caller: its ``Authorization``, its ``?token=``, else
+    nothing (the callers without either share one line)."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            return bytes(value)
+    query: bytes = scope.get("query_string", b"")
+    for pair in query.split(b"&"):
+        if pair.startswith(b"token="):
+            return pair
+    return b""
+
+
+def carries_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a request's headers announce a body."""
+    for name, value in headers:
+        if name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):
+            return True
+    return False

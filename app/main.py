@@ -18,7 +18,7 @@ from app import errors, logs, memory
 from app.auth import ApiKeys, KeysFirst, LoopbackOnly
 from app.catalog import load_catalog
 from app.executor import open_executor
-from app.limits import BodyLimit
+from app.limits import BodyLimit, Turns
 from app.routes import executions, health, live, page, secrets, streams, values, workflows
 from app.runtime import start_runtime
 from app.services import build_services
@@ -47,6 +47,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.add_middleware(KeysFirst, keys=ApiKeys(settings.api_keys))
     else:
         app.add_middleware(LoopbackOnly)
+    app.add_middleware(Turns)  # outermost: a request waits its turn before anything else
     # live before executions: /api/executions/{eid} would take "live" for an id.
     for module in (health, workflows, live, executions, streams, values, secrets, page):
         app.include_router(module.router)

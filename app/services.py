@@ -106,6 +106,7 @@ def build_services(
             files=catalog.files,
             prefix=settings.redis_prefix,
             admit=blocks.providers.problems,
+            quota=stores.quota,
         ),
         tokens=StreamTokens(
             secret=blocks.secret_key, lifetime_seconds=settings.stream_token_seconds

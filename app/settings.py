@@ -40,6 +40,8 @@ class Settings(BaseSettings):
     sse_max_seconds: float = Field(3600.0, gt=0)
     block_concurrency: int = Field(8, ge=1, le=1024)
     max_executions_per_tenant: int = Field(1000, ge=0)
+    # Redis bytes one tenant may keep: workflows, secrets, retained executions (0: no limit).
+    tenant_storage_bytes: int = Field(1024 * 1024 * 1024, ge=0)
     max_recoveries: int = Field(3, ge=0)
     lease_seconds: float = Field(15.0, gt=0)
     shutdown_grace_seconds: float = Field(30.0, ge=0)

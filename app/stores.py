@@ -17,6 +17,7 @@ from app.settings import Settings, data_dir_in_use
 from lib.execution.buffer import EventBuffer
 from lib.execution.retention import Sweeper
 from lib.execution.values import LocalValueStore, ValueStore
+from lib.quota import StorageQuota
 
 log = logging.getLogger("flowcast")
 
@@ -35,6 +36,7 @@ class Stores:
     buffer: EventBuffer
     values: ValueStore
     node: Node  # this process's node, and the earlier ones it proved dead
+    quota: StorageQuota  # each tenant's share of the Redis (FLOWCAST_TENANT_STORAGE_BYTES)
 
 
 async def open_stores(stack: AsyncExitStack, settings: Settings) -> Stores:
@@ -79,7 +81,11 @@ async def open_stores(stack: AsyncExitStack, settings: Settings) -> Stores:
         queue=False,
     )
     stack.push_async_callback(tail_redis.aclose)
+    quota = StorageQuota(
+        redis=redis, limit_bytes=settings.tenant_storage_bytes, prefix=settings.redis_prefix
+    )
     buffer = EventBuffer(
+        quota=quota,
         redis=redis,
         tail_redis=tail_redis,
         prefix=settings.redis_prefix,
@@ -91,7 +97,9 @@ async def open_stores(stack: AsyncExitStack, settings: Settings) -> Stores:
     await stack.enter_async_context(
         Sweeper(store=values, buffer=buffer, interval_seconds=settings.sweep_seconds)
     )
-    return Stores(redis=redis, tail_redis=tail_redis, buffer=buffer, values=values, node=node)
+    return Stores(
+        redis=redis, tail_redis=tail_redis, buffer=buffer, values=values, node=node, quota=quota
+    )
 
 
 def _value_store(settings: Settings) -> ValueStore:

@@ -73,7 +73,29 @@ class Keys:
         ]
 
     def index(self, tenant: str) -> str:
+        """A tenant's executions by creation ms (every one of them)."""
         return f"{self.prefix}:executions:{tenant}"
+
+    def listing(self, tenant: str, *, workflow_id: str | None, bucket: str | None) -> str:
+        """The index a list with these filters reads (lib/execution/indexes.py): a
+        tenant's executions of one workflow, in one status bucket, or both, by creation
+        ms; the tenant's whole index without either. Index keys of one tenant share the
+        hash tag ``{t:<tenant>}`` (the whole index keeps its older, untagged name)."""
+        if workflow_id is None and bucket is None:
+            return self.index(tenant)
+        base = f"{self.prefix}:{{t:{tenant}}}:executions"
+        if bucket is None:
+            return f"{base}:workflow:{workflow_id}"
+        if workflow_id is None:
+            return f"{base}:{bucket}"
+        # The bucket is one of a few fixed words without a colon: a workflow id that
+        # contains one cannot make two of these names the same.
+        return f"{base}:{bucket}:workflow:{workflow_id}"
+
+    def indexed(self, tenant: str) -> str:
+        """ "1" once the tenant's executions stored before the workflow and bucket
+        indexes existed are listed in them too (indexes.complete)."""
+        return f"{self.prefix}:{{t:{tenant}}}:indexed"
 
     def running(self, tenant: str) -> str:
         return f"{self.prefix}:running:{tenant}"
@@ -92,6 +114,13 @@ class Keys:
 
     def secrets(self, tenant: str) -> str:
         return f"{self.prefix}:secrets:{tenant}"
+
+    def quota(self, tenant: str) -> list[str]:
+        """A tenant's storage ledger (quota.lua): the things it keeps, scored by when they
+        stop counting, and their sizes with the total. Under the tenant's own hash tag
+        ``{t:<tenant>}``, the tag every per-tenant key a script touches shares."""
+        base = f"{self.prefix}:{{t:{tenant}}}:quota"
+        return [base, f"{base}:bytes"]
 
     def slots(self, provider: str) -> list[str]:
         """One model provider's concurrency slots (slots.lua), under one hash tag."""

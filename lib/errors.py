@@ -17,7 +17,8 @@
     ├── ShuttingDown                   the process no longer starts executions
     ├── WorkflowChanged                a start's workflow changed since this process read it
     ├── TooBusy                        the tenant runs as many executions as it may
-    │   └── TooManyStreams             the tenant has as many streams open as it may
+    │   ├── TooManyStreams             the tenant has as many streams open as it may
+    │   └── OverQuota                  the tenant keeps as many bytes in Redis as it may
     ├── BufferUnavailable              the event buffer could not be reached
     └── WriteRefused                   the buffer refused a batch on purpose
         ├── WriteFenced                another owner holds the execution
@@ -233,6 +234,29 @@ class TooManyStreams(TooBusy):
     """The tenant already has its most SSE connections open (on this replica)."""
 
     code = "too_many_streams"
+
+
+class OverQuota(TooBusy):
+    """What the tenant keeps in Redis (workflows, secrets, retained executions) leaves
+    no room for this (FLOWCAST_TENANT_STORAGE_BYTES); figures in bytes."""
+
+    code = "storage_quota"
+
+    def __init__(self, tenant: str, *, used: int, limit: int, needed: int, retry_after: int):
+        super().__init__(
+            f"storage quota reached: the tenant keeps {used} bytes of its {limit} "
+            f"(FLOWCAST_TENANT_STORAGE_BYTES) and this needs {max(needed, 0)} more; "
+            "delete workflows or secrets, or wait for finished executions to expire",
+            retry_after=retry_after,
+        )
+        self.tenant = tenant
+        self.used = used
+        self.limit = limit
+        self.needed = needed
+
+    @property
+    def details(self) -> dict[str, int]:
+        return {"usedBytes": self.used, "limitBytes": self.limit, "neededBytes": self.needed}
 
 
 class BufferUnavailable(FlowcastError):

@@ -12,7 +12,11 @@ What must hold, each broken rule a finding:
   (and other spellings) never appears in the server log; a template that would build
   200 MB is stored within ``FAST`` seconds without growing the server, and its run fails
   the block. With ``include_templates`` (the default) also loops, repetition, padding,
-  ``format`` and ``lipsum`` bombs: stored fast, run failed;
+  ``format`` and ``lipsum`` bombs: stored fast, run failed. Issue 24's payloads: a
+  template or ``when`` nested past any parser's stack is 422 with both paths; a config
+  rendering a 1 MB input 300 times fails its block before it is built; a keyless request
+  announcing a 10 MiB body gets its 401 before sending it; a 3-character secret is 422;
+  six filtered lists at once answer within ``FAST`` seconds;
 - well-behaved: request latency p99 under 100 ms, every execution completes, every
   stream ends;
 - the server's resident memory stays under its baseline + ``RSS_ALLOWANCE`` (VmHWM,
@@ -76,6 +80,11 @@ BOMBS = (
     "{{ lipsum(100, false, 100000, 100001) }}",
 )
 TOKEN_SPELLINGS = ("%74oken", "to%6Ben", "%74%6F%6B%65%6E")
+# Issue 24's payloads: templates nested past any parser's stack (422 with the path), a
+# config that repeats a 1 MB input 300 times (fails before it is built), a keyless 10 MiB
+# body (401 before it is read), a secret too short to mask (422).
+NESTED = ("(" * 3000 + "1" + ")" * 3000, "[" * 3000 + "]" * 3000, "input" + ".a" * 5000)
+REPEATS = {"value": ["{{ input.s }}"] * 300}
 
 
 def rss(pid: int, field_name: str = "VmRSS") -> int:
@@ -243,11 +252,15 @@ class Hostile:
             approval("redos", {"type": "string", "pattern": "^(a+)+$"}),
             approval("hold", {"type": "boolean"}),
             transform("quick", "{{ input }}"),
+            {"id": "repeat", "blocks": [{"id": "r", "type": "transform", "config": REPEATS}]},
         ):
             (await put(self.client, workflow)).raise_for_status()
 
     async def round(self) -> None:
-        steps = [self.refs, self.redos, self.fold, self.token, self.caps]
+        steps = [
+            self.refs, self.redos, self.fold, self.token, self.lists, self.caps,
+            self.nested, self.repeat, self.keyless, self.short_secret,
+        ]  # fmt: skip
         if self.templates:
             steps[3:3] = [self.bombs]
         for step in steps:
@@ -265,6 +278,23 @@ class Hostile:
         number = self.t.outcomes["rounds"] % len(BOMBS)
         self.t.doing = f"bomb{number}"
         await self.bomb(number, BOMBS[number])
+
+    async def lists(self) -> None:
+        """Six filtered lists at once, none of them matching anything: each read every
+        stored run of the tenant (issue 24 row 13); they read their own index now."""
+        queries = ["workflowId=none", "status=failed", "workflowId=quick&status=paused"] * 2
+        started = time.monotonic()
+        answers = await asyncio.gather(
+            *(self.client.get(f"/api/executions?{query}") for query in queries)
+        )
+        took = time.monotonic() - started
+        self.t.took("six filtered lists", took)
+        if any(answer.status_code != 200 for answer in answers):
+            self.find(f"a filtered list answered {[a.status_code for a in answers]}")
+        elif took > FAST:
+            self.find(f"six filtered lists took {took:.2f} s")
+        else:
+            self.t.outcomes["lists fast"] += 1
 
     async def refs(self) -> None:
         for ref in (f"http://127.0.0.1:{self.port}/x.json", "file:///etc/passwd"):
@@ -341,6 +371,78 @@ class Hostile:
     async def bomb(self, number: int, template: str) -> None:
         if await self.stored_fast(f"bomb{number}", transform(f"bomb{number}", template)):
             await self.fails(f"bomb{number}", f"bomb{number}")
+
+    async def nested(self) -> None:
+        """Each nested shape, as a template and as a ``when``: 422 naming both paths."""
+        for expression in NESTED:
+            blocks = [
+                {"id": "a", "type": "transform", "config": {"value": "{{ " + expression + " }}"}},
+                {"id": "b", "type": "transform", "config": {"value": 1}},
+            ]
+            workflow = {
+                "id": "deep",
+                "blocks": blocks,
+                "edges": [{"from": "a", "to": "b", "when": expression}],
+            }
+            began = time.monotonic()
+            response = await put(self.client, workflow)
+            self.t.took("nested_put", time.monotonic() - began)
+            paths = (
+                {p["path"] for p in response.json()["error"].get("problems", [])}
+                if response.status_code == 422
+                else set()
+            )
+            if not {"$.blocks[0].config.value", "$.edges[0].when"} <= paths:
+                self.find(
+                    f"a nested template answered {response.status_code}: {response.text[:200]}"
+                )
+            else:
+                self.t.outcomes["nested 422"] += 1
+
+    async def repeat(self) -> None:
+        """A config that renders a 1 MB input 300 times: the block fails, nothing built
+        (the scenario's memory bound holds the server's growth)."""
+        started = await self.client.post(
+            "/api/workflows/repeat/execute", json={"input": {"s": "z" * 1_000_000}}
+        )
+        if started.status_code != 202:
+            self.find(f"repeat: execute answered {started.status_code}")
+            return
+        snapshot = await wait_terminal(self.client, started.json()["executionId"], deadline=20)
+        if snapshot is None or snapshot["status"] != "failed":
+            self.find(f"repeat: the run ended {snapshot and snapshot['status']}, not failed")
+        else:
+            self.t.outcomes["repeat failed"] += 1
+
+    async def keyless(self) -> None:
+        """A keyless request announcing a 10 MiB body: 401 before a byte of it is read."""
+        self.report.requests += 1
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.t.server.port)
+        try:
+            writer.write(
+                b"POST /api/workflows/quick/execute HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 10485760\r\n\r\n[{},"
+            )
+            await writer.drain()
+            async with asyncio.timeout(FAST * 4):
+                head = await reader.readuntil(b"\r\n\r\n")
+        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError) as exc:
+            self.find(f"a keyless 10 MiB body: {type(exc).__name__} instead of a 401")
+            return
+        finally:
+            writer.close()
+        if head.startswith(b"HTTP/1.1 401"):
+            self.t.outcomes["keyless 401"] += 1
+        else:
+            self.find(f"a keyless 10 MiB body got {head[:60]!r}")
+
+    async def short_secret(self) -> None:
+        """A secret under 8 characters would mask every ``api`` in other tenants' logs."""
+        response = await self.client.put("/api/secrets/SHORT", json={"value": "api"})
+        if response.status_code == 422:
+            self.t.outcomes["short secret 422"] += 1
+        else:
+            self.find(f"a 3-character secret answered {response.status_code}")
 
     async def token(self) -> None:
         """Follow a finished execution with its stream token under another spelling of

@@ -102,7 +102,9 @@ def list_filter(params: Mapping[str, str]) -> ListFilter:
 )
 async def list_executions(request: Request, svc: ServicesDep, tenant_id: TenantDep) -> JSON:
     wanted = list_filter(request.query_params)
-    found = await svc.buffer.recent_metas(tenant_id, limit=wanted.limit, keep=wanted.keeps)
+    found = await svc.buffer.recent_metas(
+        tenant_id, limit=wanted.limit, workflow_id=wanted.workflow_id, status=wanted.status
+    )
     resolved = await asyncio.gather(*(svc.buffer.resolved(meta) for meta in found))
     return JSON({"executions": [snapshot(meta) for meta in resolved]})
 

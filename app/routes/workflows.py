@@ -77,7 +77,7 @@ async def list_workflows(svc: ServicesDep, tenant_id: TenantDep) -> JSON:
     responses={
         200: {"model": WorkflowDocument, "description": "Replaced"},
         201: {"model": WorkflowDocument, "description": "Created"},
-        **errors(400, 413, 422, *API_ERRORS),
+        **errors(400, 413, 422, 429, *API_ERRORS),
     },
     openapi_extra=workflow_body(),
 )

@@ -30,10 +30,16 @@ ARGV[15] the notify channel  fc:notify  (pub/sub, not a key)
 ARGV[16] the status channel  fc:status  (pub/sub, not a key)
 ARGV[17] inline cap: a batch whose envelopes add up to at most this many bytes is
          published on ARGV[15] whole (0: never)
-ARGV[18 .. 17+2n]        per event: type, envelope JSON
-ARGV[18+2n .. 17+2n+2m]  metadata fields and values to set (status, output, error, …;
+ARGV[18] quota step: the execution's footprint (retained envelope bytes + `ckptBytes` +
+         `copiedBytes`, the outcomes its metadata copies, + `quotaBase`, its run state
+         as created) is handed to its tenant's storage ledger
+         (lib/quota.lua, another slot: the caller sets it) when the batch sets the
+         status, when it was never handed (`quotaRecorded` missing), or when it moved by
+         this many bytes since `quotaRecorded` (0: never)
+ARGV[19 .. 18+2n]        per event: type, envelope JSON
+ARGV[19+2n .. 18+2n+2m]  metadata fields and values to set (status, output, error, …;
                          with ARGV[10], also the identity fields to recreate with)
-ARGV[18+2n+2m .. ]       checkpoint fields and values of the batch's events (a block's
+ARGV[19+2n+2m .. ]       checkpoint fields and values of the batch's events (a block's
                          output, skip, attempt, answer), set in the run state hash in
                          the same step as the events, so the two never disagree; the
                          outputs and answers count against the byte budget (`ckptBytes`)
@@ -48,11 +54,12 @@ as JSON {"id", "tenant", "workflowId", "status", "createdAt", "updatedAt",
 "lastEventId"} (the live lists; the last id orders the changes of one execution). Both
 best effort: a refused PUBLISH is no error, the batch is stored.
 
-Returns {lastId, firstId, retainedBytes, retainedCount, reserved, cancelRequested}
-(cancelRequested "1" or "0"; reserved is lastId once the status is set to anything but
-running), or an error reply (no event, metadata or checkpoint field of the batch is
-written; only a recreate or a take-back, below, done before an ORDER or CANCEL refusal
-stays):
+Returns {lastId, firstId, retainedBytes, retainedCount, reserved, cancelRequested,
+footprint, tenant} (cancelRequested "1" or "0"; reserved is lastId once the status is
+set to anything but running; footprint -1 and tenant "" unless the ledger is due its
+figure, by ARGV[18]: then `quotaRecorded` is set to it here), or an error reply (no
+event, metadata or checkpoint field of the batch is written; only a recreate or a
+take-back, below, done before an ORDER or CANCEL refusal stays):
   "NOEXEC"          the metadata hash does not exist (and ARGV[10] is not "1")
   "FENCED <owner>"  another owner with the same or a later epoch holds the execution
                     (<owner> empty, "FENCED ", when it was handed off and nobody
@@ -89,10 +96,12 @@ local recreate = ARGV[10] == "1"
 local n, m, k = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
 local execution_id, notify, status_channel = ARGV[14], ARGV[15], ARGV[16]
 local inline = tonumber(ARGV[17])
-local base = 17
+local quota_step = tonumber(ARGV[18])
+local base = 18
 
 local state = redis.call("HMGET", meta, "owner", "lastId", "firstId", "bytes", "count",
-  "epoch", "reserved", "cancelRequested", "ckptBytes")
+  "epoch", "reserved", "cancelRequested", "ckptBytes", "tenant", "quotaBase", "quotaRecorded",
+  "copiedBytes")
 if not state[1] then
   if not recreate then
     return redis.error_reply("NOEXEC")
@@ -174,10 +183,16 @@ end
 
 local reserved = math.max(tonumber(state[7]) or 0, reserve, last)
 local status = nil
+-- The outcomes the metadata copies (small ones; a large one names its event instead).
+local copied = tonumber(state[13]) or 0
+local COPIES = {output = true, error = true, pause = true}
 if m > 0 then
   local fields = {}
   for i = 1, 2 * m do
     fields[i] = ARGV[base + 2 * n + i]
+    if i % 2 == 0 and COPIES[fields[i - 1]] then
+      copied = copied + #fields[i] - redis.call("HSTRLEN", meta, fields[i - 1])
+    end
     if i % 2 == 0 and fields[i - 1] == "status" then
       status = fields[i]
       if status ~= "running" then
@@ -190,9 +205,22 @@ if m > 0 then
     end
   end
   hset(meta, fields)
+  redis.call("HSET", meta, "copiedBytes", copied)
+end
+-- The tenant's ledger is due this execution's figure (lib/quota.lua, set by the caller).
+local footprint, tenant = -1, ""
+if quota_step > 0 and state[10] then
+  local now_footprint = bytes + held + copied + (tonumber(state[11]) or 0)
+  local recorded = tonumber(state[12])
+  if status or not recorded or math.abs(now_footprint - recorded) >= quota_step then
+    footprint, tenant = now_footprint, state[10]
+  end
 end
 redis.call("HSET", meta, "lastId", last, "firstId", first_kept, "bytes", bytes, "count", count,
   "reserved", reserved, "ckptBytes", held)
+if footprint >= 0 then
+  redis.call("HSET", meta, "quotaRecorded", footprint)
+end
 if k > 0 then
   local fields = {}
   for i = 1, 2 * k do
@@ -227,4 +255,4 @@ if status then
   -- A handful of times per execution: the row every live list of its tenant shows.
   publish_row(meta, status_channel, execution_id, status, last)
 end
-return {last, first_kept, bytes, count, reserved, cancel_requested}
+return {last, first_kept, bytes, count, reserved, cancel_requested, footprint, tenant}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -19,18 +20,30 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from lib.backend import Batch, Keys, is_unreachable, register, translated
-from lib.errors import NotFound
-from lib.execution.events import Event
-from lib.execution.record import TERMINAL, Asked, Field, Script, refused
+from lib.errors import BufferUnavailable, NotFound
+from lib.execution import indexes
+from lib.execution.events import TERMINAL_STATUSES, Event
+from lib.execution.indexes import Listed
+from lib.execution.record import TERMINAL, Asked, Field, Script, Status, refused
+from lib.quota import StorageQuota, Thing, execution_member, version_member
+
+log = logging.getLogger(__name__)
 
 # A batch whose envelopes add up to at most this is published whole on the notify
 # channel (append.lua), so a reader on another process forwards it without a read.
 INLINE_BYTES = 8 * 1024
 
-# How long after an execution is listed in its tenant's index a list read may find no
-# metadata for it without taking it for expired (see recent_metas); above any clock
-# skew between the replicas that write the index and read it.
-INDEX_GRACE_SECONDS = 600
+# An execution's figure in its tenant's storage ledger is set again when its footprint
+# moved by 1/256 of the tenant's limit, within these bounds: what a running execution
+# keeps beyond its figure stays under a step plus one batch.
+QUOTA_STEP_MIN, QUOTA_STEP_MAX = 4 * 1024, 1024 * 1024
+# What Redis spends on an execution's keys beyond their contents (its stream's first
+# node, four keys, its listing), counted with its run state: measured ~4.4 KB for a run
+# of one small transform, whose contents are ~800 bytes.
+EXECUTION_OVERHEAD_BYTES = 4 * 1024
+
+# The identity fields that say where an execution is listed (indexes.Listed).
+IDENTITY = (Field.TENANT.value, Field.WORKFLOW_ID.value, Field.CREATED_AT.value)
 
 
 @dataclass(frozen=True)
@@ -147,8 +160,16 @@ class EventBuffer:
         retention_seconds: int = 86_400,
         active_ttl_seconds: int = 30 * 86_400,
         inline_bytes: int = INLINE_BYTES,
+        quota: StorageQuota | None = None,
     ) -> None:
         self.redis = redis
+        # Each tenant's storage ledger: what its executions keep is handed to it.
+        self.quota = quota
+        self.quota_step = 0
+        if quota is not None:
+            # No limit (0): counted all the same, in the coarsest steps.
+            share = quota.limit_bytes // 256 if quota.limit_bytes else QUOTA_STEP_MAX
+            self.quota_step = min(max(share, QUOTA_STEP_MIN), QUOTA_STEP_MAX)
         self.inline_bytes = inline_bytes
         # Blocking tail reads may use a client (a pool) of their own.
         self.tail_redis = tail_redis or redis
@@ -208,46 +229,59 @@ class EventBuffer:
         if listed:
             lease_end = await creating
         else:
-            lease_end, _ = await asyncio.gather(
-                creating,
-                self.redis.zadd(self.keys.index(tenant), {execution_id: created_ms}, nx=True),
-            )
+            listing = self._list(execution_id, tenant, workflow_id, created_ms)
+            lease_end, _ = await asyncio.gather(creating, listing)
         return int(lease_end) != 0
+
+    async def _list(self, execution_id: str, tenant: str, workflow_id: str, score: float) -> None:
+        """List an execution in the indexes of its creation (ZADD NX: a listing that is
+        there stays as it was)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key in indexes.creation_keys(self.keys, tenant, workflow_id):
+                pipe.zadd(key, {execution_id: score}, nx=True)
+            await pipe.execute()
 
     def index_in(
         self,
         batch: Batch,
         execution_id: str,
-        tenant: str,
-        created_ms: int,
+        listed: Listed,
         then: Callable[[Any], None] | None = None,
     ) -> None:
-        """List an execution about to be created in its tenant's index, as one command of
-        ``batch`` (a list read skips an id listed a moment ago that has no metadata yet);
-        ``then`` is given ZADD's answer (1: this call listed it, 0: it was listed)."""
-        batch.call("ZADD", self.keys.index(tenant), "NX", created_ms, execution_id, then=then)
+        """List an execution about to be created in the indexes of its creation
+        (indexes.py), as commands of ``batch`` (a list read skips an id listed a moment
+        ago that has no metadata yet); ``then`` is given the tenant index's ZADD answer
+        (1: this call listed it, 0: it was listed)."""
+        keys = indexes.creation_keys(self.keys, listed.tenant, listed.workflow_id)
+        for number, key in enumerate(keys):
+            answer = then if number == 0 else None
+            batch.call("ZADD", key, "NX", listed.created_ms, execution_id, then=answer)
 
     @translated
-    async def unlist(self, execution_id: str, tenant: str, created_ms: int) -> None:
+    async def unlist(self, execution_id: str, listed: Listed) -> None:
         """Take back a listing ``index_in`` made for a creation that did not happen here.
         Another request may create the same (named) id and rely on this listing: so
         the id is listed back if it exists by now, and that request lists it again
         after its creation (``list_again``) should the removal come after this check."""
-        index = self.keys.index(tenant)
-        await self.redis.zrem(index, execution_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key in indexes.creation_keys(self.keys, listed.tenant, listed.workflow_id):
+                pipe.zrem(key, execution_id)
+            await pipe.execute()
         if await self.redis.exists(self.keys.meta(execution_id)):
-            await self.redis.zadd(index, {execution_id: created_ms}, nx=True)
+            await self._list(execution_id, listed.tenant, listed.workflow_id, listed.created_ms)
 
     @translated
-    async def list_again(self, execution_id: str, tenant: str, created_ms: int) -> None:
+    async def list_again(self, execution_id: str, listed: Listed) -> None:
         """List a just created execution whose listing was another request's (which may
         have taken it back, ``unlist``)."""
-        await self.redis.zadd(self.keys.index(tenant), {execution_id: created_ms}, nx=True)
+        await self._list(execution_id, listed.tenant, listed.workflow_id, listed.created_ms)
 
     @translated
-    async def index_again(self, execution_id: str, tenant: str) -> None:
-        """List a recreated execution in its tenant's index again (the store lost it)."""
-        await self.redis.zadd(self.keys.index(tenant), {execution_id: int(time.time() * 1000)})
+    async def index_again(self, execution_id: str, identity: Mapping[str, str]) -> None:
+        """List a recreated execution in its indexes again (the store lost them), from
+        its identity fields (``Field``)."""
+        listed = Listed.of(identity)
+        await self._list(execution_id, listed.tenant, listed.workflow_id, listed.created_ms)
 
     @translated
     async def append(
@@ -290,7 +324,9 @@ class EventBuffer:
             pairs.update(event.checkpoint)
         args.append(len(pairs))
         # Where the script's messages go: the readers' wake-up and the live lists.
-        args += [execution_id, self.keys.notify, self.keys.status, self.inline_bytes]
+        args += [
+            execution_id, self.keys.notify, self.keys.status, self.inline_bytes, self.quota_step,
+        ]  # fmt: skip
         for event in events:
             args.append(event.type)
             args.append(event.json)
@@ -300,14 +336,115 @@ class EventBuffer:
         for field, encoded in pairs.items():
             args.append(field)
             args.append(encoded)
+        # A final status is listed in its bucket before it is stored (indexes.py).
+        finishing = await self._finishing(execution_id, meta or {})
         try:
             result = await self._append(keys=self.keys.execution(execution_id), args=args)
         except ResponseError as exc:
             raise refused(Script.APPEND, exc, Asked(execution_id)) from exc
-        last, first_kept, size, count, reserved, cancel = result
+        if finishing is not None:
+            await self._finished(execution_id, finishing)
+        last, first_kept, size, count, reserved, cancel, footprint, tenant = result
+        if int(footprint) >= 0 and tenant:
+            paused = (meta or {}).get(Field.STATUS) == Status.PAUSED
+            await self._record(execution_id, tenant.decode(), int(footprint), paused=paused)
         return AppendResult(
             int(last), int(first_kept), int(size), int(count), int(reserved), cancel == b"1"
         )
+
+    def reserve_in(
+        self,
+        batch: Batch,
+        tenant: str,
+        execution_id: str,
+        size: int,
+        version: tuple[str, int] | None = None,
+    ) -> None:
+        """Count a new execution's run state (``size`` bytes) for its tenant, and the
+        workflow ``version`` it runs (digest, bytes; it lives as long as the newest
+        execution of it), as one command of ``batch`` whose answer raises ``OverQuota``
+        when the tenant has no room (and nothing was counted)."""
+        if self.quota is None:
+            return
+        things = [Thing(execution_member(execution_id), size, self._lifetime_ms())]
+        if version is not None:
+            digest, version_size = version
+            lifetime = self.active_ttl_seconds * 1000
+            things.append(Thing(version_member(digest), version_size, lifetime))
+        self.quota.reserve_in(batch, tenant, things)
+
+    async def unreserve(self, tenant: str, execution_id: str) -> None:
+        """Take back what ``reserve_in`` counted for an execution that was not created."""
+        if self.quota is not None:
+            await self.quota.forget(tenant, execution_member(execution_id))
+
+    def _lifetime_ms(self, *, paused: bool = False) -> int:
+        """How long an execution's figure counts: as long as a finished one's keys live
+        (a running one's figure is set again as it grows, and when it ends), as long as
+        a paused one's keys live while it waits."""
+        return (self.active_ttl_seconds if paused else self.retention_seconds) * 1000
+
+    async def _record(
+        self, execution_id: str, tenant: str, footprint: int, *, paused: bool
+    ) -> None:
+        """Hand an execution's footprint to its tenant's ledger, after the batch that
+        changed it is stored. Never a refusal, and a failure only logged: the batch is
+        stored, and the next figure (or the ledger's expiry) makes up for a lost one."""
+        assert self.quota is not None
+        try:
+            await self.quota.record(
+                tenant, execution_member(execution_id), footprint, self._lifetime_ms(paused=paused)
+            )
+        except BufferUnavailable as exc:
+            log.warning(
+                "could not count an execution's storage for its tenant",
+                extra={"executionId": execution_id, "bytes": footprint, "error": str(exc)},
+            )
+
+    async def _finishing(self, execution_id: str, meta: Mapping[str, str]) -> Listed | None:
+        """List an execution in the bucket of the final status ``meta`` sets (none:
+        None) before the batch that sets it is stored; None also when its record is
+        gone (the append fails, and the writer recreates it with its identity)."""
+        status = meta.get(Field.STATUS)
+        if status not in TERMINAL_STATUSES:
+            return None
+        identity = {name: meta[name] for name in IDENTITY if name in meta}
+        if len(identity) < len(IDENTITY):
+            key = self.keys.meta(execution_id)
+            stored = cast(list[bytes | None], await self.redis.hmget(key, list(IDENTITY)))
+            values = [value.decode() for value in stored if value is not None]
+            if len(values) < len(IDENTITY):
+                return None
+            identity = dict(zip(IDENTITY, values, strict=True))
+        listed = Listed.of(identity)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key in indexes.bucket_keys(self.keys, listed.tenant, listed.workflow_id, status):
+                pipe.zadd(key, {execution_id: listed.created_ms})
+            await pipe.execute()
+        return listed
+
+    async def _finished(self, execution_id: str, listed: Listed) -> None:
+        """Take a finished execution out of the ``open`` bucket and sweep its indexes.
+        Its final event is stored: a failure here is logged, not raised (a read drops
+        the entry anyway, indexes.py)."""
+        opened = indexes.bucket_keys(self.keys, listed.tenant, listed.workflow_id, indexes.OPEN)
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for key in opened:
+                    pipe.zrem(key, execution_id)
+                await pipe.execute()
+            await indexes.sweep(
+                self.redis,
+                self.keys,
+                indexes.creation_keys(self.keys, listed.tenant, listed.workflow_id),
+            )
+        except Exception as exc:
+            if not is_unreachable(exc):
+                raise
+            log.warning(
+                "could not take a finished execution out of the open index",
+                extra={"executionId": execution_id, "error": str(exc)},
+            )
 
     @translated
     async def meta(self, execution_id: str) -> ExecutionMeta:
@@ -356,60 +493,50 @@ class EventBuffer:
         tenant: str,
         *,
         limit: int,
-        keep: Callable[[ExecutionMeta], bool] = lambda _meta: True,
+        workflow_id: str | None = None,
+        status: str | None = None,
         scan_limit: int = 5_000,
     ) -> list[ExecutionMeta]:
-        """A tenant's newest executions that ``keep`` accepts; expired ones leave the index.
-
-        The index is read in pages by score (its creation time), each page below the
-        last one read, not by offset: starts that list new executions at the top (or
-        listings taken back) between two pages would shift an offset, and the list would
-        name an execution twice (a live list's client then kept the older copy) or skip
-        one. An id a page names again (listed anew at the same millisecond) is skipped.
-        """
+        """A tenant's newest executions of ``workflow_id`` in ``status`` (None: any),
+        read from the one index that lists them (indexes.py); the entries found stale
+        leave it. ``scan_limit`` bounds the entries read whatever they hold."""
+        index, bucket = self.keys.index(tenant), None
+        filtered = workflow_id is not None or status is not None
+        if filtered and await indexes.complete(self.redis, self.keys, tenant):
+            index = indexes.read_key(self.keys, tenant, workflow_id=workflow_id, status=status)
+            bucket = indexes.bucket(status)
         found: list[ExecutionMeta] = []
-        expired: list[bytes] = []
-        seen: set[bytes] = set()
-        index = self.keys.index(tenant)
+        dropped: list[bytes] = []
         # create() writes the index beside start.lua, not after it: an id listed a
         # moment ago may have no metadata yet. Only an id listed long before is gone.
-        listed_before = (time.time() - INDEX_GRACE_SECONDS) * 1000
-        top: float | str = "+inf"
-        at_top = 0  # entries of the last page with the score ``top``: the next page skips them
-        scanned = 0
-        while len(found) < limit and scanned < scan_limit:
-            entries = cast(
-                list[tuple[bytes, float]],
-                await self.redis.zrevrangebyscore(
-                    index, top, "-inf", start=at_top, num=200, withscores=True
-                ),
-            )
-            if not entries:
-                break
-            scanned += len(entries)
-            lowest = entries[-1][1]
-            ties = sum(1 for _raw_id, score in entries if score == lowest)
-            at_top = ties + (at_top if lowest == top else 0)
-            top = lowest
-            fresh = [(raw_id, score) for raw_id, score in entries if raw_id not in seen]
-            seen.update(raw_id for raw_id, _score in fresh)
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for raw_id, _score in fresh:
-                    pipe.hgetall(self.keys.meta(raw_id.decode()))
-                results = await pipe.execute()
-            for (raw_id, score), fields in zip(fresh, results, strict=True):
-                if not fields:
+        listed_before = (time.time() - indexes.INDEX_GRACE_SECONDS) * 1000
+        async for entries in indexes.newest_first(self.redis, index, scan_limit, first_page=limit):
+            metas = await self._metas([raw_id for raw_id, _score in entries])
+            for (raw_id, score), meta in zip(entries, metas, strict=True):
+                if meta is None:
                     if score < listed_before:
-                        expired.append(raw_id)
-                    continue
-                meta = ExecutionMeta.from_hash(raw_id.decode(), fields)
-                if keep(meta):
+                        dropped.append(raw_id)
+                elif indexes.stale(bucket, meta.status):
+                    dropped.append(raw_id)
+                elif workflow_id in (None, meta.workflow_id) and status in (None, meta.status):
                     found.append(meta)
-                    if len(found) == limit:
-                        break
-        if expired:
-            await self.redis.zrem(index, *expired)
-        return found
+            if len(found) >= limit:
+                break
+        if dropped:
+            await self.redis.zrem(index, *dropped)
+        await indexes.sweep(self.redis, self.keys, [index])
+        return found[:limit]
+
+    async def _metas(self, raw_ids: Sequence[bytes]) -> list[ExecutionMeta | None]:
+        """The metadata of each execution (None for one whose record is gone)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for raw_id in raw_ids:
+                pipe.hgetall(self.keys.meta(raw_id.decode()))
+            results = await pipe.execute()
+        return [
+            ExecutionMeta.from_hash(raw_id.decode(), fields) if fields else None
+            for raw_id, fields in zip(raw_ids, results, strict=True)
+        ]
 
     @translated
     async def last_ids(self, execution_ids: list[str]) -> list[int | None]:

@@ -11,7 +11,9 @@ owner, only ever raised by it. It is raised in blocks of ``BLOCK_IDS`` ahead of 
 value-store write per block, in the background), and the writer shows an unstored event
 live only under it. A takeover of a store found behind (takeovers.py) numbers above the
 highest ceiling of every owner of the execution (claim.lua's "base at least"): the ids
-in between are reported as a ``dropped`` gap, at most about a block.
+in between are reported as a ``dropped`` gap, at most about a block. So does a resume,
+a cancel or an expiry (every claim asks ``Takeovers.recall`` first), and a claim of a run
+whose final record says it ended stores that end again instead.
 
 The ids an owner's claim (or start) reserved in Redis need no ceiling: every snapshot
 that holds the claim holds them, and one that does not names no event of this owner.

@@ -27,11 +27,12 @@ ARGV[6]  resume: the answer, as JSON. It goes into the checkpoint (`a:<block>`) 
          claim, so the 202 holds even if the caller dies before it stores
          execution:resumed: whoever recovers the execution finds the block answered.
          (The caller's resumed event then writes the answer as kept, a ref when large.)
-ARGV[7]  takeover: the base at least ("" or "0": none): the highest durable ceiling the
+ARGV[7]  the base at least ("" or "0": none): the highest durable ceiling the
          execution's owners recorded outside Redis (ceiling.py), given when the store
-         came back behind (an older snapshot), so that the new owner numbers above ids
-         an owner that could not re-assert them showed live; the ids between the stored
-         last id and the base are then reported dropped, as for any base
+         came back behind (an older snapshot), so that the new owner (of a takeover,
+         resume, cancel or expiry) numbers above ids an owner that could not re-assert
+         them showed live; the ids between the stored last id and the base are then
+         reported dropped, as for any base
 
 Times are Redis's own (TIME), never a host's, so a replica whose clock is off can
 neither end a healthy execution nor keep a dead one.
@@ -77,9 +78,6 @@ if not status then
 end
 local last = tonumber(state[2]) or 0
 local base = math.max(last, tonumber(state[8]) or 0)
-if mode == "takeover" and ARGV[7] then
-  base = math.max(base, tonumber(ARGV[7]) or 0)
-end
 
 local recoveries = tonumber(state[10]) or 0
 local crashes = tonumber(state[12]) or 0
@@ -99,6 +97,8 @@ if state[3] == token and mode ~= "handoff" then
 end
 
 local function own(keep_cancel, reason)
+  -- The new owner numbers above the durable ceiling too (ARGV[7]), whatever the mode.
+  base = math.max(base, tonumber(ARGV[7]) or 0)
   local epoch = (tonumber(state[7]) or 0) + 1
   redis.call("HSET", meta, "owner", token, "epoch", epoch, "leaseUntil", now + lease,
     "status", "running", "pauseBlock", "", "pauseDeadline", "", "reserved", base)

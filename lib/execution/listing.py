@@ -331,8 +331,12 @@ class ListReader:
 
     async def _read(self) -> list[Row]:
         async with self._feed.reading(self._tenant):
+            wanted = self._wanted
             metas = await self._buffer.recent_metas(
-                self._tenant, limit=self._wanted.limit, keep=self._wanted.keeps
+                self._tenant,
+                limit=wanted.limit,
+                workflow_id=wanted.workflow_id,
+                status=wanted.status,
             )
         return [Row.of(meta) for meta in metas]
 

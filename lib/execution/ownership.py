@@ -74,6 +74,7 @@ from lib.errors import FlowcastError
 from lib.execution.admission import COUNTED_LEASES, Admission
 from lib.execution.buffer import EventBuffer
 from lib.execution.control import ControlStreams
+from lib.execution.indexes import Listed
 from lib.execution.record import (
     Asked,
     Mode,
@@ -276,7 +277,8 @@ class Ownership:
         # The listing's answer is handed over before the admission's refusal stops the
         # others: a start refused takes back the listing it made (a 429 changes nothing).
         listed: list[int] = []
-        self.buffer.index_in(batch, execution_id, tenant, created_ms, then=listed.append)
+        where = Listed(tenant, workflow_id, created_ms)
+        self.buffer.index_in(batch, execution_id, where, then=listed.append)
         if checked is not None:
             checked(batch)
         self._admission.admit_in(batch, tenant, fence)
@@ -288,7 +290,7 @@ class Ownership:
         except BaseException:
             await self._undo_start(execution_id, tenant, fence)
             if listed == [1]:
-                unlisting = self.buffer.unlist(execution_id, tenant, created_ms)
+                unlisting = self.buffer.unlist(execution_id, where)
                 await self._quietly("take back a listing", execution_id, unlisting)
             raise
         try:
@@ -315,7 +317,7 @@ class Ownership:
         if listed != [1]:
             # Listed by another request starting the same id, which may take it back.
             await self._quietly(
-                "list again", execution_id, self.buffer.list_again(execution_id, tenant, created_ms)
+                "list again", execution_id, self.buffer.list_again(execution_id, where)
             )
         return Claim(0, 0, None, fence, 1, reserved=START_RESERVED)
 
@@ -383,9 +385,9 @@ class Ownership:
         the status that won, ``NotFound``, …: see ``TRANSITIONS``).
 
         A resume's ``answer`` (JSON) is checkpointed with the claim: the 202 holds if
-        this process dies before its resumed event is stored. A takeover's
-        ``base_at_least`` (the durable ceiling, after the store came back behind) puts
-        the new owner's numbering above it.
+        this process dies before its resumed event is stored. ``base_at_least`` (the
+        durable ceiling, after the store came back behind: takeovers.py ``recall``)
+        puts the new owner's numbering above it, whatever the transition.
         """
         argument = block_id if mode is Mode.RESUME else expected
         try:

@@ -88,6 +88,11 @@ class Field(StrEnum):
     COUNT = "count"  # the retained events
     RESERVED = "reserved"  # ids an owner may show live above lastId
     CHECKPOINT_BYTES = "ckptBytes"  # outputs and answers the checkpoint holds inline
+    # Its tenant's storage ledger (lib/quota.py): the run state's bytes as created, and
+    # the footprint the ledger was last handed (append.lua).
+    QUOTA_BASE = "quotaBase"
+    QUOTA_RECORDED = "quotaRecorded"
+    COPIED_BYTES = "copiedBytes"  # the output, error and pause this hash copies
     # Outcomes, as JSON (or {"$event": id} naming the event that holds a large one).
     OUTPUT = "output"
     ERROR = "error"
@@ -155,6 +160,7 @@ class Script(StrEnum):
     WATCH = "watch.lua"
     STORE = "store.lua"
     SLOTS = "slots.lua"
+    QUOTA = "quota.lua"  # a tenant's storage ledger (lib/quota.py), no execution key
 
 
 class Reply(StrEnum):

@@ -97,6 +97,13 @@ class StoreIdentity:
         seen = self._behind_seen
         return seen is not None and time.monotonic() - seen < self.restored_seconds
 
+    def still_behind(self) -> None:
+        """Keep ``came_back_behind`` true for another ``restored_seconds``: a takeover
+        could not learn what the owners recorded outside the store (the value store did
+        not answer), and the window must not run out before one does, or that takeover
+        would number from the store's reservations after all."""
+        self._behind_seen = time.monotonic()
+
     async def wait_settled(self) -> None:
         """Wait out the rest of a settle before moving ownership; BufferUnavailable only
         if it lasts past the settle and a grace (the store keeps changing servers).

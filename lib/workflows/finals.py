@@ -193,7 +193,7 @@ class Finals:
             )
             return False
         if last_id is None:
-            await self._buffer.index_again(execution_id, final.identity[Field.TENANT])
+            await self._buffer.index_again(execution_id, final.identity)
         return True
 
     async def _restore_pause(self, execution_id: str, tenant: str, pause: SavedPause) -> None:

@@ -193,7 +193,7 @@ class Launcher:
         if local.write_back is not None:
             await local.write_back()
         await self._watch.hold(execution_id, local.fence)
-        await self._buffer.index_again(execution_id, local.tenant)
+        await self._buffer.index_again(execution_id, local.identity)
         await self._admission.count(local.tenant, local.fence)
         if local.workflow is not None:
             await self._states.save_version(local.workflow)
@@ -238,22 +238,31 @@ class Launcher:
             await self._record_final(local, writer.final_stored)
 
     async def _record_final(self, local: LocalRun, event: Event) -> None:
-        """Record the run's last event in the value store (a few tries; then logged:
-        only a later restore of an older snapshot would miss it)."""
+        """Record the run's last event in the value store (a few tries within a lease;
+        then logged: only a later restore of an older snapshot would miss it)."""
         final = Finals.final_of(local, event)
         backoff = Backoff(base=0.05, cap=1.0)
-        for attempt in range(1, 4):
-            try:
-                await record_final(self._values, local.execution_id, final)
-                return
-            except ValueStoreError as exc:
-                if attempt == 3:
-                    log.warning(
-                        "could not record the run's end outside the store",
-                        extra={"executionId": local.execution_id, "error": str(exc)},
-                    )
-                    return
-                await backoff.wait()
+        failed = "the value store did not answer within a lease"
+        try:
+            # Bounded: the run's task holds a shutdown's drain, and a value store that
+            # answers nothing (an S3 endpoint black-holed) would hold it for minutes
+            # (boto3's timeouts and retries) though the run ended.
+            async with asyncio.timeout(self._lease_seconds):
+                for attempt in range(1, 4):
+                    try:
+                        await record_final(self._values, local.execution_id, final)
+                        return
+                    except ValueStoreError as exc:
+                        failed = str(exc)
+                        if attempt == 3:
+                            break
+                        await backoff.wait()
+        except TimeoutError:
+            pass
+        log.warning(
+            "could not record the run's end outside the store",
+            extra={"executionId": local.execution_id, "error": failed},
+        )
 
     async def _hand_off(self, local: LocalRun, shown_id: int) -> None:
         # The ids this run reserved but never showed go back with it: the next owner

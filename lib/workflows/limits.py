@@ -7,7 +7,6 @@ end.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import orjson
@@ -30,7 +29,7 @@ def too_deep(value: Any, limit: int = MAX_DEPTH, *, encoded: bytes | None = None
         except (TypeError, orjson.JSONEncodeError):
             return _walked_too_deep(value, limit)  # not JSON orjson takes (a huge integer)
     # Objects count as lists: "{" as "[", "}" as "]", everything else gone.
-    brackets = _STRING.sub(b"", encoded).translate(_AS_LISTS, _NOT_BRACKETS)
+    brackets = _outside_strings(encoded).translate(_AS_LISTS, _NOT_BRACKETS)
     for _ in range(limit):
         if not brackets:
             return False
@@ -38,7 +37,16 @@ def too_deep(value: Any, limit: int = MAX_DEPTH, *, encoded: bytes | None = None
     return bool(brackets)
 
 
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')  # strings may hold brackets
+def _outside_strings(encoded: bytes) -> bytes:
+    """The JSON text ``encoded`` without its strings (they may hold brackets), in C.
+
+    Escapes go first: pairs of backslashes left to right (as JSON reads them), then
+    escaped quotes; every quote left opens or closes a string. A regular expression
+    over the strings took 1.4 s for one string of a million characters."""
+    unescaped = encoded.replace(b"\\\\", b"").replace(b'\\"', b"")
+    return b"".join(unescaped.split(b'"')[::2])
+
+
 _NOT_BRACKETS = bytes(byte for byte in range(256) if byte not in b"[]{}")
 _AS_LISTS = bytes.maketrans(b"{}", b"[]")
 

@@ -30,19 +30,22 @@ import orjson
 
 from lib.backend import Batch
 from lib.errors import (
+    BufferUnavailable,
     Conflict,
     FlowcastError,
     InvalidInput,
     NotFound,
     NotPausedThere,
+    OverQuota,
     ShuttingDown,
 )
 from lib.execution.admission import paused_member
-from lib.execution.buffer import ExecutionMeta
+from lib.execution.buffer import EXECUTION_OVERHEAD_BYTES, ExecutionMeta
 from lib.execution.events import EXECUTION_RESUMED, EXECUTION_STARTED, utc_timestamp
 from lib.execution.log import ExecutionLog
 from lib.execution.ownership import START_RESERVED, Claim, node_of
 from lib.execution.record import Field, Mode, Status, StopReason, Takeover
+from lib.execution.values import ValueStoreError
 from lib.workflows.checkpoint import answer_field
 from lib.workflows.janitor import Janitor, cancelled
 from lib.workflows.launcher import Outcome, ending_body, identity_of
@@ -50,7 +53,6 @@ from lib.workflows.leases import LeaseKeeper, LocalRun
 from lib.workflows.listener import ControlListener
 from lib.workflows.model import Workflow
 from lib.workflows.parts import Parts
-from lib.workflows.runstate import RunStates
 from lib.workflows.schemas import answer_problems
 from lib.workflows.takeovers import Takeovers, load_run
 
@@ -281,23 +283,58 @@ class Runner:
         # that creates the execution: a process may die right after the 202. The
         # workflow version is stored before, in the batch of the admission and the
         # lease entry (ownership.start).
-        version = RunStates.version(workflow)
+        raw, version = workflow.canonical()
         saved = await self._states.encode(execution_id, {"workflow": version, "input": input})
-        claim = await self._ownership.start(
-            execution_id,
-            fence=self._parts.new_fence(),
-            workflow_id=workflow.id,
-            tenant=identity[Field.TENANT],
-            created_at=identity[Field.CREATED_AT],
-            created_ms=int(now.timestamp() * 1000),
-            extra={Field.INLINE_FILES.value: identity[Field.INLINE_FILES]},
-            state=saved,
-            checked=confirm,
-            alongside=lambda batch: self._states.save_version_in(batch, workflow),
-        )
+        tenant = identity[Field.TENANT]
+        # What the run state keeps counts for its tenant from the start, in the start's
+        # round trip, before the admission: a tenant past its storage quota is refused
+        # there (OverQuota) and nothing is created.
+        size = sum(len(value) for value in saved.values()) + EXECUTION_OVERHEAD_BYTES
+
+        def checked(batch: Batch) -> None:
+            self._buffer.reserve_in(batch, tenant, execution_id, size, (version, len(raw)))
+            if confirm is not None:
+                confirm(batch)
+
+        try:
+            claim = await self._ownership.start(
+                execution_id,
+                fence=self._parts.new_fence(),
+                workflow_id=workflow.id,
+                tenant=tenant,
+                created_at=identity[Field.CREATED_AT],
+                created_ms=int(now.timestamp() * 1000),
+                extra={
+                    Field.INLINE_FILES.value: identity[Field.INLINE_FILES],
+                    Field.QUOTA_BASE.value: str(size),
+                    Field.QUOTA_RECORDED.value: str(size),
+                },
+                state=saved,
+                checked=checked,
+                alongside=lambda batch: self._states.save_version_in(batch, workflow),
+            )
+        except OverQuota:
+            raise  # refused before anything was counted
+        except BaseException:
+            # Refused after it was counted (another check, the admission), or not known
+            # to be: the figure goes (a named id another request created is counted
+            # again by its run's first figure).
+            await self._uncount(tenant, execution_id)
+            raise
         if claim is None:
             return None
         return claim, saved
+
+    async def _uncount(self, tenant: str, execution_id: str) -> None:
+        """Take back the figure a refused start counted (best effort: left, it stops
+        counting after the retention)."""
+        try:
+            await self._buffer.unreserve(tenant, execution_id)
+        except BufferUnavailable as exc:
+            log.warning(
+                "could not take back a refused start's storage figure",
+                extra={"executionId": execution_id, "error": str(exc)},
+            )
 
     async def resume(
         self, execution_id: str, *, tenant: str, block_id: str | None, input: Any
@@ -317,7 +354,13 @@ class Runner:
         fence = self._parts.new_fence()
         await self._admission.admit(tenant, fence, replaces=paused_member(execution_id))
         claim = await self._claim(
-            execution_id, Mode.RESUME, fence, tenant, block_id=paused_at, answer=orjson.dumps(input)
+            execution_id,
+            Mode.RESUME,
+            fence,
+            tenant,
+            meta=meta,
+            block_id=paused_at,
+            answer=orjson.dumps(input),
         )
 
         async def body(local: LocalRun, emitter: ExecutionLog) -> None:
@@ -348,7 +391,7 @@ class Runner:
         """
         meta = await self._owned(execution_id, tenant)
         fence = self._parts.new_fence()
-        claim = await self._claim(execution_id, Mode.CANCEL, fence, tenant)
+        claim = await self._claim(execution_id, Mode.CANCEL, fence, tenant, meta=meta)
         if claim.status_before is not Status.RUNNING:
             self._launcher.launch(
                 execution_id,
@@ -382,6 +425,7 @@ class Runner:
         fence: str,
         tenant: str,
         *,
+        meta: ExecutionMeta,
         block_id: str = "",
         answer: bytes = b"",
     ) -> Claim:
@@ -390,12 +434,15 @@ class Runner:
         A refused claim undoes the watch. One whose answer was lost (the buffer failed
         mid-call) keeps it: if the claim did apply, the lease it set expires unrenewed
         and a janitor ends the execution, so it is never running with nobody watching.
+        A store that came back behind is told first what it forgot (``recall``): a run
+        whose end it lost has that end stored again, and the claim is refused with it.
         """
         try:
             await self._store.wait_settled()
+            ceiling = await self._recalled(execution_id, meta)
             await self._watch.hold(execution_id, fence)
             claim = await self._ownership.claim(
-                execution_id, mode, fence, block_id=block_id, answer=answer
+                execution_id, mode, fence, block_id=block_id, answer=answer, base_at_least=ceiling
             )
         except (Conflict, NotFound):
             await self._launcher.quietly(
@@ -413,6 +460,18 @@ class Runner:
                 execution_id, self._admission.leave(tenant, paused_member(execution_id))
             )
         return claim
+
+    async def _recalled(self, execution_id: str, meta: ExecutionMeta) -> int:
+        """The id a claim numbers above after the store came back behind; a run whose
+        end the store had lost has it stored again, and the claim then meets that end
+        (409 with the status that won)."""
+        try:
+            ceiling = await self._takeovers.recall(execution_id, meta)
+        except ValueStoreError as exc:
+            raise BufferUnavailable(
+                f"the store came back behind and the value store cannot say what it lost: {exc}"
+            ) from exc
+        return 0 if ceiling is None else ceiling
 
     # -- what the janitor and the hand-offs report -------------------------------
 

@@ -40,6 +40,7 @@ from redis.asyncio import Redis
 
 from lib.backend import Keys, translating
 from lib.errors import BlockError, BufferUnavailable, InvalidInput, NotFound, Problem
+from lib.quota import StorageQuota, secret_member
 from lib.tenancy import CURRENT_TENANT
 from lib.workflows.redact import Redactor, spelled
 from lib.workflows.templates import secret_names
@@ -80,7 +81,10 @@ def check_name(name: str) -> None:
 class SecretStore:
     """Put, list, delete and (for runs only) reveal one tenant's secrets."""
 
-    def __init__(self, *, redis: Redis, key: bytes, prefix: str = "fc") -> None:
+    def __init__(
+        self, *, redis: Redis, key: bytes, prefix: str = "fc", quota: StorageQuota | None = None
+    ) -> None:
+        self._quota = quota
         derived = HKDF(
             algorithm=hashes.SHA256(), length=32, salt=None, info=b"flowcast secrets v1"
         ).derive(key)
@@ -120,8 +124,25 @@ class SecretStore:
                 # The value it replaces stays masked: a run, or a remote side, may still
                 # hold it and echo it back.
                 record["previous"] = orjson.loads(before).get("sealed", "")
-            created = bool(await self._redis.hset(key, name, orjson.dumps(record)))
-        return info, created
+        return info, await self._counted(tenant, name, orjson.dumps(record))
+
+    async def _counted(self, tenant: str, name: str, raw: bytes) -> bool:
+        """Store a secret's record once its tenant's storage quota has room for it
+        (``OverQuota`` before anything is written); whether it is new. A store that
+        fails puts the secret's previous figure back."""
+        key, member = self._keys.secrets(tenant), secret_member(name)
+        previous = 0
+        if self._quota is not None:
+            previous = await self._quota.reserve(tenant, member, len(raw) + len(name))
+        try:
+            with translating("store the secret"):
+                return bool(await self._redis.hset(key, name, raw))
+        except BaseException:
+            if self._quota is not None and previous:
+                await self._quota.record(tenant, member, previous)
+            elif self._quota is not None:
+                await self._quota.forget(tenant, member)
+            raise
 
     async def list(self, tenant: str) -> list[SecretInfo]:
         """Names and update times, never values."""
@@ -136,6 +157,8 @@ class SecretStore:
     async def delete(self, tenant: str, name: str) -> None:
         with translating("delete the secret"):
             removed = await self._redis.hdel(self._keys.secrets(tenant), name)
+        if self._quota is not None:
+            await self._quota.forget(tenant, secret_member(name))
         if not removed:
             raise NotFound("secret", name)
 

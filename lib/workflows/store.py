@@ -33,6 +33,7 @@ from lib.errors import (
     WorkflowChanged,
     WorkflowInvalid,
 )
+from lib.quota import StorageQuota, workflow_member
 from lib.tenancy import FairGate
 from lib.workflows.model import Workflow
 
@@ -98,8 +99,10 @@ class WorkflowStore:
         files: dict[str, Workflow] | None = None,
         prefix: str = "fc",
         admit: Admit | None = None,
+        quota: StorageQuota | None = None,
     ) -> None:
         self._redis = redis
+        self._quota = quota
         self._validate = validate
         # One check at a time, in a thread: the event loop then shares the GIL with one
         # other thread only, however many workflows are being stored at once.
@@ -173,10 +176,28 @@ class WorkflowStore:
                 [Problem("$.id", f"expected {workflow_id!r}, got {workflow.id!r}")],
             )
         raw = orjson.dumps(workflow.model_dump(by_alias=True, exclude_none=True, mode="json"))
-        with translating("store the workflow"):
-            created = await self._redis.hset(self._key(tenant), workflow_id, raw)
+        created = await self._counted(tenant, workflow_id, raw)
         self._remember(tenant, workflow_id, StoredWorkflow(workflow, "api", raw))
         return workflow, bool(created) and workflow_id not in self._files
+
+    async def _counted(self, tenant: str, workflow_id: str, raw: bytes) -> bool:
+        """Store ``raw`` once its tenant's storage quota has room for it (``OverQuota``
+        before anything is written); whether it is new. A store that fails puts the
+        workflow's previous figure back."""
+        if self._quota is None:
+            with translating("store the workflow"):
+                return bool(await self._redis.hset(self._key(tenant), workflow_id, raw))
+        member, size = workflow_member(workflow_id), len(raw) + len(workflow_id)
+        previous = await self._quota.reserve(tenant, member, size)
+        try:
+            with translating("store the workflow"):
+                return bool(await self._redis.hset(self._key(tenant), workflow_id, raw))
+        except BaseException:
+            if previous:
+                await self._quota.record(tenant, member, previous)
+            else:
+                await self._quota.forget(tenant, member)
+            raise
 
     async def get(self, tenant: str, workflow_id: str) -> StoredWorkflow:
         with translating("read the workflow"):
@@ -213,6 +234,9 @@ class WorkflowStore:
         with translating("delete the workflow"):
             removed = await self._redis.hdel(self._key(tenant), workflow_id)
         self._remember(tenant, workflow_id, None)
+        if self._quota is not None:
+            # Also when nothing was stored: a figure a killed PUT left behind goes.
+            await self._quota.forget(tenant, workflow_member(workflow_id))
         if removed:
             return
         if workflow_id in self._files:

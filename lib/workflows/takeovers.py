@@ -17,12 +17,13 @@ from enum import Enum
 from typing import Any
 
 from lib.errors import BufferUnavailable, Conflict, LeaseHeld, NotDue, NotFound
+from lib.execution.admission import paused_member
 from lib.execution.buffer import ExecutionMeta
 from lib.execution.ceiling import Durable, read_durable
 from lib.execution.events import EXECUTION_RECOVERED, EXECUTION_STARTED
 from lib.execution.log import ExecutionLog
 from lib.execution.ownership import Claim
-from lib.execution.record import Field, Mode, RecoveryReason, StopReason, Takeover
+from lib.execution.record import Field, Mode, RecoveryReason, Status, StopReason, Takeover
 from lib.execution.values import ValueStoreError
 from lib.workflows.executor import RunState
 from lib.workflows.finals import Final
@@ -92,8 +93,15 @@ class Takeovers:
         fence = self._parts.new_fence()
         try:
             meta = await self._buffer.meta(execution_id)
+            ceiling = await self.recall(execution_id, meta)
+            if ceiling is None:
+                return Claimed.SETTLED
             await self._watch.hold(execution_id, fence)
-            claim = await self._ownership.claim(execution_id, Mode.EXPIRE, fence)
+            claim = await self._ownership.claim(
+                execution_id, Mode.EXPIRE, fence, base_at_least=ceiling
+            )
+        except ValueStoreError:
+            return Claimed.NOT_YET  # the next pass asks again
         except (Conflict, NotFound) as exc:
             await self._launcher.quietly(execution_id, self._watch.release(execution_id, fence))
             return Claimed.NOT_YET if isinstance(exc, NotDue) else Claimed.SETTLED
@@ -111,28 +119,35 @@ class Takeovers:
     async def _recover(self, execution_id: str, expected: str, how: Takeover) -> Claimed:
         """Win the execution from ``expected`` (the owner it may replace: see
         Takeover), then carry it on from its checkpoint here."""
+        behind = self._store.came_back_behind()
+        claimed = await self._recover_from(execution_id, expected, how)
+        if behind and claimed is Claimed.NOT_YET:
+            # Not taken over yet (the value store did not answer, the lease is not
+            # trusted yet, ...): the store's reservations stay distrusted until it is,
+            # or a later try past the window would number below ids a client saw.
+            self._store.still_behind()
+        return claimed
+
+    async def _recover_from(self, execution_id: str, expected: str, how: Takeover) -> Claimed:
         fence = self._parts.new_fence()
         try:
             await self._store.wait_settled()
         except BufferUnavailable:
             return Claimed.NOT_YET
-        durable = Durable()
-        if self._store.came_back_behind():
-            # The store may have forgotten ids its owner showed, or how the run ended,
-            # and the process that knew is not here to re-assert it: what the owners
-            # recorded outside it says (ceiling.py, finals.py).
-            try:
-                durable = await read_durable(self._launcher.values, execution_id)
-            except ValueStoreError as exc:
-                log.warning(
-                    "takeover waits for the value store",
-                    extra={"executionId": execution_id, "error": str(exc)},
-                )
-                return Claimed.NOT_YET
         try:
             meta = await self._buffer.meta(execution_id)
-            if await self._ended_before(execution_id, meta, expected, durable):
-                return Claimed.SETTLED
+            ceiling = await self.recall(execution_id, meta, expected)
+        except ValueStoreError as exc:
+            log.warning(
+                "takeover waits for the value store",
+                extra={"executionId": execution_id, "error": str(exc)},
+            )
+            return Claimed.NOT_YET
+        except NotFound:
+            return Claimed.SETTLED
+        if ceiling is None:
+            return Claimed.SETTLED
+        try:
             await self._watch.hold(execution_id, fence)
             claim = await self._ownership.claim(
                 execution_id,
@@ -140,7 +155,7 @@ class Takeovers:
                 fence,
                 expected=expected,
                 takeover=how,
-                base_at_least=durable.ceiling,
+                base_at_least=ceiling,
             )
         except (Conflict, NotFound) as exc:
             await self._launcher.quietly(execution_id, self._watch.release(execution_id, fence))
@@ -160,13 +175,39 @@ class Takeovers:
         )
         return Claimed.WON
 
+    async def recall(
+        self, execution_id: str, meta: ExecutionMeta, expected: str = ""
+    ) -> int | None:
+        """What a claim on ``meta`` (read just before) must know of what the store may
+        have forgotten: the id to number above (0 when the store did not come back
+        behind), or None when the run's end was stored again instead (the claim is
+        moot). Every claim that takes an execution over asks first: a takeover, an
+        expiry, a resume, a cancel (a cancel of a run the store brought back paused
+        after it completed stored a second event under a shown id: the fault storm).
+
+        The store may have forgotten ids an owner showed, or how the run ended, and the
+        process that knew is not here to re-assert it: what the owners recorded
+        outside it says (ceiling.py, finals.py). ``ValueStoreError`` when it cannot say.
+        ``expected``: the owner a takeover replaces (it stops counting if the end is
+        stored again)."""
+        if not self._store.came_back_behind():
+            return 0
+        try:
+            durable = await read_durable(self._launcher.values, execution_id)
+        except ValueStoreError:
+            self._store.still_behind()  # the window lasts until the records are read
+            raise
+        if await self._ended_before(execution_id, meta, expected, durable):
+            return None
+        return durable.ceiling
+
     async def _ended_before(
         self, execution_id: str, meta: ExecutionMeta, expected: str, durable: Durable
     ) -> bool:
-        """A store back behind says "running", but the run's final record says it
-        ended (or paused) later, and no owner started after that: store its last event
-        again, as the process that ended it would have (finals.py), instead of running
-        it a second time. False when there is none, or the store refused it."""
+        """A store back behind says "running" (or "paused"), but the run's final record
+        says it ended (or paused) later, and no owner started after that: store its
+        last event again, as the process that ended it would have (finals.py), instead
+        of running it a second time. False when there is none, or the store refused it."""
         record = durable.final
         if record is None or record["id"] <= max(meta.last_id, durable.base):
             return False
@@ -177,7 +218,10 @@ class Takeovers:
         )
         if not await self._parts.finals.restore(execution_id, final, meta.last_id):
             return False
-        await self._launcher.quietly(execution_id, self._admission.leave(meta.tenant, expected))
+        # What counted for the tenant (the owner replaced, or the pause) stops counting.
+        member = expected or (paused_member(execution_id) if meta.status == Status.PAUSED else "")
+        if member:
+            await self._launcher.quietly(execution_id, self._admission.leave(meta.tenant, member))
         return True
 
     def _recovery_body(self, execution_id: str, claim: Claim) -> Body:

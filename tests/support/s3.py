@@ -33,6 +33,13 @@ class MotoServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def pid(self) -> int:
+        """The server's process id (to stop it with SIGSTOP: an endpoint that answers
+        nothing)."""
+        assert self._process is not None, "not started"
+        return self._process.pid
+
     async def start(self, timeout: float = 30.0) -> None:
         binary = Path(sys.executable).with_name("moto_server")
         with self.log_path.open("wb") as log:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
+from redis.asyncio import Redis
 
 from tests.support.api import put
 from tests.support.servers import FlowcastServer, ValkeyServer, authed, serving_pair
@@ -204,3 +206,61 @@ async def test_an_execute_runs_the_workflow_stored_when_it_is_accepted_whoever_c
         assert await output_of(on_a, workflow_id, streamed=streamed) == {"a": 3}
         listed = (await on_a.get("/api/executions", params={"workflowId": workflow_id})).json()
         assert len(listed["executions"]) == 4  # the 404 left no listing
+
+
+async def _at_once(*requests: Any) -> list[Any]:
+    """Run the coroutines from one instant: each waits for the same signal first."""
+    go = asyncio.Event()
+
+    async def when_told(request: Any) -> Any:
+        await go.wait()
+        return await request
+
+    tasks = [asyncio.create_task(when_told(request)) for request in requests]
+    await asyncio.sleep(0)  # every task is waiting on ``go``
+    go.set()
+    return list(await asyncio.gather(*tasks))
+
+
+@pytest.mark.timeout(120)
+async def test_executes_racing_a_put_or_a_delete_on_another_replica_run_a_stored_version(
+    pair: tuple[FlowcastServer, FlowcastServer], valkey: ValkeyServer, unique: str
+) -> None:
+    """Rounds of an execute on A (which knows the stored version) fired at the same
+    instant as a PUT of the next version, or a DELETE, on B. Each execute runs the
+    version stored before or after the other request, or (deleted) answers 404; a later
+    execute on A runs what is stored now; every execution answered 202 is listed, none
+    refused is, and no admission is left behind once they ended. Found by nothing: the
+    h1 fresh-eyes review tried to break the start's confirmed workflow (e37bbdb)."""
+    a, b = pair
+    workflow_id = f"raced-{unique}"
+    started = 0
+    async with authed(a) as on_a, authed(b) as on_b:
+        for turn in range(12):
+            await put(on_a, valued(workflow_id, turn * 10))  # A knows this version
+            ran, replaced = await _at_once(
+                output_of(on_a, workflow_id, streamed=turn % 2 == 0),
+                on_b.put(f"/api/workflows/{workflow_id}", json=valued(workflow_id, turn * 10 + 1)),
+            )
+            assert replaced.status_code == 200, replaced.text
+            assert ran in ({"a": turn * 10}, {"a": turn * 10 + 1}), (turn, ran)
+            assert await output_of(on_a, workflow_id, streamed=False) == {"a": turn * 10 + 1}
+            started += 2
+            ran, deleted = await _at_once(
+                output_of(on_a, workflow_id, streamed=turn % 2 == 1),
+                on_b.delete(f"/api/workflows/{workflow_id}"),
+            )
+            assert deleted.status_code == 204, deleted.text
+            assert ran in ({"a": turn * 10 + 1}, 404), (turn, ran)
+            started += ran != 404
+            assert await output_of(on_a, workflow_id, streamed=False) == 404
+        listed = (
+            await on_a.get("/api/executions", params={"workflowId": workflow_id, "limit": 200})
+        ).json()
+    assert len(listed["executions"]) == started
+    redis = Redis.from_url(valkey.url)
+    try:
+        prefix = a.env["FLOWCAST_REDIS_PREFIX"]
+        assert await redis.zcard(f"{prefix}:running:default") == 0
+    finally:
+        await redis.aclose()

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from tests.support.api import approval_workflow, execute, put, wait_status, within
+from tests.support.api import approval_workflow, execute, put, until, wait_status, within
 from tests.support.servers import FlowcastServer, ValkeyServer
 
 # ---------------------------------------------------------------- a 202, then the replica dies
@@ -172,10 +172,20 @@ async def test_a_resume_answered_202_by_a_replica_sigkilled_right_after_takes_ef
             execution_id = await execute(on_a, workflow_id, {})
             await wait_status(on_a, execution_id, "paused")
             # The execution's folder holds its owners' durable records (ceiling.py):
-            # replaced by a file, every write into it fails.
+            # replaced by a file, every write into it fails. The paused run writes its
+            # final record after the status shows, and may make the folder again between
+            # the removal and the file: replaced until a file stands there.
             folder = a.data_dir / "values" / execution_id
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.write_text("not a directory")
+
+            def replaced() -> bool:
+                shutil.rmtree(folder, ignore_errors=True)
+                try:
+                    folder.write_text("not a directory")
+                except IsADirectoryError:
+                    return False
+                return True
+
+            await until(replaced, "the values folder replaced by a file")
             answer = {"note": "x" * 4096}
             resumed = await on_a.post(
                 f"/api/executions/{execution_id}/resume", json={"input": answer}

@@ -309,3 +309,45 @@ async def test_another_tenants_backlog_of_costly_checks_does_not_hold_a_tenants_
             )
     finally:
         await server.stop(signal.SIGKILL)
+
+
+async def test_a_long_string_in_an_input_does_not_stall_other_tenants(
+    valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """Found by the hostile-tenant stress scenario (step 16): an input holding one string
+    of a million characters held another tenant's GET 1.3-2.6 s. The input's depth
+    check took the strings out of its JSON with a regular expression that stepped
+    through each character (1.4 s for that string); it now splits on the quotes in C.
+    Four inputs of 3 million characters each: 0.69 s before, within the probe's bound now."""
+    server = await started_server(
+        tmp_path,
+        "string",
+        FLOWCAST_REDIS_URL=valkey.url,
+        FLOWCAST_REDIS_PREFIX=prefix(),
+        FLOWCAST_API_KEYS=f"{ALPHA},{BETA}",
+    )
+    try:
+        async with authed(server, ALPHA) as alpha, authed(server, BETA) as beta:
+            await put(
+                alpha,
+                one_block(
+                    "echo",
+                    {"id": "t", "type": "transform", "config": {"value": "{{ input.s[:10] }}"}},
+                ),
+            )
+            quiet = await latencies(beta, PROBE, 40)
+            async with probing(beta, PROBE) as loaded:
+                started = await asyncio.gather(
+                    *(start_execution(alpha, "echo", {"s": "z" * 3_000_000}) for _ in range(4))
+                )
+                for run in started:
+                    await wait_finished(alpha, run["executionId"], timeout=20)
+            assert_within(
+                max(loaded),
+                probe=max(quiet),
+                ratio=STALL_RATIO,
+                floor=STALL_FLOOR,
+                what=f"another tenant's worst GET of {len(loaded)}",
+            )
+    finally:
+        await server.stop(signal.SIGKILL)

@@ -104,3 +104,43 @@ async def test_a_run_that_ended_on_a_replica_since_gone_does_not_end_again_after
         f"{[(e['id'], e['type']) for e in stored]}"
     )
     assert stored[-1] == seen[-1], ("the run ended again", stored[-1], seen[-1])
+
+
+@pytest.mark.parametrize("asked", ["cancel", "resume"])
+async def test_a_run_restored_paused_after_it_completed_meets_its_end_when_cancelled_or_resumed(
+    valkey: FaultyValkey, tmp_path: Path, moto: MotoServer, asked: str
+) -> None:
+    """Found by the fault storm (step 16 session): a run paused, was resumed and
+    completed on A, which then left; Valkey came back from a snapshot taken while it was
+    paused. A cancel through B claimed the pause and stored ``execution:cancelled`` under
+    an id a client had seen as another event: only takeovers read the records owners
+    keep outside Redis. Every claim now asks first (takeovers.py ``recall``): B stores
+    the run's end again and answers 409 with the status that won."""
+    shared = await shared_bucket(moto)
+    a, b = replica(valkey, tmp_path, "a", **shared), replica(valkey, tmp_path, "b", **shared)
+    async with running(a, b) as alive, httpx.AsyncClient(timeout=30) as http:
+        wf = approval_flow("paused-then-done")
+        await put(http_for(http, a), wf)
+        eid = await execute(http_for(http, a), wf["id"])
+        await until(lambda: has_event(http_for(http, a), eid, "execution:paused"), "paused")
+        snap = await take_snapshot(valkey, tmp_path / "paused.rdb")
+        resumed = await http_for(http, a).post(
+            f"/api/executions/{eid}/resume", json={"input": {"ok": True}}
+        )
+        assert resumed.status_code == 202, resumed.text
+        seen = seen_events(await follow_on(a, eid))  # to its terminal event
+        assert seen[-1]["type"] == "execution:completed", seen[-1]
+        await terminate_replica(a)
+        alive.remove(a)
+        await crash_and_restore(valkey, snap)
+        await put(http_for(http, b), wf)
+        await until(lambda: settled_store(valkey), "the store settled", timeout=20)
+        body = {"input": {"ok": False}} if asked == "resume" else None
+        answer = await http_for(http, b).post(f"/api/executions/{eid}/{asked}", json=body)
+        assert answer.status_code == 409, answer.text
+        assert "completed" in answer.text, answer.text
+        stored = await all_events(http_for(http, b), eid)
+    by_id = {event["id"]: event for event in stored}
+    clashes = [(e["id"], e["type"]) for e in seen if e["id"] in by_id and by_id[e["id"]] != e]
+    assert not clashes, (clashes, [(e["id"], e["type"]) for e in stored])
+    assert stored[-1] == seen[-1], ("the run ended again", stored[-1], seen[-1])

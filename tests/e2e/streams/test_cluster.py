@@ -17,10 +17,11 @@ import pytest
 from redis.asyncio import Redis
 
 from app.connections import connect
+from lib.backend import Keys
 from lib.errors import BufferUnavailable
-from lib.execution.buffer import EventBuffer
+from lib.execution.buffer import EXECUTION_OVERHEAD_BYTES, EventBuffer
 from lib.workflows.store import WorkflowStore
-from tests.support.api import all_events, put, streaming_workflow, wait_finished
+from tests.support.api import all_events, put, streaming_workflow, until, wait_finished
 from tests.support.cluster import ValkeyCluster
 from tests.support.logcheck import check_log, check_view
 from tests.support.servers import FlowcastServer
@@ -186,6 +187,37 @@ async def test_each_execution_lives_in_one_slot_and_executions_spread_over_the_n
     assert owners == set(nodes)
 
 
+async def test_an_execution_is_counted_in_its_tenants_ledger_in_another_slot(
+    client: httpx.AsyncClient, cluster: ValkeyCluster, unique: str
+) -> None:
+    """The tenant's storage ledger (``{t:<tenant>}``) lives in another slot than the
+    execution (``{<eid>}``): the start counts it in its own round trip, and its final
+    figure is set by a command of its own after its last batch, equal to what its
+    metadata says it handed over."""
+    await put(client, streaming_workflow(f"ledger-{unique}", words=5))
+    started = (await client.post(f"/api/workflows/ledger-{unique}/execute", json={})).json()
+    execution_id = started["executionId"]
+    assert (await wait_finished(client, execution_id))["status"] == "completed"
+    keys, member = Keys(), f"e:{execution_id}"
+    sizes = keys.quota("default")[1]
+    redis = connect(cluster.url, socket_timeout=5, max_connections=8)
+    try:
+
+        async def counted() -> bool:
+            handed = await redis.hget(keys.meta(execution_id), "quotaRecorded")
+            return handed is not None and await redis.hget(sizes, member) == handed
+
+        await until(counted, "the final figure in the tenant's ledger", 10)
+        assert int(await redis.hget(sizes, member)) > EXECUTION_OVERHEAD_BYTES
+        slots = {
+            await redis.execute_command("CLUSTER KEYSLOT", key)
+            for key in (sizes, keys.meta(execution_id))
+        }
+        assert len(slots) == 2
+    finally:
+        await redis.aclose()
+
+
 async def test_reconnecting_mid_stream_with_last_event_id_gets_exactly_the_rest(
     client: httpx.AsyncClient, other_client: httpx.AsyncClient, unique: str
 ) -> None:
@@ -232,6 +264,13 @@ async def test_events_page_snapshot_and_listing_read_through_the_cluster(
         assert [execution["id"] for execution in listed["executions"]] == ids[::-1]
         limited = (await http.get(f"/api/executions?workflowId=page-{unique}&limit=2")).json()
         assert [execution["id"] for execution in limited["executions"]] == ids[:0:-1]
+        # The workflow's and the status bucket's indexes, on whichever node has their slot.
+        done = f"/api/executions?workflowId=page-{unique}&status=completed"
+        assert [
+            execution["id"] for execution in (await http.get(done)).json()["executions"]
+        ] == ids[::-1]
+        running = f"/api/executions?workflowId=page-{unique}&status=running"
+        assert (await http.get(running)).json()["executions"] == []
 
 
 async def test_a_second_process_follows_an_execution_of_the_first_live_to_the_end(

@@ -55,12 +55,13 @@ def append(
     meta: Mapping[str, str] | None = None,
     checkpoint: Mapping[str, str] | None = None,
     inline: int = 0,
+    quota_step: int = 0,
 ) -> Any:
     meta, checkpoint = meta or {}, checkpoint or {}
     args: list[Any] = [
         token, epoch, first, "1" if after_drop else "0", limit, budget, retention, ttl,
         reserve, "1" if recreate else "0", len(events), len(meta), len(checkpoint),
-        eid, keys.notify, keys.status, inline,
+        eid, keys.notify, keys.status, inline, quota_step,
     ]  # fmt: skip
     for kind, body in events:
         args += [kind, body]
@@ -80,7 +81,7 @@ async def test_a_batch_is_stored_after_the_last_id_and_answered_with_the_ring(
     events = [chunk(1), chunk(2), chunk(3)]
     reply = await append(redis, keys, eid, events, first=1, reserve=8)
     size = sum(len(body) for _, body in events)
-    assert reply == [3, 1, size, 3, 8, b"0"]
+    assert reply == [3, 1, size, 3, 8, b"0", -1, b""]
     assert await ids(redis, keys, eid) == [b"1-0", b"2-0", b"3-0"]
     stored = await redis.xrange(keys.events(eid), count=1)
     assert stored[0][1] == {b"t": b"block:chunk", b"e": events[0][1].encode()}
@@ -208,7 +209,7 @@ async def test_the_byte_budget_evicts_but_never_the_newest_event(
     await append(redis, keys, eid, small, first=1, budget=200)
     big = chunk(3, size=500)
     reply = await append(redis, keys, eid, [big], first=3, budget=200)
-    assert reply == [3, 3, len(big[1]), 1, 3, b"0"]
+    assert reply == [3, 3, len(big[1]), 1, 3, b"0", -1, b""]
     assert await ids(redis, keys, eid) == [b"3-0"]
 
 
@@ -356,3 +357,42 @@ async def test_a_recreate_or_a_take_back_before_an_order_refusal_stays(
     )
     assert await redis.hmget(keys.meta(eid), "owner", "epoch") == [later.encode(), b"2"]
     assert await ids(redis, keys, eid) == []
+
+
+async def test_the_footprint_is_handed_to_the_tenant_ledger_when_it_moved_by_a_step(
+    redis: Redis, keys: Keys, eid: str
+) -> None:
+    """ARGV[18]: the footprint (envelopes + checkpoint outputs + outcomes the hash
+    copies + ``quotaBase``) is answered, with the tenant, when it moved by the step
+    since ``quotaRecorded`` or the batch sets the status; otherwise -1 and "", and
+    ``quotaRecorded`` stays."""
+    await owned(redis, keys, eid, quotaBase=100, quotaRecorded=100)
+    small = chunk(1)
+    reply = await append(redis, keys, eid, [small], first=1, quota_step=1000)
+    assert reply[6:] == [-1, b""]
+    assert await redis.hget(keys.meta(eid), "quotaRecorded") == b"100"
+    big = chunk(2, size=1200)
+    held = {"o:b": "x" * 50}
+    reply = await append(redis, keys, eid, [big], first=2, quota_step=1000, checkpoint=held)
+    footprint = len(small[1]) + len(big[1]) + 50 + 100
+    assert reply[6:] == [footprint, b"acme"]
+    assert await redis.hget(keys.meta(eid), "quotaRecorded") == str(footprint).encode()
+    done = ("execution:completed", "{}")
+    ended = {"status": "completed", "output": '"xyz"'}  # the output the hash copies counts
+    reply = await append(redis, keys, eid, [done], first=3, quota_step=1000, meta=ended)
+    assert reply[6:] == [footprint + 2 + 5, b"acme"]  # a status change: handed whatever moved
+
+
+async def test_no_footprint_is_handed_without_a_step_or_a_tenant(
+    redis: Redis, keys: Keys, eid: str
+) -> None:
+    """A step of 0 (no ledger) or a metadata hash that names no tenant never asks for
+    the ledger, even when the status is set."""
+    await owned(redis, keys, eid)
+    done = ("execution:completed", "{}")
+    reply = await append(redis, keys, eid, [done], first=1, meta={"status": "completed"})
+    assert reply[6:] == [-1, b""]
+    other = f"{eid}-2"
+    await redis.hset(keys.meta(other), mapping={"owner": TOKEN, "epoch": 1, "lastId": 0})
+    reply = await append(redis, keys, other, [chunk(1)], first=1, quota_step=1)
+    assert reply[6:] == [-1, b""]

@@ -1,5 +1,5 @@
-"""The contracts of the scripts that touch more than one key (append, claim, read and
-start.lua), run again on a real three-node Valkey Cluster.
+"""The contracts of the scripts that touch more than one key (append, claim, read,
+start and quota.lua), run again on a real three-node Valkey Cluster.
 
 Every case of those scripts' modules is collected here once more, as
 ``test_<script>_<case>``, with this module's ``redis`` (a cluster client) and
@@ -17,10 +17,16 @@ import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
-from tests.execution.scripts import test_append, test_claim, test_read, test_start
+from tests.execution.scripts import test_append, test_claim, test_quota, test_read, test_start
 from tests.support.cluster import ValkeyCluster
 
-MULTI_KEY = {"append": test_append, "claim": test_claim, "read": test_read, "start": test_start}
+MULTI_KEY = {
+    "append": test_append,
+    "claim": test_claim,
+    "read": test_read,
+    "start": test_start,
+    "quota": test_quota,
+}
 
 for _script, _module in MULTI_KEY.items():
     for _name, _case in vars(_module).items():

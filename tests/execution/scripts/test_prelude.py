@@ -14,13 +14,13 @@ from tests.execution.scripts.contract import PACKAGE, now_ms
 SCRIPTS = [
     "admit.lua", "append.lua", "claim.lua", "read.lua",
     "renew.lua", "start.lua", "store.lua", "watch.lua",
-    "slots.lua",
+    "slots.lua", "quota.lua",
 ]  # fmt: skip
 
 
 def package_of(name: str) -> str:
     """The package a script lives in (next to the module that runs it)."""
-    return "lib.workflows" if name == "slots.lua" else PACKAGE
+    return {"slots.lua": "lib.workflows", "quota.lua": "lib"}.get(name, PACKAGE)
 
 
 def header_and_body(name: str) -> tuple[str, str]:

@@ -1,0 +1,197 @@
+"""Each tenant's Redis footprint stays within FLOWCAST_TENANT_STORAGE_BYTES (SPEC §8
+"Shares per tenant"; issue 24, row 6: one tenant added 1.07 GB in under a minute).
+
+Real processes: a Flowcast server on the session's Valkey with a quota of a few hundred
+KB, two tenants, runs whose inputs and outputs are tens of KB each. Past the quota a new
+execution and a new workflow are refused 429 ``storage_quota`` with the figures; what
+runs already finishes with every event stored; another tenant is unaffected; deleting
+a workflow, or finished runs expiring, gives the room back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from app.auth import tenant_of_key
+from lib.backend import Keys
+from tests.support.api import all_events, execute, put, until, wait_finished
+from tests.support.servers import ALPHA, BETA, ValkeyServer, authed, prefix, serving
+
+QUOTA = 400_000
+SIZE = 20_000  # the text each run echoes: its input, its block's output, its output
+
+
+def echo(workflow_id: str, *, delay_ms: int = 0) -> dict[str, Any]:
+    """Echo ``input.s`` as the run's output (after ``delay_ms``, when given)."""
+    blocks: list[dict[str, Any]] = [
+        {"id": "echo", "type": "transform", "config": {"value": "{{ input.s }}"}}
+    ]
+    edges: list[dict[str, str]] = []
+    if delay_ms:
+        blocks.insert(0, {"id": "wait", "type": "delay", "config": {"ms": delay_ms}})
+        edges.append({"from": "wait", "to": "echo"})
+    return {"id": workflow_id, "blocks": blocks, "edges": edges}
+
+
+def padded(workflow_id: str, size: int) -> dict[str, Any]:
+    """A workflow of about ``size`` bytes (a constant it would output)."""
+    block = {"id": "pad", "type": "transform", "config": {"value": "p" * size}}
+    return {"id": workflow_id, "blocks": [block], "edges": []}
+
+
+async def run_echo(client: httpx.AsyncClient) -> httpx.Response:
+    return await client.post("/api/workflows/echo/execute", json={"input": {"s": "e" * SIZE}})
+
+
+async def fill_with_runs(client: httpx.AsyncClient) -> httpx.Response:
+    """Run ``echo`` to its end again and again until a start is refused; the refusal."""
+    for _ in range(40):
+        response = await run_echo(client)
+        if response.status_code != 202:
+            return response
+        await wait_finished(client, response.json()["executionId"])
+    raise AssertionError("40 runs of 80 KB each were never refused")
+
+
+async def kept_in_redis(redis: Redis, own: str, tenant: str, execution_ids: list[str]) -> int:
+    """What the tenant's data takes in Redis (MEMORY USAGE): its workflows, its
+    executions' keys and the workflow versions stored (only this tenant ran any)."""
+    keys = Keys(own)
+    names = [keys.workflows(tenant), keys.secrets(tenant)]
+    names += [name for eid in execution_ids for name in keys.execution(eid)]
+    names += [name.decode() async for name in redis.scan_iter(match=f"{own}:workflow-version:*")]
+    return sum([await redis.memory_usage(name, samples=0) or 0 for name in names])
+
+
+def assert_over_quota(response: httpx.Response) -> dict[str, Any]:
+    """A 429 storage_quota with the figures in the body and the message."""
+    assert response.status_code == 429, response.text
+    error: dict[str, Any] = response.json()["error"]
+    assert error["code"] == "storage_quota"
+    assert error["limitBytes"] == QUOTA
+    assert error["usedBytes"] + error["neededBytes"] > QUOTA
+    assert str(error["usedBytes"]) in error["message"] and str(QUOTA) in error["message"]
+    assert int(response.headers["Retry-After"]) >= 1
+    return error
+
+
+@pytest.mark.timeout(120)
+async def test_a_tenant_past_its_storage_quota_is_refused_new_work_while_its_runs_finish(
+    valkey: ValkeyServer, tmp_path: Path, redis: Redis
+) -> None:
+    """Past its quota, tenant A's new execution and new workflow are refused (429
+    storage_quota, with what it keeps and the limit) and nothing is written; what A
+    keeps in Redis (MEMORY USAGE) is then within 10% of the figure and of the quota;
+    A's run accepted before finishes with all its events stored; tenant B still starts
+    runs; once A deletes a workflow it may start again."""
+    own = prefix()
+    async with (
+        serving(
+            valkey,
+            tmp_path,
+            api_keys=f"{ALPHA},{BETA}",
+            tenant_storage_bytes=str(QUOTA),
+            redis_prefix=own,
+        ) as server,
+        authed(server, ALPHA) as alpha,
+        authed(server, BETA) as beta,
+    ):
+        await put(alpha, echo("echo"))
+        await put(alpha, echo("slow", delay_ms=4000))
+        await put(alpha, padded("pad", 150_000))
+        await put(beta, echo("echo"))
+        slow = await execute(alpha, "slow", {"s": "s" * SIZE})
+
+        refused = await fill_with_runs(alpha)
+        error = assert_over_quota(refused)
+        assert (await alpha.get(f"/api/executions/{slow}")).json()["status"] == "running"
+        listed = (await alpha.get("/api/executions?limit=100")).json()
+        ids = [row["id"] for row in listed["executions"]]
+        kept = await kept_in_redis(redis, own, tenant_of_key(ALPHA), ids)
+        assert abs(error["usedBytes"] - kept) < kept / 10, (error, kept)
+        assert kept < QUOTA * 1.1, kept
+        # A refused start counted nothing: refused again, with the same figures.
+        assert assert_over_quota(await run_echo(alpha))["usedBytes"] == error["usedBytes"]
+        assert_over_quota(await alpha.put("/api/workflows/more", json=padded("more", 40_000)))
+        assert (await alpha.get("/api/workflows/more")).status_code == 404
+        # A refused start created nothing.
+        assert (await alpha.get("/api/executions?limit=100")).json() == listed
+
+        # Another tenant is not held back by A's quota.
+        other = await execute(beta, "echo", {"s": "b" * SIZE})
+        assert (await wait_finished(beta, other))["status"] == "completed"
+
+        # A's run accepted before the quota was reached ends, and every event is stored.
+        assert (await wait_finished(alpha, slow))["status"] == "completed"
+        events = await all_events(alpha, slow)
+        assert [event["id"] for event in events] == list(range(1, len(events) + 1))
+        assert events[-1]["type"] == "execution:completed"
+        assert events[-1]["data"]["output"] == {"echo": "s" * SIZE}
+
+        # Deleting a workflow gives its room back.
+        assert (await alpha.delete("/api/workflows/pad")).status_code == 204
+        again = await run_echo(alpha)
+        assert again.status_code == 202, (again.text, error)
+
+
+@pytest.mark.timeout(120)
+async def test_a_tenant_past_its_storage_quota_may_start_again_once_its_runs_expire(
+    valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """Finished runs count until their retention (FLOWCAST_RETENTION_SECONDS) ends:
+    then the room they took comes back without anything deleted."""
+    async with (
+        serving(
+            valkey,
+            tmp_path,
+            api_keys=ALPHA,
+            tenant_storage_bytes=str(QUOTA),
+            retention_seconds="3",
+        ) as server,
+        authed(server, ALPHA) as alpha,
+    ):
+        await put(alpha, echo("echo"))
+        assert_over_quota(await fill_with_runs(alpha))
+
+        async def accepted() -> str | None:
+            response = await run_echo(alpha)
+            return str(response.json()["executionId"]) if response.status_code == 202 else None
+
+        started = await until(accepted, "a start accepted once the runs expired", 60, every=0.25)
+        assert (await wait_finished(alpha, started))["status"] == "completed"
+
+
+@pytest.mark.timeout(60)
+async def test_a_start_refused_for_another_cap_leaves_nothing_counted(
+    valkey: ValkeyServer, tmp_path: Path, redis: Redis
+) -> None:
+    """The storage figure a start counts in its round trip is taken back when the
+    start is refused after it (here by FLOWCAST_MAX_EXECUTIONS_PER_TENANT): the ledger
+    holds the running execution, its workflow version and the workflow, nothing of the
+    refused start."""
+    own = prefix()
+    async with (
+        serving(
+            valkey,
+            tmp_path,
+            api_keys=ALPHA,
+            redis_prefix=own,
+            max_executions_per_tenant="1",
+        ) as server,
+        authed(server, ALPHA) as alpha,
+    ):
+        await put(alpha, echo("slow", delay_ms=3000))
+        slow = await execute(alpha, "slow", {"s": "s"})
+        response = await alpha.post("/api/workflows/slow/execute", json={"input": {"s": "t"}})
+        assert response.json()["error"]["code"] == "too_many_executions"
+        _ledger, sizes = Keys(own).quota(tenant_of_key(ALPHA))
+        counted = {name.decode() for name in await redis.hkeys(sizes)}
+        assert {name for name in counted if not name.startswith("v:")} == {
+            "total", "w:slow", f"e:{slow}",
+        }  # fmt: skip
+        await wait_finished(alpha, slow)
