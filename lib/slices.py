@@ -18,9 +18,8 @@ import asyncio
 import json
 import re
 import time
-import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar
+from typing import Any
 
 import orjson
 
@@ -50,45 +49,9 @@ def weight(value: Any, cap: int = PIECE) -> int:
 _SCALARS = frozenset({str, int, float, bool, type(None)})
 
 
-class _Turn:
-    """A turn in the loop's lane for large values: a slice of one large value at a time.
-
-    Between two slices every other ready callback runs once (``asyncio.sleep(0)``);
-    with six large values in slices at once, a request would otherwise wait for six
-    slices at each of its own steps. In the lane it waits for one: the large values
-    take turns among themselves (FIFO, ``asyncio.Lock``), and the requests of every
-    tenant pass between them."""
-
-    # One lane per event loop (a test may run several loops, one after another).
-    _lanes: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock]] = (
-        weakref.WeakKeyDictionary()
-    )
-
-    def __init__(self) -> None:
-        loop = asyncio.get_running_loop()
-        lane = self._lanes.get(loop)
-        if lane is None:
-            lane = self._lanes[loop] = asyncio.Lock()
-        self._lane = lane
-        self._held = False
-
-    async def __aenter__(self) -> _Turn:
-        await self._lane.acquire()
-        self._held = True
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._held:
-            self._held = False
-            self._lane.release()
-
-    async def pause(self) -> None:
-        """Let every other ready callback run, then wait for the next turn."""
-        self._held = False
-        self._lane.release()
-        await asyncio.sleep(0)
-        await self._lane.acquire()
-        self._held = True
+async def _pause() -> None:
+    """Let every other ready callback of the loop run once."""
+    await asyncio.sleep(0)
 
 
 class Pacer:
@@ -100,7 +63,7 @@ class Pacer:
     async def tick(self) -> None:
         """Called between two steps of the walk: yields when this slice is used up."""
         if time.perf_counter() - self._since > SLICE_SECONDS:
-            await asyncio.sleep(0)
+            await _pause()
             self._since = time.perf_counter()
 
 
@@ -125,24 +88,30 @@ async def encode(value: Any) -> bytes:
     if weight(value) <= PIECE:
         return orjson.dumps(value)
     parts: list[bytes] = []
-    async with _Turn() as turn:
-        since = time.perf_counter()
-        for piece in pieces(value):
-            parts.append(piece)
-            if time.perf_counter() - since > SLICE_SECONDS:
-                await turn.pause()  # the loop runs between pieces
-                since = time.perf_counter()
+    since = time.perf_counter()
+    for piece in pieces(value):
+        parts.append(piece)
+        if time.perf_counter() - since > SLICE_SECONDS:
+            await _pause()  # the loop runs between pieces
+            since = time.perf_counter()
     return b"".join(parts)
 
 
-def size_past(value: Any, limit: int) -> int:
+async def size_past(value: Any, limit: int) -> int:
     """The size of ``value``'s JSON when it is at most ``limit``, else a number above
-    ``limit``; it costs about what encoding ``limit`` bytes costs, whatever the value."""
+    ``limit``; it costs about what encoding ``limit`` bytes costs, whatever the value,
+    in slices."""
+    if weight(value) <= PIECE:
+        return len(orjson.dumps(value))
     size = 0
+    since = time.perf_counter()
     for piece in pieces(value):
         size += len(piece)
         if size > limit:
             break
+        if time.perf_counter() - since > SLICE_SECONDS:
+            await _pause()
+            since = time.perf_counter()
     return size
 
 
@@ -227,17 +196,15 @@ async def decode(body: bytes, parse: _Parse, attempt: _Parse) -> Any:
     if len(body) <= PIECE_BYTES:
         return parse(body)
     try:
-        async with _Turn() as turn:
-            return await _value(body, 0, len(body), _Parsers(parse, attempt, turn))
+        return await _value(body, 0, len(body), _Parsers(parse, attempt))
     except _Unsliced:
         return parse(body)
 
 
 class _Parsers:
-    def __init__(self, parse: _Parse, attempt: _Parse, turn: _Turn) -> None:
+    def __init__(self, parse: _Parse, attempt: _Parse) -> None:
         self.parse = parse
         self.attempt = attempt
-        self.turn = turn
 
 
 async def _value(body: bytes, start: int, end: int, parse: _Parsers) -> Any:
@@ -267,7 +234,7 @@ async def _container(
         cut, run = found
         _add(whole, run)
         position = cut + 1
-        await parse.turn.pause()  # the loop runs between runs
+        await _pause()  # the loop runs between runs
     return whole
 
 

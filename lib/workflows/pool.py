@@ -148,16 +148,16 @@ class TemplatePool:
         pending: list[str] = []
         self._plan(value, context, answers, pending)
         sizes = _Sizes(self.max_output_bytes)
-        self._check_total(value, answers, sizes)  # before a worker is asked anything
+        await self._check_total(value, answers, sizes)  # before a worker is asked anything
         for source, found in answers.items():  # within the bound: cheap to make plain
             answers[source] = plain_value(found)
         if pending:
             results = await self._evaluate("render", pending, context)
             answers.update(zip(pending, results, strict=True))
-            self._check_total(value, answers, sizes)
+            await self._check_total(value, answers, sizes)
         return _substitute(value, answers)
 
-    def _check_total(self, value: Any, answers: dict[str, Any], sizes: _Sizes) -> None:
+    async def _check_total(self, value: Any, answers: dict[str, Any], sizes: _Sizes) -> None:
         total = 0
         stack = [value]
         while stack:
@@ -167,7 +167,7 @@ class TemplatePool:
             elif isinstance(current, list):
                 stack.extend(current)
             elif isinstance(current, str) and is_template(current):
-                total += sizes.of(answers.get(current, current))
+                total += await sizes.of(answers.get(current, current))
             if total > self.max_output_bytes:
                 raise BlockError(
                     "template_error",
@@ -323,7 +323,7 @@ class _Sizes:
         self._limit = limit
         self._known: dict[int, tuple[Any, int]] = {}
 
-    def of(self, value: Any) -> int:
+    async def of(self, value: Any) -> int:
         if isinstance(value, str):
             return len(value)  # characters: a bound that costs nothing to check
         if value is None or isinstance(value, bool | int | float):
@@ -333,7 +333,7 @@ class _Sizes:
             try:
                 # Only whether it passes the bound counts: sized as far as the bound, so
                 # an echo of a 10 MB input costs what 1 MB does (step 16, row 1).
-                size = size_past(value, self._limit)
+                size = await size_past(value, self._limit)
             except (TypeError, orjson.JSONEncodeError):
                 size = self._encoded_size(value)
             known = self._known[id(value)] = (value, size)

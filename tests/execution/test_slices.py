@@ -36,14 +36,14 @@ def random_value(rng: random.Random, depth: int = 0) -> Any:
     }
 
 
-def test_pieces_are_orjsons_bytes_for_any_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_pieces_are_orjsons_bytes_for_any_shape(monkeypatch: pytest.MonkeyPatch) -> None:
     """Cut into tiny pieces, 2,000 random values encode to exactly orjson's bytes."""
     monkeypatch.setattr(slices, "PIECE", 4)
     rng = random.Random(11)
     for _ in range(2_000):
         value = random_value(rng)
         assert b"".join(pieces(value)) == orjson.dumps(value)
-        assert size_past(value, 1 << 30) == len(orjson.dumps(value))
+        assert await size_past(value, 1 << 30) == len(orjson.dumps(value))
 
 
 async def test_a_large_value_encodes_to_the_same_bytes_with_short_slices() -> None:
@@ -66,7 +66,7 @@ async def test_size_past_costs_what_its_limit_costs() -> None:
     orjson.dumps(value)
     whole = time.thread_time() - started
     started = time.thread_time()
-    size = size_past(value, 1 << 20)
+    size = await size_past(value, 1 << 20)
     bounded = time.thread_time() - started
     assert 1 << 20 < size < 10_000_001
     assert bounded < whole / 2, (bounded, whole)
