@@ -79,5 +79,6 @@ async def open_executor(
         ),
         concurrency=settings.block_concurrency,
         secrets=secrets,
+        memory_limit=settings.execution_memory_bytes,
     )
     return Blocks(executor=executor, providers=providers, secrets=secrets, secret_key=secret_key)

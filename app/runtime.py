@@ -13,6 +13,7 @@ from app.node import Node
 from app.settings import Settings
 from app.sse import OpenStreams
 from app.stores import TAIL_BLOCK_MS, Stores
+from lib.execution.blame import NodeRecords, Suspicion
 from lib.execution.hub import Hub
 from lib.execution.offload import OffloadPolicy
 from lib.execution.stream import Readers
@@ -121,9 +122,18 @@ def build_runner(
         metrics=metrics,
     )
     parts = Parts(buffer, transitions, states, finals, runs, launcher, node_id=node.id)
+    suspicion = Suspicion(
+        records=NodeRecords(redis=buffer.redis, keys=buffer.keys),
+        node_id=node.id,
+        runs=runs,
+        refresh_seconds=lease / 3,
+        probation_seconds=2 * lease,
+    )
     return Runner(
         parts,
-        keeper=LeaseKeeper(ownership=transitions.ownership, lease_seconds=lease, runs=runs),
+        keeper=LeaseKeeper(
+            ownership=transitions.ownership, lease_seconds=lease, runs=runs, suspicion=suspicion
+        ),
         listener=ControlListener(control=transitions.control, node_id=node.id, runs=runs),
         janitor=Janitor(
             store=transitions.store,
@@ -131,6 +141,6 @@ def build_runner(
             lease_seconds=lease,
             dead_nodes=node.dead,
         ),
-        takeovers=Takeovers(parts, max_recoveries=settings.max_recoveries),
+        takeovers=Takeovers(parts, max_recoveries=settings.max_recoveries, suspicion=suspicion),
         shutdown_grace_seconds=settings.shutdown_grace_seconds,
     )

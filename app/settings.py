@@ -43,6 +43,7 @@ class Settings(BaseSettings):
     # Redis bytes one tenant may keep: workflows, secrets, retained executions (0: no limit).
     tenant_storage_bytes: int = Field(1024 * 1024 * 1024, ge=0)
     max_recoveries: int = Field(3, ge=0)
+    execution_memory_bytes: int = Field(128 * 1024 * 1024, ge=1024 * 1024)
     lease_seconds: float = Field(15.0, gt=0)
     shutdown_grace_seconds: float = Field(30.0, ge=0)
     api_keys: str | None = None

@@ -100,6 +100,10 @@ class Keys:
     def running(self, tenant: str) -> str:
         return f"{self.prefix}:running:{tenant}"
 
+    def node(self, node: str) -> str:
+        """What a process runs, for the takers of its runs should it die (blame.py)."""
+        return f"{self.prefix}:node:{node}"
+
     def control(self, node: str) -> str:
         return f"{self.prefix}:{{control}}:{node}"
 

@@ -9,6 +9,7 @@
     │   ├── LeaseHeld                  a takeover while the owner's lease still runs
     │   ├── OwnerMoved                 the execution has another owner than the one named
     │   ├── NotDue                     an expiry before the approval deadline passed
+    │   ├── SuspectHeld                a takeover of a suspect by a process that runs one
     │   ├── Fenced                     a renewal by an owner another one replaced
     │   └── UnknownTransition          a transition the script does not know (a bug)
     ├── InvalidInput                   a request the caller can fix (carries problems)
@@ -117,6 +118,15 @@ class OwnerMoved(Conflict):
 
     def __init__(self, execution_id: str) -> None:
         super().__init__("moved", f"{execution_id} has another owner than the one expected")
+        self.execution_id = execution_id
+
+
+class SuspectHeld(Conflict):
+    """A takeover of a run whose owners died, by a process that runs a suspect already
+    (blame.py): left for a process without one."""
+
+    def __init__(self, execution_id: str) -> None:
+        super().__init__("suspect", f"{execution_id} waits for a process with no suspect")
         self.execution_id = execution_id
 
 

@@ -86,6 +86,14 @@ function rowNode(row) {
   badge.textContent = row.status;
   const status = cell("");
   status.append(badge);
+  if (row.errorCode) {
+    // Why it failed (quarantined, worker_lost, a block's code), beside the status.
+    const why = document.createElement("span");
+    why.className = "why";
+    why.textContent = row.errorCode;
+    badge.title = `failed: ${row.errorCode}`;
+    status.append(" ", why);
+  }
   const link = document.createElement("a");
   link.href = `#${hashOf(row.id, row.streamToken || null)}`;
   link.textContent = row.id;

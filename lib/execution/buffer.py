@@ -64,7 +64,8 @@ class ExecutionMeta:
     epoch: int = 0
     checkpoint_bytes: int = 0  # outputs and answers its checkpoint holds inline
     recoveries: int = 0  # execution:recovered events stored
-    crashes: int = 0  # takeovers after an owner died
+    crashes: int = 0  # deaths of an owner charged to it (blame.py)
+    deaths: int = 0  # every death of an owner while it ran: a suspect once above 0
     reserved: int = 0
     inline_files: bool = False
     cancel_requested: bool = False
@@ -105,6 +106,7 @@ class ExecutionMeta:
             checkpoint_bytes=number(Field.CHECKPOINT_BYTES),
             recoveries=number(Field.RECOVERIES),
             crashes=number(Field.CRASHES),
+            deaths=number(Field.DEATHS),
             reserved=number(Field.RESERVED),
             inline_files=text(Field.INLINE_FILES) == "1",
             cancel_requested=text(Field.CANCEL_REQUESTED) == "1",

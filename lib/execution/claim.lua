@@ -33,6 +33,20 @@ ARGV[7]  the base at least ("" or "0": none): the highest durable ceiling the
          resume, cancel or expiry) numbers above ids an owner that could not re-assert
          them showed live; the ids between the stored last id and the base are then
          reported dropped, as for any base
+ARGV[8]  takeover: who the dead owner's death is charged to (blame.py reads it from the
+         dead process's record): "alone" (or "": it ran nothing else, or left no record)
+         counts a crash, as ever; "suspect" (it was the process's one suspect, beside
+         others) counts a crash and quarantines it; "beside" (another run was the
+         suspect) and "crowd" (several ran, none suspected) charge it nothing
+ARGV[9]  takeover: "busy" when the caller runs a suspect already: a run whose owners
+         died twice (this death counted) is refused SUSPECT, so that each process runs
+         at most one suspect and its next death is charged to that one alone
+
+Suspicion: `deaths` counts every death of an owner while it ran (charged or not), and a
+run with two deaths is a suspect wherever it runs next; `crashes` counts the deaths charged
+to it (FLOWCAST_MAX_RECOVERIES bounds them); `quarantined` is "1" once a death was
+charged to it as its process's suspect: every takeover from then on says "quarantined"
+(the new owner ends it failed instead of running it again).
 
 Times are Redis's own (TIME), never a host's, so a replica whose clock is off can
 neither end a healthy execution nor keep a dead one.
@@ -43,11 +57,12 @@ is the stored one (the last takeover's), whatever the mode. A handoff sent again
 refused MOVED: the caller owns the execution no more.
 
 Returns {lastId, base, statusBefore, owner, epoch, recovery, reason, crashes,
-cancelRequested} on success: a new owner numbers its events from base + 1 (base is
+cancelRequested, deaths} on success: a new owner numbers its events from base + 1 (base is
 above every id the previous owner may have shown live; ids between lastId and base are
 recorded as dropped by its first batch). A takeover is a recovery: `recovery` numbers it (the recovered
 events stored so far, plus one), `reason` is "handoff" when the owner let go, else
-"worker_lost", and `crashes` counts the takeovers for "worker_lost". `cancelRequested`
+"worker_lost" ("quarantined" once quarantined), `crashes` counts the deaths charged
+to it and `deaths` every death. `cancelRequested`
 is "1" when a cancel was accepted and the execution did not end yet: a takeover that
 finds it ends the execution cancelled without running anything (the owner died before
 it wrote the cancel), so the claim itself tells the new owner, with no window between
@@ -61,6 +76,8 @@ the claim and a first write that would tell it too late. Error replies:
   "NOTDUE"          expire: the deadline has not passed, or the pause is not stored
                     yet (running, with the deadline its pause saved)
   "MODE <mode>"     ARGV[1] names no transition
+  "SUSPECT"         takeover: the caller runs a suspect already (ARGV[9]) and this run's
+                    owners died twice: left for a process without one
 A new owner token in `owner` fences the previous owner out of append.lua.
 ]]
 
@@ -71,7 +88,7 @@ local now = now_ms()
 
 local state = redis.call("HMGET", meta, "status", "lastId", "owner", "leaseUntil",
   "pauseBlock", "pauseDeadline", "epoch", "reserved", "handoff", "recoveries",
-  "recoveryReason", "crashes", "cancelRequested")
+  "recoveryReason", "crashes", "cancelRequested", "deaths", "quarantined")
 local status = state[1]
 if not status then
   return redis.error_reply("NOEXEC")
@@ -82,6 +99,8 @@ local base = math.max(last, tonumber(state[8]) or 0)
 local recoveries = tonumber(state[10]) or 0
 local crashes = tonumber(state[12]) or 0
 local cancel = state[13] or "0"
+local deaths = tonumber(state[14]) or 0
+local quarantined = state[15] == "1"
 
 if state[3] == token and mode ~= "handoff" then
   local before = "paused"
@@ -93,7 +112,7 @@ if state[3] == token and mode ~= "handoff" then
     recovery = recoveries + 1
   end
   return {last, base, before, token, tonumber(state[7]) or 0, recovery, state[11] or "",
-    crashes, cancel}
+    crashes, cancel, deaths}
 end
 
 local function own(keep_cancel, reason)
@@ -112,12 +131,23 @@ local function own(keep_cancel, reason)
     -- one is the next, whether or not an earlier taker lived to store its own. A
     -- crash counts as soon as the execution is claimed after it.
     if reason == "worker_lost" then
-      crashes = crashes + 1
+      deaths = deaths + 1
+      local verdict = ARGV[8] or ""
+      if verdict == "" or verdict == "alone" or verdict == "suspect" then
+        crashes = crashes + 1
+      end
+      if verdict == "suspect" then
+        quarantined = true
+        redis.call("HSET", meta, "quarantined", "1")
+      end
     end
-    redis.call("HSET", meta, "recoveryReason", reason, "crashes", crashes)
-    return {last, base, status, token, epoch, recoveries + 1, reason, crashes, cancel}
+    if quarantined then
+      reason = "quarantined"
+    end
+    redis.call("HSET", meta, "recoveryReason", reason, "crashes", crashes, "deaths", deaths)
+    return {last, base, status, token, epoch, recoveries + 1, reason, crashes, cancel, deaths}
   end
-  return {last, base, status, token, epoch, recoveries, "", crashes, cancel}
+  return {last, base, status, token, epoch, recoveries, "", crashes, cancel, deaths}
 end
 
 if mode == "resume" then
@@ -136,7 +166,7 @@ elseif mode == "cancel" then
   if status == "running" then
     redis.call("HSET", meta, "cancelRequested", "1")
     return {last, base, status, state[3], tonumber(state[7]) or 0, recoveries, "", crashes,
-      "1"}
+      "1", deaths}
   end
   if status ~= "paused" then
     return redis.error_reply("STATUS " .. status)
@@ -152,10 +182,25 @@ elseif mode == "takeover" then
     return redis.error_reply("STATUS " .. status)
   end
   local handed = state[9]
+  -- A second suspect here would share the blame of this process's next death: left for
+  -- a process without one (unless it only ends: quarantined, or its cancel accepted).
+  local function suspect_refused(died_now)
+    local died = deaths
+    if died_now then
+      died = died + 1
+    end
+    -- SUSPECT_DEATHS (blame.py): one death makes no suspect, so the runs of a replica
+    -- that died of anything are all taken over at once.
+    return ARGV[9] == "busy" and died >= 2 and not quarantined
+      and ARGV[8] ~= "suspect" and cancel ~= "1"
+  end
   if handed then
     -- Let go by its owner (now ""): it names itself in `handoff`.
     if ARGV[4] ~= "" and ARGV[4] ~= handed then
       return redis.error_reply("MOVED")
+    end
+    if suspect_refused(false) then
+      return redis.error_reply("SUSPECT")
     end
     return own(true, "handoff")
   end
@@ -171,6 +216,9 @@ elseif mode == "takeover" then
     end
   elseif (tonumber(state[4]) or 0) >= now then
     return redis.error_reply("LEASE")
+  end
+  if suspect_refused(true) then
+    return redis.error_reply("SUSPECT")
   end
   -- A cancel asked of the dead owner still holds: its ending will be the cancel.
   return own(true, "worker_lost")
@@ -195,7 +243,7 @@ elseif mode == "handoff" then
     end
   end
   return {last, base, status, "", tonumber(state[7]) or 0, recoveries, "handoff", crashes,
-    cancel}
+    cancel, deaths}
 elseif mode == "expire" then
   local deadline = tonumber(state[6])
   if status == "running" and deadline then

@@ -4,10 +4,12 @@ An execution's status changes in two scripts: start.lua (it starts ``running``) 
 append.lua (a batch that carries ``execution:paused``, ``resumed``, ``recovered`` or a
 terminal event; batches of chunks never do). Each then publishes the execution's list
 row on ``<prefix>:status``: ``{"id", "tenant", "workflowId", "status", "createdAt",
-"updatedAt", "lastEventId"}``. One channel for every tenant: a handful of messages per execution,
-against the ``notify`` message every stored batch already sends to every process; and
-the readers' pub/sub connection (stream.py) subscribes to it once, beside ``notify``,
-instead of subscribing and unsubscribing tenants on a connection another task is reading.
+"updatedAt", "lastEventId"}``, with ``"errorCode"`` once failed (``quarantined``,
+``worker_lost``, a block's code, …). One channel for every tenant: a handful of
+messages per execution, against the ``notify`` message every stored batch already sends
+to every process; and the readers' pub/sub connection (stream.py) subscribes to it
+once, beside ``notify``, instead of subscribing and unsubscribing tenants on a
+connection another task is reading.
 
 That connection hands each message to this process's :class:`StatusFeed` (kept in the
 registry, hub.py), which queues it for
@@ -75,11 +77,20 @@ class Row:
     created_at: str
     updated_at: str
     last_id: int  # orders the changes of one execution
+    error_code: str = ""  # why it failed ("quarantined", "worker_lost", …), once failed
 
     @classmethod
     def of(cls, meta: ExecutionMeta) -> Row:
+        error = meta.error if meta.status == "failed" and isinstance(meta.error, dict) else {}
+        code = error.get("code")
         return cls(
-            meta.id, meta.workflow_id, meta.status, meta.created_at, meta.updated_at, meta.last_id
+            meta.id,
+            meta.workflow_id,
+            meta.status,
+            meta.created_at,
+            meta.updated_at,
+            meta.last_id,
+            code if isinstance(code, str) else "",
         )
 
     def view(self) -> dict[str, Any]:
@@ -90,6 +101,7 @@ class Row:
             "createdAt": self.created_at,
             "updatedAt": self.updated_at,
             "lastEventId": self.last_id,
+            **({"errorCode": self.error_code} if self.error_code else {}),
         }
 
 
@@ -104,6 +116,7 @@ def parse_change(data: bytes | str) -> tuple[str, Row] | None:
             str(fields["createdAt"]),
             str(fields["updatedAt"]),
             int(fields["lastEventId"]),
+            str(fields.get("errorCode") or ""),
         )
         return str(fields["tenant"]), row
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:

@@ -35,8 +35,12 @@ against a real server, and checks that this drawing is the table):
                                                above the durable ceiling (ceiling.py),
                                                or, if the run's final record says it
                                                ended, stores that end again as its
-                                               owner would have (finals.py)
-                                               refused: NOEXEC STATUS LEASE MOVED
+                                               owner would have (finals.py). A death
+                                               charged to it as its process's one
+                                               suspect quarantines it: the new owner
+                                               ends it failed (blame.py). A process
+                                               runs one suspect at a time: SUSPECT
+                                               refused: NOEXEC STATUS LEASE MOVED SUSPECT
     running  hand off    claim.lua   running   the owner, shutting down: no owner, for
                                                another process to take over at once
                                                refused: NOEXEC STATUS MOVED
@@ -72,6 +76,7 @@ from redis.exceptions import ResponseError
 from lib.backend import Batch, register, translated
 from lib.errors import FlowcastError
 from lib.execution.admission import COUNTED_LEASES, Admission
+from lib.execution.blame import Verdict
 from lib.execution.buffer import EventBuffer
 from lib.execution.control import ControlStreams
 from lib.execution.indexes import Listed
@@ -156,8 +161,10 @@ TRANSITIONS: tuple[Transition, ...] = (
         "\nrecovers the run, or ends it cancelled\nif the claim says a cancel was accepted"
         "\n(nothing runs again). After the store\ncame back behind (store.py), it numbers"
         "\nabove the durable ceiling (ceiling.py),\nor, if the run's final record says it"
-        "\nended, stores that end again as its\nowner would have (finals.py)",
-        (Reply.NOEXEC, Reply.STATUS, Reply.LEASE, Reply.MOVED),
+        "\nended, stores that end again as its\nowner would have (finals.py). A death"
+        "\ncharged to it as its process's one\nsuspect quarantines it: the new owner"
+        "\nends it failed (blame.py). A process\nruns one suspect at a time: SUSPECT",
+        (Reply.NOEXEC, Reply.STATUS, Reply.LEASE, Reply.MOVED, Reply.SUSPECT),
     ),
     Transition(
         Status.RUNNING, "hand off", Script.CLAIM, Mode.HANDOFF, (Status.RUNNING,),
@@ -200,12 +207,14 @@ class Claim:
     epoch: int
     recovery: int = 0  # a takeover: which recovery of the execution this is (1, 2, …)
     reason: RecoveryReason | None = None  # a takeover: why
-    crashes: int = 0  # a takeover: recoveries for "worker_lost" so far, this one included
+    crashes: int = 0  # a takeover: deaths charged to it so far, this one included
     # A cancel was accepted and is not written yet: a takeover ends the run cancelled.
     cancel_requested: bool = False
     # The highest id reserved for the new owner already (``base`` when none above it):
     # it shows the events up to it as it emits them (a start reserves its first).
     reserved: int = 0
+    # Every death of an owner while it ran (charged or not): a suspect once above 0.
+    deaths: int = 0
 
 
 def node_of(token: str) -> str:
@@ -380,6 +389,8 @@ class Ownership:
         takeover: Takeover = Takeover.EXPIRED,
         answer: bytes = b"",
         base_at_least: int = 0,
+        verdict: Verdict = Verdict.ALONE,
+        busy: bool = False,
     ) -> Claim:
         """Win a transition (see claim.lua); its refusal otherwise (``WrongStatus`` with
         the status that won, ``NotFound``, …: see ``TRANSITIONS``).
@@ -387,7 +398,10 @@ class Ownership:
         A resume's ``answer`` (JSON) is checkpointed with the claim: the 202 holds if
         this process dies before its resumed event is stored. ``base_at_least`` (the
         durable ceiling, after the store came back behind: takeovers.py ``recall``)
-        puts the new owner's numbering above it, whatever the transition.
+        puts the new owner's numbering above it, whatever the transition. A takeover's
+        ``verdict`` says who the dead owner's death is charged to; ``busy``, that the
+        caller runs a suspect already (``SuspectHeld`` for a run whose owners died:
+        blame.py).
         """
         argument = block_id if mode is Mode.RESUME else expected
         try:
@@ -401,6 +415,7 @@ class Ownership:
                 reason,
                 crashes,
                 cancel,
+                deaths,
             ) = await self._claim(
                 keys=[self.keys.meta(execution_id), self.keys.state(execution_id)],
                 args=[
@@ -411,6 +426,8 @@ class Ownership:
                     takeover.value,
                     answer,
                     base_at_least,
+                    verdict.value,
+                    "busy" if busy else "",
                 ],
             )
         except ResponseError as exc:
@@ -425,6 +442,7 @@ class Ownership:
             RecoveryReason(reason.decode()) if reason else None,
             int(crashes),
             cancel == b"1",
+            deaths=int(deaths),
         )
 
     @translated

@@ -29,16 +29,25 @@ end
 
 -- Publish an execution's list row on `channel` as JSON {"id", "tenant", "workflowId",
 -- "status", "createdAt", "updatedAt", "lastEventId"} (the live lists, listing.py), read
--- from its metadata hash `meta`; nothing when the hash names no tenant. With pcall: the
+-- from its metadata hash `meta`, with "errorCode" when it failed (its error's code, such
+-- as "quarantined"); nothing when the hash names no tenant. With pcall: the
 -- caller has written by now and a script stopped by an error keeps its writes, so a
 -- refused PUBLISH (an ACL without the channel) must not turn what was stored into an
 -- error reply. The lists read the store again whenever they may have missed a row.
 local function publish_row(meta, channel, execution_id, status, last_id)
-  local row = redis.call("HMGET", meta, "tenant", "workflowId", "createdAt", "updatedAt")
+  local row = redis.call("HMGET", meta, "tenant", "workflowId", "createdAt", "updatedAt",
+    "error")
   if row[1] then
-    redis.pcall("PUBLISH", channel, cjson.encode({id = execution_id, tenant = row[1],
-      workflowId = row[2] or "", status = status, createdAt = row[3] or "",
-      updatedAt = row[4] or "", lastEventId = last_id}))
+    local message = {id = execution_id, tenant = row[1], workflowId = row[2] or "",
+      status = status, createdAt = row[3] or "", updatedAt = row[4] or "",
+      lastEventId = last_id}
+    if status == "failed" and row[5] then
+      local ok, err = pcall(cjson.decode, row[5])
+      if ok and type(err) == "table" and type(err.code) == "string" then
+        message.errorCode = err.code
+      end
+    end
+    redis.pcall("PUBLISH", channel, cjson.encode(message))
   end
 end
 

@@ -27,6 +27,7 @@ of its refusals is not in the map.
     claim.lua   MOVED             OwnerMoved         another owner than the one named
     claim.lua   NOTDUE            NotDue             the approval deadline has not passed
     claim.lua   MODE <mode>       UnknownTransition  no such transition (a bug)
+    claim.lua   SUSPECT           SuspectHeld        the caller runs a suspect already
     renew.lua   GONE              RecordLost         no metadata: the writer recreates it
     renew.lua   FENCED            Fenced             another owner, same or later epoch
     renew.lua   BEHIND            RecordLost         lost writes: the writer writes back
@@ -52,6 +53,7 @@ from lib.errors import (
     NotPausedThere,
     OwnerMoved,
     RecordLost,
+    SuspectHeld,
     UnknownTransition,
     WriteFenced,
     WriteGone,
@@ -80,7 +82,9 @@ class Field(StrEnum):
     PAUSE_DEADLINE = "pauseDeadline"  # ms, Redis's clock; "" for none
     RECOVERIES = "recoveries"  # execution:recovered events stored
     RECOVERY_REASON = "recoveryReason"  # why the latest takeover happened
-    CRASHES = "crashes"  # takeovers after an owner died
+    CRASHES = "crashes"  # deaths of an owner charged to it (blame.py)
+    DEATHS = "deaths"  # every death of an owner while it ran: a suspect once above 0
+    QUARANTINED = "quarantined"  # "1": charged as its process's suspect; it ends failed
     # The replay buffer (append.lua).
     LAST_ID = "lastId"
     FIRST_ID = "firstId"  # the oldest id retained
@@ -138,6 +142,9 @@ class RecoveryReason(StrEnum):
 
     HANDOFF = "handoff"  # the owner let go at a shutdown
     WORKER_LOST = "worker_lost"  # the owner stopped renewing its lease
+    # Its owners died while running it, the last time with it its process's one suspect
+    # beside other runs (blame.py): the new owner ends it failed, running nothing again.
+    QUARANTINED = "quarantined"
 
 
 class StopReason(StrEnum):
@@ -178,6 +185,7 @@ class Reply(StrEnum):
     MODE = "MODE"
     GONE = "GONE"
     BEHIND = "BEHIND"
+    SUSPECT = "SUSPECT"
 
 
 @dataclass(frozen=True)
@@ -262,6 +270,10 @@ REFUSALS: Final[tuple[Refusal, ...]] = (
         Script.CLAIM, Reply.MODE, UnknownTransition, "no such transition (a bug)",
         lambda asked, detail: UnknownTransition(asked.execution_id, detail),
         detail="<mode>",
+    ),
+    Refusal(
+        Script.CLAIM, Reply.SUSPECT, SuspectHeld, "the caller runs a suspect already",
+        lambda asked, _detail: SuspectHeld(asked.execution_id),
     ),
     Refusal(
         Script.RENEW, Reply.GONE, RecordLost, "no metadata: the writer recreates it",

@@ -109,19 +109,22 @@ class Keeper:
             return value, orjson.dumps(value)
         return await self._compact(value)
 
-    async def load(self, value: Any) -> Any:
+    async def load(self, value: Any, *, count: Callable[[int], None] | None = None) -> Any:
         """``value`` with the refs in it replaced by what they stand for. FlowcastError
-        when the store cannot give one back (unreachable, or the value is gone)."""
+        when the store cannot give one back (unreachable, or the value is gone).
+        ``count`` is told each ref's size before it is read (it may refuse by raising)."""
         if is_ref(value):
             if self._store is None or value.get("available") is False:
                 return value
+            if count is not None:
+                count(int(value.get("size") or 0))
             ident = str(value.get("id"))
             chunks = [chunk async for chunk in self._store.read(self._execution_id, ident)]
             return orjson.loads(b"".join(chunks))
         if isinstance(value, dict):
-            return {key: await self.load(item) for key, item in value.items()}
+            return {key: await self.load(item, count=count) for key, item in value.items()}
         if isinstance(value, list):
-            return [await self.load(item) for item in value]
+            return [await self.load(item, count=count) for item in value]
         return value
 
 

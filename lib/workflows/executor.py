@@ -47,7 +47,8 @@ from lib.workflows.checkpoint import (
     output_field,
     skipped_field,
 )
-from lib.workflows.model import BlockDef, Workflow
+from lib.workflows.holdings import Holdings
+from lib.workflows.model import BlockDef, Edge, Workflow
 from lib.workflows.outcomes import BlockFailed, HandedOff, Pause, Paused, RunState
 from lib.workflows.secrets import RunSecrets, SecretStore
 from lib.workflows.templates import block_reads, template_strings
@@ -87,6 +88,7 @@ class Executor:
         concurrency: int = 8,
         *,
         secrets: SecretStore | None = None,
+        memory_limit: int = 0,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -94,6 +96,8 @@ class Executor:
         self.services = services
         self.concurrency = concurrency
         self.secrets = secrets
+        # The most one execution may hold in this process's memory (holdings.py); 0: none.
+        self.memory_limit = memory_limit
 
     async def run(
         self,
@@ -165,10 +169,12 @@ class _Run:
         self.attempts: dict[str, int] = dict(state.attempts)
         self.recovered = state.recovered
         self.keeper = keeper
+        encoded = {block_id: orjson.dumps(kept) for block_id, kept in self.outputs.items()}
         # Blocks whose kept output has refs in it: loaded when a template reads them.
-        self.with_refs = {
-            block_id for block_id, kept in self.outputs.items() if holds_refs(orjson.dumps(kept))
-        }
+        self.with_refs = {block_id for block_id, kept in encoded.items() if holds_refs(kept)}
+        # What it holds in memory, sized as encoded (in C), never walked.
+        held = len(orjson.dumps(input)) + sum(len(kept) for kept in encoded.values())
+        self.holdings = Holdings(limit=executor.memory_limit, held=held)
         self.drain = drain
         self.secrets = RunSecrets(
             store=executor.secrets,
@@ -222,9 +228,10 @@ class _Run:
         # As kept: the final event carries each sink's output as its own event did.
         return {sink: self.outputs[sink] for sink in self.workflow.sinks() if sink in self.outputs}
 
-    async def _context(self, block_id: str) -> dict[str, Any]:
+    async def _context(self, block_id: str, count: Callable[[int], None]) -> dict[str, Any]:
         # Only upstream outputs are visible, so a template cannot depend on timing; of
-        # those kept as refs, only the ones the block's templates read are loaded.
+        # those kept as refs, only the ones the block's templates read are loaded, each
+        # counted against the execution's memory bound before it is read (``count``).
         reads = self._reads(block_id)
         blocks: dict[str, Any] = {}
         for ancestor in self.ancestors[block_id]:
@@ -233,7 +240,9 @@ class _Run:
             output = self.outputs[ancestor]
             if ancestor in self.with_refs and (reads is None or ancestor in reads):
                 try:
-                    output = await self.keeper.load(output)
+                    output = await self.keeper.load(output, count=count)
+                except BlockError:
+                    raise  # past the execution's memory bound (holdings.py)
                 except FlowcastError as exc:
                     message = f"the output of {ancestor!r} could not be loaded: {exc}"
                     raise BlockError("output_unavailable", message, retryable=True) from exc
@@ -288,10 +297,21 @@ class _Run:
         completed = [edge for edge in edges if edge.from_ in self.outputs]
         if not completed:
             return "every upstream block was skipped"
-        try:
-            context = await self._context(block_id)
-        except BlockError as exc:
-            raise BlockFailed(block_id, exc.code, exc.message) from exc
+        if completed[0].when is None:
+            return None  # taken, as the conditions would find first: nothing to load
+        with self.holdings.loading(block_id) as count:
+            try:
+                context = await self._context(block_id, count)
+            except BlockError as exc:
+                raise BlockFailed(block_id, exc.code, exc.message) from exc
+            return await self._conditions(block_id, completed, context)
+
+    async def _conditions(
+        self, block_id: str, completed: list[Edge], context: dict[str, Any]
+    ) -> str | None:
+        """Why ``block_id`` is skipped, by the conditions of its ``completed`` incoming
+        edges; None when one of them is taken."""
+        edges = self.incoming[block_id]
         for edge in completed:
             if edge.when is None:
                 return None
@@ -372,16 +392,19 @@ class _Run:
             self.emit(BLOCK_STARTED, start, attempt_field(block.id, attempt))
             self.attempts[block.id] = attempt
         started = time.monotonic()
-        try:
-            output = await self._invoke(block, attempt)
-        except (BlockError, PauseRequested):
-            raise
-        except Exception as exc:
-            raise _unexpected(block, exc) from exc
+        # The stored values this attempt loads back are held (and counted) until it ends.
+        with self.holdings.loading(block.id) as count:
+            try:
+                output = await self._invoke(block, attempt, count)
+            except (BlockError, PauseRequested):
+                raise
+            except Exception as exc:
+                raise _unexpected(block, exc) from exc
         # What templates downstream read is what the event carries (SPEC §2).
         # The event carries the output as kept (large values as refs), so the event,
         # the checkpoint and what templates downstream read are one value.
         kept, kept_json = await self.keeper.keep(await carried(self.redactor.value(output)))
+        self.holdings.keep(block.id, len(kept_json))
         if holds_refs(kept_json):
             self.with_refs.add(block.id)
         duration_ms = round((time.monotonic() - started) * 1000)
@@ -392,11 +415,11 @@ class _Run:
         )
         return kept
 
-    async def _invoke(self, block: BlockDef, attempt: int) -> Any:
+    async def _invoke(self, block: BlockDef, attempt: int, count: Callable[[int], None]) -> Any:
         block_type = self.executor.block_types.get(block.type)
         if block_type is None:
             raise BlockError("unknown_type", f"unknown block type {block.type!r}", retryable=False)
-        context = await self._context(block.id)
+        context = await self._context(block.id, count)
         secrets = await self.secrets.reveal(block.id)
         if secrets:
             context["secrets"] = secrets

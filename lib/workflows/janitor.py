@@ -63,6 +63,22 @@ def worker_lost(emitter: ExecutionLog) -> None:
     emitter.emit(EXECUTION_FAILED, {"error": error})
 
 
+def quarantined(deaths: int) -> Ending:
+    """The ending of a run quarantined (blame.py): the processes running it died
+    ``deaths`` times, the last time with it their one suspect beside other runs."""
+    message = (
+        f"quarantined: its owners died {deaths} times while running it (the last time it "
+        "was the only suspect on its process, beside other runs, which were recovered); "
+        "it is not run again"
+    )
+
+    def ending(emitter: ExecutionLog) -> None:
+        error = {"code": RecoveryReason.QUARANTINED.value, "message": message}
+        emitter.emit(EXECUTION_FAILED, {"error": error})
+
+    return ending
+
+
 def approval_timeout(emitter: ExecutionLog) -> None:
     error = {"code": "approval_timeout", "message": "nobody answered the approval in time"}
     emitter.emit(EXECUTION_FAILED, {"error": error})

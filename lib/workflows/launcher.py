@@ -461,4 +461,5 @@ def identity_of(meta: ExecutionMeta) -> dict[str, str]:
         Field.INLINE_FILES.value: "1" if meta.inline_files else "",
         Field.RECOVERIES.value: str(meta.recoveries),
         Field.CRASHES.value: str(meta.crashes),
+        Field.DEATHS.value: str(meta.deaths),
     }

@@ -7,6 +7,8 @@ succeeds renews the run's live gate; one that fails closes it at once (SPEC §5)
 here a store down for everyone and a store lost by this process alone look the same,
 and in the second case another process may be about to take over. Cancels for runs
 here arrive with every renewal, and on this process's control stream (listener.py).
+Every tick also keeps this process's record (how many runs, its suspect: blame.py) in
+step, for whoever takes its runs over should it die.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lib.errors import Fenced, FlowcastError, RecordLost
+from lib.execution.blame import Suspicion
 from lib.execution.outage import LiveGate
 from lib.execution.ownership import Ownership
 from lib.execution.record import StopReason
@@ -81,10 +84,18 @@ class LocalRuns(dict[str, LocalRun]):
 class LeaseKeeper:
     """Renews the leases of the runs here (and stops those fenced or cancelled)."""
 
-    def __init__(self, *, ownership: Ownership, lease_seconds: float, runs: LocalRuns) -> None:
+    def __init__(
+        self,
+        *,
+        ownership: Ownership,
+        lease_seconds: float,
+        runs: LocalRuns,
+        suspicion: Suspicion | None = None,
+    ) -> None:
         self._ownership = ownership
         self._lease_seconds = lease_seconds
         self._runs = runs
+        self._suspicion = suspicion
 
     async def renew_loop(self) -> None:
         """Renew each run's lease a third of a lease after its last check.
@@ -105,6 +116,17 @@ class LeaseKeeper:
             ]
             if runs:
                 await asyncio.gather(*(self._renew(run) for run in runs))
+            await self._publish()
+
+    async def _publish(self) -> None:
+        """Keep this process's record (what it runs, its suspect) in step, for the
+        takers of its runs should it die (blame.py)."""
+        if self._suspicion is None:
+            return
+        try:
+            await self._suspicion.publish()
+        except FlowcastError as exc:
+            log.warning("could not record what this process runs", extra={"error": str(exc)})
 
     async def renew_now(self) -> None:
         """Renew every run's lease at once: another Redis server answers, and it must

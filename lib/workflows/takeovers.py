@@ -3,8 +3,11 @@ time out, and carrying it on here.
 
 A run taken over is recovered (SPEC §7): it emits ``execution:recovered`` and carries
 on from the checkpoint, so only the blocks that had not completed run again; past
-``max_recoveries`` crashes it ends ``worker_lost`` instead, and one whose cancel was
-accepted before its owner died ends cancelled before anything runs again (F5). A pause
+``max_recoveries`` crashes charged to it it ends ``worker_lost`` instead, one charged
+with a death as its process's one suspect ends ``quarantined`` (blame.py: who a death is
+charged to is judged from the dead process's record, and this process takes at most one
+suspect at a time), and one whose cancel was accepted before its owner died ends
+cancelled before anything runs again (F5). A pause
 past its approval deadline ends ``approval_timeout``. Each starts with a fenced claim
 (take over, expire), so of all the processes that try, exactly one wins.
 """
@@ -16,18 +19,19 @@ import logging
 from enum import Enum
 from typing import Any
 
-from lib.errors import BufferUnavailable, Conflict, LeaseHeld, NotDue, NotFound
+from lib.errors import BufferUnavailable, Conflict, LeaseHeld, NotDue, NotFound, SuspectHeld
 from lib.execution.admission import paused_member
+from lib.execution.blame import DEATHS_PER_RECOVERY, SUSPECT_DEATHS, Suspicion, Verdict
 from lib.execution.buffer import ExecutionMeta
 from lib.execution.ceiling import Durable, read_durable
 from lib.execution.events import EXECUTION_RECOVERED, EXECUTION_STARTED
 from lib.execution.log import ExecutionLog
-from lib.execution.ownership import Claim
+from lib.execution.ownership import Claim, node_of
 from lib.execution.record import Field, Mode, RecoveryReason, Status, StopReason, Takeover
 from lib.execution.values import ValueStoreError
 from lib.workflows.executor import RunState
 from lib.workflows.finals import Final
-from lib.workflows.janitor import approval_timeout, worker_lost
+from lib.workflows.janitor import approval_timeout, quarantined, worker_lost
 from lib.workflows.launcher import Body, Launcher, Outcome, ending_body, identity_of
 from lib.workflows.leases import LocalRun
 from lib.workflows.model import Workflow
@@ -61,7 +65,9 @@ async def load_run(
 class Takeovers:
     """Wins the executions found due here, and launches what follows."""
 
-    def __init__(self, parts: Parts, *, max_recoveries: int = 3) -> None:
+    def __init__(
+        self, parts: Parts, *, max_recoveries: int = 3, suspicion: Suspicion | None = None
+    ) -> None:
         transitions = parts.transitions
         self._parts = parts
         self._buffer = parts.buffer
@@ -73,12 +79,18 @@ class Takeovers:
         self._launcher = parts.launcher
         self._runs = parts.runs
         self._max_recoveries = max_recoveries
+        self._suspicion = suspicion
+        # One takeover at a time (the janitor's and the hand-off listener's): two at once
+        # could both find no suspect here, and take one each.
+        self._one_at_a_time = asyncio.Lock()
 
     async def take_over(self, execution_id: str, fence: str, *, how: Takeover) -> None:
         """Take over an execution from ``fence`` and recover it, if it is due."""
         if execution_id in self._runs or not self._runs.accepting:
             return
-        if await self._recover(execution_id, fence, how) is not Claimed.NOT_YET:
+        async with self._one_at_a_time:
+            claimed = await self._recover(execution_id, fence, how)
+        if claimed is not Claimed.NOT_YET:
             # Recovered now by a new owner (whose own entry watches it from here on),
             # or settled already: this entry names nothing left to do.
             await self._watch.release(execution_id, fence)
@@ -132,11 +144,10 @@ class Takeovers:
         fence = self._parts.new_fence()
         try:
             await self._store.wait_settled()
-        except BufferUnavailable:
-            return Claimed.NOT_YET
-        try:
             meta = await self._buffer.meta(execution_id)
             ceiling = await self.recall(execution_id, meta, expected)
+        except BufferUnavailable:
+            return Claimed.NOT_YET
         except ValueStoreError as exc:
             log.warning(
                 "takeover waits for the value store",
@@ -148,6 +159,7 @@ class Takeovers:
         if ceiling is None:
             return Claimed.SETTLED
         try:
+            verdict, busy = await self._judge(meta, expected)
             await self._watch.hold(execution_id, fence)
             claim = await self._ownership.claim(
                 execution_id,
@@ -156,22 +168,37 @@ class Takeovers:
                 expected=expected,
                 takeover=how,
                 base_at_least=ceiling,
+                verdict=verdict,
+                busy=busy,
             )
         except (Conflict, NotFound) as exc:
-            await self._launcher.quietly(execution_id, self._watch.release(execution_id, fence))
-            return Claimed.NOT_YET if isinstance(exc, LeaseHeld) else Claimed.SETTLED
+            await self._launcher.quietly(
+                execution_id,
+                self._watch.release(execution_id, fence),
+                self._settle_suspect(execution_id, suspect=False),
+            )
+            waits = isinstance(exc, LeaseHeld | SuspectHeld)
+            return Claimed.NOT_YET if waits else Claimed.SETTLED
+        except BaseException:
+            # Not claimed (the store failed, or this was cancelled): nor a suspect here.
+            await self._launcher.quietly(
+                execution_id, self._settle_suspect(execution_id, suspect=False)
+            )
+            raise
         # The new owner counts for the tenant in place of the one it took over from.
         await self._launcher.quietly(
             execution_id,
             self._admission.count(meta.tenant, fence),
             self._admission.leave(meta.tenant, expected),
         )
+        body, runs_again = self._recovery_body(execution_id, claim)
         self._launcher.launch(
-            execution_id,
-            claim,
-            identity=_recovered_identity(meta, claim),
-            body=self._recovery_body(execution_id, claim),
-            meta=meta,
+            execution_id, claim, identity=_recovered_identity(meta, claim), body=body, meta=meta
+        )
+        # A run whose owners died runs here as this process's suspect (blame.py).
+        suspect = runs_again and claim.deaths >= SUSPECT_DEATHS
+        await self._launcher.quietly(
+            execution_id, self._settle_suspect(execution_id, suspect=suspect)
         )
         return Claimed.WON
 
@@ -187,27 +214,50 @@ class Takeovers:
 
         The store may have forgotten ids an owner showed, or how the run ended, and the
         process that knew is not here to re-assert it: what the owners recorded
-        outside it says (ceiling.py, finals.py). ``ValueStoreError`` when it cannot say.
-        ``expected``: the owner a takeover replaces (it stops counting if the end is
-        stored again)."""
+        outside it says (ceiling.py, finals.py). ``ValueStoreError`` when it cannot say
+        (the window of ``came_back_behind`` then lasts until it can). ``expected``: the
+        owner a takeover replaces (it stops counting if the end is stored again)."""
         if not self._store.came_back_behind():
             return 0
         try:
             durable = await read_durable(self._launcher.values, execution_id)
         except ValueStoreError:
-            self._store.still_behind()  # the window lasts until the records are read
+            self._store.still_behind()
             raise
         if await self._ended_before(execution_id, meta, expected, durable):
             return None
         return durable.ceiling
 
+    async def _judge(self, meta: ExecutionMeta, expected: str) -> tuple[Verdict, bool]:
+        """Who the death of the owner is charged to, from its process's record, and
+        whether this process runs a suspect already. A run whose owners died
+        ``SUSPECT_DEATHS`` times, this death counted (a hand-off is none), is a
+        suspect: unless this process runs one, it is recorded as this process's suspect
+        before the claim, so that a death from the moment it runs here is charged to it
+        (blame.py)."""
+        if self._suspicion is None:
+            return Verdict.ALONE, False
+        died = meta.owner != ""  # a hand-off leaves no owner: nobody died
+        verdict = Verdict.ALONE
+        if died:
+            record = await self._suspicion.records.read(node_of(expected or meta.owner))
+            verdict = record.verdict(meta.id) if record is not None else Verdict.ALONE
+        busy = self._suspicion.busy()
+        if meta.deaths + died >= SUSPECT_DEATHS and not busy:
+            await self._suspicion.take(meta.id)
+        return verdict, busy
+
+    async def _settle_suspect(self, execution_id: str, *, suspect: bool) -> None:
+        if self._suspicion is not None:
+            await self._suspicion.settle(execution_id, suspect=suspect)
+
     async def _ended_before(
         self, execution_id: str, meta: ExecutionMeta, expected: str, durable: Durable
     ) -> bool:
         """A store back behind says "running" (or "paused"), but the run's final record
-        says it ended (or paused) later, and no owner started after that: store its
-        last event again, as the process that ended it would have (finals.py), instead
-        of running it a second time. False when there is none, or the store refused it."""
+        says it ended (or paused) later, and no owner started after that: store its last event
+        again, as the process that ended it would have (finals.py), instead of running
+        it a second time. False when there is none, or the store refused it."""
         record = durable.final
         if record is None or record["id"] <= max(meta.last_id, durable.base):
             return False
@@ -224,18 +274,30 @@ class Takeovers:
             await self._launcher.quietly(execution_id, self._admission.leave(meta.tenant, member))
         return True
 
-    def _recovery_body(self, execution_id: str, claim: Claim) -> Body:
-        """What a won takeover runs: the accepted cancel, the ``worker_lost`` ending of
-        one that crashed too often, or the run carried on from its checkpoint."""
-        extra = {"executionId": execution_id, "reason": claim.reason, "recovery": claim.recovery}
+    def _recovery_body(self, execution_id: str, claim: Claim) -> tuple[Body, bool]:
+        """What a won takeover runs: the accepted cancel, the ``quarantined`` ending of
+        one charged as its process's suspect, the ``worker_lost`` ending of one that
+        crashed too often, or the run carried on from its checkpoint; and whether that
+        runs its blocks again."""
+        extra = {
+            "executionId": execution_id,
+            "reason": claim.reason,
+            "recovery": claim.recovery,
+            "deaths": claim.deaths,
+        }
         if claim.cancel_requested:
             # Its owner accepted a cancel and stopped before writing it (F5): the
             # cancel is honoured before anything runs again, so no block starts here.
             log.warning("recovering a cancelled execution; ending it", extra=extra)
-            return self._cancelled(claim)
-        if claim.reason is RecoveryReason.WORKER_LOST and claim.crashes > self._max_recoveries:
+            return self._cancelled(claim), False
+        if claim.reason is RecoveryReason.QUARANTINED:
+            log.warning("execution quarantined: its owners kept dying; ending it", extra=extra)
+            return ending_body(quarantined(claim.deaths)), False
+        if claim.reason is RecoveryReason.WORKER_LOST and lost_too_often(
+            claim, self._max_recoveries
+        ):
             log.warning("execution lost its owner too often; ending it", extra=extra)
-            return ending_body(worker_lost)
+            return ending_body(worker_lost), False
         log.warning("recovering an execution", extra=extra)
 
         async def body(local: LocalRun, emitter: ExecutionLog) -> None:
@@ -248,7 +310,7 @@ class Takeovers:
 
             await self._launcher.execute(local, emitter, work)
 
-        return body
+        return body, True
 
     def _cancelled(self, claim: Claim) -> Body:
         """A takeover of an execution whose cancel was accepted: ``execution:recovered``
@@ -271,6 +333,16 @@ class Takeovers:
         return body
 
 
+def lost_too_often(claim: Claim, max_recoveries: int) -> bool:
+    """Whether a run taken over after a death ends ``worker_lost``: past
+    ``max_recoveries`` crashes charged to it (0: no recovery at all, charged or not), or
+    past ``DEATHS_PER_RECOVERY`` deaths per recovery allowed, whoever was to blame (a
+    run that kills its process only after its probation as a suspect: blame.py)."""
+    if max_recoveries == 0 or claim.crashes > max_recoveries:
+        return True
+    return claim.deaths > DEATHS_PER_RECOVERY * (max_recoveries + 1)
+
+
 def _recovered_identity(meta: ExecutionMeta, claim: Claim) -> dict[str, str]:
     """The fields to write back with the metadata should the store lose it: this
     recovery's number and the crashes so far are part of what it must not forget."""
@@ -278,6 +350,7 @@ def _recovered_identity(meta: ExecutionMeta, claim: Claim) -> dict[str, str]:
         **identity_of(meta),
         Field.RECOVERIES.value: str(claim.recovery),
         Field.CRASHES.value: str(claim.crashes),
+        Field.DEATHS.value: str(claim.deaths),
     }
 
 

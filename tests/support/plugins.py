@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 from typing import Any
 
 from lib.errors import BlockError
@@ -28,3 +31,12 @@ async def flaky(ctx: BlockContext, args: Any) -> dict[str, Any]:
     if ctx.attempt < int(args.get("succeedOn", 2)):
         raise BlockError("flaky", f"attempt {ctx.attempt} with key {ctx.idempotency_key} fails")
     return {"attempt": ctx.attempt, "idempotencyKey": ctx.idempotency_key}
+
+
+@block("crash")
+async def crash(ctx: BlockContext, args: Any) -> dict[str, Any]:
+    """Waits ``args.ms`` (default 0), then SIGKILLs its own process: a test's stand-in
+    for a run whose process the kernel OOM-kills every time it runs there."""
+    await asyncio.sleep(float(args.get("ms", 0)) / 1000)
+    os.kill(os.getpid(), signal.SIGKILL)
+    return {}

@@ -145,6 +145,19 @@ async def test_the_execution_id_goes_out_on_notify_and_a_status_change_on_status
     }  # fmt: skip
 
 
+async def test_a_failure_goes_out_with_its_error_code(
+    redis: Redis, keys: Keys, eid: str, node_url: Callable[[str], str]
+) -> None:
+    """The live lists show why a run failed (a quarantine among others)."""
+    await owned(redis, keys, eid)
+    failed = ("execution:failed", json.dumps({"id": 1}))
+    error = json.dumps({"code": "quarantined", "message": "its owners died 2 times"})
+    async with inbox(node_url(keys.meta(eid)), keys.notify, keys.status) as box:
+        await append(redis, keys, eid, [failed], first=1, meta={"status": "failed", "error": error})
+        (_notify, _woken), (_status, row) = await box.received()
+    assert json.loads(row)["errorCode"] == "quarantined"
+
+
 async def test_a_batch_within_the_inline_cap_goes_out_whole_and_a_larger_one_as_its_id(
     redis: Redis, keys: Keys, eid: str, node_url: Callable[[str], str]
 ) -> None:

@@ -1,5 +1,6 @@
 """claim.lua's contract on a real Valkey: each transition's reply and every refusal
-(NOEXEC, STATUS, BLOCK, LEASE, MOVED, NOTDUE, MODE), each refusal writing nothing."""
+(NOEXEC, STATUS, BLOCK, LEASE, MOVED, NOTDUE, MODE, SUSPECT), each refusal writing
+nothing; a takeover's charge for each verdict on its owner's death (blame.py)."""
 
 from __future__ import annotations
 
@@ -33,9 +34,12 @@ def claim(
     handoff_only: bool = False,
     answer: str = "",
     base_at_least: int = 0,
+    verdict: str = "",
+    busy: bool = False,
 ) -> Any:
     args = [
         mode, token, LEASE_MS, argument, "handoff" if handoff_only else "", answer, base_at_least,
+        verdict, "busy" if busy else "",
     ]  # fmt: skip
     return script(redis, "claim.lua")(keys=[keys.meta(eid), keys.state(eid)], args=args)
 
@@ -64,7 +68,7 @@ async def test_resume_gives_a_paused_execution_to_the_caller_with_the_answer(
     )  # fmt: skip
     before = await now_ms(redis, keys.meta(eid))
     reply = await claim(redis, keys, eid, "resume", argument="q", answer='{"ok": true}')
-    assert reply == [5, 9, b"paused", NEW.encode(), 3, 2, b"", 1, b"0"]
+    assert reply == [5, 9, b"paused", NEW.encode(), 3, 2, b"", 1, b"0", 0]
     await assert_owned_by_new(redis, keys, eid, before)
     assert "cancelRequested" not in await meta(redis, keys, eid)
     assert await redis.hgetall(keys.state(eid)) == {b"a:q": b'{"ok": true}'}
@@ -110,7 +114,7 @@ async def test_cancel_of_a_running_execution_only_flags_it_for_its_owner(
     await execution(redis, keys, eid, recoveries=1, crashes=1)
     before = await meta(redis, keys, eid)
     reply = await claim(redis, keys, eid, "cancel")
-    assert reply == [5, 9, b"running", OWNER.encode(), 2, 1, b"", 1, b"1"]
+    assert reply == [5, 9, b"running", OWNER.encode(), 2, 1, b"", 1, b"1", 0]
     assert await meta(redis, keys, eid) == {**before, "cancelRequested": "1"}
 
 
@@ -120,7 +124,7 @@ async def test_cancel_of_a_paused_execution_gives_it_to_the_caller_flagged(
     await execution(redis, keys, eid, status="paused", owner="", pauseBlock="q")
     before = await now_ms(redis, keys.meta(eid))
     reply = await claim(redis, keys, eid, "cancel")
-    assert reply == [5, 9, b"paused", NEW.encode(), 3, 0, b"", 0, b"1"]
+    assert reply == [5, 9, b"paused", NEW.encode(), 3, 0, b"", 0, b"1", 0]
     await assert_owned_by_new(redis, keys, eid, before)
     assert (await meta(redis, keys, eid))["cancelRequested"] == "1"
 
@@ -133,7 +137,7 @@ async def test_takeover_past_the_lease_is_a_crash_that_keeps_a_requested_cancel(
     await execution(redis, keys, eid, leaseUntil=past, cancelRequested="1", recoveries=1, crashes=2)
     before = await now_ms(redis, keys.meta(eid))
     reply = await claim(redis, keys, eid, "takeover", argument=expected)
-    assert reply == [5, 9, b"running", NEW.encode(), 3, 2, b"worker_lost", 3, b"1"]
+    assert reply == [5, 9, b"running", NEW.encode(), 3, 2, b"worker_lost", 3, b"1", 1]
     await assert_owned_by_new(redis, keys, eid, before)
     stored = await meta(redis, keys, eid)
     assert (stored["recoveryReason"], stored["crashes"], stored["cancelRequested"]) == (
@@ -148,7 +152,7 @@ async def test_takeover_of_a_handed_off_execution_is_no_crash(
     await execution(redis, keys, eid, owner="", handoff=OWNER, leaseUntil=0, crashes=1)
     before = await now_ms(redis, keys.meta(eid))
     reply = await claim(redis, keys, eid, "takeover", argument=OWNER, handoff_only=handoff_only)
-    assert reply == [5, 9, b"running", NEW.encode(), 3, 1, b"handoff", 1, b"0"]
+    assert reply == [5, 9, b"running", NEW.encode(), 3, 1, b"handoff", 1, b"0", 0]
     await assert_owned_by_new(redis, keys, eid, before)
     assert (await meta(redis, keys, eid))["recoveryReason"] == "handoff"
 
@@ -201,7 +205,7 @@ async def test_a_takeover_sent_again_answers_with_the_recovery_it_started(
 async def test_handoff_lets_go_of_the_callers_execution(redis: Redis, keys: Keys, eid: str) -> None:
     await execution(redis, keys, eid, recoveries=1, crashes=1)
     reply = await claim(redis, keys, eid, "handoff", OWNER)
-    assert reply == [5, 9, b"running", b"", 2, 1, b"handoff", 1, b"0"]
+    assert reply == [5, 9, b"running", b"", 2, 1, b"handoff", 1, b"0", 0]
     stored = await meta(redis, keys, eid)
     assert (stored["owner"], stored["handoff"], stored["leaseUntil"]) == ("", OWNER, "0")
     assert (stored["status"], stored["epoch"]) == ("running", "2")
@@ -214,7 +218,7 @@ async def test_expire_gives_a_pause_past_its_deadline_to_the_caller(
     await execution(redis, keys, eid, status="paused", pauseBlock="q", pauseDeadline=past)
     before = await now_ms(redis, keys.meta(eid))
     reply = await claim(redis, keys, eid, "expire")
-    assert reply == [5, 9, b"paused", NEW.encode(), 3, 0, b"", 0, b"0"]
+    assert reply == [5, 9, b"paused", NEW.encode(), 3, 0, b"", 0, b"0", 0]
     await assert_owned_by_new(redis, keys, eid, before)
 
 
@@ -321,3 +325,87 @@ async def test_mode_names_a_transition_there_is_not(redis: Redis, keys: Keys, ei
     before = await meta(redis, keys, eid)
     assert await refusal(claim(redis, keys, eid, "adopt")) == "MODE adopt"
     assert await meta(redis, keys, eid) == before
+
+
+# -- blame: who a death is charged to (ARGV[8]), one suspect per process (ARGV[9]) ------
+
+
+@pytest.mark.parametrize(
+    ("verdict", "crashes", "reason", "quarantined"),
+    [
+        ("", "2", b"worker_lost", None),
+        ("alone", "2", b"worker_lost", None),
+        ("beside", "1", b"worker_lost", None),
+        ("crowd", "1", b"worker_lost", None),
+        ("suspect", "2", b"quarantined", "1"),
+    ],
+)
+async def test_a_death_is_charged_as_its_verdict_says_and_counted_whatever_it_is(
+    redis: Redis, keys: Keys, eid: str, verdict: str, crashes: str, reason: bytes,
+    quarantined: str | None,
+) -> None:  # fmt: skip
+    """Every death of its owner counts in ``deaths``; only one it ran alone through, or
+    as its process's suspect, is charged (``crashes``); a suspect's is its quarantine."""
+    await execution(redis, keys, eid, leaseUntil=0, recoveries=1, crashes=1, deaths=1)
+    reply = await claim(redis, keys, eid, "takeover", argument=OWNER, verdict=verdict)
+    assert reply[6:] == [reason, int(crashes), b"0", 2]
+    stored = await meta(redis, keys, eid)
+    assert (stored["crashes"], stored["deaths"], stored.get("quarantined")) == (
+        crashes, "2", quarantined,
+    )  # fmt: skip
+
+
+async def test_a_quarantined_execution_says_so_at_every_later_takeover(
+    redis: Redis, keys: Keys, eid: str
+) -> None:
+    """Its quarantine holds when the owner that was to end it died, or handed it off,
+    and a busy caller may take it (it only ends)."""
+    await execution(redis, keys, eid, leaseUntil=0, deaths=2, quarantined="1")
+    reply = await claim(redis, keys, eid, "takeover", argument=OWNER, verdict="crowd", busy=True)
+    assert reply[6] == b"quarantined"
+    await execution(redis, keys, eid, owner="", handoff=NEW, leaseUntil=0, epoch=3)
+    again = await claim(redis, keys, eid, "takeover", "node-c:3", argument=NEW, busy=True)
+    assert again[6] == b"quarantined"
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"leaseUntil": 0, "deaths": 1}, OWNER),  # its owner died now, a second time
+        ({"owner": "", "handoff": OWNER, "leaseUntil": 0, "deaths": 2}, OWNER),  # before
+    ],
+)
+async def test_suspect_refuses_a_second_suspect_to_a_process_that_runs_one(
+    redis: Redis, keys: Keys, eid: str, fields: dict[str, Any], expected: str
+) -> None:
+    await execution(redis, keys, eid, **fields)
+    before = await meta(redis, keys, eid)
+    assert await refusal(claim(redis, keys, eid, "takeover", argument=expected, busy=True)) == (
+        "SUSPECT"
+    )
+    assert await meta(redis, keys, eid) == before
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"leaseUntil": 0},  # its owner died now, the first time
+        {"owner": "", "handoff": OWNER, "leaseUntil": 0, "deaths": 1},  # once, before
+    ],
+)
+async def test_one_death_makes_no_suspect_so_a_busy_caller_takes_it_over(
+    redis: Redis, keys: Keys, eid: str, fields: dict[str, Any]
+) -> None:
+    """A replica lost for any reason leaves its runs one death each: they are taken over
+    at once, whatever suspect the takers run (blame.py SUSPECT_DEATHS)."""
+    await execution(redis, keys, eid, **fields)
+    reply = await claim(redis, keys, eid, "takeover", argument=OWNER, busy=True)
+    assert reply[3] == NEW.encode()
+
+
+async def test_a_busy_caller_takes_over_a_hand_off_of_a_run_that_never_died(
+    redis: Redis, keys: Keys, eid: str
+) -> None:
+    await execution(redis, keys, eid, owner="", handoff=OWNER, leaseUntil=0)
+    reply = await claim(redis, keys, eid, "takeover", argument=OWNER, busy=True)
+    assert reply[6:] == [b"handoff", 0, b"0", 0]
