@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.errors import ApiError
 from app.idempotency import Outcome
-from app.limits import checked_input
+from app.limits import check_large_input, checked_input
 from app.requests import JsonRoute
 from app.responses import JSON
 from app.routes.streams import CURSOR, parse_cursor
@@ -187,6 +187,7 @@ async def resume(
     body: Annotated[ResumeRequest, Body()],
 ) -> JSON:
     """Answer a pause; exactly one of many concurrent resumes is accepted."""
+    await check_large_input(body.input)
 
     async def resume() -> Run:
         return await svc.runner.resume(

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Body, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.idempotency import WriteBack
-from app.limits import checked_input, unstorable
+from app.limits import check_large_input, checked_input, unstorable
 from app.requests import JsonRoute
 from app.responses import JSON
 from app.routes.streams import sse_response
@@ -188,6 +188,7 @@ async def execute(
 ) -> Response:
     """Start an execution; stream it when the client accepts SSE, else answer 202."""
     request_body = body or ExecuteRequest()
+    await check_large_input(request_body.input)
     streaming = "text/event-stream" in request.headers.get("accept", "")
     start = _starter(svc, tenant_id, workflow_id, request_body, first_stored=not streaming)
     if streaming:

@@ -13,6 +13,8 @@ from typing import Any, Final
 
 import orjson
 
+from lib import slices
+
 EXECUTION_STARTED: Final = "execution:started"
 BLOCK_STARTED: Final = "block:started"
 BLOCK_CHUNK: Final = "block:chunk"
@@ -77,6 +79,19 @@ def carriable(value: Any) -> Any:
     except (orjson.JSONEncodeError, TypeError):
         return _carriable(value)
     if _LONG_DIGITS.search(encoded):
+        return _carriable(value)
+    return value
+
+
+async def carried(value: Any) -> Any:
+    """``carriable(value)``, encoded and scanned in slices (``lib.slices``): a block's
+    35 MB output was encoded and scanned for long digits at once on the event loop
+    (step 16, row 1)."""
+    try:
+        encoded = await slices.encode(value)
+    except (orjson.JSONEncodeError, TypeError):
+        return _carriable(value)
+    if await slices.search(_LONG_DIGITS, encoded):
         return _carriable(value)
     return value
 
@@ -199,6 +214,12 @@ class Event:
             "ts": self.ts,
             "data": self.data,
         }
+
+    async def encode(self) -> None:
+        """Encode the envelope now, in slices when it is large (``lib.slices``), so that
+        ``json`` does not encode it whole on the event loop."""
+        if self._json is None:
+            self._json = await slices.encode(self.envelope())
 
     @property
     def json(self) -> bytes:

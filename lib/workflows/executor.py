@@ -36,7 +36,7 @@ from lib.execution.events import (
     BLOCK_FAILED,
     BLOCK_SKIPPED,
     BLOCK_STARTED,
-    carriable,
+    carried,
 )
 from lib.workflows.blocks import BlockTypes
 from lib.workflows.blocks.base import BlockContext, BlockServices, PauseRequested
@@ -403,7 +403,7 @@ class _Run:
         # What templates downstream read is what the event carries (SPEC §2).
         # The event carries the output as kept (large values as refs), so the event,
         # the checkpoint and what templates downstream read are one value.
-        kept, kept_json = await self.keeper.keep(carriable(self.redactor.value(output)))
+        kept, kept_json = await self.keeper.keep(await carried(self.redactor.value(output)))
         self.holdings.keep(block.id, len(kept_json))
         if holds_refs(kept_json):
             self.with_refs.add(block.id)

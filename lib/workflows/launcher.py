@@ -133,26 +133,7 @@ class Launcher:
         local = LocalRun(
             execution_id, claim.owner, claim.epoch, tenant, gate=gate, checked_at=claimed_at
         )
-        events = ExecutionLog(
-            buffer=self._buffer,
-            hub=self._hub,
-            values=self._values,
-            policy=self._offload,
-            execution_id=execution_id,
-            identity=identity,
-            fence=claim.owner,
-            epoch=claim.epoch,
-            stored_id=claim.last_id,
-            base_id=claim.base,
-            reserved=claim.reserved,
-            retained_bytes=meta.retained_bytes if meta is not None else 0,
-            checkpoint_bytes=meta.checkpoint_bytes if meta is not None else 0,
-            gate=gate,
-            on_cancel=lambda: local.stop(StopReason.CANCEL),
-            on_lost=lambda: self._rewatch(execution_id, local),
-            max_pending=self._max_pending,
-            metrics=self._metrics,
-        )
+        events = self._log_of(local, claim, identity, meta)
         local.identity = identity
         local.write_back = write_back
         local.pending = lambda: events.pending
@@ -183,6 +164,37 @@ class Launcher:
         self._locals[execution_id] = local
         local.task.add_done_callback(forget)
         return events
+
+    def _log_of(
+        self,
+        local: LocalRun,
+        claim: Claim,
+        identity: dict[str, str],
+        meta: ExecutionMeta | None,
+    ) -> ExecutionLog:
+        """The event log of a run launched here: numbered from what ``claim`` won, its
+        retained bytes carried on from ``meta`` (the record before the claim)."""
+        execution_id = local.execution_id
+        return ExecutionLog(
+            buffer=self._buffer,
+            hub=self._hub,
+            values=self._values,
+            policy=self._offload,
+            execution_id=execution_id,
+            identity=identity,
+            fence=claim.owner,
+            epoch=claim.epoch,
+            stored_id=claim.last_id,
+            base_id=claim.base,
+            reserved=claim.reserved,
+            retained_bytes=meta.retained_bytes if meta is not None else 0,
+            checkpoint_bytes=meta.checkpoint_bytes if meta is not None else 0,
+            gate=local.gate,
+            on_cancel=lambda: local.stop(StopReason.CANCEL),
+            on_lost=lambda: self._rewatch(execution_id, local),
+            max_pending=self._max_pending,
+            metrics=self._metrics,
+        )
 
     async def _rewatch(self, execution_id: str, local: LocalRun) -> None:
         """The store lost writes of a running execution: watch its lease, list it and

@@ -15,17 +15,19 @@ MAX_DEPTH = 64
 MAX_TEMPLATE_CHARS = 64 * 1024
 
 
-def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
+def too_deep(value: Any, limit: int = MAX_DEPTH, *, encoded: bytes | None = None) -> bool:
     """True when ``value`` nests lists and objects more than ``limit`` levels deep.
 
     Found in C on the value's JSON, not by a walk in Python: a request's input is
     checked on the event loop, and a walk of millions of elements held every tenant's
     requests for seconds (step 16's review, row 1). Each pass takes out the innermost
-    pairs of brackets; a value ``limit`` deep is gone after ``limit`` passes."""
-    try:
-        encoded = orjson.dumps(value)
-    except (TypeError, orjson.JSONEncodeError):
-        return _walked_too_deep(value, limit)  # not JSON orjson takes (a huge integer)
+    pairs of brackets; a value ``limit`` deep is gone after ``limit`` passes. A caller
+    that has the value's JSON already passes it as ``encoded``."""
+    if encoded is None:
+        try:
+            encoded = orjson.dumps(value)
+        except (TypeError, orjson.JSONEncodeError):
+            return _walked_too_deep(value, limit)  # not JSON orjson takes (a huge integer)
     # Objects count as lists: "{" as "[", "}" as "]", everything else gone.
     brackets = _outside_strings(encoded).translate(_AS_LISTS, _NOT_BRACKETS)
     for _ in range(limit):

@@ -28,6 +28,7 @@ from typing import Any
 import orjson
 
 from lib.errors import BlockError
+from lib.slices import size_past
 from lib.workflows.templates import NOT_SIMPLE, is_template, lookup, plain_value
 from lib.workflows.worker import HEADER, MiB
 
@@ -146,17 +147,17 @@ class TemplatePool:
         answers: dict[str, Any] = {}
         pending: list[str] = []
         self._plan(value, context, answers, pending)
-        sizes = _Sizes()
-        self._check_total(value, answers, sizes)  # before a worker is asked anything
+        sizes = _Sizes(self.max_output_bytes)
+        await self._check_total(value, answers, sizes)  # before a worker is asked anything
         for source, found in answers.items():  # within the bound: cheap to make plain
             answers[source] = plain_value(found)
         if pending:
             results = await self._evaluate("render", pending, context)
             answers.update(zip(pending, results, strict=True))
-            self._check_total(value, answers, sizes)
+            await self._check_total(value, answers, sizes)
         return _substitute(value, answers)
 
-    def _check_total(self, value: Any, answers: dict[str, Any], sizes: _Sizes) -> None:
+    async def _check_total(self, value: Any, answers: dict[str, Any], sizes: _Sizes) -> None:
         total = 0
         stack = [value]
         while stack:
@@ -166,7 +167,7 @@ class TemplatePool:
             elif isinstance(current, list):
                 stack.extend(current)
             elif isinstance(current, str) and is_template(current):
-                total += sizes.of(answers.get(current, current))
+                total += await sizes.of(answers.get(current, current))
             if total > self.max_output_bytes:
                 raise BlockError(
                     "template_error",
@@ -318,10 +319,11 @@ class TemplatePool:
 class _Sizes:
     """The encoded size of each answer, worked out once however often it is used."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
         self._known: dict[int, tuple[Any, int]] = {}
 
-    def of(self, value: Any) -> int:
+    async def of(self, value: Any) -> int:
         if isinstance(value, str):
             return len(value)  # characters: a bound that costs nothing to check
         if value is None or isinstance(value, bool | int | float):
@@ -329,11 +331,21 @@ class _Sizes:
         known = self._known.get(id(value))
         if known is None or known[0] is not value:
             try:
-                size = len(orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS))
-            except (TypeError, orjson.JSONEncodeError):  # nested too deep for orjson
-                size = len(str(value))
+                # Only whether it passes the bound counts: sized as far as the bound, so
+                # an echo of a 10 MB input costs what 1 MB does (step 16, row 1).
+                size = await size_past(value, self._limit)
+            except (TypeError, orjson.JSONEncodeError):
+                size = self._encoded_size(value)
             known = self._known[id(value)] = (value, size)
         return known[1]
+
+    @staticmethod
+    def _encoded_size(value: Any) -> int:
+        """Non-string keys, or nested too deep for orjson."""
+        try:
+            return len(orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS))
+        except (TypeError, orjson.JSONEncodeError):  # nested too deep for orjson
+            return len(str(value))
 
 
 def _too_large(max_output_bytes: int) -> BlockError:

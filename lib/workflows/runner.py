@@ -252,19 +252,7 @@ class Runner:
             write_back=write_back,
         )
         if first_stored:
-            # A 202 names an execution whose first event is stored, even if this process
-            # dies right as it answers (a streamed start shows it at once instead, from
-            # its reserved id: see ownership.START_RESERVED). Bounded: an outage delays
-            # the answer by a second at most, never fails it.
-            try:
-                async with asyncio.timeout(FIRST_STORED_SECONDS):
-                    await events.stored_through(START_RESERVED)
-            except TimeoutError:
-                # Said, not swallowed: a death from here leaves id 1 a reported gap.
-                log.warning(
-                    "answering a start whose first event is not stored yet",
-                    extra={"executionId": execution_id, "waited": FIRST_STORED_SECONDS},
-                )
+            await _first_stored(events, execution_id)
         return Started(execution_id, "running")
 
     async def _create(
@@ -522,3 +510,19 @@ def _check_answer(schema: dict[str, Any], answer: Any) -> None:
     problems = answer_problems(schema, answer)
     if problems:
         raise InvalidInput("the input does not match the pause's schema", problems)
+
+
+async def _first_stored(events: ExecutionLog, execution_id: str) -> None:
+    """Wait until a start's first event is stored: a 202 names an execution whose first
+    event is stored, even if this process dies right as it answers (a streamed start
+    shows it at once instead, from its reserved id: see ownership.START_RESERVED).
+    Bounded: an outage delays the answer by a second at most, never fails it."""
+    try:
+        async with asyncio.timeout(FIRST_STORED_SECONDS):
+            await events.stored_through(START_RESERVED)
+    except TimeoutError:
+        # Said, not swallowed: a death from here leaves id 1 a reported gap.
+        log.warning(
+            "answering a start whose first event is not stored yet",
+            extra={"executionId": execution_id, "waited": FIRST_STORED_SECONDS},
+        )

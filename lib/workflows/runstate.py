@@ -21,6 +21,7 @@ from lib.errors import NotFound
 from lib.execution.buffer import EventBuffer
 from lib.execution.record import Field
 from lib.execution.values import ValueStore, value_id
+from lib.slices import encode
 from lib.workflows.checkpoint import read_fields, write_fields
 from lib.workflows.executor import RunState
 from lib.workflows.model import Workflow
@@ -138,7 +139,7 @@ class RunStates:
         return {name.decode(): orjson.loads(value) for name, value in raw.items()}
 
     async def _encode(self, execution_id: str, value: Any) -> dict[str, Any]:
-        raw = orjson.dumps(value)
+        raw = await encode(value)  # in slices: a run's input may be 10 MB
         if len(raw) <= self._inline_bytes:
             return {"v": value}
         ident = value_id(hashlib.sha256(raw).hexdigest())

@@ -409,8 +409,9 @@ async def test_a_janitor_takes_over_past_the_lease_or_once_handed_off(machine: M
         ),
     )
     assert (await machine.record(alive))[Field.OWNER] == "node-a:1"
-    # A process that runs a suspect takes no other run whose owner died (blame.py).
+    # A process that runs a suspect takes no other run whose owners died twice (blame.py).
     crashed = await machine.start("node-a:1", machine.with_lease(0.05))
+    await machine.redis.hset(machine.buffer.keys.meta(crashed), "deaths", 1)  # died before
     await machine.until_lease_ended(crashed)
     await check.refused(
         Reply.SUSPECT,

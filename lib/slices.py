@@ -1,0 +1,353 @@
+"""JSON encoding of large values in slices that each hold the event loop briefly.
+
+``orjson.dumps`` is one C call that holds the GIL for all of a value: 5 million zeros
+take 80-150 ms on a busy machine, and a thread does not help (it holds the same GIL).
+Every tenant's requests wait that long (step 16's review, row 1: "no tenant's data holds
+the event loop"). ``encode`` gives the same bytes as ``orjson.dumps`` but builds them
+piece by piece, each piece at most ``PIECE`` elements, and lets the loop run between
+pieces. ``size_past`` answers "is this value's JSON larger than ``limit``?" at a cost
+proportional to ``limit``, not to the value.
+
+A value of at most ``PIECE`` elements (the normal case) is encoded by one call, as
+before: counting its elements stops at ``PIECE``, so it costs microseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import orjson
+
+# Elements encoded in one go: about a millisecond of orjson on a busy machine.
+PIECE = 16_384
+# The longest the loop is held between two yields of ``encode``.
+SLICE_SECONDS = 0.005
+
+
+def weight(value: Any, cap: int = PIECE) -> int:
+    """How many elements ``value`` holds, counted up to just past ``cap``."""
+    if not isinstance(value, list | dict):
+        return 1
+    count = 0
+    stack: list[Any] = [value]
+    while stack:
+        current = stack.pop()
+        children = current.values() if isinstance(current, dict) else current
+        count += len(children)
+        if count > cap:
+            return count
+        if not _SCALARS.issuperset(map(type, children)):  # in C: only scalars below
+            stack.extend(child for child in children if isinstance(child, list | dict))
+    return count
+
+
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
+async def _pause() -> None:
+    """Let every other ready callback of the loop run once."""
+    await asyncio.sleep(0)
+
+
+class Pacer:
+    """Lets the event loop run every ``SLICE_SECONDS`` of a long walk in Python."""
+
+    def __init__(self) -> None:
+        self._since = time.perf_counter()
+
+    async def tick(self) -> None:
+        """Called between two steps of the walk: yields when this slice is used up."""
+        if time.perf_counter() - self._since > SLICE_SECONDS:
+            await _pause()
+            self._since = time.perf_counter()
+
+
+# Bytes scanned by one regular-expression search of ``search``.
+SCAN_BYTES = 256 * 1024
+
+
+async def search(pattern: re.Pattern[bytes], data: bytes, *, longest: int = 64) -> bool:
+    """True when ``pattern`` (whose matches are at most ``longest`` bytes) matches in
+    ``data``; a long ``data`` is scanned in windows, the loop running between them."""
+    if len(data) <= SCAN_BYTES:
+        return pattern.search(data) is not None
+    for start in range(0, len(data), SCAN_BYTES):
+        if pattern.search(data, start, min(len(data), start + SCAN_BYTES + longest)):
+            return True
+        await asyncio.sleep(0)
+    return False
+
+
+async def encode(value: Any) -> bytes:
+    """``orjson.dumps(value)`` (the same bytes, the same errors), in slices when large."""
+    if weight(value) <= PIECE:
+        return orjson.dumps(value)
+    parts: list[bytes] = []
+    since = time.perf_counter()
+    for piece in pieces(value):
+        parts.append(piece)
+        if time.perf_counter() - since > SLICE_SECONDS:
+            await _pause()  # the loop runs between pieces
+            since = time.perf_counter()
+    return b"".join(parts)
+
+
+async def size_past(value: Any, limit: int) -> int:
+    """The size of ``value``'s JSON when it is at most ``limit``, else a number above
+    ``limit``; it costs about what encoding ``limit`` bytes costs, whatever the value,
+    in slices."""
+    if weight(value) <= PIECE:
+        return len(orjson.dumps(value))
+    size = 0
+    since = time.perf_counter()
+    for piece in pieces(value):
+        size += len(piece)
+        if size > limit:
+            break
+        if time.perf_counter() - since > SLICE_SECONDS:
+            await _pause()
+            since = time.perf_counter()
+    return size
+
+
+def pieces(value: Any) -> Iterator[bytes]:
+    """``orjson.dumps(value)`` as consecutive pieces, each of at most ``PIECE`` elements."""
+    if weight(value) <= PIECE:
+        yield orjson.dumps(value)
+    elif isinstance(value, list):
+        yield b"["
+        yield from _runs(
+            value, lambda run: orjson.dumps(value[run])[1:-1], lambda at: pieces(value[at])
+        )
+        yield b"]"
+    else:
+        keys, items = list(value), list(value.values())
+        yield b"{"
+        yield from _runs(
+            items,
+            lambda run: orjson.dumps({key: value[key] for key in keys[run]})[1:-1],
+            lambda at: _member(keys[at], items[at]),
+        )
+        yield b"}"
+
+
+def _member(key: Any, value: Any) -> Iterator[bytes]:
+    yield orjson.dumps({key: None})[1:-6]  # the key as orjson spells it, with its checks
+    yield b":"
+    yield from pieces(value)
+
+
+def _runs(
+    children: list[Any],
+    whole: Callable[[slice], bytes],
+    alone: Callable[[int], Iterator[bytes]],
+) -> Iterator[bytes]:
+    """The children's JSON, comma-separated: runs of light children encoded together,
+    a heavy child on its own in pieces. The run grows while runs stay light."""
+    start, step = 0, PIECE
+    while start < len(children):
+        run = slice(start, min(start + step, len(children)))
+        if weight(children[run]) <= PIECE:
+            if start:
+                yield b","
+            yield whole(run)
+            start = run.stop
+            step = min(PIECE, step * 2)
+        elif step > 1:
+            step = max(1, step // 8)
+        else:
+            if start:
+                yield b","
+            yield from alone(start)
+            start += 1
+            step = PIECE
+
+
+# A body at most this long is parsed in one call (a few milliseconds at most).
+PIECE_BYTES = 128 * 1024
+_SPACE = b" \t\r\n"
+
+
+_Parse = Callable[[bytes], Any]
+_BLANK = re.compile(rb"[ \t\r\n]*")
+
+
+class _Unsliced(Exception):
+    """The body is not cut where ``decode`` tried: it is parsed whole instead."""
+
+
+async def decode(body: bytes, parse: _Parse, attempt: _Parse) -> Any:
+    """``parse(body)``, the body parsed by pieces of about ``PIECE_BYTES`` with the loop
+    running between them, when it is a large array or object.
+
+    An array's elements (an object's members) are cut at commas and each run parsed by
+    ``parse`` wrapped in brackets; a cut inside a string or a nested value does not
+    parse, and the run grows to the next comma further on. The last element (member
+    value) is parsed the same way inside, so ``{"input": [... 5 million ...]}`` is cut
+    where it is large. Whatever does not parse by pieces (bad JSON, a large element
+    that is not the last) is parsed whole, so the answer and the errors are those of
+    ``parse``. ``attempt`` parses a run where a cut is tried: as ``parse`` does, but
+    without any slower second try when it fails (a cut in the wrong place fails)."""
+    if len(body) <= PIECE_BYTES:
+        return parse(body)
+    try:
+        return await _value(body, 0, len(body), _Parsers(parse, attempt))
+    except _Unsliced:
+        return parse(body)
+
+
+class _Parsers:
+    def __init__(self, parse: _Parse, attempt: _Parse) -> None:
+        self.parse = parse
+        self.attempt = attempt
+
+
+async def _value(body: bytes, start: int, end: int, parse: _Parsers) -> Any:
+    while start < end and body[start] in _SPACE:
+        start += 1
+    while end > start and body[end - 1] in _SPACE:
+        end -= 1
+    if end - start <= PIECE_BYTES or body[start] not in b"[{":
+        return _parsed(parse.parse, body[start:end])
+    opening, closing = body[start : start + 1], b"]" if body[start] == ord("[") else b"}"
+    if body[end - 1] != closing[0]:
+        raise _Unsliced
+    return await _container(body, start + 1, end - 1, opening, closing, parse)
+
+
+async def _container(
+    body: bytes, start: int, end: int, opening: bytes, closing: bytes, parse: _Parsers
+) -> Any:
+    """The array or object whose inside is ``body[start:end]``, parsed by runs."""
+    whole: Any = [] if opening == b"[" else {}
+    position = start
+    while position < end:
+        found = _run(body, position, end, opening, closing, parse)
+        if found is None:
+            _add(whole, await _rest(body, position, end, opening, closing, parse))
+            break
+        cut, run = found
+        _add(whole, run)
+        position = cut + 1
+        await _pause()  # the loop runs between runs
+    return whole
+
+
+# Cuts tried for one run before the rest is taken as one (large) element.
+_TRIES = 8
+_ENDINGS = (b"},", b"],", b'",')
+
+
+def _run(
+    body: bytes, start: int, end: int, opening: bytes, closing: bytes, parse: _Parsers
+) -> tuple[int, Any] | None:
+    """The next run of elements from ``start``, about ``PIECE_BYTES`` long, and the
+    comma that ends it; None when no cut tried parses."""
+    cut = body.find(b",", start + PIECE_BYTES, end)
+    for _ in range(_TRIES):
+        if cut == -1:
+            return None
+        try:
+            return cut, _parsed(parse.attempt, opening + body[start:cut] + closing)
+        except _Unsliced:
+            cut = _next_cut(body, cut + 1, min(end, cut + 4 * PIECE_BYTES))
+    return None
+
+
+def _next_cut(body: bytes, start: int, end: int) -> int:
+    """The next comma after what likely ends an element (an object, a list, a string),
+    else the next comma: a cut inside an element does not parse."""
+    endings = [at + 1 for at in (body.find(ending, start, end) for ending in _ENDINGS) if at >= 0]
+    return min(endings) if endings else body.find(b",", start, end)
+
+
+async def _rest(
+    body: bytes, start: int, end: int, opening: bytes, closing: bytes, parse: _Parsers
+) -> Any:
+    """The last run of a container: one large element (member), parsed inside by runs,
+    or else all of it at once."""
+    if _BLANK.fullmatch(body, start, end):
+        raise _Unsliced  # a trailing comma: the whole parse says so
+    if end - start <= PIECE_BYTES:
+        return _parsed(parse.parse, opening + body[start:end] + closing)
+    if opening == b"[":
+        try:
+            return [await _value(body, start, end, parse)]
+        except _Unsliced:
+            return _parsed(parse.parse, opening + body[start:end] + closing)
+    colon = _after_key(body, start, end)
+    if colon is not None:
+        key = _parsed(parse.parse, body[start:colon])
+        if isinstance(key, str):
+            try:
+                return {key: await _value(body, colon + 1, end, parse)}
+            except _Unsliced:
+                pass
+    return _parsed(parse.parse, opening + body[start:end] + closing)
+
+
+def _after_key(body: bytes, start: int, end: int) -> int | None:
+    """Where the ``:`` after an object member's key is, if the member starts with one."""
+    quote = body.find(b'"', start, end)
+    if quote == -1 or body[start:quote].strip(_SPACE):
+        return None
+    at = quote + 1
+    while True:
+        at = body.find(b'"', at, end)
+        if at == -1:
+            return None
+        backslashes = 0
+        while body[at - 1 - backslashes] == ord("\\"):
+            backslashes += 1
+        if backslashes % 2 == 0:
+            break
+        at += 1
+    colon = body.find(b":", at + 1, end)
+    if colon == -1 or body[at + 1 : colon].strip(_SPACE):
+        return None
+    return colon
+
+
+def _parsed(parse: _Parse, piece: bytes) -> Any:
+    try:
+        return parse(piece)
+    except ValueError:  # json.JSONDecodeError and orjson's are ValueErrors
+        raise _Unsliced from None
+
+
+def _add(whole: Any, run: Any) -> None:
+    if isinstance(whole, list):
+        whole.extend(run)
+    else:
+        whole.update(run)
+
+
+_LONG_NUMBER = re.compile(rb"[0-9]{19}")
+
+
+async def decode_json(body: bytes) -> Any:
+    """``parse_json(body)``, in slices when the body is large (``decode``)."""
+    return await decode(body, parse_json, _attempt)
+
+
+def parse_json(body: bytes) -> Any:
+    """A JSON body as the standard library reads it, by orjson where that is the same."""
+    if not _LONG_NUMBER.search(body):
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError:
+            pass  # the standard library decides: its value, or its error, as before
+    return json.loads(body)
+
+
+def _attempt(body: bytes) -> Any:
+    """``parse_json`` without the standard library's second try when orjson fails: a
+    run of a large body cut in the wrong place fails fast (``lib.slices.decode``)."""
+    if _LONG_NUMBER.search(body):
+        return json.loads(body)
+    return orjson.loads(body)

@@ -1,0 +1,144 @@
+"""Large values in slices (lib/slices.py): the same bytes and values as one call, and
+no slice that holds the event loop for long.
+
+Step 16's review, row 1: a 10 MB input was parsed, checked and encoded at once on the
+event loop. Whether another tenant is served meanwhile is held end to end in
+tests/e2e/limits/test_event_loop.py; here, that slicing changes nothing in what comes
+out, for random shapes, and that a slice is short next to the whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from typing import Any
+
+import orjson
+import pytest
+
+from lib import slices
+from lib.slices import decode_json, encode, parse_json, pieces, size_past
+
+
+def random_value(rng: random.Random, depth: int = 0) -> Any:
+    roll = rng.random()
+    if depth > 4 or roll < 0.3:
+        scalars = [0, 1.5, 'a,"]}{[\\', None, True, "é", 10**18, "x" * 30, "", -7]
+        return rng.choice(scalars)
+    if roll < 0.6:
+        return [random_value(rng, depth + 1) for _ in range(rng.randint(0, 30 if depth < 2 else 4))]
+    keys = ["k", 'a\\"b', "k,", "x", "}"]
+    size = rng.randint(0, 20 if depth < 2 else 4)
+    return {
+        rng.choice(keys) + str(rng.randint(0, 3)): random_value(rng, depth + 1) for _ in range(size)
+    }
+
+
+async def test_pieces_are_orjsons_bytes_for_any_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cut into tiny pieces, 2,000 random values encode to exactly orjson's bytes."""
+    monkeypatch.setattr(slices, "PIECE", 4)
+    rng = random.Random(11)
+    for _ in range(2_000):
+        value = random_value(rng)
+        assert b"".join(pieces(value)) == orjson.dumps(value)
+        assert await size_past(value, 1 << 30) == len(orjson.dumps(value))
+
+
+async def test_a_large_value_encodes_to_the_same_bytes_with_short_slices() -> None:
+    """5 million zeros under an object: orjson's bytes, and no slice of the loop's CPU
+    above a third of encoding it whole (the whole is one hold; a collection of the
+    garbage collector may fall in a slice)."""
+    value = {"input": [0] * 5_000_000, "more": [{"a": [1, 2]}] * 50_000}
+    started = time.thread_time()
+    whole = orjson.dumps(value)
+    alone = time.thread_time() - started
+    encoded, worst = await _worst_hold(encode(value))
+    assert encoded == whole
+    assert worst < alone / 3, (worst, alone)
+
+
+async def test_size_past_costs_what_its_limit_costs() -> None:
+    """Sizing 5 million zeros against 1 MiB reads past 1 MiB only, a fraction of all."""
+    value = [0] * 5_000_000
+    started = time.thread_time()
+    orjson.dumps(value)
+    whole = time.thread_time() - started
+    started = time.thread_time()
+    size = await size_past(value, 1 << 20)
+    bounded = time.thread_time() - started
+    assert 1 << 20 < size < 10_000_001
+    assert bounded < whole / 2, (bounded, whole)
+
+
+async def test_bodies_parse_as_one_parse_does_for_any_shape(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """3,000 random bodies (pretty or compact, a fifth broken, lone surrogates, NaN,
+    integers past 64 bits), cut at 64 bytes: the same value, or a ValueError, as
+    parsing each whole."""
+    monkeypatch.setattr(slices, "PIECE_BYTES", 64)
+    rng = random.Random(5)
+    for _ in range(3_000):
+        value = random_value(rng)
+        if rng.random() < 0.1:
+            value = [value, float("nan"), "\ud800", 10**25]
+        text = json.dumps(value, indent=rng.choice([None, 1]))
+        if rng.random() < 0.2:
+            at = rng.randrange(len(text))
+            text = text[:at] + rng.choice([",", "]", "", "}", '"']) + text[at + 1 :]
+        body = text.encode("utf-8", "surrogatepass")
+        try:
+            want: Any = ("value", repr(parse_json(body)))
+        except ValueError as exc:
+            want = ("error", type(exc))
+        try:
+            got: Any = ("value", repr(await decode_json(body)))
+        except ValueError as exc:
+            got = ("error", type(exc))
+        assert got == want, body[:200]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"input":[' + b",".join([b"0"] * 3_000_000) + b"]}",
+        orjson.dumps({"items": [{"id": n, "tags": ["a", "b,c"]} for n in range(300_000)]}),
+    ],
+    ids=["zeros", "objects"],
+)
+async def test_a_large_body_parses_in_short_slices(body: bytes) -> None:
+    """A large array (of numbers, of objects with commas inside) under an object: the
+    value of one parse, and no slice above a third of parsing it whole (the list that
+    grows run by run is copied now and then, and the collector walks what is built)."""
+    started = time.thread_time()
+    whole = parse_json(body)
+    alone = time.thread_time() - started
+    value, worst = await _worst_hold(decode_json(body))
+    assert value == whole
+    assert worst < alone / 3, (worst, alone)
+
+
+async def _worst_hold(work: Any) -> tuple[Any, float]:
+    """``work``'s result and the longest the loop's CPU went without another callback
+    running (thread CPU time: the machine's other work does not count)."""
+    gaps: list[float] = []
+    done = asyncio.Event()
+
+    async def tick() -> None:
+        last = time.thread_time()
+        while not done.is_set():
+            await asyncio.sleep(0)
+            now = time.thread_time()
+            gaps.append(now - last)
+            last = now
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0)
+    try:
+        result = await work
+    finally:
+        done.set()
+        await ticker
+    return result, max(gaps)
