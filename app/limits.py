@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -258,6 +258,7 @@ class Turns:
             # that never reads its body (a GET that was sent one) still waits its turn.
             receive = await _arrived(receive)
         turn = _Turn(self, self.caller(scope))
+        scope[TURN] = turn
         await turn.take()
 
         async def sending(message: Message) -> None:
@@ -315,8 +316,25 @@ async def _arrived(receive: Receive) -> Receive:
     return receiving
 
 
+TURN = "flowcast.turn"  # where Turns leaves a request's turn in its scope
+
+
+@contextlib.asynccontextmanager
+async def turn_set_aside(scope: Scope) -> AsyncIterator[None]:
+    """Within it, the request holds no turn: for a wait that costs nothing (a keyed
+    repeat waiting up to 30 s for its first request's outcome, which a process that
+    died may never give). It waits for a turn again at the end."""
+    turn = scope.get(TURN)
+    if turn is None:
+        yield
+        return
+    async with turn.aside():
+        yield
+
+
 class _Turn:
-    """One request's turn: taken at most once, given back at most once."""
+    """One request's turn: taken at most once (again after ``aside``), given back at
+    most once."""
 
     def __init__(self, turns: Turns, caller: bytes) -> None:
         self.turns, self.caller = turns, caller
@@ -345,6 +363,19 @@ class _Turn:
         state, self.state = self.state, "done"
         if state == "held":
             await self.held.aclose()
+
+    @contextlib.asynccontextmanager
+    async def aside(self) -> AsyncIterator[None]:
+        """Give the turn back for the block, and wait for one again after it."""
+        if self.state != "held":
+            yield
+            return
+        await self.held.aclose()
+        self.held, self.state = contextlib.AsyncExitStack(), "waiting"
+        try:
+            yield
+        finally:
+            await self.take()
 
 
 def carries_body(headers: list[tuple[bytes, bytes]]) -> bool:

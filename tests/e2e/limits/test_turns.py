@@ -11,14 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
+from redis.asyncio import Redis
 
+from app.auth import tenant_of_key
+from app.idempotency import PENDING_SECONDS, fingerprint
+from lib.backend import Keys
 from tests.support.api import approval_workflow, paused_execution, put
 from tests.support.servers import (
     ALPHA,
@@ -28,9 +34,10 @@ from tests.support.servers import (
     ValkeyServer,
     authed,
     env_on,
+    prefix,
     serving,
 )
-from tests.support.timing import assert_within, probing
+from tests.support.timing import assert_within, hold_for, latencies, probing
 
 PER_CALLER = 8  # Turns' default
 
@@ -191,3 +198,54 @@ async def test_health_checks_are_answered_beside_a_storm_without_keys(
         )
     finally:
         await server.stop()
+
+
+@pytest.mark.timeout(120)
+async def test_repeats_waiting_for_a_dead_first_request_hold_no_turn(
+    tmp_path: Path, valkey: ValkeyServer
+) -> None:
+    """A keyed cancel whose first request's process died leaves its key pending (60 s):
+    a repeat waits up to 30 s for the first's outcome, costing nothing. Twice the
+    per-caller turns of such repeats: the same key's GETs meanwhile stay within a bound
+    of their quiet probe (the repeats held all 8 turns, and the GETs waited out the 30 s)."""
+    own = prefix()
+    async with (
+        serving(valkey, tmp_path, api_keys=ALPHA, redis_prefix=own) as server,
+        authed(server, ALPHA) as alpha,
+        Redis.from_url(valkey.url) as redis,
+    ):
+        await put(alpha, approval_workflow("held"))
+        execution_id = await paused_execution(alpha, "held")
+        operation = f"cancel:{execution_id}"
+        digest = hashlib.sha256(fingerprint(execution_id, b"")).hexdigest()
+        keys = [f"dead-first-{index}" for index in range(PER_CALLER * 2)]
+        names = [
+            Keys(own).idempotency(
+                tenant_of_key(ALPHA), operation, hashlib.sha256(key.encode()).hexdigest()
+            )
+            for key in keys
+        ]
+        for name in names:  # what a process killed inside the first request leaves
+            await redis.set(name, orjson.dumps({"fingerprint": digest}), ex=PENDING_SECONDS)
+        quiet = await latencies(alpha, "/api/workflows", 20)
+        url = f"/api/executions/{execution_id}/cancel"
+        repeats = [
+            asyncio.create_task(alpha.post(url, headers={"Idempotency-Key": key})) for key in keys
+        ]
+        try:
+            async with probing(alpha, "/api/workflows") as loaded:
+                await hold_for(1.5, "the repeats wait on their first requests meanwhile")
+            assert not any(repeat.done() for repeat in repeats)
+        finally:
+            # The pending records expire: each repeat is answered 409 at once.
+            await redis.delete(*names)
+            answers = await asyncio.gather(*repeats, return_exceptions=True)
+        codes = {a.json()["error"]["code"] for a in answers if isinstance(a, httpx.Response)}
+        assert codes == {"idempotency_retry"}, answers
+    assert_within(
+        max(loaded),
+        probe=max(quiet),
+        ratio=10,
+        floor=1.0,
+        what=f"the key's worst GET beside {len(keys)} waiting repeats",
+    )
