@@ -48,6 +48,7 @@ from fastapi import Request
 from redis.asyncio import Redis
 
 from app.errors import ApiError, error_payload
+from app.limits import turn_set_aside
 from lib.backend import Keys, load_script, translating
 from lib.errors import BufferUnavailable, FlowcastError
 from lib.workflows.runner import Started, new_execution_id
@@ -164,7 +165,7 @@ class Idempotency:
             return accepted(await action(new_execution_id(), None))
         redis_key = self._record(tenant, "execute", _checked(key))
         digest = hashlib.sha256(fingerprint(scope, await request.body())).hexdigest()
-        claimed = await self._claim(redis_key, digest)
+        claimed = await self._claim(redis_key, digest, request)
         if isinstance(claimed, Outcome):
             return claimed
         execution_id, write_back = claimed
@@ -176,7 +177,9 @@ class Idempotency:
         await self._remember(redis_key, digest, outcome, exists=True)
         return outcome
 
-    async def _claim(self, redis_key: str, digest: str) -> Outcome | tuple[str, WriteBack]:
+    async def _claim(
+        self, redis_key: str, digest: str, request: Request
+    ) -> Outcome | tuple[str, WriteBack]:
         """The key's record, claimed for a new execution id or found naming one (the id
         to start, and the record's write-back), or the outcome a repeat answers."""
         while True:
@@ -200,7 +203,7 @@ class Idempotency:
                 return Outcome(stored["status"], stored["body"])
             if "executionId" not in stored:
                 # Claimed by a server of the previous version, which records no id.
-                return await self._repeat(redis_key, digest)
+                return await self._repeat(redis_key, digest, request)
             execution_id = stored["executionId"]
             asked = time.monotonic()
             left_ms = await self._left_ms(redis_key, execution_id)
@@ -290,8 +293,10 @@ class Idempotency:
         key: str | None,
         fingerprint: bytes,
         action: Callable[[], Awaitable[Outcome]],
+        request: Request | None = None,
     ) -> Outcome:
-        """Run ``action`` once per key; repeats get the first outcome."""
+        """Run ``action`` once per key; repeats get the first outcome (waiting for it
+        without a turn of ``request``'s, app/limits.py ``turn_set_aside``)."""
         if key is None:
             return await action()
         redis_key = self._record(tenant, operation, _checked(key))
@@ -302,7 +307,7 @@ class Idempotency:
                 redis_key, pending, nx=True, ex=min(self._ttl, PENDING_SECONDS)
             )
         if not claimed:
-            return await self._repeat(redis_key, digest)
+            return await self._repeat(redis_key, digest, request)
         try:
             outcome = await action()
         except FlowcastError as exc:
@@ -341,9 +346,19 @@ class Idempotency:
             # Only a keyed request is compared with its repeats.
             fingerprint=fingerprint(scope, await request.body()) if key is not None else b"",
             action=took_effect,
+            request=request,
         )
 
-    async def _repeat(self, redis_key: str, digest: str) -> Outcome:
+    async def _repeat(self, redis_key: str, digest: str, request: Request | None) -> Outcome:
+        """The outcome of the first request with the key, once it has one: a repeat
+        waits for it (up to ``WAIT_SECONDS``, then 409) holding no turn, since its first
+        request may be on a process that died and never gives one."""
+        if request is None:
+            return await self._outcome_of_first(redis_key, digest)
+        async with turn_set_aside(request.scope):
+            return await self._outcome_of_first(redis_key, digest)
+
+    async def _outcome_of_first(self, redis_key: str, digest: str) -> Outcome:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + WAIT_SECONDS
         while True:

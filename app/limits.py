@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -222,17 +223,28 @@ class Turns:
     come first served, so another tenant's request waited behind all of them (1-2.6 s).
     Here a request waits for its turn first (``FairGate``: at most ``cap`` at once, the
     callers in turn), keyed by what names its caller (its ``Authorization``, else its
-    ``?token=``), so one caller's storm waits in its own line, not in the loop's queue.
+    ``?token=``, as ``caller`` reads them: app/auth.py ``Callers``), so one caller's storm
+    waits in its own line, not in the loop's queue.
     A caller holds at most ``per_caller`` turns, so its slow requests (a keyed execute
     waiting for its twin) cannot hold them all.
 
-    A turn is taken once the request's body has arrived (a body that trickles holds
-    nothing) and given back when the answer begins (its status line: a stream then
-    waits on events, which may be minutes away) or when the request ends.
+    A turn is taken once the request's body has arrived, read here whether or not its
+    route reads it (a body that trickles holds nothing; a GET sent with a body waits
+    its turn all the same), and given back when the answer begins (its status line: a
+    stream then waits on events, which may be minutes away) or when the request ends.
+    It runs inside ``BodyLimit`` (which bounds what is read here) and ``KeysFirst``.
     """
 
-    def __init__(self, app: ASGIApp, *, cap: int = 64, per_caller: int = 8) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        caller: Callable[[Scope], bytes] = lambda scope: b"",
+        cap: int = 64,
+        per_caller: int = 8,
+    ) -> None:
         self.app = app
+        self.caller = caller
         self.gate = FairGate(cap)
         self.per_caller = per_caller
         self._callers: dict[bytes, tuple[asyncio.Semaphore, int]] = {}
@@ -241,15 +253,13 @@ class Turns:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        turn = _Turn(self, _caller(scope))
-        if not carries_body(scope["headers"]):
-            await turn.take()
-
-        async def receiving() -> Message:
-            message = await receive()
-            if message["type"] == "http.request" and not message.get("more_body", False):
-                await turn.take()
-            return message
+        if carries_body(scope["headers"]):
+            # Read before the turn: a body that trickles holds nothing, and a route
+            # that never reads its body (a GET that was sent one) still waits its turn.
+            receive = await _arrived(receive)
+        turn = _Turn(self, self.caller(scope))
+        scope[TURN] = turn
+        await turn.take()
 
         async def sending(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -257,7 +267,7 @@ class Turns:
             await send(message)
 
         try:
-            await self.app(scope, receiving, sending)
+            await self.app(scope, receive, sending)
         finally:
             await turn.give_back()
 
@@ -276,8 +286,55 @@ class Turns:
             self._callers[caller] = (semaphore, users - 1)
 
 
+async def _arrived(receive: Receive) -> Receive:
+    """A request's body read to its end (or to its client's disconnect, or to the error
+    ``BodyLimit``'s reading raised: 413, 408), and the ``receive`` that hands the app
+    the same messages, then whatever comes next (a disconnect)."""
+    kept: list[Message] = []
+    failure: BaseException | None = None
+    try:
+        while True:
+            message = await receive()
+            kept.append(message)
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                break
+    except Exception as exc:  # raised again where the app reads the body
+        failure = exc
+    replay = iter(kept)
+
+    async def receiving() -> Message:
+        nonlocal failure
+        message = next(replay, None)
+        if message is not None:
+            return message
+        if failure is not None:
+            raised: BaseException = failure
+            failure = None
+            raise raised
+        return await receive()
+
+    return receiving
+
+
+TURN = "flowcast.turn"  # where Turns leaves a request's turn in its scope
+
+
+@contextlib.asynccontextmanager
+async def turn_set_aside(scope: Scope) -> AsyncIterator[None]:
+    """Within it, the request holds no turn: for a wait that costs nothing (a keyed
+    repeat waiting up to 30 s for its first request's outcome, which a process that
+    died may never give). It waits for a turn again at the end."""
+    turn = scope.get(TURN)
+    if turn is None:
+        yield
+        return
+    async with turn.aside():
+        yield
+
+
 class _Turn:
-    """One request's turn: taken at most once, given back at most once."""
+    """One request's turn: taken at most once (again after ``aside``), given back at
+    most once."""
 
     def __init__(self, turns: Turns, caller: bytes) -> None:
         self.turns, self.caller = turns, caller
@@ -307,18 +364,18 @@ class _Turn:
         if state == "held":
             await self.held.aclose()
 
-
-def _caller(scope: Scope) -> bytes:
-    """What names a request's caller: its ``Authorization``, its ``?token=``, else
-    nothing (the callers without either share one line)."""
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            return bytes(value)
-    query: bytes = scope.get("query_string", b"")
-    for pair in query.split(b"&"):
-        if pair.startswith(b"token="):
-            return pair
-    return b""
+    @contextlib.asynccontextmanager
+    async def aside(self) -> AsyncIterator[None]:
+        """Give the turn back for the block, and wait for one again after it."""
+        if self.state != "held":
+            yield
+            return
+        await self.held.aclose()
+        self.held, self.state = contextlib.AsyncExitStack(), "waiting"
+        try:
+            yield
+        finally:
+            await self.take()
 
 
 def carries_body(headers: list[tuple[bytes, bytes]]) -> bool:

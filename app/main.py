@@ -15,7 +15,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from fastapi import FastAPI
 
 from app import errors, logs, memory
-from app.auth import ApiKeys, KeysFirst, LoopbackOnly
+from app.auth import ApiKeys, Callers, KeysFirst, LoopbackOnly
 from app.catalog import load_catalog
 from app.executor import open_executor
 from app.limits import BodyLimit, Turns
@@ -38,6 +38,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=functools.partial(_lifespan, settings=settings),
     )
     errors.install(app)
+    # Innermost: a request waits its turn once its headers were checked and its body
+    # arrived (app/limits.py Turns).
+    app.add_middleware(Turns, caller=Callers(ApiKeys(settings.api_keys)))
     app.add_middleware(
         BodyLimit,
         max_bytes=settings.max_body_bytes,
@@ -47,7 +50,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.add_middleware(KeysFirst, keys=ApiKeys(settings.api_keys))
     else:
         app.add_middleware(LoopbackOnly)
-    app.add_middleware(Turns)  # outermost: a request waits its turn before anything else
     # live before executions: /api/executions/{eid} would take "live" for an id.
     for module in (health, workflows, live, executions, streams, values, secrets, page):
         app.include_router(module.router)

@@ -10,6 +10,7 @@ a workflow, or finished runs expiring, gives the room back.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,15 @@ from redis.asyncio import Redis
 from app.auth import tenant_of_key
 from lib.backend import Keys
 from tests.support.api import all_events, execute, put, until, wait_finished
-from tests.support.servers import ALPHA, BETA, ValkeyServer, authed, prefix, serving
+from tests.support.servers import (
+    ALPHA,
+    BETA,
+    ValkeyServer,
+    authed,
+    prefix,
+    serving,
+    serving_pair,
+)
 
 QUOTA = 400_000
 SIZE = 20_000  # the text each run echoes: its input, its block's output, its output
@@ -195,3 +204,73 @@ async def test_a_start_refused_for_another_cap_leaves_nothing_counted(
             "total", "w:slow", f"e:{slow}",
         }  # fmt: skip
         await wait_finished(alpha, slow)
+
+
+@pytest.mark.timeout(180)
+async def test_racing_puts_of_one_workflow_leave_the_stored_one_counted(
+    valkey: ValkeyServer, tmp_path: Path, redis: Redis
+) -> None:
+    """A large and a small PUT of the same workflow fired at the same instant at two
+    replicas, for 30 workflow ids: whichever version stays stored is the one counted, so
+    the ledger's figure of each workflow is the size of the version stored, and what
+    the tenant keeps stays within its quota."""
+    own = prefix()
+    async with (
+        serving_pair(
+            valkey, tmp_path, api_keys=ALPHA, tenant_storage_bytes=str(QUOTA), redis_prefix=own
+        ) as (a, b),
+        authed(a, ALPHA) as via_a,
+        authed(b, ALPHA) as via_b,
+    ):
+        for index in range(60):
+            wid = f"race{index % 30}"
+            big, small = (via_a, via_b) if index % 2 else (via_b, via_a)
+            await asyncio.gather(
+                big.put(f"/api/workflows/{wid}", json=padded(wid, 100_000)),
+                small.put(f"/api/workflows/{wid}", json=padded(wid, 10)),
+            )
+        tenant = tenant_of_key(ALPHA)
+        stored = await redis.hgetall(Keys(own).workflows(tenant))
+        figures = await redis.hgetall(Keys(own).quota(tenant)[1])
+    kept = {wid.decode(): len(raw) + len(wid) for wid, raw in stored.items()}
+    counted = {name.decode()[2:]: int(size) for name, size in figures.items() if name != b"total"}
+    assert counted == kept
+    assert sum(kept.values()) <= QUOTA, kept
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a start is admitted on its figure at admission (input, run state, 4 KiB); "
+    "what it stores after is never refused, so 30 starts at the same instant, each "
+    "admitted at ~5 KB and storing ~100 KB of outputs, kept 9.1 MB against 400 KB (23x)",
+)
+@pytest.mark.timeout(120)
+async def test_many_starts_at_the_same_instant_keep_the_tenant_near_its_quota(
+    valkey: ValkeyServer, tmp_path: Path, redis: Redis
+) -> None:
+    """30 starts fired at the same instant by a tenant whose ledger is nearly empty, each
+    run storing ~100 KB after its admission (a 100,000-character output after a short
+    delay): what the tenant keeps in Redis once they ended stays within twice its quota."""
+    own = prefix()
+    async with (
+        serving(
+            valkey, tmp_path, api_keys=ALPHA, tenant_storage_bytes=str(QUOTA), redis_prefix=own
+        ) as server,
+        authed(server, ALPHA) as alpha,
+    ):
+        blocks = [
+            {"id": "wait", "type": "delay", "config": {"ms": 1500}},
+            {"id": "grow", "type": "transform", "config": {"value": "{{ 'x' * 100000 }}"}},
+        ]
+        await put(
+            alpha, {"id": "grow", "blocks": blocks, "edges": [{"from": "wait", "to": "grow"}]}
+        )
+        answers = await asyncio.gather(
+            *(alpha.post("/api/workflows/grow/execute", json={"input": {}}) for _ in range(30))
+        )
+        started = [answer.json()["executionId"] for answer in answers if answer.status_code == 202]
+        for execution_id in started:
+            await wait_finished(alpha, execution_id)
+        kept = await kept_in_redis(redis, own, tenant_of_key(ALPHA), started)
+    print(f"{len(started)} of 30 admitted; kept {kept} bytes, quota {QUOTA}")
+    assert kept < 2 * QUOTA, f"{len(started)} of 30 admitted; kept {kept} bytes"

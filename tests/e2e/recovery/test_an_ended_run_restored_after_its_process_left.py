@@ -144,3 +144,44 @@ async def test_a_run_restored_paused_after_it_completed_meets_its_end_when_cance
     clashes = [(e["id"], e["type"]) for e in seen if e["id"] in by_id and by_id[e["id"]] != e]
     assert not clashes, (clashes, [(e["id"], e["type"]) for e in stored])
     assert stored[-1] == seen[-1], ("the run ended again", stored[-1], seen[-1])
+
+
+async def test_a_run_restored_paused_after_it_completed_is_not_expired_at_its_deadline(
+    valkey: FaultyValkey, tmp_path: Path, moto: MotoServer
+) -> None:
+    """The expiry's side of the case above: a run paused on an approval with a 3 s
+    deadline, was resumed and completed on A, which left; Valkey came back from a
+    snapshot taken while it was paused. When the restored pause's deadline passes, B's
+    janitor claims it to expire it: it must find the run's end and store it again, not
+    end the run a second time (failed, approval timeout) under ids a client saw."""
+    shared = await shared_bucket(moto)
+    a, b = replica(valkey, tmp_path, "a", **shared), replica(valkey, tmp_path, "b", **shared)
+    async with running(a, b) as alive, httpx.AsyncClient(timeout=30) as http:
+        wf = approval_flow("paused-with-deadline")
+        wf["blocks"][1]["config"]["timeoutSeconds"] = 3
+        await put(http_for(http, a), wf)
+        eid = await execute(http_for(http, a), wf["id"])
+        await until(lambda: has_event(http_for(http, a), eid, "execution:paused"), "paused")
+        snap = await take_snapshot(valkey, tmp_path / "paused.rdb")
+        resumed = await http_for(http, a).post(
+            f"/api/executions/{eid}/resume", json={"input": {"ok": True}}
+        )
+        assert resumed.status_code == 202, resumed.text
+        seen = seen_events(await follow_on(a, eid))  # to its terminal event
+        assert seen[-1]["type"] == "execution:completed", seen[-1]
+        await terminate_replica(a)
+        alive.remove(a)
+        await crash_and_restore(valkey, snap)
+        await put(http_for(http, b), wf)
+        await until(lambda: settled_store(valkey), "the store settled", timeout=20)
+
+        async def no_longer_paused() -> bool:
+            log = await all_events(http_for(http, b), eid)
+            return bool(log) and log[-1]["type"] != "execution:paused"
+
+        await until(no_longer_paused, "the restored pause met its deadline", timeout=30)
+        stored = await all_events(http_for(http, b), eid)
+    by_id = {event["id"]: event for event in stored}
+    clashes = [(e["id"], e["type"]) for e in seen if e["id"] in by_id and by_id[e["id"]] != e]
+    assert not clashes, (clashes, [(e["id"], e["type"]) for e in stored])
+    assert stored[-1] == seen[-1], ("the run ended again", stored[-1], seen[-1])
