@@ -127,7 +127,7 @@ def build_runner(
         node_id=node.id,
         runs=runs,
         refresh_seconds=lease / 3,
-        probation_seconds=2 * lease,
+        probation_seconds=lease,
     )
     return Runner(
         parts,

@@ -12,8 +12,11 @@ the dead process can say which one killed it (an OOM kill leaves no last words).
 - A process runs at most one suspect at a time, beside any number of other runs: a
   takeover of a suspect by a process that runs one already is refused (``SUSPECT``)
   and left for a process without one, or for later. A suspect that ran a probation
-  (two leases) without its process dying is no longer that process's suspect: the
-  process takes the next (a killer kills soon after it lands: its block runs again).
+  (a lease) without its process dying is no longer that process's suspect (a killer
+  kills soon after it lands: its block runs again), and the suspects the process takes
+  while it still runs there come as a *crowd*: no death of the process is charged to
+  anyone while one of them runs. So a lone server killed twice (every run a suspect)
+  takes them all over within about a probation, and never charges a plain run.
 - Each process keeps a record in Redis of how many runs it holds and which one is its
   suspect (``NodeRecords``), written before it takes a suspect over and whenever either
   changes. The takers of a dead process's runs read it to judge each (``Verdict``):
@@ -126,6 +129,9 @@ class Suspicion:
         self._refresh_seconds = refresh_seconds
         self._probation_seconds = probation_seconds
         self.suspect = ""
+        # Suspects taken once the probation was over, while this process's suspect still
+        # ran: a crowd, so no death here is charged to anyone while one of them runs.
+        self._crowd: set[str] = set()
         self._claiming = False  # taken, its claim not settled yet (not in ``runs`` yet)
         self._since = 0.0  # when the suspect was taken (monotonic)
         self._written: NodeRecord | None = None
@@ -145,6 +151,24 @@ class Suspicion:
             return True
         on_probation = time.monotonic() - self._since < self._probation_seconds
         return on_probation and self.suspect in self._runs
+
+    def crowded(self) -> bool:
+        """Whether suspects taken as a crowd still run here (no death is charged)."""
+        self._crowd &= set(self._runs)
+        return bool(self._crowd)
+
+    async def join(self, execution_id: str) -> None:
+        """Take suspect ``execution_id`` as one of a crowd: this process's suspect (past
+        its probation, or ended) is one no more, and no death here is charged to anyone
+        while a crowd runs. A lone server killed twice (every run a suspect) thus takes
+        its runs over within about a probation, not one run per probation; the price is
+        that a killer among a crowd is charged nothing for that death (the cap on deaths
+        still ends it, and elsewhere it lands alone as some process's suspect)."""
+        if self.suspect:
+            self._crowd.add(self.suspect)
+        self._crowd.add(execution_id)
+        self.suspect, self._claiming = "", False
+        await self.publish(force=True)
 
     async def take(self, execution_id: str) -> None:
         """Record ``execution_id`` as this process's suspect before claiming it, so
@@ -167,7 +191,10 @@ class Suspicion:
         """Write the record when it changed (its suspect ended, runs came or went), or
         when its refresh is due."""
         if self.suspect and not self.busy():
-            # Its run here ended (paused, finished, moved, fenced) or it passed probation.
+            # Its run here ended (paused, finished, moved, fenced) or it passed probation:
+            # then it goes on as one of a crowd, and so do the suspects taken after it.
+            if self.suspect in self._runs:
+                self._crowd.add(self.suspect)
             self.suspect = ""
         runs = len(self._runs) + (1 if self._claiming and self.suspect not in self._runs else 0)
         record = NodeRecord(runs, self.suspect)

@@ -244,7 +244,12 @@ class Takeovers:
             verdict = record.verdict(meta.id) if record is not None else Verdict.ALONE
         busy = self._suspicion.busy()
         if meta.deaths + died >= SUSPECT_DEATHS and not busy:
-            await self._suspicion.take(meta.id)
+            if self._suspicion.suspect in self._runs or self._suspicion.crowded():
+                # This process's suspect outlived its probation (or a crowd runs here):
+                # the rest come as a crowd, so none waits longer than a probation.
+                await self._suspicion.join(meta.id)
+            else:
+                await self._suspicion.take(meta.id)
         return verdict, busy
 
     async def _settle_suspect(self, execution_id: str, *, suspect: bool) -> None:

@@ -5,7 +5,7 @@ Found by the step 16 hostile-tenant review (issue 24, row 4): with a container's
 limit, one execution OOM-killed replicas 4 times, and 2 of another tenant's 4 plain
 ``delay`` runs that happened to be on the dying replicas ended ``worker_lost``. Here the
 OOM kill is a test-only plugin block (tests/support/plugins.py ``crash``) that SIGKILLs
-its own process each time it runs; four replicas share one Valkey (lease 1 s).
+its own process each time it runs; four replicas share one Valkey (lease 2 s).
 """
 
 from __future__ import annotations
@@ -72,7 +72,13 @@ async def test_a_killer_is_quarantined_at_its_third_death_and_its_neighbours_com
     exactly 3 deaths (FLOWCAST_MAX_RECOVERIES is 3: it used to kill 4), and A's live
     list shows it failed with that code. Every one of B's 9 runs completes, its log
     whole, none charged a crash."""
-    env = {"FLOWCAST_PLUGINS": "tests.support.plugins", "FLOWCAST_API_KEYS": f"{ALPHA},{BETA}"}
+    # A lease of 2 s: the killer kills ~0.7 s after it lands, well inside the probation
+    # (a lease) it runs under as a process's suspect, even on a busy machine.
+    env = {
+        "FLOWCAST_PLUGINS": "tests.support.plugins",
+        "FLOWCAST_API_KEYS": f"{ALPHA},{BETA}",
+        "FLOWCAST_LEASE_SECONDS": "2",
+    }
     a, b, c, d = (replica(valkey, tmp_path, name, **env) for name in "abcd")
     async with running(a, b, c, d) as servers:
         async with client(b, ALPHA) as on_b_as_a, client(b, BETA) as on_b:
