@@ -12,6 +12,8 @@ Found by the step 15 fault review.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,7 @@ from tests.support.recovery import (
     valkey,
 )
 from tests.support.s3 import MotoServer, shared_bucket
+from tests.support.servers import FlowcastServer
 from tests.support.sse import Frame
 
 __all__ = ["settled", "valkey"]  # the module's FaultyValkey (tests/support/recovery.py)
@@ -106,6 +109,43 @@ async def test_a_run_that_ended_on_a_replica_since_gone_does_not_end_again_after
     assert stored[-1] == seen[-1], ("the run ended again", stored[-1], seen[-1])
 
 
+@contextlib.asynccontextmanager
+async def restored_paused_after_completing(
+    valkey: FaultyValkey, tmp_path: Path, moto: MotoServer, wf: dict[str, Any]
+) -> AsyncIterator[tuple[httpx.AsyncClient, FlowcastServer, str, list[dict[str, Any]]]]:
+    """Run ``wf`` (an approval flow) on A to its pause, snapshot Valkey, resume it to
+    completion on A, let A leave, and bring Valkey back from the snapshot: the run is
+    paused again in the store, with B the only replica. Yields the client, B, the
+    execution id and the events a client saw on A."""
+    shared = await shared_bucket(moto)
+    a, b = replica(valkey, tmp_path, "a", **shared), replica(valkey, tmp_path, "b", **shared)
+    async with running(a, b) as alive, httpx.AsyncClient(timeout=30) as http:
+        await put(http_for(http, a), wf)
+        eid = await execute(http_for(http, a), wf["id"])
+        await until(lambda: has_event(http_for(http, a), eid, "execution:paused"), "paused")
+        snap = await take_snapshot(valkey, tmp_path / "paused.rdb")
+        resumed = await http_for(http, a).post(
+            f"/api/executions/{eid}/resume", json={"input": {"ok": True}}
+        )
+        assert resumed.status_code == 202, resumed.text
+        seen = seen_events(await follow_on(a, eid))  # to its terminal event
+        assert seen[-1]["type"] == "execution:completed", seen[-1]
+        await terminate_replica(a)
+        alive.remove(a)
+        await crash_and_restore(valkey, snap)
+        await put(http_for(http, b), wf)
+        await until(lambda: settled_store(valkey), "the store settled", timeout=20)
+        yield http, b, eid, seen
+
+
+def assert_ended_once(seen: list[dict[str, Any]], stored: list[dict[str, Any]]) -> None:
+    """No id a client saw names another event now, and the run ended as it was seen to."""
+    by_id = {event["id"]: event for event in stored}
+    clashes = [(e["id"], e["type"]) for e in seen if e["id"] in by_id and by_id[e["id"]] != e]
+    assert not clashes, (clashes, [(e["id"], e["type"]) for e in stored])
+    assert stored[-1] == seen[-1], ("the run ended again", stored[-1], seen[-1])
+
+
 @pytest.mark.parametrize("asked", ["cancel", "resume"])
 async def test_a_run_restored_paused_after_it_completed_meets_its_end_when_cancelled_or_resumed(
     valkey: FaultyValkey, tmp_path: Path, moto: MotoServer, asked: str
@@ -116,34 +156,14 @@ async def test_a_run_restored_paused_after_it_completed_meets_its_end_when_cance
     an id a client had seen as another event: only takeovers read the records owners
     keep outside Redis. Every claim now asks first (takeovers.py ``recall``): B stores
     the run's end again and answers 409 with the status that won."""
-    shared = await shared_bucket(moto)
-    a, b = replica(valkey, tmp_path, "a", **shared), replica(valkey, tmp_path, "b", **shared)
-    async with running(a, b) as alive, httpx.AsyncClient(timeout=30) as http:
-        wf = approval_flow("paused-then-done")
-        await put(http_for(http, a), wf)
-        eid = await execute(http_for(http, a), wf["id"])
-        await until(lambda: has_event(http_for(http, a), eid, "execution:paused"), "paused")
-        snap = await take_snapshot(valkey, tmp_path / "paused.rdb")
-        resumed = await http_for(http, a).post(
-            f"/api/executions/{eid}/resume", json={"input": {"ok": True}}
-        )
-        assert resumed.status_code == 202, resumed.text
-        seen = seen_events(await follow_on(a, eid))  # to its terminal event
-        assert seen[-1]["type"] == "execution:completed", seen[-1]
-        await terminate_replica(a)
-        alive.remove(a)
-        await crash_and_restore(valkey, snap)
-        await put(http_for(http, b), wf)
-        await until(lambda: settled_store(valkey), "the store settled", timeout=20)
+    wf = approval_flow("paused-then-done")
+    async with restored_paused_after_completing(valkey, tmp_path, moto, wf) as (http, b, eid, seen):
         body = {"input": {"ok": False}} if asked == "resume" else None
         answer = await http_for(http, b).post(f"/api/executions/{eid}/{asked}", json=body)
         assert answer.status_code == 409, answer.text
         assert "completed" in answer.text, answer.text
         stored = await all_events(http_for(http, b), eid)
-    by_id = {event["id"]: event for event in stored}
-    clashes = [(e["id"], e["type"]) for e in seen if e["id"] in by_id and by_id[e["id"]] != e]
-    assert not clashes, (clashes, [(e["id"], e["type"]) for e in stored])
-    assert stored[-1] == seen[-1], ("the run ended again", stored[-1], seen[-1])
+    assert_ended_once(seen, stored)
 
 
 async def test_a_run_restored_paused_after_it_completed_is_not_expired_at_its_deadline(
@@ -154,26 +174,9 @@ async def test_a_run_restored_paused_after_it_completed_is_not_expired_at_its_de
     snapshot taken while it was paused. When the restored pause's deadline passes, B's
     janitor claims it to expire it: it must find the run's end and store it again, not
     end the run a second time (failed, approval timeout) under ids a client saw."""
-    shared = await shared_bucket(moto)
-    a, b = replica(valkey, tmp_path, "a", **shared), replica(valkey, tmp_path, "b", **shared)
-    async with running(a, b) as alive, httpx.AsyncClient(timeout=30) as http:
-        wf = approval_flow("paused-with-deadline")
-        wf["blocks"][1]["config"]["timeoutSeconds"] = 3
-        await put(http_for(http, a), wf)
-        eid = await execute(http_for(http, a), wf["id"])
-        await until(lambda: has_event(http_for(http, a), eid, "execution:paused"), "paused")
-        snap = await take_snapshot(valkey, tmp_path / "paused.rdb")
-        resumed = await http_for(http, a).post(
-            f"/api/executions/{eid}/resume", json={"input": {"ok": True}}
-        )
-        assert resumed.status_code == 202, resumed.text
-        seen = seen_events(await follow_on(a, eid))  # to its terminal event
-        assert seen[-1]["type"] == "execution:completed", seen[-1]
-        await terminate_replica(a)
-        alive.remove(a)
-        await crash_and_restore(valkey, snap)
-        await put(http_for(http, b), wf)
-        await until(lambda: settled_store(valkey), "the store settled", timeout=20)
+    wf = approval_flow("paused-with-deadline")
+    wf["blocks"][1]["config"]["timeoutSeconds"] = 3
+    async with restored_paused_after_completing(valkey, tmp_path, moto, wf) as (http, b, eid, seen):
 
         async def no_longer_paused() -> bool:
             log = await all_events(http_for(http, b), eid)
@@ -181,7 +184,4 @@ async def test_a_run_restored_paused_after_it_completed_is_not_expired_at_its_de
 
         await until(no_longer_paused, "the restored pause met its deadline", timeout=30)
         stored = await all_events(http_for(http, b), eid)
-    by_id = {event["id"]: event for event in stored}
-    clashes = [(e["id"], e["type"]) for e in seen if e["id"] in by_id and by_id[e["id"]] != e]
-    assert not clashes, (clashes, [(e["id"], e["type"]) for e in stored])
-    assert stored[-1] == seen[-1], ("the run ended again", stored[-1], seen[-1])
+    assert_ended_once(seen, stored)
