@@ -29,9 +29,9 @@ from app.schemas import (
 )
 from app.services import Services, services, tenant
 from lib.errors import NotFound
-from lib.execution.buffer import ExecutionMeta
 from lib.execution.events import TERMINAL_STATUSES
 from lib.execution.listing import ListFilter
+from lib.execution.record import ExecutionMeta
 from lib.workflows.runner import Started as Run
 
 router = APIRouter(prefix="/api/executions", tags=["executions"], route_class=JsonRoute)

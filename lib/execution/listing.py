@@ -51,8 +51,9 @@ import orjson
 
 from lib.backoff import Backoff
 from lib.errors import BufferUnavailable
-from lib.execution.buffer import EventBuffer, ExecutionMeta
+from lib.execution.buffer import EventBuffer
 from lib.execution.events import sse_frame
+from lib.execution.record import ExecutionMeta
 
 log = logging.getLogger(__name__)
 

@@ -294,6 +294,21 @@ class ExecutionLog:
         """Wait until every event up to ``event_id`` is stored (or the writer stopped)."""
         await self._writer.stored_through(event_id)
 
+    async def first_stored(self, first_id: int, seconds: float) -> None:
+        """Wait until the run's first event (``first_id``) is stored, at most ``seconds``:
+        a 202 names an execution whose first event is stored, even if this process dies
+        right as it answers (a streamed start shows it at once instead, from its
+        reserved id). Bounded: an outage delays the answer that long at most, never
+        fails it; past it, said in the log (a death from then on leaves a reported gap)."""
+        try:
+            async with asyncio.timeout(seconds):
+                await self.stored_through(first_id)
+        except TimeoutError:
+            log.warning(
+                "answering a start whose first event is not stored yet",
+                extra={"executionId": self.execution_id, "waited": seconds},
+            )
+
     def remember(self, fields: Mapping[str, bytes]) -> None:
         """Run state fields saved outside the events, to write back with the
         checkpoint if the store loses them."""

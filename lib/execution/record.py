@@ -35,11 +35,12 @@ of its refusals is not in the map.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Final
+from typing import Any, Final
 
+import orjson
 from redis.exceptions import ResponseError
 
 from lib.errors import (
@@ -60,6 +61,7 @@ from lib.errors import (
     WriteOutOfOrder,
     WrongStatus,
 )
+from lib.execution.events import Event
 
 
 class Field(StrEnum):
@@ -318,3 +320,108 @@ def draw_refusals() -> str:
         f"{r.error.__name__:<17}  {r.meaning}\n"
         for r in REFUSALS
     )
+
+
+# -- the record as read, and what a batch or a read gives back ------------------------
+
+
+@dataclass(frozen=True)
+class ExecutionMeta:
+    """What the buffer knows about one execution, as stored in its metadata hash."""
+
+    id: str
+    workflow_id: str
+    status: str
+    created_at: str
+    updated_at: str
+    last_id: int
+    first_id: int
+    retained_bytes: int
+    retained_count: int
+    tenant: str
+    owner: str
+    epoch: int = 0
+    checkpoint_bytes: int = 0  # outputs and answers its checkpoint holds inline
+    recoveries: int = 0  # execution:recovered events stored
+    crashes: int = 0  # deaths of an owner charged to it (blame.py)
+    deaths: int = 0  # every death of an owner while it ran: a suspect once above 0
+    reserved: int = 0
+    inline_files: bool = False
+    cancel_requested: bool = False
+    output: Any = None
+    error: Any = None
+    pause: Any = None
+
+    @property
+    def finished(self) -> bool:
+        return self.status in TERMINAL
+
+    @classmethod
+    def from_hash(cls, execution_id: str, fields: Mapping[bytes, bytes]) -> ExecutionMeta:
+        def text(name: Field, default: str = "") -> str:
+            value = fields.get(name.encode())
+            return value.decode() if value is not None else default
+
+        def number(name: Field) -> int:
+            return int(text(name, "0") or 0)
+
+        def loaded(name: Field) -> Any:
+            value = fields.get(name.encode())
+            return orjson.loads(value) if value else None
+
+        return cls(
+            id=execution_id,
+            workflow_id=text(Field.WORKFLOW_ID),
+            status=text(Field.STATUS),
+            created_at=text(Field.CREATED_AT),
+            updated_at=text(Field.UPDATED_AT),
+            last_id=number(Field.LAST_ID),
+            first_id=number(Field.FIRST_ID),
+            retained_bytes=number(Field.BYTES),
+            retained_count=number(Field.COUNT),
+            tenant=text(Field.TENANT),
+            owner=text(Field.OWNER),
+            epoch=number(Field.EPOCH),
+            checkpoint_bytes=number(Field.CHECKPOINT_BYTES),
+            recoveries=number(Field.RECOVERIES),
+            crashes=number(Field.CRASHES),
+            deaths=number(Field.DEATHS),
+            reserved=number(Field.RESERVED),
+            inline_files=text(Field.INLINE_FILES) == "1",
+            cancel_requested=text(Field.CANCEL_REQUESTED) == "1",
+            output=loaded(Field.OUTPUT),
+            error=loaded(Field.ERROR),
+            pause=loaded(Field.PAUSE),
+        )
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    last_id: int
+    first_id: int
+    retained_bytes: int
+    retained_count: int
+    reserved: int = 0
+    cancel_requested: bool = False
+
+
+@dataclass(frozen=True)
+class Page:
+    """Events after a cursor, with the metadata and dropped ranges read atomically."""
+
+    events: list[Event]
+    meta: ExecutionMeta
+    dropped: list[tuple[int, int]]
+
+    def gap_reason(self, after: int, before: int) -> str:
+        """Why ids between ``after`` and ``before`` (both excluded) are not retained.
+
+        The ring evicts only below the first retained id; any other hole was dropped,
+        whether its range is recorded yet or still only known to the writer.
+        """
+        for low, high in self.dropped:
+            if low < before and high > after:
+                return "dropped"
+        if self.meta.first_id and after + 1 < self.meta.first_id:
+            return "evicted"
+        return "dropped"

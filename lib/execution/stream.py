@@ -55,9 +55,9 @@ from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 import orjson
 
 from lib.errors import BufferUnavailable, NotFound
-from lib.execution.buffer import ExecutionMeta, Page
 from lib.execution.events import Event, sse_frame
 from lib.execution.hub import Channel, Subscription
+from lib.execution.record import ExecutionMeta, Page
 from lib.execution.tails import Tails
 from lib.metrics import Metrics
 

@@ -24,7 +24,7 @@ from typing import Any
 from lib.backoff import Backoff
 from lib.errors import BufferUnavailable, FlowcastError, NotFound, OwnerMoved, WrongStatus
 from lib.execution.admission import Admission, paused_member
-from lib.execution.buffer import EventBuffer, ExecutionMeta
+from lib.execution.buffer import EventBuffer
 from lib.execution.events import (
     EXECUTION_CANCELLED,
     EXECUTION_COMPLETED,
@@ -37,7 +37,7 @@ from lib.execution.log import ExecutionLog
 from lib.execution.offload import OffloadPolicy
 from lib.execution.outage import LiveGate
 from lib.execution.ownership import Claim, Ownership
-from lib.execution.record import Field, StopReason
+from lib.execution.record import ExecutionMeta, Field, StopReason
 from lib.execution.values import ValueStore, ValueStoreError
 from lib.execution.watchlists import WatchLists
 from lib.metrics import Metrics

@@ -40,12 +40,11 @@ from lib.errors import (
     ShuttingDown,
 )
 from lib.execution.admission import paused_member
-from lib.execution.buffer import EXECUTION_OVERHEAD_BYTES, ExecutionMeta
+from lib.execution.buffer import EXECUTION_OVERHEAD_BYTES
 from lib.execution.events import EXECUTION_RESUMED, EXECUTION_STARTED, utc_timestamp
 from lib.execution.log import ExecutionLog
 from lib.execution.ownership import START_RESERVED, Claim, node_of
-from lib.execution.record import Field, Mode, Status, StopReason, Takeover
-from lib.execution.values import ValueStoreError
+from lib.execution.record import ExecutionMeta, Field, Mode, Status, StopReason, Takeover
 from lib.workflows.checkpoint import answer_field
 from lib.workflows.janitor import Janitor, cancelled
 from lib.workflows.launcher import Outcome, ending_body, identity_of
@@ -252,7 +251,7 @@ class Runner:
             write_back=write_back,
         )
         if first_stored:
-            await _first_stored(events, execution_id)
+            await events.first_stored(START_RESERVED, FIRST_STORED_SECONDS)
         return Started(execution_id, "running")
 
     async def _create(
@@ -427,7 +426,7 @@ class Runner:
         """
         try:
             await self._store.wait_settled()
-            ceiling = await self._recalled(execution_id, meta)
+            ceiling = await self._takeovers.recalled(execution_id, meta)
             await self._watch.hold(execution_id, fence)
             claim = await self._ownership.claim(
                 execution_id, mode, fence, block_id=block_id, answer=answer, base_at_least=ceiling
@@ -448,18 +447,6 @@ class Runner:
                 execution_id, self._admission.leave(tenant, paused_member(execution_id))
             )
         return claim
-
-    async def _recalled(self, execution_id: str, meta: ExecutionMeta) -> int:
-        """The id a claim numbers above after the store came back behind; a run whose
-        end the store had lost has it stored again, and the claim then meets that end
-        (409 with the status that won)."""
-        try:
-            ceiling = await self._takeovers.recall(execution_id, meta)
-        except ValueStoreError as exc:
-            raise BufferUnavailable(
-                f"the store came back behind and the value store cannot say what it lost: {exc}"
-            ) from exc
-        return 0 if ceiling is None else ceiling
 
     # -- what the janitor and the hand-offs report -------------------------------
 
@@ -510,19 +497,3 @@ def _check_answer(schema: dict[str, Any], answer: Any) -> None:
     problems = answer_problems(schema, answer)
     if problems:
         raise InvalidInput("the input does not match the pause's schema", problems)
-
-
-async def _first_stored(events: ExecutionLog, execution_id: str) -> None:
-    """Wait until a start's first event is stored: a 202 names an execution whose first
-    event is stored, even if this process dies right as it answers (a streamed start
-    shows it at once instead, from its reserved id: see ownership.START_RESERVED).
-    Bounded: an outage delays the answer by a second at most, never fails it."""
-    try:
-        async with asyncio.timeout(FIRST_STORED_SECONDS):
-            await events.stored_through(START_RESERVED)
-    except TimeoutError:
-        # Said, not swallowed: a death from here leaves id 1 a reported gap.
-        log.warning(
-            "answering a start whose first event is not stored yet",
-            extra={"executionId": execution_id, "waited": FIRST_STORED_SECONDS},
-        )

@@ -22,12 +22,19 @@ from typing import Any
 from lib.errors import BufferUnavailable, Conflict, LeaseHeld, NotDue, NotFound, SuspectHeld
 from lib.execution.admission import paused_member
 from lib.execution.blame import DEATHS_PER_RECOVERY, SUSPECT_DEATHS, Suspicion, Verdict
-from lib.execution.buffer import ExecutionMeta
 from lib.execution.ceiling import Durable, read_durable
 from lib.execution.events import EXECUTION_RECOVERED, EXECUTION_STARTED
 from lib.execution.log import ExecutionLog
 from lib.execution.ownership import Claim, node_of
-from lib.execution.record import Field, Mode, RecoveryReason, Status, StopReason, Takeover
+from lib.execution.record import (
+    ExecutionMeta,
+    Field,
+    Mode,
+    RecoveryReason,
+    Status,
+    StopReason,
+    Takeover,
+)
 from lib.execution.values import ValueStoreError
 from lib.workflows.executor import RunState
 from lib.workflows.finals import Final
@@ -227,6 +234,19 @@ class Takeovers:
         if await self._ended_before(execution_id, meta, expected, durable):
             return None
         return durable.ceiling
+
+    async def recalled(self, execution_id: str, meta: ExecutionMeta) -> int:
+        """``recall`` for a request (a resume, a cancel): the id its claim numbers above;
+        a run whose end the store had lost has it stored again, and the claim then meets
+        that end (409 with the status that won). BufferUnavailable (503) when the value
+        store cannot say what the store forgot."""
+        try:
+            ceiling = await self.recall(execution_id, meta)
+        except ValueStoreError as exc:
+            raise BufferUnavailable(
+                f"the store came back behind and the value store cannot say what it lost: {exc}"
+            ) from exc
+        return 0 if ceiling is None else ceiling
 
     async def _judge(self, meta: ExecutionMeta, expected: str) -> tuple[Verdict, bool]:
         """Who the death of the owner is charged to, from its process's record, and

@@ -17,7 +17,6 @@ import lib
 from lib.errors import BufferUnavailable, FlowcastError
 from lib.execution import ownership, record
 from lib.execution import stream as reader
-from lib.execution.buffer import ExecutionMeta
 from lib.execution.events import (
     EXECUTION_PAUSED,
     EXECUTION_RECOVERED,
@@ -32,6 +31,7 @@ from lib.execution.record import (
     REFUSALS,
     TERMINAL,
     Asked,
+    ExecutionMeta,
     Field,
     Reply,
     Script,

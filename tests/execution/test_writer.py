@@ -23,12 +23,13 @@ import pytest
 from redis.asyncio import Redis
 
 from lib.errors import BufferUnavailable
-from lib.execution.buffer import AppendResult, EventBuffer, Page
+from lib.execution.buffer import EventBuffer
 from lib.execution.ceiling import Ceiling
 from lib.execution.events import Event
 from lib.execution.flush import EventWriter
 from lib.execution.hub import Hub
 from lib.execution.outage import TRANSITIONS, LiveGate, Transition, WriterState
+from lib.execution.record import AppendResult, Page
 from lib.execution.stream import Readers, StreamReader
 from lib.execution.values import LocalValueStore
 from tests.support.api import until
