@@ -1,11 +1,11 @@
-"""Request bodies parsed by orjson.
+"""Request bodies parsed by orjson, in slices when large (``lib/slices.py``).
 
 FastAPI parses a JSON body with the standard library, about ten times slower than orjson,
 on the event loop: a 10 MB input held every tenant's requests for most of a second
-(step 16's review, row 1). A route of ``JsonRoute`` parses with orjson; a body orjson
-refuses (lone surrogates, ``NaN``), or one with a run of 19 or more digits (orjson reads
-an integer past 64 bits as a float, losing it), is parsed by the standard library as
-before, so what it accepts and how it answers are unchanged.
+(step 16's review, row 1). A route of ``JsonRoute`` parses with ``decode_json``: orjson,
+cut at commas into runs with the loop running between them; a body orjson refuses
+(lone surrogates, ``NaN``), or one with a run of 19 or more digits, is parsed by the
+standard library as before, so what it accepts and how it answers are unchanged.
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
-from lib.slices import decode_json, parse_json
-
-__all__ = ["JsonRoute", "parse_json"]
+from lib.slices import decode_json
 
 
 class _JsonRequest(Request):
