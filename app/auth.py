@@ -79,13 +79,19 @@ def _bearer(request: Request, keys: ApiKeys) -> str:
     return _bearer_of(request.headers.get("authorization", ""), keys)
 
 
-def _bearer_of(header: str, keys: ApiKeys) -> str:
+def _presented(header: str) -> str:
+    """The key an ``Authorization`` header presents as a bearer token ("" for none)."""
     scheme, _, presented = header.partition(" ")
-    if scheme.lower() != "bearer" or not presented.strip():
+    return presented.strip() if scheme.lower() == "bearer" else ""
+
+
+def _bearer_of(header: str, keys: ApiKeys) -> str:
+    presented = _presented(header)
+    if not presented:
         raise ApiError(
             401, "unauthorized", "an API key is required (Authorization: Bearer <key>)", CHALLENGE
         )
-    tenant = keys.tenant(presented.strip())
+    tenant = keys.tenant(presented)
     if tenant is None:
         raise ApiError(401, "unauthorized", "the API key is not valid", CHALLENGE)
     return tenant
@@ -160,8 +166,8 @@ class Callers:
             return b""
         header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
         if header is not None:
-            scheme, _, presented = header.decode("latin-1").partition(" ")
-            tenant = self.keys.tenant(presented.strip()) if scheme.lower() == "bearer" else None
+            presented = _presented(header.decode("latin-1"))
+            tenant = self.keys.tenant(presented) if presented else None
             return b"tenant:" + tenant.encode() if tenant else b""
         token = QueryParams(scope.get("query_string", b"")).get("token")
         services = getattr(scope["app"].state, "services", None) if "app" in scope else None
