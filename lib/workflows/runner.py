@@ -26,8 +26,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import orjson
-
 from lib.backend import Batch
 from lib.errors import (
     BufferUnavailable,
@@ -45,6 +43,7 @@ from lib.execution.events import EXECUTION_RESUMED, EXECUTION_STARTED, utc_times
 from lib.execution.log import ExecutionLog
 from lib.execution.ownership import START_RESERVED, Claim, node_of
 from lib.execution.record import ExecutionMeta, Field, Mode, Status, StopReason, Takeover
+from lib.slices import encode
 from lib.workflows.checkpoint import answer_field
 from lib.workflows.janitor import Janitor, cancelled
 from lib.workflows.launcher import Outcome, ending_body, identity_of
@@ -347,7 +346,7 @@ class Runner:
             tenant,
             meta=meta,
             block_id=paused_at,
-            answer=orjson.dumps(input),
+            answer=await encode(input),  # in slices: an answer may be 10 MB
         )
 
         async def body(local: LocalRun, emitter: ExecutionLog) -> None:
