@@ -146,14 +146,15 @@ async def search(pattern: re.Pattern[bytes], data: bytes, *, longest: int = 64) 
     return False
 
 
-async def encode(value: Any) -> bytes:
-    """``orjson.dumps(value)`` (the same bytes, the same errors), in slices when large."""
+async def encode(value: Any, option: int = 0) -> bytes:
+    """``orjson.dumps(value, option=option)`` (the same bytes, the same errors), in
+    slices when large."""
     if weight(value) <= PIECE:
-        return orjson.dumps(value)
+        return orjson.dumps(value, option=option)
     await _pause()  # in line behind the slices of the large values already in hand
     parts: list[bytes] = []
     since = time.perf_counter()
-    for piece in pieces(value):
+    for piece in pieces(value, option):
         parts.append(piece)
         if time.perf_counter() - since > SLICE_SECONDS:
             await _pause()  # the loop runs between pieces
@@ -192,31 +193,36 @@ async def size_past(value: Any, limit: int) -> int:
     return size
 
 
-def pieces(value: Any) -> Iterator[bytes]:
-    """``orjson.dumps(value)`` as consecutive pieces, each of at most ``PIECE`` elements."""
+def pieces(value: Any, option: int = 0) -> Iterator[bytes]:
+    """``orjson.dumps(value, option=option)`` as consecutive pieces, each of at most
+    ``PIECE`` elements (``OPT_SORT_KEYS``: an object's members in the order orjson
+    sorts them, by code point)."""
     if weight(value) <= PIECE:
-        yield orjson.dumps(value)
+        yield orjson.dumps(value, option=option)
     elif isinstance(value, list):
         yield b"["
         yield from _runs(
-            value, lambda run: orjson.dumps(value[run])[1:-1], lambda at: pieces(value[at])
+            value,
+            lambda run: orjson.dumps(value[run], option=option)[1:-1],
+            lambda at: pieces(value[at], option),
         )
         yield b"]"
     else:
-        keys, items = list(value), list(value.values())
+        keys = sorted(value) if option & orjson.OPT_SORT_KEYS else list(value)
+        items = [value[key] for key in keys]
         yield b"{"
         yield from _runs(
             items,
-            lambda run: orjson.dumps({key: value[key] for key in keys[run]})[1:-1],
-            lambda at: _member(keys[at], items[at]),
+            lambda run: orjson.dumps({key: value[key] for key in keys[run]}, option=option)[1:-1],
+            lambda at: _member(keys[at], items[at], option),
         )
         yield b"}"
 
 
-def _member(key: Any, value: Any) -> Iterator[bytes]:
+def _member(key: Any, value: Any, option: int) -> Iterator[bytes]:
     yield orjson.dumps({key: None})[1:-6]  # the key as orjson spells it, with its checks
     yield b":"
-    yield from pieces(value)
+    yield from pieces(value, option)
 
 
 def _runs(
