@@ -16,7 +16,8 @@ What must hold, each broken rule a finding:
   template or ``when`` nested past any parser's stack is 422 with both paths; a config
   rendering a 1 MB input 300 times fails its block before it is built; a keyless request
   announcing a 10 MiB body gets its 401 before sending it; a 3-character secret is 422;
-  six filtered lists at once answer within ``FAST`` seconds;
+  six filtered lists at once answer within ``FAST`` seconds; a 10 MB input echoed by a
+  ``transform`` fails its block (past the template bound);
 - well-behaved: request latency p99 under 100 ms, every execution completes, every
   stream ends;
 - the server's resident memory stays under its baseline + ``RSS_ALLOWANCE`` (VmHWM,
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import statistics
 import time
@@ -85,6 +87,16 @@ TOKEN_SPELLINGS = ("%74oken", "to%6Ben", "%74%6F%6B%65%6E")
 # body (401 before it is read), a secret too short to mask (422).
 NESTED = ("(" * 3000 + "1" + ")" * 3000, "[" * 3000 + "]" * 3000, "input" + ".a" * 5000)
 REPEATS = {"value": ["{{ input.s }}"] * 300}
+# Issue 24 row 1: an input of 5 million zeros (10 MB, under the 10 MiB body bound) echoed
+# by ``quick``: parsed, checked, stored and sized in slices; the run fails its block
+# (the echo renders past FLOWCAST_TEMPLATE_MAX_BYTES) and nobody else is slowed.
+ZEROS = 5_000_000
+
+
+@functools.cache
+def zeros_body() -> bytes:
+    """The echo's execute body, built once (when the payload first runs)."""
+    return b'{"input":[' + b",".join([b"0"] * ZEROS) + b"]}"
 
 
 def rss(pid: int, field_name: str = "VmRSS") -> int:
@@ -259,7 +271,7 @@ class Hostile:
     async def round(self) -> None:
         steps = [
             self.refs, self.redos, self.fold, self.token, self.lists, self.caps,
-            self.nested, self.repeat, self.keyless, self.short_secret,
+            self.nested, self.repeat, self.echo, self.keyless, self.short_secret,
         ]  # fmt: skip
         if self.templates:
             steps[3:3] = [self.bombs]
@@ -413,6 +425,23 @@ class Hostile:
             self.find(f"repeat: the run ended {snapshot and snapshot['status']}, not failed")
         else:
             self.t.outcomes["repeat failed"] += 1
+
+    async def echo(self) -> None:
+        """A 10 MB input echoed by a one-block ``transform``: it held the event loop ~10 s
+        (issue 24 row 1); the run fails with the bound's error, the loop is not held."""
+        started = await self.client.post(
+            "/api/workflows/quick/execute",
+            content=zeros_body(),
+            headers={"content-type": "application/json"},
+        )
+        if started.status_code != 202:
+            self.find(f"echo: execute answered {started.status_code}")
+            return
+        snapshot = await wait_terminal(self.client, started.json()["executionId"], deadline=20)
+        if snapshot is None or snapshot["status"] != "failed":
+            self.find(f"echo: the run ended {snapshot and snapshot['status']}, not failed")
+        else:
+            self.t.outcomes["echo failed"] += 1
 
     async def keyless(self) -> None:
         """A keyless request announcing a 10 MiB body: 401 before a byte of it is read."""
