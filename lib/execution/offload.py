@@ -20,6 +20,7 @@ stored event fits the budget and the ring's retained bytes never exceed it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -125,7 +126,7 @@ def _preview(value: Any) -> Any:
         return value[:PREVIEW_CHARS]
     if isinstance(value, list):
         return len(value)
-    return list(value)[:PREVIEW_KEYS]
+    return list(itertools.islice(value, PREVIEW_KEYS))  # not a copy of every key first
 
 
 # In a container's JSON: a ref or a file may be inside (its walk decides); a list of

@@ -36,7 +36,7 @@ from tests.support.timing import assert_within, latencies, probing
 
 PROBE = "/api/workflows"
 # Six 10 MB echoes at once share the loop with B's GETs: their slices take turns, one
-# slice (~5 ms) per turn of the loop, so each step of a GET waits for one slice, never
+# slice (~2 ms) per turn of the loop, so each step of a GET waits for one slice, never
 # for a whole value nor for a slice of each. Before the slices, B's worst GET was 2.4 s
 # (one echo alone held the loop 0.4 s of CPU at once, six 21-30 s in the review); with
 # a slice of each value per turn, 0.3-1.3 s; now 0.13-0.45 s over a 5-20 ms probe (2
