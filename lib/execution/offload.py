@@ -32,7 +32,7 @@ from lib.backoff import Backoff
 from lib.errors import FlowcastError
 from lib.execution.values import ValueStore, value_id
 from lib.metrics import Metrics
-from lib.slices import Pacer, encode, sha256_hex
+from lib.slices import Pacer, contains, encode, sha256_hex
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +261,9 @@ class Compactor:
             # them held every tenant's requests for seconds; step 16's review, row 1),
             # and encoded in slices, so a large value does not hold it either.
             encoded = await encode(value)
-            plain = _REF_MARK not in encoded and not (self._inline_files and _FILE_MARK in encoded)
+            plain = not await contains(encoded, _REF_MARK) and not (
+                self._inline_files and await contains(encoded, _FILE_MARK)
+            )
             if plain and len(encoded) <= threshold:
                 return value, len(encoded)  # what the walk would find: nothing to offload
             if plain and await _flat(encoded, self._pacer):

@@ -147,6 +147,36 @@ async def test_a_large_body_is_parsed_into_lists_the_young_collections_skip() ->
     assert not any(found is value for found in gc.get_objects(generation=1))
 
 
+async def test_a_large_value_let_go_of_is_freed_in_slices_and_a_held_one_is_untouched() -> None:
+    """Freeing 700,000 small objects at once held the loop 0.3 s (a 35 MB answer's
+    value, when the block's attempt ended). Let go of, such a value is taken apart in
+    short slices; one that something else still holds is left as it is."""
+
+    def large() -> dict[str, Any]:
+        return {"items": [{"id": n, "name": f"item {n}", "tags": ["a"]} for n in range(700_000)]}
+
+    held = {"items": [{"id": n, "tags": ["a", "b"]} for n in range(10_000)]}
+    copy = orjson.dumps(held)
+    values = [large(), large()]
+    gc.collect()
+
+    async def drop() -> None:
+        values.pop()  # the last reference: freed at once
+
+    async def free() -> None:
+        slices.let_go(values[0], held)
+        values.clear()  # the last reference: the value is the digger's alone
+        while slices._digger:
+            await asyncio.sleep(0)
+
+    _, alone = await _worst_hold(drop())
+    _, worst = await _worst_hold(free())
+    assert worst < alone / 3, (worst, alone)
+    assert orjson.dumps(held) == copy
+    assert await slices.contains(b"x" * 3_000_000 + b'"$ref"', b'"$ref"')
+    assert not await slices.contains(b"x" * 3_000_000, b'"$ref"')
+
+
 async def _worst_hold(work: Any) -> tuple[Any, float]:
     """``work``'s result and the longest the loop's CPU went without another callback
     running (thread CPU time: the machine's other work does not count)."""
