@@ -7,19 +7,24 @@ KEYS[2]  its run state hash (the checkpoint)  fc:{<eid>}:state
 ARGV[1]  transition:
            "resume"   paused -> running, owned by the caller (a human answered)
            "cancel"   running: flag cancelRequested for the owner and return;
-                      paused -> running, owned by the caller, who writes the cancel
+                      paused or queued -> running, owned by the caller, who writes
+                      the cancel (after execution:started, for a queued one)
                       (flagged too, for whoever takes it over if the caller dies)
            "takeover" running with an expired lease, or handed off -> owned by the
                       caller, who recovers it from its checkpoint
            "handoff"  running, owned by the caller (its fencing token): let go of it
                       now, for another process to take over (a shutdown)
            "expire"   paused past its approval deadline -> running, owned by the caller
+           "take"     queued -> running, owned by the caller (a worker that took it
+                      from the queue: queue.lua); its first ARGV[4] ids are reserved
+                      for it, as start.lua reserves them
 ARGV[2]  the caller's new fencing token
 ARGV[3]  lease length in milliseconds
 ARGV[4]  resume: the paused block the caller answers ("" = whichever it is);
          takeover: the owner whose lease the caller found expired (or who handed off);
          handoff: the highest id the caller showed live (its reservation above that
-         is handed back: the next owner numbers from there)
+         is handed back: the next owner numbers from there);
+         take: the ids reserved for the new owner from the start (start.lua's ARGV[6])
 ARGV[5]  takeover: "handoff" to take it over only if its owner handed it off; "dead"
          to take it over from the owner ARGV[4] although its lease has not ended (the
          caller knows that owner is dead: an earlier process of its own node)
@@ -106,6 +111,8 @@ if state[3] == token and mode ~= "handoff" then
   local before = "paused"
   if mode == "takeover" then
     before = "running"
+  elseif mode == "take" then
+    before = "queued"
   end
   local recovery = recoveries
   if mode == "takeover" then
@@ -168,7 +175,7 @@ elseif mode == "cancel" then
     return {last, base, status, state[3], tonumber(state[7]) or 0, recoveries, "", crashes,
       "1", deaths}
   end
-  if status ~= "paused" then
+  if status ~= "paused" and status ~= "queued" then
     return redis.error_reply("STATUS " .. status)
   end
   local won = own(false)
@@ -258,5 +265,12 @@ elseif mode == "expire" then
     return redis.error_reply("NOTDUE")
   end
   return own(false)
+elseif mode == "take" then
+  if status ~= "queued" then
+    return redis.error_reply("STATUS " .. status)
+  end
+  local won = own(false)
+  redis.call("HSET", meta, "reserved", tonumber(ARGV[4]) or 0)
+  return won
 end
 return redis.error_reply("MODE " .. mode)

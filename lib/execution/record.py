@@ -28,6 +28,7 @@ of its refusals is not in the map.
     claim.lua   NOTDUE            NotDue             the approval deadline has not passed
     claim.lua   MODE <mode>       UnknownTransition  no such transition (a bug)
     claim.lua   SUSPECT           SuspectHeld        the caller runs a suspect already
+    queue.lua   MODE <op>         UnknownTransition  no such operation (a bug)
     renew.lua   GONE              RecordLost         no metadata: the writer recreates it
     renew.lua   FENCED            Fenced             another owner, same or later epoch
     renew.lua   BEHIND            RecordLost         lost writes: the writer writes back
@@ -106,8 +107,7 @@ class Field(StrEnum):
 
 
 class Status(StrEnum):
-    """An execution's status (SPEC §3). Nothing is ``queued`` yet: the queue (SPEC §14)
-    adds queued -> running as a transition of its own."""
+    """An execution's status (SPEC §3); ``queued`` until a worker takes it (SPEC §14)."""
 
     QUEUED = "queued"
     RUNNING = "running"
@@ -128,6 +128,7 @@ class Mode(StrEnum):
     TAKEOVER = "takeover"
     HANDOFF = "handoff"
     EXPIRE = "expire"
+    TAKE = "take"  # queued -> running, by a worker that took it from the queue
 
 
 class Takeover(StrEnum):
@@ -170,6 +171,7 @@ class Script(StrEnum):
     STORE = "store.lua"
     SLOTS = "slots.lua"
     QUOTA = "quota.lua"  # a tenant's storage ledger (lib/quota.py), no execution key
+    QUEUE = "queue.lua"  # the admission and the fair queue (queue.py), no execution key
 
 
 class Reply(StrEnum):
@@ -276,6 +278,11 @@ REFUSALS: Final[tuple[Refusal, ...]] = (
     Refusal(
         Script.CLAIM, Reply.SUSPECT, SuspectHeld, "the caller runs a suspect already",
         lambda asked, _detail: SuspectHeld(asked.execution_id),
+    ),
+    Refusal(
+        Script.QUEUE, Reply.MODE, UnknownTransition, "no such operation (a bug)",
+        lambda asked, detail: UnknownTransition(asked.execution_id, detail),
+        detail="<op>",
     ),
     Refusal(
         Script.RENEW, Reply.GONE, RecordLost, "no metadata: the writer recreates it",

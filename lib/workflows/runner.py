@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -41,13 +42,20 @@ from lib.errors import (
 )
 from lib.execution.admission import paused_member
 from lib.execution.buffer import EXECUTION_OVERHEAD_BYTES
-from lib.execution.events import EXECUTION_RESUMED, EXECUTION_STARTED, utc_timestamp
+from lib.execution.events import (
+    EXECUTION_CANCELLED,
+    EXECUTION_RESUMED,
+    EXECUTION_STARTED,
+    utc_timestamp,
+)
 from lib.execution.log import ExecutionLog
 from lib.execution.ownership import START_RESERVED, Claim, node_of
+from lib.execution.queue import Entered
 from lib.execution.record import ExecutionMeta, Field, Mode, Status, StopReason, Takeover
 from lib.workflows.checkpoint import answer_field
+from lib.workflows.dispatch import Dispatcher, created_ms
 from lib.workflows.janitor import Janitor, cancelled
-from lib.workflows.launcher import Outcome, ending_body, identity_of
+from lib.workflows.launcher import Body, Outcome, ending_body, identity_of
 from lib.workflows.leases import LeaseKeeper, LocalRun
 from lib.workflows.listener import ControlListener
 from lib.workflows.model import Workflow
@@ -74,6 +82,7 @@ def new_execution_id() -> str:
 class Started:
     execution_id: str
     status: str
+    ahead: int | None = None  # queued: about how many start before it
 
 
 class Runner:
@@ -95,6 +104,7 @@ class Runner:
         janitor: Janitor,
         takeovers: Takeovers,
         shutdown_grace_seconds: float = 30.0,
+        worker_slots: int = 64,
     ) -> None:
         transitions = parts.transitions
         self._parts = parts
@@ -115,6 +125,12 @@ class Runner:
         self.node_id = parts.node_id
         self._grace = shutdown_grace_seconds
         self._loops: list[asyncio.Task[None]] = []
+        self._queue = transitions.queue
+        # Takes queued work for this process's free slots; woken by the control
+        # listener (work queued elsewhere) and by each run here that ends.
+        self.dispatcher = Dispatcher(parts, slots=worker_slots, start=self._start_taken)
+        listener.on_queued = self.dispatcher.nudge
+        self._launcher.on_free = self.dispatcher.nudge
 
     async def __aenter__(self) -> Runner:
         try:
@@ -122,11 +138,17 @@ class Runner:
             await self._store.check()
         except FlowcastError as exc:
             log.warning("the buffer is not reachable at start", extra={"error": str(exc)})
+        try:
+            await self._queue.publish_weights()
+        except FlowcastError as exc:
+            log.warning("could not publish the tenant weights", extra={"error": str(exc)})
         self._loops = [
             asyncio.create_task(self._keeper.renew_loop(), name="lease-renewal"),
             asyncio.create_task(self._listen(), name="control-listener"),
             asyncio.create_task(self._tend(), name="janitor"),
+            asyncio.create_task(self.dispatcher.run(), name="dispatcher"),
         ]
+        self.dispatcher.nudge()  # work may have waited for a worker already
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -229,10 +251,36 @@ class Runner:
         if created is None:
             log.info("execution created by another request", extra={"executionId": execution_id})
             return Started(execution_id, "running")
+        if isinstance(created, Entered):
+            # Queued: a worker with a free slot takes it (this one first, if it has one).
+            await self.dispatcher.announce()
+            self.dispatcher.nudge()
+            return Started(execution_id, "queued", ahead=created.ahead)
         claim, saved = created
+        events = self._run_new(
+            execution_id, claim, identity, workflow, input, saved, write_back=write_back
+        )
+        if first_stored:
+            await events.first_stored(START_RESERVED, FIRST_STORED_SECONDS)
+        return Started(execution_id, "running")
+
+    def _run_new(
+        self,
+        execution_id: str,
+        claim: Claim,
+        identity: dict[str, str],
+        workflow: Workflow,
+        input: Any,
+        saved: dict[str, bytes],
+        *,
+        queued_ms: int = 0,
+        write_back: Callable[[], Awaitable[None]] | None = None,
+        meta: ExecutionMeta | None = None,
+    ) -> ExecutionLog:
+        """Run a new execution here from its first event, as ``claim``'s owner."""
 
         def opening(local: LocalRun, emitter: ExecutionLog) -> None:
-            emitter.emit(EXECUTION_STARTED, {"input": input})
+            emitter.emit(EXECUTION_STARTED, {"input": input, "queuedMs": queued_ms})
             emitter.remember(saved)
             local.workflow = workflow
 
@@ -242,17 +290,36 @@ class Runner:
 
             await self._launcher.execute(local, emitter, work)
 
-        events = self._launcher.launch(
+        return self._launcher.launch(
             execution_id,
             claim,
             identity=identity,
             body=body,
             opening=opening,
             write_back=write_back,
+            meta=meta,
         )
-        if first_stored:
-            await events.first_stored(START_RESERVED, FIRST_STORED_SECONDS)
-        return Started(execution_id, "running")
+
+    def _start_taken(
+        self,
+        meta: ExecutionMeta,
+        claim: Claim,
+        workflow: Workflow,
+        input: Any,
+        saved: dict[str, bytes],
+        queued_ms: int,
+    ) -> None:
+        """Run an execution the dispatcher took from the queue and claimed here."""
+        self._run_new(
+            meta.id,
+            claim,
+            identity_of(meta),
+            workflow,
+            input,
+            saved,
+            queued_ms=queued_ms,
+            meta=meta,
+        )
 
     async def _create(
         self,
@@ -262,10 +329,10 @@ class Runner:
         identity: dict[str, str],
         now: datetime,
         confirm: Callable[[Batch], None] | None = None,
-    ) -> tuple[Claim, dict[str, bytes]] | None:
+    ) -> tuple[Claim, dict[str, bytes]] | Entered | None:
         """Admit the tenant's execution and create it, owned here, with its run state
-        (the claim and the state as stored); None when another request created it first
-        (ownership.start then undoes the admission)."""
+        (the claim and the state as stored), or queued (``Entered``); None when another
+        request created it first (ownership.start then undoes the admission)."""
         # What a resume or a recovery needs is there from the start, in the same write
         # that creates the execution: a process may die right after the 202. The
         # workflow version is stored before, in the batch of the admission and the
@@ -299,6 +366,7 @@ class Runner:
                 state=saved,
                 checked=checked,
                 alongside=lambda batch: self._states.save_version_in(batch, workflow),
+                here=self._runs.accepting and self.dispatcher.free() > 0,
             )
         except OverQuota:
             raise  # refused before anything was counted
@@ -308,8 +376,8 @@ class Runner:
             # again by its run's first figure).
             await self._uncount(tenant, execution_id)
             raise
-        if claim is None:
-            return None
+        if claim is None or isinstance(claim, Entered):
+            return claim
         return claim, saved
 
     async def _uncount(self, tenant: str, execution_id: str) -> None:
@@ -377,8 +445,22 @@ class Runner:
         told at once. A finished one is a 409 with the status that won.
         """
         meta = await self._owned(execution_id, tenant)
+        given: Any = None
+        if meta.status == Status.QUEUED:
+            # Its first event, written with the cancel, shows the input it was given.
+            _version, given, _run, _saved = await self._states.load(execution_id)
         fence = self._parts.new_fence()
         claim = await self._claim(execution_id, Mode.CANCEL, fence, tenant, meta=meta)
+        if claim.status_before is Status.QUEUED:
+            await self._launcher.quietly(execution_id, self._dequeue(tenant, execution_id))
+            self._launcher.launch(
+                execution_id,
+                claim,
+                identity=identity_of(meta),
+                body=_cancelled_in_line(given, created_ms(meta)),
+                meta=meta,
+            )
+            return Started(execution_id, "cancelling")
         if claim.status_before is not Status.RUNNING:
             self._launcher.launch(
                 execution_id,
@@ -398,6 +480,9 @@ class Runner:
                 execution_id, self._control.send_cancel(node_of(claim.owner), execution_id)
             )
         return Started(execution_id, "cancelling")
+
+    async def _dequeue(self, tenant: str, execution_id: str) -> None:
+        await self._queue.dequeue(tenant, execution_id)
 
     async def _owned(self, execution_id: str, tenant: str) -> ExecutionMeta:
         meta = await self._buffer.meta(execution_id)
@@ -458,6 +543,8 @@ class Runner:
                 continue  # shutting down: this process takes nothing over any more
             try:
                 await self._ownership.take_back_owed()
+                await self.dispatcher.reclaim()
+                self.dispatcher.nudge()
                 if due.restarted:
                     await self._reassert()
                 for execution_id, fence in due.dead:
@@ -490,6 +577,18 @@ class Runner:
         the short settle every process waits for."""
         await self._keeper.renew_now()
         await self._finals.reassert()
+
+
+def _cancelled_in_line(given: Any, created_ms: int) -> Body:
+    """The run of an execution cancelled while queued: it never ran, yet its log starts
+    as every log does (id 1 ``execution:started``), then ends cancelled."""
+
+    async def body(local: LocalRun, emitter: ExecutionLog) -> None:
+        waited = max(0, round(time.time() * 1000) - created_ms) if created_ms else 0
+        emitter.emit(EXECUTION_STARTED, {"input": given, "queuedMs": waited})
+        emitter.emit(EXECUTION_CANCELLED, {"reason": "cancelled"})
+
+    return body
 
 
 def _check_answer(schema: dict[str, Any], answer: Any) -> None:
