@@ -13,8 +13,7 @@ import httpx
 import pytest
 
 from tests.support.api import delay_workflow, put, quick_workflow, wait_finished, wait_status
-from tests.support.servers import ValkeyServer, authed, env_on, serving
-from tests.support.servers import FlowcastServer
+from tests.support.servers import FlowcastServer, ValkeyServer, authed, env_on, serving
 from tests.support.sse import Frame, events
 
 
