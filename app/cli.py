@@ -1,4 +1,5 @@
-"""The ``flowcast`` command line: ``serve``, ``run``, ``attach``, ``resume``, ``cancel``, ``list``.
+"""The ``flowcast`` command line: ``serve``, ``worker``, ``run``, ``attach``, ``resume``,
+``cancel``, ``list``.
 
 Exit codes: 0 completed (or the request was accepted), 1 failed, 2 usage or bad input
 (a 4xx answer; the server's message goes to stderr), 3 cancelled, 4 paused (``run`` and
@@ -36,7 +37,7 @@ from app.client import (
     Unreachable,
 )
 from app.progress import Display, LiveDisplay, PlainDisplay, compact
-from app.settings import Settings
+from app.settings import NO_SLOTS, Settings
 
 COMPLETED, FAILED, USAGE, CANCELLED, PAUSED, UNREACHABLE = 0, 1, 2, 3, 4, 5
 INTERRUPTED = 130
@@ -60,8 +61,19 @@ def _is_loopback(host: str) -> bool:
 
 def serve(args: argparse.Namespace) -> int:
     """Run one Flowcast process (embedded engine unless FLOWCAST_REDIS_URL is set)."""
+    return _run_server(args, "app.main:create_app")
+
+
+def worker(args: argparse.Namespace) -> int:
+    """Run a process that only runs work: it takes queued executions for its
+    ``FLOWCAST_WORKER_SLOTS`` and serves ``/healthz``, ``/readyz`` and ``/metrics``."""
+    return _run_server(args, "app.main:create_worker", worker=True)
+
+
+def _settings() -> Settings | None:
+    """The settings from the environment, or None once each problem was said."""
     try:
-        settings = Settings()
+        return Settings()
     except ValidationError as exc:
         for problem in exc.errors():
             message = str(problem["msg"])
@@ -70,6 +82,15 @@ def serve(args: argparse.Namespace) -> int:
             else:
                 name = "_".join(str(part) for part in problem["loc"]).upper()
                 _error(f"FLOWCAST_{name}: {message}")
+        return None
+
+
+def _run_server(args: argparse.Namespace, factory: str, *, worker: bool = False) -> int:
+    settings = _settings()
+    if settings is None:
+        return USAGE
+    if worker and settings.worker_slots == 0:
+        _error(NO_SLOTS)
         return USAGE
     host = args.host or settings.host
     port = args.port if args.port is not None else settings.port
@@ -83,7 +104,7 @@ def serve(args: argparse.Namespace) -> int:
     if not settings.api_keys:
         print("flowcast: no FLOWCAST_API_KEYS set; listening on loopback only", file=sys.stderr)
     uvicorn.run(
-        "app.main:create_app",
+        factory,
         factory=True,
         host=host,
         port=port,
@@ -304,6 +325,15 @@ def parser() -> argparse.ArgumentParser:
     run_server.add_argument("--host", help="listen address (default FLOWCAST_HOST or 127.0.0.1)")
     run_server.add_argument("--port", type=int, help="listen port (default FLOWCAST_PORT or 8000)")
     run_server.set_defaults(handler=serve)
+
+    run_worker = commands.add_parser(
+        "worker", help="run a process that only runs queued work (no API)"
+    )
+    run_worker.add_argument(
+        "--host", help="where /healthz, /readyz and /metrics listen (default FLOWCAST_HOST)"
+    )
+    run_worker.add_argument("--port", type=int, help="their port (default FLOWCAST_PORT or 8000)")
+    run_worker.set_defaults(handler=worker)
 
     start = commands.add_parser("run", help="start an execution and follow it")
     start.add_argument("workflow", help="workflow id")

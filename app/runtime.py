@@ -74,6 +74,11 @@ async def start_runtime(
         sse_clients=open_streams.__len__,  # execution streams and live lists alike
         bytes_retained=runner.retained_bytes,
     )
+    metrics.watch_queue(
+        backlog=runner.dispatcher.backlog,
+        slots=runner.dispatcher.slots,
+        used=runner.running_here,
+    )
     return Runtime(
         metrics=metrics, hub=hub, readers=readers, runner=runner, open_streams=open_streams
     )
@@ -149,4 +154,5 @@ def build_runner(
         takeovers=Takeovers(parts, max_recoveries=settings.max_recoveries, suspicion=suspicion),
         shutdown_grace_seconds=settings.shutdown_grace_seconds,
         worker_slots=settings.worker_slots,
+        metrics=metrics,
     )

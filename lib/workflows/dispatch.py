@@ -20,8 +20,9 @@ from typing import Any
 
 from lib.errors import FlowcastError, NotFound, WrongStatus
 from lib.execution.ownership import START_RESERVED, Claim
-from lib.execution.queue import Queue, Taken
+from lib.execution.queue import Backlog, Queue, Taken
 from lib.execution.record import ExecutionMeta, Mode
+from lib.metrics import Metrics
 from lib.workflows.leases import LocalRuns
 from lib.workflows.model import Workflow
 from lib.workflows.parts import Parts
@@ -42,6 +43,7 @@ class Dispatcher:
         *,
         slots: int,
         start: Start,
+        metrics: Metrics | None = None,
     ) -> None:
         transitions = parts.transitions
         self._parts = parts
@@ -55,6 +57,7 @@ class Dispatcher:
         self._runs: LocalRuns = parts.runs
         self.slots = slots
         self._start = start
+        self._metrics = metrics
         self._nudged = asyncio.Event()
 
     def free(self) -> int:
@@ -69,6 +72,10 @@ class Dispatcher:
     async def ahead(self, tenant: str, execution_id: str) -> int | None:
         """About how many executions start before this queued one (None: not queued)."""
         return await self._queue.ahead(tenant, execution_id)
+
+    async def backlog(self) -> Backlog:
+        """What waits in every tenant's line (for /metrics)."""
+        return await self._queue.backlog()
 
     async def announce(self) -> None:
         """Tell every process that work was queued (best effort: their janitor passes
@@ -123,6 +130,8 @@ class Dispatcher:
 
     async def _drop(self, taken: Taken, fence: str) -> None:
         eid = taken.execution_id
+        if self._metrics is not None:
+            self._metrics.stale_deliveries.inc()
         await self._quietly(
             eid,
             self._watch.release(eid, fence),
@@ -142,6 +151,8 @@ class Dispatcher:
                 await self._queue.claimed(taken)  # claimed after all
                 continue
             if await self._queue.requeue(taken, queued_ms=created_ms(meta)):
+                if self._metrics is not None:
+                    self._metrics.queue_reclaims.inc()
                 log.warning(
                     "queued execution taken by a dead worker; queued again",
                     extra={"executionId": taken.execution_id},
