@@ -32,11 +32,12 @@ from app.client import (
     Finished,
     FlowcastClient,
     Gap,
+    Queued,
     Reconnecting,
     Refused,
     Unreachable,
 )
-from app.progress import Display, LiveDisplay, PlainDisplay, compact
+from app.progress import Display, LiveDisplay, PlainDisplay, compact, queued_text
 from app.settings import NO_SLOTS, Settings
 
 COMPLETED, FAILED, USAGE, CANCELLED, PAUSED, UNREACHABLE = 0, 1, 2, 3, 4, 5
@@ -196,6 +197,8 @@ def _follow(
                         return PAUSED
             elif isinstance(item, Gap) and display:
                 display.gap(item)
+            elif isinstance(item, Queued) and display:
+                display.queued(item.ahead)
             elif isinstance(item, Reconnecting) and display:
                 display.notice(
                     f"stream ended ({item.reason}); reconnecting after event {item.cursor}"
@@ -235,6 +238,8 @@ def run(args: argparse.Namespace) -> int:
         display = _display(args)
         if display:
             display.started(execution_id, args.workflow)
+            if started.get("status") == "queued":
+                display.queued(int(started.get("ahead") or 0))
         return _follow(client, execution_id, after=0, wait=args.wait, display=display)
 
 
@@ -249,6 +254,8 @@ def attach(args: argparse.Namespace) -> int:
         display = _display(args)
         if display:
             display.started(args.execution, snapshot["workflowId"])
+            if snapshot["status"] == "queued":
+                display.queued(int(snapshot.get("ahead") or 0))
         return _follow(client, args.execution, after=args.after, wait=args.wait, display=display)
 
 
@@ -261,7 +268,7 @@ def resume(args: argparse.Namespace) -> int:
 
 
 def cancel(args: argparse.Namespace) -> int:
-    """Cancel a running or paused execution."""
+    """Cancel a queued, running or paused execution."""
     with _client(args) as client:
         answer = client.cancel(args.execution)
     print(f"{answer['executionId']} {answer['status']}", flush=True)
@@ -274,7 +281,7 @@ def list_executions(args: argparse.Namespace) -> int:
         found = client.executions(workflow_id=args.workflow, status=args.status, limit=args.limit)
     rows = [("ID", "WORKFLOW", "STATUS", "EVENTS", "CREATED", "UPDATED")]
     rows += [
-        (e["id"], e["workflowId"], e["status"], str(e["lastEventId"]), e["createdAt"],
+        (e["id"], e["workflowId"], _status(e), str(e["lastEventId"]), e["createdAt"],
          e["updatedAt"])
         for e in found
     ]  # fmt: skip
@@ -283,6 +290,13 @@ def list_executions(args: argparse.Namespace) -> int:
         cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
         print("  ".join(cells).rstrip())
     return COMPLETED
+
+
+def _status(execution: dict[str, Any]) -> str:
+    """A listed execution's status; a queued one with its place (``queued, 3 ahead``)."""
+    if execution["status"] == "queued" and execution.get("ahead") is not None:
+        return queued_text(int(execution["ahead"]))
+    return str(execution["status"])
 
 
 def _client_options(command: argparse.ArgumentParser, *, top: bool) -> None:
@@ -356,7 +370,7 @@ def parser() -> argparse.ArgumentParser:
     answer.add_argument("--block", help="the paused block's id (refused if paused elsewhere)")
     answer.set_defaults(handler=resume)
 
-    stop = commands.add_parser("cancel", help="cancel a running or paused execution")
+    stop = commands.add_parser("cancel", help="cancel a queued, running or paused execution")
     stop.add_argument("execution", metavar="EID", help="execution id")
     stop.set_defaults(handler=cancel)
 
