@@ -5,6 +5,7 @@
 import { api, errorText, withToken } from "./api.js";
 import { $, show } from "./dom.js";
 import { apply, EVENT_TYPES, TERMINAL } from "./events.js";
+import { queuedLabel } from "./format.js";
 import { notice, setDuplicates, setStatus, showResult } from "./panel.js";
 import { hidePause } from "./pause.js";
 import { highlightRow, logEvent } from "./timeline.js";
@@ -65,6 +66,8 @@ function listen(run) {
     source.addEventListener(type, (message) => onEvent(run, message));
   }
   source.addEventListener("replay:gap", (message) => onGap(run, JSON.parse(message.data)));
+  // A queued run's place in line, sent (with no id) until it starts.
+  source.addEventListener("queue", (message) => onQueue(run, JSON.parse(message.data)));
   source.onopen = () => {
     if (watching === run) $("run-connection").textContent = "live";
   };
@@ -96,11 +99,18 @@ async function explainClosed(run) {
     return;
   }
   const snapshot = await response.json();
-  setStatus(run, snapshot.status);
+  if (snapshot.status === "queued") setStatus(run, "queued", queuedLabel(snapshot.ahead));
+  else setStatus(run, snapshot.status);
   if (["completed", "failed", "cancelled"].includes(snapshot.status)) {
     showResult(run, snapshot.status, snapshot.output, snapshot.error);
     detach(run);
   }
+}
+
+function onQueue(run, place) {
+  // Only before its first event: once started, the events say where it is.
+  if (watching !== run || run.seen.size > 0 || run.finished) return;
+  setStatus(run, "queued", queuedLabel(place.ahead));
 }
 
 function onGap(run, gap) {
