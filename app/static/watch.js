@@ -37,6 +37,8 @@ export function attach(executionId, token) {
     finished: false,
     workflowId: null,
     pause: null,
+    place: "", // while queued: "queued, 3 ahead"
+    askedWorkflow: false, // while queued: its snapshot was asked for its workflow
   };
   watching = run;
   clearPanel(run);
@@ -107,10 +109,22 @@ async function explainClosed(run) {
   }
 }
 
-function onQueue(run, place) {
+async function onQueue(run, place) {
   // Only before its first event: once started, the events say where it is.
-  if (watching !== run || run.seen.size > 0 || run.finished) return;
-  setStatus(run, "queued", queuedLabel(place.ahead));
+  const waiting = () => watching === run && run.seen.size === 0 && !run.finished;
+  if (!waiting()) return;
+  run.place = queuedLabel(place.ahead);
+  setStatus(run, "queued", run.place);
+  if (!run.workflowId && !run.askedWorkflow) {
+    // No event names its workflow yet: the snapshot does (unreadable with a stream
+    // token alone: then the graph waits for the first event).
+    run.askedWorkflow = true;
+    const response = await api(`/api/executions/${run.id}`).catch(() => null);
+    if (response && response.ok) run.workflowId = (await response.json()).workflowId;
+    if (!waiting()) return;
+    if (run.workflowId) $("run-workflow").textContent = `workflow ${run.workflowId}`;
+  }
+  graph.queued(run.workflowId, run.place); // the latest place, if another came meanwhile
 }
 
 function onGap(run, gap) {

@@ -53,8 +53,21 @@ async def test_a_queued_run_shows_its_place_then_runs_and_its_row_shows_queued(
         await expect(badge).to_have_text("queued, 0 ahead")
         await expect(page.locator("#cancel")).to_be_visible()
         await expect(list_row(page, execution_id).locator(".status")).to_have_text("queued")
+        # The graph is drawn, every block pending, with the place said under it.
+        note = page.locator("#graph .graph-note")
+        await expect(note).to_have_text(
+            "Waiting for a worker: queued, 0 ahead. No block has run yet."
+        )
+        await expect(page.locator('#graph .graph-node[data-block-id="only"]')).to_have_attribute(
+            "data-status", "pending"
+        )
+        await expect(page.locator("#run-workflow")).to_have_text("workflow quick")
 
         await finished(page)
+        await expect(note).to_be_hidden()
+        await expect(page.locator('#graph .graph-node[data-block-id="only"]')).to_have_attribute(
+            "data-status", "completed"
+        )
         await expect(page.locator("#result-body")).to_contain_text("1")
         await expect(list_row(page, execution_id).locator(".status")).to_have_text(
             "completed", timeout=SETTLE_MS
