@@ -392,7 +392,7 @@ def _announce_recovery(
     if claim.base == 0:
         # Its owner died before anything was stored or shown, even its first event:
         # the log starts as every log does.
-        emitter.emit(EXECUTION_STARTED, {"input": given})
+        emitter.emit(EXECUTION_STARTED, {"input": given, "queuedMs": 0})
     completed = [b.id for b in workflow.blocks if b.id in run.outputs]
     data = {
         "reason": claim.reason,
