@@ -22,6 +22,7 @@ from lib.errors import FlowcastError, NotFound, WrongStatus
 from lib.execution.ownership import START_RESERVED, Claim
 from lib.execution.queue import Queue, Taken
 from lib.execution.record import ExecutionMeta, Mode
+from lib.workflows.executor import RunState
 from lib.workflows.leases import LocalRuns
 from lib.workflows.model import Workflow
 from lib.workflows.parts import Parts
@@ -29,8 +30,8 @@ from lib.workflows.parts import Parts
 log = logging.getLogger(__name__)
 
 # Runs an execution this process claimed from the queue: (its record, the claim, its
-# workflow, its input, its run state as stored, how long it waited in ms).
-Start = Callable[[ExecutionMeta, Claim, Workflow, Any, dict[str, bytes], int], None]
+# workflow, its input, its checkpoint, its run state as stored, how long it waited in ms).
+Start = Callable[[ExecutionMeta, Claim, Workflow, Any, RunState, dict[str, bytes], int], None]
 
 
 class Dispatcher:
@@ -105,7 +106,7 @@ class Dispatcher:
         try:
             meta = await self._buffer.meta(eid)
             # Read while it is still queued: once claimed, its run must start.
-            version, given, _run, saved = await self._states.load(eid)
+            version, given, run, saved = await self._states.load(eid)
             workflow = await self._states.load_version(version)
             await self._watch.hold(eid, fence)
             claim = await self._ownership.claim(eid, Mode.TAKE, fence, expected=str(START_RESERVED))
@@ -118,8 +119,9 @@ class Dispatcher:
         # leases a janitor queues it again (if its claim did not apply).
         await self._quietly(eid, self._queue.claimed(taken))
         queued_ms = _queued_ms(meta)
-        claim = replace(claim, reserved=START_RESERVED)
-        self._start(meta, claim, workflow, given, saved, queued_ms)
+        if not meta.continues:
+            claim = replace(claim, reserved=START_RESERVED)  # its first event is its own
+        self._start(meta, claim, workflow, given, run, saved, queued_ms)
 
     async def _drop(self, taken: Taken, fence: str) -> None:
         eid = taken.execution_id

@@ -54,6 +54,7 @@ from lib.execution.queue import Entered
 from lib.execution.record import ExecutionMeta, Field, Mode, Status, StopReason, Takeover
 from lib.workflows.checkpoint import answer_field
 from lib.workflows.dispatch import Dispatcher, created_ms
+from lib.workflows.executor import RunState
 from lib.workflows.janitor import Janitor, cancelled
 from lib.workflows.launcher import Body, Outcome, ending_body, identity_of
 from lib.workflows.leases import LeaseKeeper, LocalRun
@@ -306,10 +307,17 @@ class Runner:
         claim: Claim,
         workflow: Workflow,
         input: Any,
+        run: RunState,
         saved: dict[str, bytes],
         queued_ms: int,
     ) -> None:
-        """Run an execution the dispatcher took from the queue and claimed here."""
+        """Run an execution the dispatcher took from the queue and claimed here: a
+        start from its first event, or a resume that waited in line from its answer."""
+        if meta.continues:
+            answer = run.answers.get(meta.continues)
+            body = self._resumed(meta.continues, answer)
+            self._launcher.launch(meta.id, claim, identity=identity_of(meta), body=body, meta=meta)
+            return
         self._run_new(
             meta.id,
             claim,
@@ -407,7 +415,10 @@ class Runner:
             raise NotPausedThere(execution_id, paused_at=paused_at, asked=block_id)
         _check_answer(meta.pause.get("schema") or {}, input)
         fence = self._parts.new_fence()
-        await self._admission.admit(tenant, fence, replaces=paused_member(execution_id))
+        # The same admission as a start's: run here only with a free slot and while
+        # the tenant runs fewer than its cap; else in line, before its starts.
+        if not (self.dispatcher.free() > 0 and await self._queue.room(tenant, fence)):
+            return await self._resume_later(execution_id, tenant, meta, paused_at, input, fence)
         claim = await self._claim(
             execution_id,
             Mode.RESUME,
@@ -417,6 +428,41 @@ class Runner:
             block_id=paused_at,
             answer=orjson.dumps(input),
         )
+        body = self._resumed(paused_at, input)
+        self._launcher.launch(execution_id, claim, identity=identity_of(meta), body=body, meta=meta)
+        return Started(execution_id, "running")
+
+    async def _resume_later(
+        self,
+        execution_id: str,
+        tenant: str,
+        meta: ExecutionMeta,
+        paused_at: str,
+        input: Any,
+        fence: str,
+    ) -> Started:
+        """Accept a resume that may not run now: its answer is stored with the claim
+        (paused -> queued), then it waits in line before its tenant's starts. ``fence``'s
+        lease entry, written before the claim, covers the step between: should this
+        process die there, a janitor finds the execution queued and puts it in line."""
+        await self._claim(
+            execution_id,
+            Mode.RESUME,
+            fence,
+            tenant,
+            meta=meta,
+            block_id=paused_at,
+            answer=orjson.dumps(input),
+            later=True,
+        )
+        ahead = await self._queue.line(tenant, execution_id, replaces=paused_member(execution_id))
+        await self._launcher.quietly(execution_id, self._watch.release(execution_id, fence))
+        await self.dispatcher.announce()
+        self.dispatcher.nudge()
+        return Started(execution_id, "queued", ahead=ahead)
+
+    def _resumed(self, paused_at: str, input: Any) -> Body:
+        """The run of a resume: ``execution:resumed`` with the answer, then on."""
 
         async def body(local: LocalRun, emitter: ExecutionLog) -> None:
             # First, whatever follows: the resume took effect even if a cancel stops
@@ -433,8 +479,7 @@ class Runner:
 
             await self._launcher.execute(local, emitter, work)
 
-        self._launcher.launch(execution_id, claim, identity=identity_of(meta), body=body, meta=meta)
-        return Started(execution_id, "running")
+        return body
 
     async def cancel(self, execution_id: str, *, tenant: str) -> Started:
         """Cancel a running or paused execution wherever it runs.
@@ -446,19 +491,21 @@ class Runner:
         """
         meta = await self._owned(execution_id, tenant)
         given: Any = None
-        if meta.status == Status.QUEUED:
+        if meta.status == Status.QUEUED and not meta.continues:
             # Its first event, written with the cancel, shows the input it was given.
             _version, given, _run, _saved = await self._states.load(execution_id)
         fence = self._parts.new_fence()
         claim = await self._claim(execution_id, Mode.CANCEL, fence, tenant, meta=meta)
         if claim.status_before is Status.QUEUED:
             await self._launcher.quietly(execution_id, self._dequeue(tenant, execution_id))
+            # A resume in line has its log already: it only ends.
+            ending = (
+                ending_body(cancelled)
+                if meta.continues
+                else _cancelled_in_line(given, created_ms(meta))
+            )
             self._launcher.launch(
-                execution_id,
-                claim,
-                identity=identity_of(meta),
-                body=_cancelled_in_line(given, created_ms(meta)),
-                meta=meta,
+                execution_id, claim, identity=identity_of(meta), body=ending, meta=meta
             )
             return Started(execution_id, "cancelling")
         if claim.status_before is not Status.RUNNING:
@@ -500,8 +547,10 @@ class Runner:
         meta: ExecutionMeta,
         block_id: str = "",
         answer: bytes = b"",
+        later: bool = False,
     ) -> Claim:
-        """Watch ``fence``'s lease, then win the transition with it.
+        """Watch ``fence``'s lease, then win the transition with it (``later``: a
+        resume that waits in line; its pause's entry is replaced by its place).
 
         A refused claim undoes the watch. One whose answer was lost (the buffer failed
         mid-call) keeps it: if the claim did apply, the lease it set expires unrenewed
@@ -514,7 +563,13 @@ class Runner:
             ceiling = await self._takeovers.recalled(execution_id, meta)
             await self._watch.hold(execution_id, fence)
             claim = await self._ownership.claim(
-                execution_id, mode, fence, block_id=block_id, answer=answer, base_at_least=ceiling
+                execution_id,
+                mode,
+                fence,
+                block_id=block_id,
+                answer=answer,
+                base_at_least=ceiling,
+                later=later,
             )
         except (Conflict, NotFound):
             await self._launcher.quietly(
@@ -526,7 +581,7 @@ class Runner:
         except FlowcastError:
             await self._launcher.quietly(execution_id, self._admission.leave(tenant, fence))
             raise
-        if claim.status_before is Status.PAUSED:
+        if claim.status_before is Status.PAUSED and not later:
             # The pause stops counting as such: its new owner counts (or it ends).
             await self._launcher.quietly(
                 execution_id, self._admission.leave(tenant, paused_member(execution_id))
