@@ -602,9 +602,14 @@ class Runner:
                 self.dispatcher.nudge()
                 if due.restarted:
                     await self._reassert()
-                for execution_id, fence in due.dead:
+                # Only a process that runs work takes runs over (an API replica with no
+                # worker slots leaves them to the workers). A recovery continues a run
+                # its tenant counted already (it replaces the dead owner's entry), and
+                # goes before any start: it may take this process past its slots.
+                runs_work = self.dispatcher.slots > 0
+                for execution_id, fence in due.dead if runs_work else ():
                     await self._takeovers.take_over(execution_id, fence, how=Takeover.DEAD)
-                for execution_id, fence in due.leases:
+                for execution_id, fence in due.leases if runs_work else ():
                     await self._takeovers.take_over(execution_id, fence, how=due.takeover)
                 for execution_id in due.deadlines:
                     await self._takeovers.expire(execution_id)
@@ -618,6 +623,8 @@ class Runner:
         """Take over each execution handed off by another process, as it is announced
         (the janitors would find its lease due anyway, should this fail)."""
         async for execution_id, fence in self._listener.handoffs():
+            if self.dispatcher.slots == 0:
+                continue  # a worker takes it over (this process runs no work)
             try:
                 await self._takeovers.take_over(execution_id, fence, how=Takeover.HANDOFF)
             except FlowcastError as exc:
