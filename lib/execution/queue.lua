@@ -46,6 +46,9 @@ ARGV[1] is the operation:
          the member it replaces in `running` ("paused:<eid>": it counts as queued now)
          Queues a continuation ahead of every start of its tenant (once: a second
          "line" of the same id keeps its place); returns its `ahead`.
+"again"  KEYS queued, waiting, fair; ARGV[2] eid, ARGV[3] the tenant, ARGV[4] its score:
+         a queued execution no line holds (the store lost the line: the reconciler) is
+         put back in line; returns 1, or 0 when it was in line already
 "claimed" KEYS taken; ARGV[2] the taken member: the delivery is over (claimed, or its
          claim refused: a stale delivery)
 "stale"  KEYS taken; ARGV[2] the most to return: the members whose taker is presumed
@@ -175,6 +178,13 @@ elseif op == "line" then
   redis.call("ZADD", queued, "NX", now - CONTINUATION_OFFSET_MS, eid)
   wait_in_line(waiting, fair, tenant)
   return ahead_of(queued, waiting, eid, tenant)
+elseif op == "again" then
+  if redis.call("ZSCORE", KEYS[1], ARGV[2]) then
+    return 0
+  end
+  redis.call("ZADD", KEYS[1], tonumber(ARGV[4]), ARGV[2])
+  wait_in_line(KEYS[2], KEYS[3], ARGV[3])
+  return 1
 elseif op == "claimed" then
   return redis.call("ZREM", KEYS[1], ARGV[2])
 elseif op == "stale" then

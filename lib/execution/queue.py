@@ -158,6 +158,12 @@ class Queue:
         return int(await self._call(keys, ["line", execution_id, tenant, replaces]))
 
     @translated
+    async def again(self, tenant: str, execution_id: str, *, score: int) -> bool:
+        """Put a queued execution back in line if no line holds it (the reconciler)."""
+        keys = [self.keys.queued(tenant), self.keys.waiting, self.keys.fair]
+        return bool(await self._call(keys, ["again", execution_id, tenant, score]))
+
+    @translated
     async def claimed(self, taken: Taken) -> None:
         """The delivery ``taken`` is over: its claim answered (won or refused)."""
         await self._call([self.keys.taken], ["claimed", taken.member])

@@ -20,7 +20,7 @@ from typing import Any
 
 from lib.errors import FlowcastError, NotFound, WrongStatus
 from lib.execution.ownership import START_RESERVED, Claim
-from lib.execution.queue import Queue, Taken
+from lib.execution.queue import CONTINUATION_OFFSET_MS, Queue, Taken
 from lib.execution.record import ExecutionMeta, Mode
 from lib.workflows.executor import RunState
 from lib.workflows.leases import LocalRuns
@@ -149,6 +149,37 @@ class Dispatcher:
                     extra={"executionId": taken.execution_id},
                 )
                 self.nudge()
+
+    async def reconcile(self) -> int:
+        """Put back in line every queued execution no line holds: after the store came
+        back from another server (a restart, a failover, a restore), the line and the
+        record, in other hash slots, may disagree. Reads each tenant's unfinished index
+        once; returns how many it put back."""
+        keys = self._buffer.keys
+        redis = self._buffer.redis
+        head, tail = f"{keys.prefix}:{{t:", "}:executions:open"
+        found = 0
+        async for raw in redis.scan_iter(match=f"{head}*{tail}", count=1000):
+            name = raw.decode() if isinstance(raw, bytes) else str(raw)
+            tenant = name[len(head) : -len(tail)]
+            members: Any = await redis.zrange(name, 0, -1)
+            for eid in [member.decode() for member in members]:
+                try:
+                    meta = await self._buffer.meta(eid)
+                except NotFound:
+                    continue
+                if meta.status != "queued":
+                    continue
+                score = created_ms(meta)
+                if meta.continues:
+                    score -= CONTINUATION_OFFSET_MS
+                if await self._queue.again(tenant, eid, score=score):
+                    found += 1
+        if found:
+            log.warning("queued executions no line held were queued again", extra={"count": found})
+            await self.announce()
+            self.nudge()
+        return found
 
     @staticmethod
     async def _quietly(execution_id: str, *steps: Awaitable[object]) -> None:

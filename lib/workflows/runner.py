@@ -639,6 +639,10 @@ class Runner:
         the short settle every process waits for."""
         await self._keeper.renew_now()
         await self._finals.reassert()
+        # The lines and the records may disagree now (they live in other hash slots):
+        # a queued execution no line holds is put back in line.
+        if self.dispatcher.slots > 0:
+            await self.dispatcher.reconcile()
 
 
 def _cancelled_in_line(given: Any, created_ms: int) -> Body:

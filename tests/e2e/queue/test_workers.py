@@ -12,6 +12,7 @@ from redis.asyncio import Redis
 
 from lib.backend import Keys
 from tests.support.api import delay_workflow, put, until, wait_finished
+from tests.support.faults import crash_and_restart
 from tests.support.servers import FlowcastServer, ValkeyServer, authed, env_on
 
 LEASE = "1"
@@ -68,3 +69,38 @@ async def test_a_dead_workers_run_waits_for_a_worker_not_an_api_replica(
         await second.stop()
         await first.stop(signal.SIGKILL)
         await api.stop()
+
+
+@pytest.mark.timeout(90)
+async def test_a_queued_execution_no_line_holds_is_queued_again_after_a_store_restart(
+    own_valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """On a cluster the line and the record live on different nodes: one restored from
+    an older snapshot may hold a queued record no line holds. Here the line is emptied
+    by hand, then the store restarts (losing nothing): the processes notice the store
+    changed and the reconciler puts the execution back in line, so it runs."""
+    valkey = own_valkey
+    env = env_on(valkey, lease_seconds=LEASE, max_running_per_tenant="1")
+    server = FlowcastServer(data_dir=tmp_path / "one", env=env)
+    await server.start()
+    redis = Redis.from_url(valkey.url)
+    keys = Keys(env["FLOWCAST_REDIS_PREFIX"])
+    try:
+        async with authed(server) as client:
+            await put(client, delay_workflow("slow", ms=1500))
+            first = await client.post("/api/workflows/slow/execute", json={"input": {}})
+            second = await client.post("/api/workflows/slow/execute", json={"input": {}})
+            assert second.json()["status"] == "queued", second.text
+            eid = second.json()["executionId"]
+            tenant = (await redis.hget(keys.meta(eid), "tenant") or b"").decode()
+            assert await redis.zrem(keys.queued(tenant), eid) == 1
+            await redis.zrem(keys.waiting, tenant)
+            await crash_and_restart(valkey)
+            assert (await wait_finished(client, first.json()["executionId"]))["status"] == (
+                "completed"
+            )
+            assert (await wait_finished(client, eid, timeout=40))["status"] == "completed"
+            assert "queued executions no line held were queued again" in server.logs()
+    finally:
+        await redis.aclose()
+        await server.stop()
