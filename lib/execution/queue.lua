@@ -38,6 +38,17 @@ ARGV[1] is the operation:
          one with the least virtual time: pops its oldest queued execution, admits the
          token in its running set and records the delivery in `taken`. Returns {eid,
          tenant, queued score, taken member} or {} when no candidate can run one.
+"room"   KEYS running; ARGV[2] the fencing token of a continuation to admit (a resume),
+         ARGV[3] lease ms, ARGV[4] the grace of "enter", ARGV[5] most running
+         Returns 1 when the tenant runs fewer than its limit (the token is admitted),
+         0 otherwise (nothing is written): the continuation then waits in line ("line").
+"line"   KEYS running, queued, waiting, fair; ARGV[2] eid, ARGV[3] the tenant, ARGV[4]
+         the member it replaces in `running` ("paused:<eid>": it counts as queued now)
+         Queues a continuation ahead of every start of its tenant (once: a second
+         "line" of the same id keeps its place); returns its `ahead`.
+"again"  KEYS queued, waiting, fair; ARGV[2] eid, ARGV[3] the tenant, ARGV[4] its score:
+         a queued execution no line holds (the store lost the line: the reconciler) is
+         put back in line; returns 1, or 0 when it was in line already
 "claimed" KEYS taken; ARGV[2] the taken member: the delivery is over (claimed, or its
          claim refused: a stale delivery)
 "stale"  KEYS taken; ARGV[2] the most to return: the members whose taker is presumed
@@ -55,6 +66,8 @@ Any other ARGV[1]: error "MODE <op>".
 
 local op = ARGV[1]
 local now = now_ms()
+-- queue.py's CONTINUATION_OFFSET_MS: a continuation's score is its time minus this.
+local CONTINUATION_OFFSET_MS = 10000000000000
 
 -- How many of `running`'s members are running ownerships (not paused entries), once
 -- stale entries went; stops counting at `limit`.
@@ -147,6 +160,31 @@ elseif op == "take" then
     redis.call("ZADD", waiting, best_time + 1 / weight, tenant)
   end
   return {eid, tenant, score, member}
+elseif op == "room" then
+  local most_running = tonumber(ARGV[5])
+  local runs = running_now(KEYS[1], tonumber(ARGV[4]), most_running)
+  if most_running > 0 and runs >= most_running then
+    return 0
+  end
+  redis.call("ZADD", KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
+  return 1
+elseif op == "line" then
+  local running, queued, waiting, fair = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+  local eid, tenant = ARGV[2], ARGV[3]
+  if ARGV[4] ~= "" then
+    redis.call("ZREM", running, ARGV[4])
+  end
+  -- Continuations first: below every start's score (a time in ms), oldest first.
+  redis.call("ZADD", queued, "NX", now - CONTINUATION_OFFSET_MS, eid)
+  wait_in_line(waiting, fair, tenant)
+  return ahead_of(queued, waiting, eid, tenant)
+elseif op == "again" then
+  if redis.call("ZSCORE", KEYS[1], ARGV[2]) then
+    return 0
+  end
+  redis.call("ZADD", KEYS[1], tonumber(ARGV[4]), ARGV[2])
+  wait_in_line(KEYS[2], KEYS[3], ARGV[3])
+  return 1
 elseif op == "claimed" then
   return redis.call("ZREM", KEYS[1], ARGV[2])
 elseif op == "stale" then

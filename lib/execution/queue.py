@@ -155,6 +155,26 @@ class Queue:
             offset += CANDIDATES
 
     @translated
+    async def room(self, tenant: str, fence: str) -> bool:
+        """Admit a continuation (a resume) as the ownership ``fence`` when its tenant
+        runs fewer than its cap; False (nothing written) when it must wait in line."""
+        args = ["room", fence, self.lease_ms, self.grace_ms, self.max_running]
+        return bool(await self._call([self.keys.running(tenant)], args))
+
+    @translated
+    async def line(self, tenant: str, execution_id: str, *, replaces: str = "") -> int:
+        """Queue a continuation ahead of its tenant's starts; returns its ``ahead``.
+        ``replaces``: what counted it until now (its pause's entry)."""
+        keys = [*self._tenant_keys(tenant), self.keys.waiting, self.keys.fair]
+        return int(await self._call(keys, ["line", execution_id, tenant, replaces]))
+
+    @translated
+    async def again(self, tenant: str, execution_id: str, *, score: int) -> bool:
+        """Put a queued execution back in line if no line holds it (the reconciler)."""
+        keys = [self.keys.queued(tenant), self.keys.waiting, self.keys.fair]
+        return bool(await self._call(keys, ["again", execution_id, tenant, score]))
+
+    @translated
     async def claimed(self, taken: Taken) -> None:
         """The delivery ``taken`` is over: its claim answered (won or refused)."""
         await self._call([self.keys.taken], ["claimed", taken.member])

@@ -20,9 +20,10 @@ from typing import Any
 
 from lib.errors import FlowcastError, NotFound, WrongStatus
 from lib.execution.ownership import START_RESERVED, Claim
-from lib.execution.queue import Backlog, Queue, Taken
+from lib.execution.queue import CONTINUATION_OFFSET_MS, Backlog, Queue, Taken
 from lib.execution.record import ExecutionMeta, Mode
 from lib.metrics import Metrics
+from lib.workflows.executor import RunState
 from lib.workflows.leases import LocalRuns
 from lib.workflows.model import Workflow
 from lib.workflows.parts import Parts
@@ -30,8 +31,8 @@ from lib.workflows.parts import Parts
 log = logging.getLogger(__name__)
 
 # Runs an execution this process claimed from the queue: (its record, the claim, its
-# workflow, its input, its run state as stored, how long it waited in ms).
-Start = Callable[[ExecutionMeta, Claim, Workflow, Any, dict[str, bytes], int], None]
+# workflow, its input, its checkpoint, its run state as stored, how long it waited in ms).
+Start = Callable[[ExecutionMeta, Claim, Workflow, Any, RunState, dict[str, bytes], int], None]
 
 
 class Dispatcher:
@@ -112,7 +113,7 @@ class Dispatcher:
         try:
             meta = await self._buffer.meta(eid)
             # Read while it is still queued: once claimed, its run must start.
-            version, given, _run, saved = await self._states.load(eid)
+            version, given, run, saved = await self._states.load(eid)
             workflow = await self._states.load_version(version)
             await self._watch.hold(eid, fence)
             claim = await self._ownership.claim(eid, Mode.TAKE, fence, expected=str(START_RESERVED))
@@ -125,8 +126,9 @@ class Dispatcher:
         # leases a janitor queues it again (if its claim did not apply).
         await self._quietly(eid, self._queue.claimed(taken))
         queued_ms = _queued_ms(meta)
-        claim = replace(claim, reserved=START_RESERVED)
-        self._start(meta, claim, workflow, given, saved, queued_ms)
+        if not meta.continues:
+            claim = replace(claim, reserved=START_RESERVED)  # its first event is its own
+        self._start(meta, claim, workflow, given, run, saved, queued_ms)
 
     async def _drop(self, taken: Taken, fence: str) -> None:
         eid = taken.execution_id
@@ -158,6 +160,37 @@ class Dispatcher:
                     extra={"executionId": taken.execution_id},
                 )
                 self.nudge()
+
+    async def reconcile(self) -> int:
+        """Put back in line every queued execution no line holds: after the store came
+        back from another server (a restart, a failover, a restore), the line and the
+        record, in other hash slots, may disagree. Reads each tenant's unfinished index
+        once; returns how many it put back."""
+        keys = self._buffer.keys
+        redis = self._buffer.redis
+        head, tail = f"{keys.prefix}:{{t:", "}:executions:open"
+        found = 0
+        async for raw in redis.scan_iter(match=f"{head}*{tail}", count=1000):
+            name = raw.decode() if isinstance(raw, bytes) else str(raw)
+            tenant = name[len(head) : -len(tail)]
+            members: Any = await redis.zrange(name, 0, -1)
+            for eid in [member.decode() for member in members]:
+                try:
+                    meta = await self._buffer.meta(eid)
+                except NotFound:
+                    continue
+                if meta.status != "queued":
+                    continue
+                score = created_ms(meta)
+                if meta.continues:
+                    score -= CONTINUATION_OFFSET_MS
+                if await self._queue.again(tenant, eid, score=score):
+                    found += 1
+        if found:
+            log.warning("queued executions no line held were queued again", extra={"count": found})
+            await self.announce()
+            self.nudge()
+        return found
 
     @staticmethod
     async def _quietly(execution_id: str, *steps: Awaitable[object]) -> None:

@@ -115,11 +115,6 @@ async def test_a_worker_stopped_with_sigterm_hands_its_run_to_another_worker(
         await api.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core: an API replica with FLOWCAST_WORKER_SLOTS=0 takes over a hand-off and runs"
-    " it (Takeovers.take_over looks at no slots; recoveries do not go through the queue)",
-)
 @pytest.mark.timeout(120)
 async def test_an_api_replica_without_slots_takes_no_hand_off(
     valkey: ValkeyServer, tmp_path: Path
