@@ -189,8 +189,13 @@ def _follow(
                     return _finish(item.terminal_status, item.data)
                 if item.type == "execution:paused" and not wait:
                     # A replayed pause may have been answered since: stop unless later
-                    # events exist (the snapshot may lag a live pause, never lead it).
-                    if client.execution(execution_id)["lastEventId"] <= item.id:
+                    # events exist (the snapshot may lag a live pause, never lead it),
+                    # or its answer waits in line for a worker (queued).
+                    snapshot = client.execution(execution_id)
+                    if snapshot["status"] == "queued":
+                        if display:
+                            display.queued(int(snapshot.get("ahead") or 0))
+                    elif snapshot["lastEventId"] <= item.id:
                         if display:
                             display.close()
                         _show_pause(execution_id, item.data, item.id)

@@ -299,7 +299,8 @@ class LiveDisplay:
 
     def queued(self, ahead: int) -> None:
         with self._lock:
-            if self.status in ("running", "queued"):
+            # Before it starts, or a resume that waits in line (after its pause).
+            if self.status in ("running", "queued", "paused"):
                 self.status, self.ahead = "queued", ahead
         self._live.refresh()
 

@@ -13,7 +13,14 @@ import pytest
 
 from app.progress import LiveDisplay, PlainDisplay
 from tests.e2e.cli.test_cli import FLOWCAST, Result, _event, cli_env
-from tests.support.api import delay_workflow, put, quick_workflow, wait_finished, wait_status
+from tests.support.api import (
+    approval_workflow,
+    delay_workflow,
+    put,
+    quick_workflow,
+    wait_finished,
+    wait_status,
+)
 from tests.support.servers import ValkeyServer, authed, serving
 
 
@@ -94,6 +101,29 @@ async def test_a_queued_run_cancelled_exits_3(valkey: ValkeyServer, tmp_path: Pa
         "execution:started",
         "execution:cancelled",
     ]
+
+
+@pytest.mark.timeout(60)
+async def test_attach_follows_a_resume_waiting_in_line_instead_of_stopping_at_its_pause(
+    valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    async with serving(valkey, tmp_path, max_running_per_tenant="1") as server:
+        async with authed(server) as client:
+            await put(client, approval_workflow("review"))
+            await put(client, delay_workflow("slow", ms=2000))
+            paused = (await client.post("/api/workflows/review/execute", json={})).json()
+            eid = paused["executionId"]
+            await wait_status(client, eid, "paused")
+            blocker = (await client.post("/api/workflows/slow/execute", json={})).json()
+            assert blocker["status"] == "running"
+            resumed = await client.post(f"/api/executions/{eid}/resume", json={"input": {}})
+            assert resumed.status_code == 202 and resumed.json()["status"] == "queued"
+            attached = await ended(await started("attach", eid, url=server.url))
+            await wait_finished(client, blocker["executionId"])
+    assert attached.code == 0, attached.err
+    assert "flowcast: queued, 0 ahead" in attached.err
+    types = [line.split()[1] for line in attached.out.splitlines() if line[:1].isdigit()]
+    assert "execution:resumed" in types and types[-1] == "execution:completed", attached.out
 
 
 def test_plain_display_says_each_new_place_once_on_stderr() -> None:
