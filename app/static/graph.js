@@ -45,10 +45,10 @@ export class FlowGraph {
     this.root.hidden = true;
   }
 
-  /** The run waits in line for a worker: draw its workflow, every block pending, and
-  say its place (`queued, 3 ahead`) under it until its first event. */
+  /** The run waits in line for a worker (to start, or to go on with a resume's answer):
+  draw its workflow and say its place (`queued, 3 ahead`) under it until it runs. */
   queued(workflowId, place) {
-    this.place = `Waiting for a worker: ${place}. No block has run yet.`;
+    this.place = `Waiting for a worker: ${place}.`;
     if (this.workflowId === null && workflowId) {
       this.workflowId = workflowId;
       this.fetch();
@@ -58,7 +58,7 @@ export class FlowGraph {
 
   /** One event of the run, in id order (a replay and the live tail alike). */
   apply(event) {
-    if (this.place && event.type === "execution:started") {
+    if (this.place && (event.type === "execution:started" || event.type === "execution:resumed")) {
       this.place = "";
       this.note(this.strangerNote());
     }

@@ -38,7 +38,8 @@ export function attach(executionId, token) {
     workflowId: null,
     pause: null,
     place: "", // while queued: "queued, 3 ahead"
-    askedWorkflow: false, // while queued: its snapshot was asked for its workflow
+    askedSnapshot: false, // while queued: its snapshot was asked (workflow, answer waiting)
+    answerWaits: false, // its pause was answered and the answer waits in line
   };
   watching = run;
   clearPanel(run);
@@ -110,21 +111,35 @@ async function explainClosed(run) {
 }
 
 async function onQueue(run, place) {
-  // Only before its first event: once started, the events say where it is.
-  const waiting = () => watching === run && run.seen.size === 0 && !run.finished;
+  // Before its first event, or while it is shown queued (a resume's answer waiting in
+  // line): otherwise the events say where it is.
+  const waiting = () =>
+    watching === run && !run.finished && (run.seen.size === 0 || run.status === "queued");
   if (!waiting()) return;
   run.place = queuedLabel(place.ahead);
   setStatus(run, "queued", run.place);
-  if (!run.workflowId && !run.askedWorkflow) {
-    // No event names its workflow yet: the snapshot does (unreadable with a stream
-    // token alone: then the graph waits for the first event).
-    run.askedWorkflow = true;
+  if (!run.askedSnapshot) {
+    // The snapshot says which workflow (no event may have named it yet) and whether
+    // this is a start or a paused run's answer waiting (its replayed pause is then not
+    // offered again). Unreadable with a stream token alone: the events tell, later.
+    run.askedSnapshot = true;
     const response = await api(`/api/executions/${run.id}`).catch(() => null);
-    if (response && response.ok) run.workflowId = (await response.json()).workflowId;
-    if (!waiting()) return;
-    if (run.workflowId) $("run-workflow").textContent = `workflow ${run.workflowId}`;
+    const snapshot = response && response.ok ? await response.json() : null;
+    if (watching !== run || run.finished || !snapshot) return;
+    run.workflowId = run.workflowId || snapshot.workflowId;
+    $("run-workflow").textContent = `workflow ${run.workflowId}`;
+    // Its replay may have shown the pause meanwhile; a later event (the resume itself)
+    // makes the snapshot old news.
+    let newest = 0;
+    for (const id of run.seen) if (id > newest) newest = id;
+    if (snapshot.status === "queued" && snapshot.pause && newest <= snapshot.lastEventId) {
+      run.answerWaits = true;
+      hidePause(run);
+      setStatus(run, "queued", run.place);
+    }
   }
-  graph.queued(run.workflowId, run.place); // the latest place, if another came meanwhile
+  // The latest place, if another came meanwhile.
+  if (run.status === "queued") graph.queued(run.workflowId, run.place);
 }
 
 function onGap(run, gap) {

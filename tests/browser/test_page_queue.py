@@ -13,7 +13,14 @@ from playwright.async_api import Page, expect
 
 from tests.browser.test_page import SETTLE_MS, finished, list_row, start
 from tests.browser.test_page import pytestmark as needs_chromium
-from tests.support.api import delay_workflow, execute, put, quick_workflow, wait_finished
+from tests.support.api import (
+    approval_workflow,
+    delay_workflow,
+    execute,
+    put,
+    quick_workflow,
+    wait_finished,
+)
 from tests.support.servers import FlowcastServer, ValkeyServer
 
 pytestmark = needs_chromium
@@ -55,9 +62,7 @@ async def test_a_queued_run_shows_its_place_then_runs_and_its_row_shows_queued(
         await expect(list_row(page, execution_id).locator(".status")).to_have_text("queued")
         # The graph is drawn, every block pending, with the place said under it.
         note = page.locator("#graph .graph-note")
-        await expect(note).to_have_text(
-            "Waiting for a worker: queued, 0 ahead. No block has run yet."
-        )
+        await expect(note).to_have_text("Waiting for a worker: queued, 0 ahead.")
         await expect(page.locator('#graph .graph-node[data-block-id="only"]')).to_have_attribute(
             "data-status", "pending"
         )
@@ -90,3 +95,33 @@ async def test_a_queued_run_cancelled_from_the_page_never_runs(
         events = (await client.get(f"/api/executions/{execution_id}/events")).json()["events"]
         assert [e["type"] for e in events] == ["execution:started", "execution:cancelled"]
         await client.post(f"/api/executions/{blocker}/cancel")
+
+
+@pytest.mark.timeout(90)
+async def test_an_answer_waiting_in_line_shows_queued_not_a_pause_to_answer_again(
+    one_at_a_time: FlowcastServer, page: Page
+) -> None:
+    async with httpx.AsyncClient(base_url=one_at_a_time.url, timeout=20) as client:
+        await put(client, approval_workflow("review"))
+        await put(client, delay_workflow("slow", ms=30_000))
+        await page.goto(one_at_a_time.url)
+        execution_id = await start(page, "review", {})
+        await expect(page.locator("#pause")).to_be_visible(timeout=SETTLE_MS)
+        blocker = await execute(client, "slow")  # the tenant's one running slot
+
+        await page.click("#pause-submit")
+        badge = page.locator("#run-status")
+        await expect(badge).to_have_text("queued, 0 ahead")
+        await expect(page.locator("#pause")).to_be_hidden()
+        # Attached afresh, the replayed pause is not offered again: its answer waits.
+        await page.reload()
+        await expect(badge).to_have_text("queued, 0 ahead")
+        await expect(page.locator("#graph .graph-note")).to_have_text(
+            "Waiting for a worker: queued, 0 ahead."
+        )
+        await expect(page.locator("#pause")).to_be_hidden()
+
+        await client.post(f"/api/executions/{blocker}/cancel")
+        await finished(page)
+        await expect(page.locator("#graph .graph-note")).to_be_hidden()
+        assert (await wait_finished(client, execution_id))["status"] == "completed"
