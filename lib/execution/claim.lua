@@ -281,8 +281,9 @@ elseif mode == "take" then
   local continues = redis.call("HGET", meta, "continues")
   local won = own(false)
   redis.call("HDEL", meta, "continues")
-  if not continues or continues == "" then
-    -- A start: its first event's id is the taker's already (as start.lua reserves it).
+  if (not continues or continues == "") and base == 0 then
+    -- A start: its first event's id is the taker's already (as start.lua reserves it);
+    -- above a durable ceiling (a store back behind), it numbers from there instead.
     redis.call("HSET", meta, "reserved", tonumber(ARGV[4]) or 0)
   end
   return won

@@ -43,6 +43,7 @@ class Dispatcher:
         *,
         slots: int,
         start: Start,
+        recall: Callable[[str, ExecutionMeta], Awaitable[int]] | None = None,
     ) -> None:
         transitions = parts.transitions
         self._parts = parts
@@ -56,6 +57,9 @@ class Dispatcher:
         self._runs: LocalRuns = parts.runs
         self.slots = slots
         self._start = start
+        # What a claim must know of what a store back behind forgot (takeovers.py
+        # ``recalled``): the id to number above.
+        self._recall = recall
         self._nudged = asyncio.Event()
 
     def free(self) -> int:
@@ -119,7 +123,7 @@ class Dispatcher:
         # leases a janitor queues it again (if its claim did not apply).
         await self._quietly(eid, self._queue.claimed(taken))
         queued_ms = _queued_ms(meta)
-        if not meta.continues:
+        if not meta.continues and claim.base == 0:
             claim = replace(claim, reserved=START_RESERVED)  # its first event is its own
         self._start(meta, claim, workflow, given, run, saved, queued_ms)
 

@@ -129,7 +129,9 @@ class Runner:
         self._queue = transitions.queue
         # Takes queued work for this process's free slots; woken by the control
         # listener (work queued elsewhere) and by each run here that ends.
-        self.dispatcher = Dispatcher(parts, slots=worker_slots, start=self._start_taken)
+        self.dispatcher = Dispatcher(
+            parts, slots=worker_slots, start=self._start_taken, recall=takeovers.recalled
+        )
         listener.on_queued = self.dispatcher.nudge
         self._launcher.on_free = self.dispatcher.nudge
 
