@@ -111,10 +111,12 @@ class Queue:
 
         def then(reply: Any) -> None:
             if int(reply[0]) == 0:
+                retry = int(reply[1]) if len(reply) > 1 else self._retry_after
                 raise TooBusy(
-                    f"this tenant already has {self.max_unfinished} unfinished executions;"
-                    " try again shortly",
-                    retry_after=self._retry_after,
+                    f"this tenant already has {self.max_unfinished} unfinished executions"
+                    f" (queued, running or paused); at its recent pace one ends in about"
+                    f" {retry} s",
+                    retry_after=retry,
                 )
             answers.append(Entered(int(reply[0]) == 2, int(reply[1]) if len(reply) > 1 else 0))
 
