@@ -182,8 +182,9 @@ elseif op == "take" then
   redis.call("ZREM", queued, eid)
   redis.call("ZADD", running, now + lease, token)
   local member = eid .. " " .. token .. " " .. tenant
-  -- Past two leases without a claim, its taker is presumed dead: queued again.
-  redis.call("ZADD", taken, now + 2 * lease, member)
+  -- A lease without a claim (it takes milliseconds): its taker is presumed dead, and a
+  -- janitor queues it again.
+  redis.call("ZADD", taken, now + lease, member)
   served(fair, tenant)
   local weight = tonumber(redis.call("HGET", fair, "w:" .. tenant)) or default_weight
   redis.call("HSET", fair, "clock", best_time)

@@ -12,7 +12,7 @@ tenant that starts waiting again begins at the clock, with no credit for its idl
 Taking is a hint, the claim is the truth: a worker that took an execution then claims
 it (claim.lua "take", queued -> running). A claim refused (a cancel won, or another
 worker claimed it) drops the delivery. Each delivery stays in ``taken`` until its claim
-answered; a taker dead before that is presumed so after two leases, and a janitor
+answered; a taker dead before that is presumed so after a lease, and a janitor
 queues the execution again if it is still queued (``stale``, ``requeue``).
 
 Redis keeps, for the queue, only what waits: a tenant's line while it has one, the

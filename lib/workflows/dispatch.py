@@ -119,8 +119,8 @@ class Dispatcher:
             log.info("queued execution not taken", extra={"executionId": eid, "why": str(exc)})
             await self._drop(taken, fence)
             return
-        # A failure of the store here leaves the delivery in ``taken``: past two
-        # leases a janitor queues it again (if its claim did not apply).
+        # A failure of the store here leaves the delivery in ``taken``: past a
+        # lease a janitor queues it again (if its claim did not apply).
         await self._quietly(eid, self._queue.claimed(taken))
         queued_ms = _queued_ms(meta)
         if not meta.continues and claim.base == 0:
