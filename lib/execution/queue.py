@@ -12,7 +12,7 @@ tenant that starts waiting again begins at the clock, with no credit for its idl
 Taking is a hint, the claim is the truth: a worker that took an execution then claims
 it (claim.lua "take", queued -> running). A claim refused (a cancel won, or another
 worker claimed it) drops the delivery. Each delivery stays in ``taken`` until its claim
-answered; a taker dead before that is presumed so after two leases, and a janitor
+answered; a taker dead before that is presumed so after a lease, and a janitor
 queues the execution again if it is still queued (``stale``, ``requeue``).
 
 Redis keeps, for the queue, only what waits: a tenant's line while it has one, the
@@ -122,10 +122,12 @@ class Queue:
 
         def then(reply: Any) -> None:
             if int(reply[0]) == 0:
+                retry = int(reply[1]) if len(reply) > 1 else self._retry_after
                 raise TooBusy(
-                    f"this tenant already has {self.max_unfinished} unfinished executions;"
-                    " try again shortly",
-                    retry_after=self._retry_after,
+                    f"this tenant already has {self.max_unfinished} unfinished executions"
+                    f" (queued, running or paused); at its recent pace one ends in about"
+                    f" {retry} s",
+                    retry_after=retry,
                 )
             answers.append(Entered(int(reply[0]) == 2, int(reply[1]) if len(reply) > 1 else 0))
 

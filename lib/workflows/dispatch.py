@@ -44,6 +44,7 @@ class Dispatcher:
         *,
         slots: int,
         start: Start,
+        recall: Callable[[str, ExecutionMeta], Awaitable[int]] | None = None,
         metrics: Metrics | None = None,
     ) -> None:
         transitions = parts.transitions
@@ -58,6 +59,9 @@ class Dispatcher:
         self._runs: LocalRuns = parts.runs
         self.slots = slots
         self._start = start
+        # What a claim must know of what a store back behind forgot (takeovers.py
+        # ``recalled``): the id to number above.
+        self._recall = recall
         self._metrics = metrics
         self._nudged = asyncio.Event()
 
@@ -122,11 +126,11 @@ class Dispatcher:
             log.info("queued execution not taken", extra={"executionId": eid, "why": str(exc)})
             await self._drop(taken, fence)
             return
-        # A failure of the store here leaves the delivery in ``taken``: past two
-        # leases a janitor queues it again (if its claim did not apply).
+        # A failure of the store here leaves the delivery in ``taken``: past a
+        # lease a janitor queues it again (if its claim did not apply).
         await self._quietly(eid, self._queue.claimed(taken))
         queued_ms = _queued_ms(meta)
-        if not meta.continues:
+        if not meta.continues and claim.base == 0:
             claim = replace(claim, reserved=START_RESERVED)  # its first event is its own
         self._start(meta, claim, workflow, given, run, saved, queued_ms)
 

@@ -133,7 +133,11 @@ class Runner:
         # listener (work queued elsewhere) and by each run here that ends.
         self._metrics = metrics
         self.dispatcher = Dispatcher(
-            parts, slots=worker_slots, start=self._start_taken, metrics=metrics
+            parts,
+            slots=worker_slots,
+            start=self._start_taken,
+            recall=takeovers.recalled,
+            metrics=metrics,
         )
         listener.on_queued = self.dispatcher.nudge
         self._launcher.on_free = self.dispatcher.nudge

@@ -20,6 +20,7 @@ from tests.support.api import (
     wait_finished,
     wait_status,
 )
+from tests.support.live_list import live
 from tests.support.servers import FlowcastServer, ValkeyServer, authed, env_on, serving
 from tests.support.sse import Frame, events
 
@@ -49,16 +50,22 @@ async def test_past_the_running_cap_an_execution_waits_queued_then_runs(
             await put(client, quick_workflow("quick"))
             first = await started(client, "slow")
             assert first["status"] == "running"
-            second = await started(client, "quick")
-            assert second["status"] == "queued" and second["ahead"] == 0, second
-            queued_id = second["executionId"]
-            snapshot = (await client.get(f"/api/executions/{queued_id}")).json()
-            assert snapshot["status"] == "queued" and snapshot["ahead"] == 0, snapshot
-            listed = (await client.get("/api/executions?status=queued")).json()["executions"]
-            assert [row["id"] for row in listed] == [queued_id]
-
-            frames: list[Frame] = []
-            await asyncio.wait_for(open_stream(client, queued_id, frames), 30)
+            async with live(client, "workflowId=quick") as rows:
+                assert await rows.rows() == []
+                second = await started(client, "quick")
+                assert second["status"] == "queued" and second["ahead"] == 0, second
+                queued_id = second["executionId"]
+                frames: list[Frame] = []
+                reading = asyncio.create_task(open_stream(client, queued_id, frames))
+                snapshot = (await client.get(f"/api/executions/{queued_id}")).json()
+                assert snapshot["status"] == "queued" and snapshot["ahead"] == 0, snapshot
+                listed = await client.get("/api/executions?status=queued")
+                assert [row["id"] for row in listed.json()["executions"]] == [queued_id]
+                # The live list shows it queued, then running (or straight completed).
+                assert await rows.until(queued_id, "queued") == ["queued"]
+                seen = await rows.until(queued_id, "completed")
+                assert seen in (["running", "completed"], ["completed"]), seen
+                await asyncio.wait_for(reading, 30)
             # Its place in line first, with no id; then its log from id 1.
             assert frames[0].event == "queue" and frames[0].id is None, frames[0]
             assert frames[0].json == {"state": "queued", "ahead": 0}

@@ -11,7 +11,15 @@ import pytest
 from redis.asyncio import Redis
 
 from lib.backend import Keys
-from tests.support.api import delay_workflow, put, until, wait_finished
+from tests.support.api import (
+    approval_workflow,
+    delay_workflow,
+    execute,
+    put,
+    until,
+    wait_finished,
+    wait_status,
+)
 from tests.support.faults import crash_and_restart
 from tests.support.servers import FlowcastServer, ValkeyServer, authed, env_on
 
@@ -104,3 +112,45 @@ async def test_a_queued_execution_no_line_holds_is_queued_again_after_a_store_re
     finally:
         await redis.aclose()
         await server.stop()
+
+
+@pytest.mark.timeout(120)
+async def test_no_path_runs_a_tenant_past_its_running_cap(
+    valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """Starts, resumes and recoveries all go through the admission: with a cap of 2, a
+    worker SIGKILLed with 2 runs, 3 starts queued and a resume asked meanwhile, the
+    tenant never has more than 2 running while another worker recovers and drains."""
+    env = env_on(valkey, lease_seconds=LEASE, max_running_per_tenant="2")
+    first = FlowcastServer(data_dir=tmp_path / "w1", env=env)
+    second = FlowcastServer(data_dir=tmp_path / "w2", env=env)
+    await first.start()
+    try:
+        async with authed(first) as on_first, authed(second) as on_second:
+            await put(on_first, delay_workflow("slow", ms=1500))
+            await put(on_first, approval_workflow("ask"))
+            asked = await execute(on_first, "ask")
+            await wait_status(on_first, asked, "paused")
+            ids = [await execute(on_first, "slow") for _ in range(5)]
+            statuses = [(await on_first.get(f"/api/executions/{e}")).json()["status"] for e in ids]
+            assert statuses == ["running"] * 2 + ["queued"] * 3, statuses
+            await first.stop(signal.SIGKILL)
+            await second.start()
+            resumed = await on_second.post(f"/api/executions/{asked}/resume", json={"input": 1})
+            assert resumed.status_code == 202, resumed.text
+
+            most = 0
+
+            async def drained() -> bool:
+                nonlocal most
+                listed = await on_second.get("/api/executions?status=running&limit=50")
+                most = max(most, len(listed.json()["executions"]))
+                views = [(await on_second.get(f"/api/executions/{e}")).json() for e in ids]
+                return all(view["status"] == "completed" for view in views)
+
+            await until(drained, "every run completed", 90)
+            assert most <= 2, most
+            assert (await wait_finished(on_second, asked))["status"] == "completed"
+    finally:
+        await second.stop()
+        await first.stop(signal.SIGKILL)
