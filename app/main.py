@@ -11,6 +11,7 @@ the routes reach (``app/services.py``), and closes them in reverse order.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
@@ -26,6 +27,8 @@ from app.runtime import start_runtime
 from app.services import build_services
 from app.settings import NO_SLOTS, Settings, warn_about_defaults
 from app.stores import open_stores
+
+log = logging.getLogger("flowcast")
 
 
 def create_app(settings: Settings | None = None, *, api: bool = True) -> FastAPI:
@@ -70,7 +73,12 @@ def create_worker(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     if settings.worker_slots == 0:
         raise ValueError(NO_SLOTS)
-    return create_app(settings, api=False)
+    app = create_app(settings, api=False)
+    log.info(
+        "worker: runs queued executions, serves /healthz, /readyz and /metrics only",
+        extra={"slots": settings.worker_slots},
+    )
+    return app
 
 
 @asynccontextmanager

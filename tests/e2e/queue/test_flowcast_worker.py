@@ -79,6 +79,7 @@ async def test_a_worker_runs_what_an_api_replica_without_slots_queued_and_serves
         code = await worker.stop(signal.SIGTERM)
         await api.stop()
     assert_left_cleanly(code, worker)
+    assert '"message":"worker: runs queued executions' in worker.logs()
 
 
 def assert_left_cleanly(code: int, worker: FlowcastWorker) -> None:
