@@ -91,9 +91,19 @@ class Dispatcher:
             log.warning("could not announce queued work", extra={"error": str(exc)})
 
     async def run(self) -> None:
-        """Take work whenever nudged, while slots are free and the process accepts."""
+        """Take work whenever nudged, while slots are free and the process accepts; and,
+        every half lease without a nudge, look for deliveries a dead taker left (and
+        for work a missed wake-up left waiting)."""
+        look_seconds = self._queue.lease_ms / 2000
         while True:
-            await self._nudged.wait()
+            try:
+                async with asyncio.timeout(look_seconds):
+                    await self._nudged.wait()
+            except TimeoutError:
+                try:
+                    await self.reclaim()
+                except FlowcastError as exc:
+                    log.warning("looking for dead takers failed", extra={"error": str(exc)})
             self._nudged.clear()
             while self._runs.accepting and self.free() > 0:
                 try:

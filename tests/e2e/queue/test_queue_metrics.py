@@ -110,12 +110,6 @@ async def test_a_delivery_of_an_execution_cancelled_meanwhile_counts_as_stale(
             assert [e["type"] for e in log] == ["execution:started", "execution:cancelled"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core: a janitor pass with nothing due yields nothing (Janitor._look returns"
-    " None), so Runner._tend never calls Dispatcher.reclaim in a quiet system and a dead"
-    " taker's delivery stays in `taken`",
-)
 @pytest.mark.timeout(60)
 async def test_what_a_dead_worker_took_and_never_claimed_is_queued_again_and_counted(
     valkey: ValkeyServer, tmp_path: Path, redis: Redis
