@@ -8,6 +8,7 @@ from __future__ import annotations
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
+from app.auth import tenant_of_key
 from app.executor import Blocks
 from app.node import Node
 from app.settings import Settings
@@ -84,6 +85,17 @@ async def start_runtime(
     )
 
 
+def tenant_weights(settings: Settings) -> dict[str, float]:
+    """``FLOWCAST_TENANT_WEIGHTS`` by tenant: a name that is one of ``FLOWCAST_API_KEYS``
+    stands for that key's tenant (an operator knows keys, not their hashes); any other
+    name is a tenant as it is (``t_…``, or ``default`` without keys)."""
+    keys = {key.strip() for key in (settings.api_keys or "").split(",") if key.strip()}
+    return {
+        tenant_of_key(name) if name in keys else name: weight
+        for name, weight in settings.weights.items()
+    }
+
+
 def offload_policy(settings: Settings) -> OffloadPolicy:
     """When event values go to the value store (SPEC §5)."""
     return OffloadPolicy(
@@ -107,7 +119,7 @@ def build_runner(
         lease_seconds=lease,
         limit=settings.max_executions_per_tenant,
         running=settings.max_running_per_tenant,
-        weights=settings.weights,
+        weights=tenant_weights(settings),
     )
     states = RunStates(buffer=buffer, values=stores.values)
     finals = Finals(
