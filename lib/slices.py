@@ -24,7 +24,6 @@ import gc
 import hashlib
 import json
 import re
-import sys
 import time
 import weakref
 from collections import deque
@@ -100,7 +99,7 @@ class _Lane:
 _lanes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Lane] = weakref.WeakKeyDictionary()
 
 
-async def _pause() -> None:
+async def pause() -> None:
     """Let the loop run a turn, and the other large values' slices in line go first."""
     loop = asyncio.get_running_loop()
     lane = _lanes.get(loop)
@@ -118,7 +117,7 @@ class Pacer:
     async def tick(self) -> None:
         """Called between two steps of the walk: yields when this slice is used up."""
         if time.perf_counter() - self._since > SLICE_SECONDS:
-            await _pause()
+            await pause()
             self._since = time.perf_counter()
 
 
@@ -146,58 +145,8 @@ async def contains(data: bytes, needle: bytes) -> bool:
     for start in range(0, len(data), FIND_BYTES):
         if data.find(needle, start, start + FIND_BYTES + len(needle) - 1) != -1:
             return True
-        await _pause()
+        await pause()
     return False
-
-
-# What ``let_go`` frees at once: this many elements of a list or an object, each holding
-# at most ``_LOOSE`` elements at any depth (a larger one is taken apart the same way).
-_CHUNK, _LOOSE = 1024, 256
-_graveyard: deque[Any] = deque()
-_digger: list[asyncio.Task[None]] = []
-
-
-def let_go(*values: Any) -> None:
-    """Hand over large values the caller is done with, to be freed in slices.
-
-    Freeing a value frees everything in it at once: the 1.4 million objects of a parsed
-    35 MB answer took 0.3 s with the loop held when the last reference went. A value
-    handed over here is taken apart a chunk at a time instead, but only if nothing else
-    holds it by then (its reference count says so); anything else is only let go of.
-    The caller drops its own references right after (a local going out of scope)."""
-    seen: set[int] = set()
-    for value in values:
-        if id(value) not in seen and weight(value) > PIECE:
-            seen.add(id(value))
-            _graveyard.append(value)
-    if _graveyard and not _digger:
-        task = asyncio.get_running_loop().create_task(_dig(), name="let-go")
-        _digger.append(task)
-        task.add_done_callback(lambda _: _digger.clear())
-
-
-async def _dig() -> None:
-    pacer = Pacer()
-    await _pause()  # the callers' frames end first, with their references
-    while _graveyard:
-        value = _graveyard.popleft()
-        # Held only here: by ``value`` and by getrefcount's argument.
-        if sys.getrefcount(value) <= 2:
-            while value:
-                if isinstance(value, list):
-                    chunk = value[-_CHUNK:]
-                    del value[-_CHUNK:]
-                else:
-                    chunk = [value.popitem()[1] for _ in range(min(_CHUNK, len(value)))]
-                _graveyard.extend(
-                    child
-                    for child in chunk
-                    if isinstance(child, list | dict) and weight(child, _LOOSE) > _LOOSE
-                )
-                del chunk  # the small ones go now, the large ones in their turn
-                await pacer.tick()
-        del value
-        await pacer.tick()
 
 
 # Bytes scanned by one regular-expression search of ``search``.
@@ -212,7 +161,7 @@ async def search(pattern: re.Pattern[bytes], data: bytes, *, longest: int = 64) 
     for start in range(0, len(data), SCAN_BYTES):
         if pattern.search(data, start, min(len(data), start + SCAN_BYTES + longest)):
             return True
-        await _pause()
+        await pause()
     return False
 
 
@@ -221,13 +170,13 @@ async def encode(value: Any, option: int = 0) -> bytes:
     slices when large."""
     if weight(value) <= PIECE:
         return orjson.dumps(value, option=option)
-    await _pause()  # in line behind the slices of the large values already in hand
+    await pause()  # in line behind the slices of the large values already in hand
     parts: list[bytes] = []
     since = time.perf_counter()
     for piece in pieces(value, option):
         parts.append(piece)
         if time.perf_counter() - since > SLICE_SECONDS:
-            await _pause()  # the loop runs between pieces
+            await pause()  # the loop runs between pieces
             since = time.perf_counter()
     return await joined(parts)
 
@@ -250,7 +199,7 @@ async def size_past(value: Any, limit: int) -> int:
     in slices."""
     if weight(value) <= PIECE:
         return len(orjson.dumps(value))
-    await _pause()
+    await pause()
     size = 0
     since = time.perf_counter()
     for piece in pieces(value):
@@ -258,7 +207,7 @@ async def size_past(value: Any, limit: int) -> int:
         if size > limit:
             break
         if time.perf_counter() - since > SLICE_SECONDS:
-            await _pause()
+            await pause()
             since = time.perf_counter()
     return size
 
@@ -348,7 +297,7 @@ async def decode(body: bytes, parse: _Parse, attempt: _Parse) -> Any:
     without any slower second try when it fails (a cut in the wrong place fails)."""
     if len(body) <= PIECE_BYTES:
         return parse(body)
-    await _pause()
+    await pause()
     try:
         return await _value(body, 0, len(body), _Parsers(parse, attempt, Pacer()))
     except _Unsliced:

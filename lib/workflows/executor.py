@@ -38,7 +38,8 @@ from lib.execution.events import (
     BLOCK_STARTED,
     carried,
 )
-from lib.slices import let_go, size_past
+from lib.letgo import let_go
+from lib.slices import size_past
 from lib.workflows.blocks import BlockTypes
 from lib.workflows.blocks.base import BlockContext, BlockServices, PauseRequested
 from lib.workflows.checkpoint import (

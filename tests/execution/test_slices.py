@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 import pytest
 
-from lib import slices
+from lib import letgo, slices
 from lib.slices import decode_json, encode, parse_json, pieces, size_past
 
 
@@ -164,9 +164,9 @@ async def test_a_large_value_let_go_of_is_freed_in_slices_and_a_held_one_is_unto
         values.pop()  # the last reference: freed at once
 
     async def free() -> None:
-        slices.let_go(values[0], held)
+        letgo.let_go(values[0], held)
         values.clear()  # the last reference: the value is the digger's alone
-        while slices._digger:
+        while letgo._digger:
             await asyncio.sleep(0)
 
     _, alone = await _worst_hold(drop())
