@@ -35,8 +35,11 @@ def let_go(*values: Any) -> None:
         if id(value) not in seen and weight(value) > PIECE:
             seen.add(id(value))
             _graveyard.append(value)
+    loop = asyncio.get_running_loop()
+    if _digger and (_digger[0].done() or _digger[0].get_loop() is not loop):
+        _digger.clear()  # a loop that ended with its digger (tests run one loop each)
     if _graveyard and not _digger:
-        task = asyncio.get_running_loop().create_task(_dig(), name="let-go")
+        task = loop.create_task(_dig(), name="let-go")
         _digger.append(task)
         task.add_done_callback(lambda _: _digger.clear())
 
