@@ -84,7 +84,10 @@ class Outcome:
 
 def accepted(started: Started) -> Outcome:
     """The outcome of an execute, resume or cancel that took effect."""
-    return Outcome(202, {"executionId": started.execution_id, "status": started.status})
+    body: dict[str, Any] = {"executionId": started.execution_id, "status": started.status}
+    if started.ahead is not None:
+        body["ahead"] = started.ahead
+    return Outcome(202, body)
 
 
 def _checked(key: str) -> str:

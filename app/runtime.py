@@ -65,6 +65,7 @@ async def start_runtime(
     runner = await stack.enter_async_context(
         build_runner(settings, stores, blocks, hub=hub, metrics=metrics, node=node)
     )
+    readers.place = runner.dispatcher.ahead  # a queued execution's stream tells its place
     open_streams = await stack.enter_async_context(
         OpenStreams(ping_seconds=settings.sse_ping_seconds, max_seconds=settings.sse_max_seconds)
     )
@@ -97,7 +98,11 @@ def build_runner(
     then the loops that act on those executions."""
     buffer, lease = stores.buffer, settings.lease_seconds
     transitions = Transitions.build(
-        buffer, lease_seconds=lease, limit=settings.max_executions_per_tenant
+        buffer,
+        lease_seconds=lease,
+        limit=settings.max_executions_per_tenant,
+        running=settings.max_running_per_tenant,
+        weights=settings.weights,
     )
     states = RunStates(buffer=buffer, values=stores.values)
     finals = Finals(
@@ -143,4 +148,5 @@ def build_runner(
         ),
         takeovers=Takeovers(parts, max_recoveries=settings.max_recoveries, suspicion=suspicion),
         shutdown_grace_seconds=settings.shutdown_grace_seconds,
+        worker_slots=settings.worker_slots,
     )

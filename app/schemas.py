@@ -15,7 +15,7 @@ from pydantic.alias_generators import to_camel
 
 from lib.workflows.model import Workflow
 
-Status = Literal["running", "paused", "completed", "failed", "cancelled"]
+Status = Literal["queued", "running", "paused", "completed", "failed", "cancelled"]
 
 _DESCRIPTIONS = {
     400: "A parameter or the body could not be read",
@@ -106,6 +106,7 @@ class Snapshot(_Camel):
     output: Any = None
     error: Any = None
     pause: Any = None
+    ahead: int | None = None  # queued: about how many executions start before it
 
 
 class ExecutionList(BaseModel):
@@ -148,7 +149,10 @@ class Accepted(_Camel):
 
 
 class Started(Accepted):
-    """An execution was started; follow it at ``streamUrl`` with ``?token=streamToken``."""
+    """An execution was started (``status`` ``running``) or queued (``queued``, with
+    ``ahead``); follow it at ``streamUrl`` with ``?token=streamToken``."""
+
+    ahead: int | None = None
 
     stream_url: str
     stream_token: str

@@ -4,6 +4,7 @@ used. It imports nothing of the server: the CLI reads it too."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Literal
@@ -40,6 +41,11 @@ class Settings(BaseSettings):
     sse_max_seconds: float = Field(3600.0, gt=0)
     block_concurrency: int = Field(8, ge=1, le=1024)
     max_executions_per_tenant: int = Field(1000, ge=0)
+    # The queue (SPEC §14): what one tenant runs at once (0: no limit), what this
+    # process runs at once (0: it serves the API only), each tenant's share.
+    max_running_per_tenant: int = Field(100, ge=0)
+    worker_slots: int = Field(64, ge=0)
+    tenant_weights: str | None = None
     # Redis bytes one tenant may keep: workflows, secrets, retained executions (0: no limit).
     tenant_storage_bytes: int = Field(1024 * 1024 * 1024, ge=0)
     max_recoveries: int = Field(3, ge=0)
@@ -77,6 +83,7 @@ class Settings(BaseSettings):
         "llm_base_url",
         "llm_api_key",
         "llm_providers",
+        "tenant_weights",
     )
     @classmethod
     def _empty_is_unset(cls, value: str | None) -> str | None:
@@ -95,9 +102,36 @@ class Settings(BaseSettings):
             )
         return self
 
+    @field_validator("tenant_weights")
+    @classmethod
+    def _weights_are_a_map(cls, value: str | None) -> str | None:
+        if value:
+            weights_of(value)  # raises ValueError with what is wrong
+        return value
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return weights_of(self.tenant_weights) if self.tenant_weights else {}
+
     @property
     def plugin_modules(self) -> list[str]:
         return [name.strip() for name in (self.plugins or "").split(",") if name.strip()]
+
+
+def weights_of(text: str) -> dict[str, float]:
+    """``FLOWCAST_TENANT_WEIGHTS``: a JSON object of tenant -> positive number."""
+    try:
+        loaded = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"FLOWCAST_TENANT_WEIGHTS is not JSON: {exc}") from None
+    if not isinstance(loaded, dict):
+        raise ValueError("FLOWCAST_TENANT_WEIGHTS must be a JSON object: tenant -> weight")
+    weights: dict[str, float] = {}
+    for tenant, weight in loaded.items():
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or weight <= 0:
+            raise ValueError(f"FLOWCAST_TENANT_WEIGHTS: the weight of {tenant!r} must be > 0")
+        weights[tenant] = float(weight)
+    return weights
 
 
 def warn_about_defaults(settings: Settings) -> None:

@@ -50,6 +50,14 @@ class Keys:
         # A pub/sub channel too: start.lua and append.lua publish an execution's list
         # row each time its status changes, for the live lists (listing.py).
         self.status = f"{prefix}:status"
+        # The fair queue (queue.lua): the tenants with queued work by virtual time, the
+        # clock and weights, and the deliveries taken and not yet claimed.
+        self.waiting = f"{prefix}:{{queue}}:tenants"
+        self.fair = f"{prefix}:{{queue}}:fair"
+        self.taken = f"{prefix}:{{queue}}:taken"
+        # A stream every process reads with its control stream: "work is queued" or "a
+        # slot freed", for the workers with free slots (control.py).
+        self.queue_wake = f"{prefix}:{{control}}:queue"
 
     def events(self, execution_id: str) -> str:
         return f"{self.prefix}:{{{execution_id}}}:events"
@@ -98,7 +106,13 @@ class Keys:
         return f"{self.prefix}:{{t:{tenant}}}:indexed"
 
     def running(self, tenant: str) -> str:
-        return f"{self.prefix}:running:{tenant}"
+        """A tenant's running ownerships and paused executions (admission.py), under the
+        queue's hash tag: one step admits, queues and takes (queue.lua)."""
+        return f"{self.prefix}:{{queue}}:running:{tenant}"
+
+    def queued(self, tenant: str) -> str:
+        """A tenant's queued executions, oldest first (queue.lua)."""
+        return f"{self.prefix}:{{queue}}:queued:{tenant}"
 
     def node(self, node: str) -> str:
         """What a process runs, for the takers of its runs should it die (blame.py)."""

@@ -39,7 +39,7 @@ router = APIRouter(prefix="/api/executions", tags=["executions"], route_class=Js
 ServicesDep = Annotated[Services, Depends(services)]
 TenantDep = Annotated[str, Depends(tenant)]
 
-STATUSES = frozenset({"running", "paused", *TERMINAL_STATUSES})
+STATUSES = frozenset({"queued", "running", "paused", *TERMINAL_STATUSES})
 MAX_PAGE = 1_000
 
 
@@ -106,7 +106,10 @@ async def list_executions(request: Request, svc: ServicesDep, tenant_id: TenantD
         tenant_id, limit=wanted.limit, workflow_id=wanted.workflow_id, status=wanted.status
     )
     resolved = await asyncio.gather(*(svc.buffer.resolved(meta) for meta in found))
-    return JSON({"executions": [snapshot(meta) for meta in resolved]})
+    views = [snapshot(meta) for meta in resolved]
+    for view, meta in zip(views, resolved, strict=True):
+        await place_in_line(svc, view, meta)
+    return JSON({"executions": views})
 
 
 @router.get(
@@ -114,7 +117,17 @@ async def list_executions(request: Request, svc: ServicesDep, tenant_id: TenantD
     responses={200: {"model": Snapshot}, **errors(404, *API_ERRORS)},
 )
 async def get_execution(execution_id: str, svc: ServicesDep, tenant_id: TenantDep) -> JSON:
-    return JSON(snapshot(await owned_meta(svc, tenant_id, execution_id)))
+    meta = await owned_meta(svc, tenant_id, execution_id)
+    return JSON(await place_in_line(svc, snapshot(meta), meta))
+
+
+async def place_in_line(svc: Services, view: dict[str, Any], meta: ExecutionMeta) -> dict[str, Any]:
+    """A queued execution's view says about how many start before it (``ahead``)."""
+    if meta.status == "queued":
+        ahead = await svc.runner.dispatcher.ahead(meta.tenant, meta.id)
+        if ahead is not None:
+            view["ahead"] = ahead
+    return view
 
 
 @router.get(

@@ -1,5 +1,5 @@
-"""The control streams: cancels sent to the process that runs an execution, and the
-hand-offs every process reads.
+"""The control streams: cancels sent to the process that runs an execution, the
+hand-offs every process reads, and the queue's wake-ups (work was queued).
 
 A cancel for an execution owned by another process is a message on that process's
 control stream (its owner also learns of it with its next write or renewal); a hand-off
@@ -17,6 +17,7 @@ from lib.execution.buffer import EventBuffer
 # behind by a few seconds, small enough to cost nothing.
 CONTROL_MAXLEN = 1000
 HANDOFFS_MAXLEN = 10_000
+QUEUE_MAXLEN = 1000
 
 
 class ControlStreams:
@@ -50,11 +51,18 @@ class ControlStreams:
         )
 
     @translated
+    async def announce_queued(self) -> None:
+        """Tell every process that work was queued (the workers with free slots take it)."""
+        await self.redis.xadd(
+            self.keys.queue_wake, {"queued": "1"}, maxlen=QUEUE_MAXLEN, approximate=True
+        )
+
+    @translated
     async def cursors(self, node: str) -> dict[str, str]:
-        """Where ``node`` starts reading its control stream and the hand-offs: after
-        the newest message of each."""
+        """Where ``node`` starts reading its control stream, the hand-offs and the
+        queue's wake-ups: after the newest message of each."""
         cursors = {}
-        for key in (self.keys.control(node), self.keys.handoffs):
+        for key in (self.keys.control(node), self.keys.handoffs, self.keys.queue_wake):
             entries: Any = await self.redis.xrevrange(key, count=1)
             cursors[key] = entries[0][0].decode() if entries else "0-0"
         return cursors
@@ -62,22 +70,27 @@ class ControlStreams:
     @translated
     async def read(
         self, cursors: dict[str, str], *, block_ms: int
-    ) -> tuple[list[str], list[tuple[str, str]]]:
-        """Block for cancels to this node and hand-offs after ``cursors`` (advanced in
-        place): (execution ids to cancel, (execution id, fence) handed off)."""
+    ) -> tuple[list[str], list[tuple[str, str]], bool]:
+        """Block for cancels to this node, hand-offs and queue wake-ups after ``cursors``
+        (advanced in place): (execution ids to cancel, (execution id, fence) handed off,
+        whether work was queued)."""
         streams: Any = cursors
         reply: Any = await self.tail_redis.xread(streams, count=100, block=block_ms)
         cancels: list[str] = []
         handed: list[tuple[str, str]] = []
+        queued = False
         for stream, entries in reply or []:
             key = stream.decode()
             cursors[key] = entries[-1][0].decode()
+            if key == self.keys.queue_wake:
+                queued = True
+                continue
             for _, fields in entries:
                 if key == self.keys.handoffs:
                     handed.append((fields[b"executionId"].decode(), fields[b"fence"].decode()))
                 elif b"cancel" in fields:
                     cancels.append(fields[b"cancel"].decode())
-        return cancels, handed
+        return cancels, handed, queued
 
     @translated
     async def wake(self, node: str) -> None:

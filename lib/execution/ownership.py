@@ -5,7 +5,20 @@ against a real server, and checks that this drawing is the table):
 
     state    transition  script      to        who may ask; the refusals it may get
     -------  ----------  ----------  --------  --------------------------------------------
-    (none)   start       start.lua   running   the process that accepted the execute
+    (none)   start       start.lua   running   the process that accepted the execute,
+                                               when it has a free slot, nothing waits
+                                               and its tenant may run one more
+                                               (queue.py)
+    (none)   queue       start.lua   queued    the process that accepted the execute,
+                                               otherwise: owned by nobody, in its
+                                               tenant's line (queue.py)
+    queued   take        claim.lua   running   a worker that took it from the queue
+                                               (a stale delivery is refused: dropped)
+                                               refused: NOEXEC STATUS
+    queued   cancel      claim.lua   running   any process; it takes it out of line,
+                                               then writes execution:started and the
+                                               cancel (it never ran)
+                                               refused: NOEXEC STATUS
     running  pause       append.lua  paused    the owner, storing execution:paused
                                                refused: NOEXEC FENCED ORDER CANCEL
     running  complete    append.lua  terminal  the owner, storing the terminal event
@@ -14,6 +27,11 @@ against a real server, and checks that this drawing is the table):
     running  renew       renew.lua   running   the owner, every third of a lease
                                                refused: GONE FENCED BEHIND
     paused   resume      claim.lua   running   any process, for a valid answer (once)
+                                               refused: NOEXEC STATUS BLOCK
+    paused   resume later  claim.lua   queued    any process, for a valid answer (once),
+                                               when it may not run it now (its tenant
+                                               runs its cap, or no free slot here): in
+                                               line before its tenant's starts
                                                refused: NOEXEC STATUS BLOCK
     paused   cancel      claim.lua   running   any process; it then writes the cancel
                                                refused: NOEXEC STATUS
@@ -80,6 +98,7 @@ from lib.execution.blame import Verdict
 from lib.execution.buffer import EventBuffer
 from lib.execution.control import ControlStreams
 from lib.execution.indexes import Listed
+from lib.execution.queue import Entered, Queue
 from lib.execution.record import (
     Asked,
     Mode,
@@ -119,7 +138,24 @@ START_RESERVED = 1
 TRANSITIONS: tuple[Transition, ...] = (
     Transition(
         None, "start", Script.START, None, (Status.RUNNING,),
-        "the process that accepted the execute", (),
+        "the process that accepted the execute,\nwhen it has a free slot, nothing waits\n"
+        "and its tenant may run one more\n(queue.py)", (),
+    ),
+    Transition(
+        None, "queue", Script.START, None, (Status.QUEUED,),
+        "the process that accepted the execute,\notherwise: owned by nobody, in its\n"
+        "tenant's line (queue.py)", (),
+    ),
+    Transition(
+        Status.QUEUED, "take", Script.CLAIM, Mode.TAKE, (Status.RUNNING,),
+        "a worker that took it from the queue\n(a stale delivery is refused: dropped)",
+        (Reply.NOEXEC, Reply.STATUS),
+    ),
+    Transition(
+        Status.QUEUED, "cancel", Script.CLAIM, Mode.CANCEL, (Status.RUNNING,),
+        "any process; it takes it out of line,\nthen writes execution:started and the\n"
+        "cancel (it never ran)",
+        (Reply.NOEXEC, Reply.STATUS),
     ),
     Transition(
         Status.RUNNING, "pause", Script.APPEND, None, (Status.PAUSED,),
@@ -138,6 +174,12 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition(
         Status.PAUSED, "resume", Script.CLAIM, Mode.RESUME, (Status.RUNNING,),
         "any process, for a valid answer (once)", (Reply.NOEXEC, Reply.STATUS, Reply.BLOCK),
+    ),
+    Transition(
+        Status.PAUSED, "resume later", Script.CLAIM, Mode.RESUME, (Status.QUEUED,),
+        "any process, for a valid answer (once),\nwhen it may not run it now (its tenant\n"
+        "runs its cap, or no free slot here): in\nline before its tenant's starts",
+        (Reply.NOEXEC, Reply.STATUS, Reply.BLOCK),
     ),
     Transition(
         Status.PAUSED, "cancel", Script.CLAIM, Mode.CANCEL, (Status.RUNNING,),
@@ -234,6 +276,7 @@ class Ownership:
         watch: WatchLists,
         admission: Admission,
         control: ControlStreams,
+        queue: Queue | None = None,
     ) -> None:
         self.buffer = buffer
         self.redis = buffer.redis
@@ -242,6 +285,11 @@ class Ownership:
         self._watch = watch
         self._admission = admission
         self._control = control
+        # Without a queue of its own (a test's), the admission's cap, nothing queued
+        # beyond a running cap.
+        self.queue = queue or Queue(
+            buffer=buffer, lease_seconds=lease_seconds, max_unfinished=admission.limit
+        )
         self._claim = register(self.redis, __package__, "claim.lua")
         self._renew = register(self.redis, __package__, "renew.lua")
         # Admissions of starts that did not happen, not taken back yet (Redis could not
@@ -266,7 +314,8 @@ class Ownership:
         state: dict[str, bytes] | None = None,
         checked: Callable[[Batch], None] | None = None,
         alongside: Callable[[Batch], None] | None = None,
-    ) -> Claim | None:
+        here: bool = True,
+    ) -> Claim | Entered | None:
         """Create an execution, running and owned by ``fence``, with its run state fields
         ``state``; None when it exists already (its id was named in advance and another
         process created it first: that one runs it). ``TooBusy`` when its tenant may
@@ -281,6 +330,11 @@ class Ownership:
         lease entry and the listing this call made are taken back when the batch fails
         or a check refuses (a refusal changes nothing); cleanup that fails is logged.
         The new owner shows its first event as it emits it (``START_RESERVED``).
+
+        The admission is the queue's (queue.py): the execution runs here at once when
+        ``here`` (this process has a free worker slot), nothing waits and the tenant
+        may run one more; else it is created ``queued``, owned by nobody, and the
+        answer is the ``Entered`` that says how many are ahead of it.
         """
         batch = Batch(self.redis)
         # The listing's answer is handed over before the admission's refusal stops the
@@ -290,7 +344,7 @@ class Ownership:
         self.buffer.index_in(batch, execution_id, where, then=listed.append)
         if checked is not None:
             checked(batch)
-        self._admission.admit_in(batch, tenant, fence)
+        entered = self.queue.enter_in(batch, tenant, execution_id, fence, here=here)
         self._watch.hold_in(batch, execution_id, fence)
         if alongside is not None:
             alongside(batch)
@@ -298,16 +352,26 @@ class Ownership:
             await batch.send()
         except BaseException:
             await self._undo_start(execution_id, tenant, fence)
+            # It may have been queued before a check refused it.
+            await self._quietly(
+                "take back a place in line", execution_id, self._dequeue(tenant, execution_id)
+            )
             if listed == [1]:
                 unlisting = self.buffer.unlist(execution_id, where)
                 await self._quietly("take back a listing", execution_id, unlisting)
             raise
+        queued = entered[0] if entered and entered[0].queued else None
+        if queued is not None:
+            # Nobody owns it until a worker takes it: no lease to watch.
+            await self._quietly(
+                "take back a lease entry", execution_id, self._watch.release(execution_id, fence)
+            )
         try:
             created = await self.buffer.create(
                 execution_id,
                 workflow_id=workflow_id,
                 tenant=tenant,
-                owner=fence,
+                owner="" if queued is not None else fence,
                 created_at=created_at,
                 created_ms=created_ms,
                 lease_ms=self.lease_ms,
@@ -317,18 +381,31 @@ class Ownership:
                 listed=True,
             )
         except BaseException:
+            if queued is not None:
+                # It may exist all the same (a reply lost): left queued, it runs.
+                raise
             # It may exist all the same (a reply lost): its lease entry stays watched.
             await self._undo_start(execution_id, tenant, fence, watched=True)
             raise
         if not created:
-            await self._undo_start(execution_id, tenant, fence)
+            if queued is not None:
+                await self._quietly(
+                    "take back a place in line", execution_id, self._dequeue(tenant, execution_id)
+                )
+            else:
+                await self._undo_start(execution_id, tenant, fence)
             return None
         if listed != [1]:
             # Listed by another request starting the same id, which may take it back.
             await self._quietly(
                 "list again", execution_id, self.buffer.list_again(execution_id, where)
             )
+        if queued is not None:
+            return queued
         return Claim(0, 0, None, fence, 1, reserved=START_RESERVED)
+
+    async def _dequeue(self, tenant: str, execution_id: str) -> None:
+        await self.queue.dequeue(tenant, execution_id)
 
     async def _undo_start(
         self, execution_id: str, tenant: str, fence: str, *, watched: bool = False
@@ -391,6 +468,7 @@ class Ownership:
         base_at_least: int = 0,
         verdict: Verdict = Verdict.ALONE,
         busy: bool = False,
+        later: bool = False,
     ) -> Claim:
         """Win a transition (see claim.lua); its refusal otherwise (``WrongStatus`` with
         the status that won, ``NotFound``, …: see ``TRANSITIONS``).
@@ -401,7 +479,8 @@ class Ownership:
         puts the new owner's numbering above it, whatever the transition. A takeover's
         ``verdict`` says who the dead owner's death is charged to; ``busy``, that the
         caller runs a suspect already (``SuspectHeld`` for a run whose owners died:
-        blame.py).
+        blame.py). A resume ``later`` puts the execution in line instead of running it
+        here (the claim's owner is then "").
         """
         argument = block_id if mode is Mode.RESUME else expected
         try:
@@ -423,11 +502,13 @@ class Ownership:
                     fence,
                     self.lease_ms,
                     argument,
-                    takeover.value,
+                    "queue" if later else takeover.value,
                     answer,
                     base_at_least,
                     verdict.value,
                     "busy" if busy else "",
+                    self.keys.status,
+                    execution_id,
                 ],
             )
         except ResponseError as exc:

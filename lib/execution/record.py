@@ -28,6 +28,7 @@ of its refusals is not in the map.
     claim.lua   NOTDUE            NotDue             the approval deadline has not passed
     claim.lua   MODE <mode>       UnknownTransition  no such transition (a bug)
     claim.lua   SUSPECT           SuspectHeld        the caller runs a suspect already
+    queue.lua   MODE <op>         UnknownTransition  no such operation (a bug)
     renew.lua   GONE              RecordLost         no metadata: the writer recreates it
     renew.lua   FENCED            Fenced             another owner, same or later epoch
     renew.lua   BEHIND            RecordLost         lost writes: the writer writes back
@@ -87,6 +88,9 @@ class Field(StrEnum):
     CRASHES = "crashes"  # deaths of an owner charged to it (blame.py)
     DEATHS = "deaths"  # every death of an owner while it ran: a suspect once above 0
     QUARANTINED = "quarantined"  # "1": charged as its process's suspect; it ends failed
+    # A resume waiting in line (claim.lua "resume" to queued): the block it answered,
+    # until a worker takes it and runs it on from there.
+    CONTINUES = "continues"
     # The replay buffer (append.lua).
     LAST_ID = "lastId"
     FIRST_ID = "firstId"  # the oldest id retained
@@ -106,8 +110,7 @@ class Field(StrEnum):
 
 
 class Status(StrEnum):
-    """An execution's status (SPEC §3). Nothing is ``queued`` yet: the queue (SPEC §14)
-    adds queued -> running as a transition of its own."""
+    """An execution's status (SPEC §3); ``queued`` until a worker takes it (SPEC §14)."""
 
     QUEUED = "queued"
     RUNNING = "running"
@@ -128,6 +131,7 @@ class Mode(StrEnum):
     TAKEOVER = "takeover"
     HANDOFF = "handoff"
     EXPIRE = "expire"
+    TAKE = "take"  # queued -> running, by a worker that took it from the queue
 
 
 class Takeover(StrEnum):
@@ -170,6 +174,7 @@ class Script(StrEnum):
     STORE = "store.lua"
     SLOTS = "slots.lua"
     QUOTA = "quota.lua"  # a tenant's storage ledger (lib/quota.py), no execution key
+    QUEUE = "queue.lua"  # the admission and the fair queue (queue.py), no execution key
 
 
 class Reply(StrEnum):
@@ -278,6 +283,11 @@ REFUSALS: Final[tuple[Refusal, ...]] = (
         lambda asked, _detail: SuspectHeld(asked.execution_id),
     ),
     Refusal(
+        Script.QUEUE, Reply.MODE, UnknownTransition, "no such operation (a bug)",
+        lambda asked, detail: UnknownTransition(asked.execution_id, detail),
+        detail="<op>",
+    ),
+    Refusal(
         Script.RENEW, Reply.GONE, RecordLost, "no metadata: the writer recreates it",
         lambda asked, _detail: RecordLost(asked.execution_id, whole=True),
     ),
@@ -348,6 +358,7 @@ class ExecutionMeta:
     reserved: int = 0
     inline_files: bool = False
     cancel_requested: bool = False
+    continues: str = ""  # queued: the block a resume answered (a continuation)
     output: Any = None
     error: Any = None
     pause: Any = None
@@ -389,6 +400,7 @@ class ExecutionMeta:
             reserved=number(Field.RESERVED),
             inline_files=text(Field.INLINE_FILES) == "1",
             cancel_requested=text(Field.CANCEL_REQUESTED) == "1",
+            continues=text(Field.CONTINUES),
             output=loaded(Field.OUTPUT),
             error=loaded(Field.ERROR),
             pause=loaded(Field.PAUSE),

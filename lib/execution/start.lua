@@ -3,7 +3,8 @@ start.lua: create a new execution's metadata, owned by the caller, on Redis's cl
 
 KEYS[1]  the execution's metadata hash  fc:{<eid>}:meta
 KEYS[2]  the execution's run state       fc:{<eid>}:state
-ARGV[1]  the caller's fencing token
+ARGV[1]  the caller's fencing token; "" to create it `queued`, owned by nobody, with no
+         lease and nothing reserved (a worker takes it: claim.lua "take")
 ARGV[2]  lease length in milliseconds
 ARGV[3]  TTL in seconds while the execution is not finished
 ARGV[4]  the execution id (the `id` of the row published on ARGV[5])
@@ -22,8 +23,8 @@ Publishes the new execution's list row on ARGV[5] as JSON {"id", "tenant",
 lists; see append.lua for the other status changes), only when the metadata names a
 tenant, and best effort: a refused PUBLISH is no error.
 
-Returns the lease end in milliseconds. The execution starts `running` at epoch 1, with
-no events (lastId, firstId, bytes and count 0) and `reserved` ARGV[6]. Returns 0 when
+Returns the lease end in milliseconds (1 for a queued one, which has none). The
+execution starts `running` at epoch 1 (or `queued` at epoch 0), with no events (lastId, firstId, bytes and count 0) and `reserved` ARGV[6]. Returns 0 when
 the execution exists already (its id was named in advance, by an Idempotency-Key's
 record, and another request created it first): nothing is written and nothing is
 published. No error reply of its own.
@@ -34,9 +35,13 @@ if redis.call("EXISTS", meta) == 1 then
   return 0
 end
 local until_ms = now_ms() + tonumber(ARGV[2])
+local status, epoch, reserved = "running", 1, tonumber(ARGV[6])
+if ARGV[1] == "" then
+  status, epoch, reserved, until_ms = "queued", 0, 0, 1
+end
 local n = tonumber(ARGV[7])
-local fields = {"owner", ARGV[1], "epoch", 1, "leaseUntil", until_ms, "status", "running",
-  "lastId", 0, "firstId", 0, "bytes", 0, "count", 0, "reserved", tonumber(ARGV[6])}
+local fields = {"owner", ARGV[1], "epoch", epoch, "leaseUntil", until_ms, "status", status,
+  "lastId", 0, "firstId", 0, "bytes", 0, "count", 0, "reserved", reserved}
 for i = 8 + 2 * n, #ARGV do
   fields[#fields + 1] = ARGV[i]
 end
@@ -51,5 +56,5 @@ if n > 0 then
   redis.call("EXPIRE", KEYS[2], ARGV[3])
 end
 -- The execution exists by now: a refused PUBLISH must not answer "failed" for it.
-publish_row(meta, ARGV[5], ARGV[4], "running", 0)
+publish_row(meta, ARGV[5], ARGV[4], status, 0)
 return until_ms

@@ -48,9 +48,10 @@ disappears from the store ends the stream.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 
 import orjson
 
@@ -65,6 +66,19 @@ log = logging.getLogger(__name__)
 
 REPLAY_PAGE = 1_000
 GAP_EVENT = "replay:gap"
+QUEUE_EVENT = "queue"
+# How often a queued execution's stream looks at its place in line (SPEC §4 "Queued":
+# a frame at most once a second, when it changed).
+QUEUE_SECONDS = 1.0
+
+# A queued execution's place in line: (tenant, execution id) -> ahead, None once it
+# left the line (the queue's ``ahead``).
+Place = Callable[[str, str], Awaitable[int | None]]
+
+
+def queue_frame(ahead: int) -> bytes:
+    """A queued execution's place in line, with no id (no event id is used)."""
+    return sse_frame(None, QUEUE_EVENT, orjson.dumps({"state": "queued", "ahead": ahead}))
 
 
 def gap_frame(after: int, resume_at: int, reason: str, metrics: Metrics | None = None) -> bytes:
@@ -77,6 +91,9 @@ def gap_frame(after: int, resume_at: int, reason: str, metrics: Metrics | None =
 
 class Readers(Tails):
     """This process's readers: its tails (tails.py), and a reader for each client."""
+
+    # Where a queued execution stands in line (the runner's queue), once there is one.
+    place: Place | None = None
 
     def reader(self, execution_id: str, *, cursor: int) -> StreamReader:
         """A reader of ``execution_id`` from ``cursor`` on."""
@@ -98,6 +115,11 @@ class StreamReader:
         self.closed = False
         self._subscription: Subscription | None = None
         self._attached: tuple[Subscription, list[Event], Page] | None = None
+        # A queued execution's tenant (its line), and the place last told; None once
+        # it started (or was never queued).
+        self._line: str | None = None
+        self._ahead: int | None = None
+        self._told = b""  # a queue frame to send before the next events
 
     async def open(self) -> ExecutionMeta:
         """Attach and read the first page now, in that order (so nothing falls between
@@ -115,6 +137,8 @@ class StreamReader:
             self._hub.unsubscribe(subscription)
             raise
         self._attached = (subscription, unstored, page)
+        if page.meta.status == "queued" and self._readers.place is not None:
+            self._line = page.meta.tenant
         return page.meta
 
     def detach(self) -> None:
@@ -140,6 +164,10 @@ class StreamReader:
             else:
                 subscription, unstored = self._hub.subscribe(self._execution_id)
             self._subscription = subscription
+            if self._line is not None:
+                chunk = await self._place_in_line()
+                if chunk:
+                    yield chunk
             replay = self._replay(unstored, page, self._stored_here(subscription.channel))
             # Held for the stream's life otherwise: a suspended frame keeps its locals.
             del unstored, page
@@ -217,15 +245,53 @@ class StreamReader:
             batch = await self._wait(subscription)
             if batch is None:
                 return
+            told, self._told = self._told, b""
+            if told:
+                yield told
             chunk = await self._accept_live(batch)
             if chunk:
                 yield chunk
 
     async def _wait(self, subscription: Subscription) -> list[Event] | None:
         # The time cap is one timer per connection (app/sse.py closes us), not one per wait.
+        if self._line is not None:
+            return await self._wait_in_line(subscription)
         batch = await subscription.wait()
         # Closed: the server shuts down, or the tail found the execution gone.
         return None if (self.closed or subscription.closed) and not batch else batch
+
+    async def _wait_in_line(self, subscription: Subscription) -> list[Event] | None:
+        """Wait for the first events of a queued execution, looking at its place in line
+        each second: a change is a frame (``_told``, sent by ``_live`` before the next
+        events), given out with an empty batch."""
+        while self._line is not None:
+            try:
+                async with asyncio.timeout(QUEUE_SECONDS):
+                    batch = await subscription.wait()
+            except TimeoutError:
+                self._told = await self._place_in_line()
+                if self._told:
+                    return []
+                continue
+            return None if (self.closed or subscription.closed) and not batch else batch
+        return await self._wait(subscription)
+
+    async def _place_in_line(self) -> bytes:
+        """A ``queue`` frame when the place in line changed; none once it left the line."""
+        place = self._readers.place
+        if self._line is None or place is None:
+            return b""
+        try:
+            ahead = await place(self._line, self._execution_id)
+        except BufferUnavailable:
+            return b""  # told again next second
+        if ahead is None:
+            self._line = None  # taken (its first events follow) or cancelled
+            return b""
+        if ahead == self._ahead:
+            return b""
+        self._ahead = ahead
+        return queue_frame(ahead)
 
     async def _accept_live(self, events: Iterable[Event]) -> bytes:
         """Frames for live events, filling any hole in the ids from the buffer first."""

@@ -104,6 +104,8 @@ class Launcher:
         self._max_pending = max_pending_events
         self._lease_seconds = lease_seconds
         self._metrics = metrics
+        # Called when a run here ends: a worker slot is free (the dispatcher's nudge).
+        self.on_free: Callable[[], None] | None = None
 
     @property
     def values(self) -> ValueStore:
@@ -159,6 +161,8 @@ class Launcher:
             # execution (its pause was stored before this task let go): keep that one.
             if self._locals.get(execution_id) is local:
                 del self._locals[execution_id]
+            if self.on_free is not None:
+                self.on_free()
 
         local.task = asyncio.create_task(run(), name=f"execution:{execution_id}")
         self._locals[execution_id] = local

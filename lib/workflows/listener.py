@@ -1,15 +1,17 @@
-"""The control listener: cancels for the runs here, and the hand-offs of every process.
+"""The control listener: cancels for the runs here, the hand-offs of every process, and
+the queue's wake-ups.
 
-One blocking read on this process's control stream and the ``handoffs`` stream
-(control.py). A cancel stops the run it names at once (its owner would also learn of it
-with its next renewal); a hand-off is reported to the listener's owner (the runner),
-which takes the execution over.
+One blocking read on this process's control stream, the ``handoffs`` stream and the
+queue's wake-up stream (control.py). A cancel stops the run it names at once (its
+owner would also learn of it with its next renewal); a hand-off is reported to the
+listener's owner (the runner), which takes the execution over; a wake-up calls
+``on_queued`` (the dispatcher).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from lib.backoff import Backoff
 from lib.errors import FlowcastError
@@ -25,8 +27,16 @@ CONTROL_BLOCK_MS = 5_000
 class ControlListener:
     """Reads the control streams of the process ``node_id`` until stopped."""
 
-    def __init__(self, *, control: ControlStreams, node_id: str, runs: LocalRuns) -> None:
+    def __init__(
+        self,
+        *,
+        control: ControlStreams,
+        node_id: str,
+        runs: LocalRuns,
+        on_queued: Callable[[], None] | None = None,
+    ) -> None:
         self._control = control
+        self.on_queued = on_queued
         self._node_id = node_id
         self._runs = runs
         self._stopping = False
@@ -40,7 +50,9 @@ class ControlListener:
             try:
                 if cursors is None:
                     cursors = await self._control.cursors(self._node_id)
-                cancels, handed = await self._control.read(cursors, block_ms=CONTROL_BLOCK_MS)
+                cancels, handed, queued = await self._control.read(
+                    cursors, block_ms=CONTROL_BLOCK_MS
+                )
             except FlowcastError as exc:
                 log.warning("control stream read failed", extra={"error": str(exc)})
                 await backoff.wait()
@@ -50,6 +62,8 @@ class ControlListener:
                 run = self._runs.get(execution_id)
                 if run is not None:
                     run.stop(StopReason.CANCEL)
+            if queued and self.on_queued is not None:
+                self.on_queued()
             for handed_off in handed:
                 yield handed_off
 

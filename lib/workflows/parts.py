@@ -15,6 +15,7 @@ from lib.execution.admission import Admission
 from lib.execution.buffer import EventBuffer
 from lib.execution.control import ControlStreams
 from lib.execution.ownership import Ownership
+from lib.execution.queue import Queue
 from lib.execution.store import StoreIdentity
 from lib.execution.watchlists import WatchLists
 from lib.workflows.finals import Finals
@@ -33,22 +34,40 @@ class Transitions:
     admission: Admission
     control: ControlStreams
     store: StoreIdentity
+    queue: Queue
 
     @classmethod
-    def build(cls, buffer: EventBuffer, *, lease_seconds: float, limit: int = 0) -> Transitions:
-        """Each part once, on ``buffer``; ``limit`` caps a tenant's executions (0: none)."""
+    def build(
+        cls,
+        buffer: EventBuffer,
+        *,
+        lease_seconds: float,
+        limit: int = 0,
+        running: int = 0,
+        weights: dict[str, float] | None = None,
+    ) -> Transitions:
+        """Each part once, on ``buffer``; ``limit`` caps a tenant's unfinished executions,
+        ``running`` those it runs at once (0: none), ``weights`` its share in the queue."""
         watch = WatchLists(buffer=buffer, lease_seconds=lease_seconds)
         admission = Admission(buffer=buffer, lease_seconds=lease_seconds, limit=limit)
         control = ControlStreams(buffer=buffer)
+        queue = Queue(
+            buffer=buffer,
+            lease_seconds=lease_seconds,
+            max_unfinished=limit,
+            max_running=running,
+            weights=weights,
+        )
         ownership = Ownership(
             buffer=buffer,
             lease_seconds=lease_seconds,
             watch=watch,
             admission=admission,
             control=control,
+            queue=queue,
         )
         store = StoreIdentity(buffer=buffer, lease_seconds=lease_seconds)
-        return cls(ownership, watch, admission, control, store)
+        return cls(ownership, watch, admission, control, store, queue)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -41,13 +42,21 @@ from lib.errors import (
 )
 from lib.execution.admission import paused_member
 from lib.execution.buffer import EXECUTION_OVERHEAD_BYTES
-from lib.execution.events import EXECUTION_RESUMED, EXECUTION_STARTED, utc_timestamp
+from lib.execution.events import (
+    EXECUTION_CANCELLED,
+    EXECUTION_RESUMED,
+    EXECUTION_STARTED,
+    utc_timestamp,
+)
 from lib.execution.log import ExecutionLog
 from lib.execution.ownership import START_RESERVED, Claim, node_of
+from lib.execution.queue import Entered
 from lib.execution.record import ExecutionMeta, Field, Mode, Status, StopReason, Takeover
 from lib.workflows.checkpoint import answer_field
+from lib.workflows.dispatch import Dispatcher, created_ms
+from lib.workflows.executor import RunState
 from lib.workflows.janitor import Janitor, cancelled
-from lib.workflows.launcher import Outcome, ending_body, identity_of
+from lib.workflows.launcher import Body, Outcome, ending_body, identity_of
 from lib.workflows.leases import LeaseKeeper, LocalRun
 from lib.workflows.listener import ControlListener
 from lib.workflows.model import Workflow
@@ -74,6 +83,7 @@ def new_execution_id() -> str:
 class Started:
     execution_id: str
     status: str
+    ahead: int | None = None  # queued: about how many start before it
 
 
 class Runner:
@@ -95,6 +105,7 @@ class Runner:
         janitor: Janitor,
         takeovers: Takeovers,
         shutdown_grace_seconds: float = 30.0,
+        worker_slots: int = 64,
     ) -> None:
         transitions = parts.transitions
         self._parts = parts
@@ -115,6 +126,14 @@ class Runner:
         self.node_id = parts.node_id
         self._grace = shutdown_grace_seconds
         self._loops: list[asyncio.Task[None]] = []
+        self._queue = transitions.queue
+        # Takes queued work for this process's free slots; woken by the control
+        # listener (work queued elsewhere) and by each run here that ends.
+        self.dispatcher = Dispatcher(
+            parts, slots=worker_slots, start=self._start_taken, recall=takeovers.recalled
+        )
+        listener.on_queued = self.dispatcher.nudge
+        self._launcher.on_free = self.dispatcher.nudge
 
     async def __aenter__(self) -> Runner:
         try:
@@ -122,11 +141,17 @@ class Runner:
             await self._store.check()
         except FlowcastError as exc:
             log.warning("the buffer is not reachable at start", extra={"error": str(exc)})
+        try:
+            await self._queue.publish_weights()
+        except FlowcastError as exc:
+            log.warning("could not publish the tenant weights", extra={"error": str(exc)})
         self._loops = [
             asyncio.create_task(self._keeper.renew_loop(), name="lease-renewal"),
             asyncio.create_task(self._listen(), name="control-listener"),
             asyncio.create_task(self._tend(), name="janitor"),
+            asyncio.create_task(self.dispatcher.run(), name="dispatcher"),
         ]
+        self.dispatcher.nudge()  # work may have waited for a worker already
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -229,10 +254,36 @@ class Runner:
         if created is None:
             log.info("execution created by another request", extra={"executionId": execution_id})
             return Started(execution_id, "running")
+        if isinstance(created, Entered):
+            # Queued: a worker with a free slot takes it (this one first, if it has one).
+            await self.dispatcher.announce()
+            self.dispatcher.nudge()
+            return Started(execution_id, "queued", ahead=created.ahead)
         claim, saved = created
+        events = self._run_new(
+            execution_id, claim, identity, workflow, input, saved, write_back=write_back
+        )
+        if first_stored:
+            await events.first_stored(START_RESERVED, FIRST_STORED_SECONDS)
+        return Started(execution_id, "running")
+
+    def _run_new(
+        self,
+        execution_id: str,
+        claim: Claim,
+        identity: dict[str, str],
+        workflow: Workflow,
+        input: Any,
+        saved: dict[str, bytes],
+        *,
+        queued_ms: int = 0,
+        write_back: Callable[[], Awaitable[None]] | None = None,
+        meta: ExecutionMeta | None = None,
+    ) -> ExecutionLog:
+        """Run a new execution here from its first event, as ``claim``'s owner."""
 
         def opening(local: LocalRun, emitter: ExecutionLog) -> None:
-            emitter.emit(EXECUTION_STARTED, {"input": input})
+            emitter.emit(EXECUTION_STARTED, {"input": input, "queuedMs": queued_ms})
             emitter.remember(saved)
             local.workflow = workflow
 
@@ -242,17 +293,43 @@ class Runner:
 
             await self._launcher.execute(local, emitter, work)
 
-        events = self._launcher.launch(
+        return self._launcher.launch(
             execution_id,
             claim,
             identity=identity,
             body=body,
             opening=opening,
             write_back=write_back,
+            meta=meta,
         )
-        if first_stored:
-            await events.first_stored(START_RESERVED, FIRST_STORED_SECONDS)
-        return Started(execution_id, "running")
+
+    def _start_taken(
+        self,
+        meta: ExecutionMeta,
+        claim: Claim,
+        workflow: Workflow,
+        input: Any,
+        run: RunState,
+        saved: dict[str, bytes],
+        queued_ms: int,
+    ) -> None:
+        """Run an execution the dispatcher took from the queue and claimed here: a
+        start from its first event, or a resume that waited in line from its answer."""
+        if meta.continues:
+            answer = run.answers.get(meta.continues)
+            body = self._resumed(meta.continues, answer)
+            self._launcher.launch(meta.id, claim, identity=identity_of(meta), body=body, meta=meta)
+            return
+        self._run_new(
+            meta.id,
+            claim,
+            identity_of(meta),
+            workflow,
+            input,
+            saved,
+            queued_ms=queued_ms,
+            meta=meta,
+        )
 
     async def _create(
         self,
@@ -262,10 +339,10 @@ class Runner:
         identity: dict[str, str],
         now: datetime,
         confirm: Callable[[Batch], None] | None = None,
-    ) -> tuple[Claim, dict[str, bytes]] | None:
+    ) -> tuple[Claim, dict[str, bytes]] | Entered | None:
         """Admit the tenant's execution and create it, owned here, with its run state
-        (the claim and the state as stored); None when another request created it first
-        (ownership.start then undoes the admission)."""
+        (the claim and the state as stored), or queued (``Entered``); None when another
+        request created it first (ownership.start then undoes the admission)."""
         # What a resume or a recovery needs is there from the start, in the same write
         # that creates the execution: a process may die right after the 202. The
         # workflow version is stored before, in the batch of the admission and the
@@ -299,6 +376,7 @@ class Runner:
                 state=saved,
                 checked=checked,
                 alongside=lambda batch: self._states.save_version_in(batch, workflow),
+                here=self._runs.accepting and self.dispatcher.free() > 0,
             )
         except OverQuota:
             raise  # refused before anything was counted
@@ -308,8 +386,8 @@ class Runner:
             # again by its run's first figure).
             await self._uncount(tenant, execution_id)
             raise
-        if claim is None:
-            return None
+        if claim is None or isinstance(claim, Entered):
+            return claim
         return claim, saved
 
     async def _uncount(self, tenant: str, execution_id: str) -> None:
@@ -339,7 +417,10 @@ class Runner:
             raise NotPausedThere(execution_id, paused_at=paused_at, asked=block_id)
         _check_answer(meta.pause.get("schema") or {}, input)
         fence = self._parts.new_fence()
-        await self._admission.admit(tenant, fence, replaces=paused_member(execution_id))
+        # The same admission as a start's: run here only with a free slot and while
+        # the tenant runs fewer than its cap; else in line, before its starts.
+        if not (self.dispatcher.free() > 0 and await self._queue.room(tenant, fence)):
+            return await self._resume_later(execution_id, tenant, meta, paused_at, input, fence)
         claim = await self._claim(
             execution_id,
             Mode.RESUME,
@@ -349,6 +430,41 @@ class Runner:
             block_id=paused_at,
             answer=orjson.dumps(input),
         )
+        body = self._resumed(paused_at, input)
+        self._launcher.launch(execution_id, claim, identity=identity_of(meta), body=body, meta=meta)
+        return Started(execution_id, "running")
+
+    async def _resume_later(
+        self,
+        execution_id: str,
+        tenant: str,
+        meta: ExecutionMeta,
+        paused_at: str,
+        input: Any,
+        fence: str,
+    ) -> Started:
+        """Accept a resume that may not run now: its answer is stored with the claim
+        (paused -> queued), then it waits in line before its tenant's starts. ``fence``'s
+        lease entry, written before the claim, covers the step between: should this
+        process die there, a janitor finds the execution queued and puts it in line."""
+        await self._claim(
+            execution_id,
+            Mode.RESUME,
+            fence,
+            tenant,
+            meta=meta,
+            block_id=paused_at,
+            answer=orjson.dumps(input),
+            later=True,
+        )
+        ahead = await self._queue.line(tenant, execution_id, replaces=paused_member(execution_id))
+        await self._launcher.quietly(execution_id, self._watch.release(execution_id, fence))
+        await self.dispatcher.announce()
+        self.dispatcher.nudge()
+        return Started(execution_id, "queued", ahead=ahead)
+
+    def _resumed(self, paused_at: str, input: Any) -> Body:
+        """The run of a resume: ``execution:resumed`` with the answer, then on."""
 
         async def body(local: LocalRun, emitter: ExecutionLog) -> None:
             # First, whatever follows: the resume took effect even if a cancel stops
@@ -365,8 +481,7 @@ class Runner:
 
             await self._launcher.execute(local, emitter, work)
 
-        self._launcher.launch(execution_id, claim, identity=identity_of(meta), body=body, meta=meta)
-        return Started(execution_id, "running")
+        return body
 
     async def cancel(self, execution_id: str, *, tenant: str) -> Started:
         """Cancel a running or paused execution wherever it runs.
@@ -377,8 +492,24 @@ class Runner:
         told at once. A finished one is a 409 with the status that won.
         """
         meta = await self._owned(execution_id, tenant)
+        given: Any = None
+        if meta.status == Status.QUEUED and not meta.continues:
+            # Its first event, written with the cancel, shows the input it was given.
+            _version, given, _run, _saved = await self._states.load(execution_id)
         fence = self._parts.new_fence()
         claim = await self._claim(execution_id, Mode.CANCEL, fence, tenant, meta=meta)
+        if claim.status_before is Status.QUEUED:
+            await self._launcher.quietly(execution_id, self._dequeue(tenant, execution_id))
+            # A resume in line has its log already: it only ends.
+            ending = (
+                ending_body(cancelled)
+                if meta.continues
+                else _cancelled_in_line(given, created_ms(meta))
+            )
+            self._launcher.launch(
+                execution_id, claim, identity=identity_of(meta), body=ending, meta=meta
+            )
+            return Started(execution_id, "cancelling")
         if claim.status_before is not Status.RUNNING:
             self._launcher.launch(
                 execution_id,
@@ -399,6 +530,9 @@ class Runner:
             )
         return Started(execution_id, "cancelling")
 
+    async def _dequeue(self, tenant: str, execution_id: str) -> None:
+        await self._queue.dequeue(tenant, execution_id)
+
     async def _owned(self, execution_id: str, tenant: str) -> ExecutionMeta:
         meta = await self._buffer.meta(execution_id)
         if meta.tenant != tenant:
@@ -415,8 +549,10 @@ class Runner:
         meta: ExecutionMeta,
         block_id: str = "",
         answer: bytes = b"",
+        later: bool = False,
     ) -> Claim:
-        """Watch ``fence``'s lease, then win the transition with it.
+        """Watch ``fence``'s lease, then win the transition with it (``later``: a
+        resume that waits in line; its pause's entry is replaced by its place).
 
         A refused claim undoes the watch. One whose answer was lost (the buffer failed
         mid-call) keeps it: if the claim did apply, the lease it set expires unrenewed
@@ -429,7 +565,13 @@ class Runner:
             ceiling = await self._takeovers.recalled(execution_id, meta)
             await self._watch.hold(execution_id, fence)
             claim = await self._ownership.claim(
-                execution_id, mode, fence, block_id=block_id, answer=answer, base_at_least=ceiling
+                execution_id,
+                mode,
+                fence,
+                block_id=block_id,
+                answer=answer,
+                base_at_least=ceiling,
+                later=later,
             )
         except (Conflict, NotFound):
             await self._launcher.quietly(
@@ -441,7 +583,7 @@ class Runner:
         except FlowcastError:
             await self._launcher.quietly(execution_id, self._admission.leave(tenant, fence))
             raise
-        if claim.status_before is Status.PAUSED:
+        if claim.status_before is Status.PAUSED and not later:
             # The pause stops counting as such: its new owner counts (or it ends).
             await self._launcher.quietly(
                 execution_id, self._admission.leave(tenant, paused_member(execution_id))
@@ -458,11 +600,18 @@ class Runner:
                 continue  # shutting down: this process takes nothing over any more
             try:
                 await self._ownership.take_back_owed()
+                await self.dispatcher.reclaim()
+                self.dispatcher.nudge()
                 if due.restarted:
                     await self._reassert()
-                for execution_id, fence in due.dead:
+                # Only a process that runs work takes runs over (an API replica with no
+                # worker slots leaves them to the workers). A recovery continues a run
+                # its tenant counted already (it replaces the dead owner's entry), and
+                # goes before any start: it may take this process past its slots.
+                runs_work = self.dispatcher.slots > 0
+                for execution_id, fence in due.dead if runs_work else ():
                     await self._takeovers.take_over(execution_id, fence, how=Takeover.DEAD)
-                for execution_id, fence in due.leases:
+                for execution_id, fence in due.leases if runs_work else ():
                     await self._takeovers.take_over(execution_id, fence, how=due.takeover)
                 for execution_id in due.deadlines:
                     await self._takeovers.expire(execution_id)
@@ -476,6 +625,8 @@ class Runner:
         """Take over each execution handed off by another process, as it is announced
         (the janitors would find its lease due anyway, should this fail)."""
         async for execution_id, fence in self._listener.handoffs():
+            if self.dispatcher.slots == 0:
+                continue  # a worker takes it over (this process runs no work)
             try:
                 await self._takeovers.take_over(execution_id, fence, how=Takeover.HANDOFF)
             except FlowcastError as exc:
@@ -490,6 +641,22 @@ class Runner:
         the short settle every process waits for."""
         await self._keeper.renew_now()
         await self._finals.reassert()
+        # The lines and the records may disagree now (they live in other hash slots):
+        # a queued execution no line holds is put back in line.
+        if self.dispatcher.slots > 0:
+            await self.dispatcher.reconcile()
+
+
+def _cancelled_in_line(given: Any, created_ms: int) -> Body:
+    """The run of an execution cancelled while queued: it never ran, yet its log starts
+    as every log does (id 1 ``execution:started``), then ends cancelled."""
+
+    async def body(local: LocalRun, emitter: ExecutionLog) -> None:
+        waited = max(0, round(time.time() * 1000) - created_ms) if created_ms else 0
+        emitter.emit(EXECUTION_STARTED, {"input": given, "queuedMs": waited})
+        emitter.emit(EXECUTION_CANCELLED, {"reason": "cancelled"})
+
+    return body
 
 
 def _check_answer(schema: dict[str, Any], answer: Any) -> None:

@@ -28,6 +28,7 @@ from lib.execution.events import (
 )
 from lib.execution.flush import batch_meta
 from lib.execution.ownership import TRANSITIONS, Ownership, Transition
+from lib.execution.queue import Entered
 from lib.execution.record import (
     REFUSALS,
     Field,
@@ -110,6 +111,22 @@ class Machine:
         )
         return execution_id
 
+    async def queued(self, fence: str = "node-a:1") -> str:
+        """An execution the accepting process had no slot for: in its tenant's line."""
+        execution_id = f"ex_{uuid.uuid4().hex}"
+        entered = await self.ownership.start(
+            execution_id,
+            fence=fence,
+            workflow_id="wf",
+            tenant="t",
+            created_at="2026-01-01T00:00:00.000Z",
+            created_ms=1,
+            state={"input": orjson.dumps({"v": 1})},
+            here=False,
+        )
+        assert isinstance(entered, Entered) and entered.queued
+        return execution_id
+
     async def append(
         self, execution_id: str, types: list[str], *, fence: str, epoch: int = 1, first: int = 1
     ) -> None:
@@ -184,6 +201,77 @@ async def test_start_creates_a_running_record_owned_by_its_creator_with_a_watche
     )
     assert lease is not None
     RowCheck(row_of(None, "start")).every_refusal_tried()
+
+
+@row_test(None, "queue")
+async def test_a_start_without_a_free_slot_is_queued_owned_by_nobody(machine: Machine) -> None:
+    execution_id = await machine.queued("node-a:1")
+    record = await machine.record(execution_id)
+    assert record[Field.STATUS] == Status.QUEUED
+    assert record[Field.OWNER] == "" and record[Field.EPOCH] == "0"
+    assert record[Field.RESERVED] == "0" and record[Field.LAST_ID] == "0"
+    keys = machine.buffer.keys
+    # In its tenant's line, with no lease to watch and nothing counted as running.
+    assert await machine.redis.zscore(keys.queued("t"), execution_id) is not None
+    assert await machine.redis.zscore(keys.waiting, "t") is not None
+    assert await machine.redis.zscore(keys.leases, lease_member(execution_id, "node-a:1")) is None
+    assert await machine.redis.zrange(keys.running("t"), 0, -1) == []
+    # Behind a queued one, even a process with a free slot queues (the line is fair).
+    assert isinstance(
+        await machine.ownership.start(
+            f"ex_{uuid.uuid4().hex}",
+            fence="node-a:2",
+            workflow_id="wf",
+            tenant="t",
+            created_at="2026-01-01T00:00:00.000Z",
+            created_ms=2,
+        ),
+        Entered,
+    )
+    RowCheck(row_of(None, "queue")).every_refusal_tried()
+
+
+@row_test(Status.QUEUED, "take")
+async def test_a_worker_takes_a_queued_execution_once(machine: Machine) -> None:
+    check = RowCheck(row_of(Status.QUEUED, "take"))
+    execution_id = await machine.queued()
+    queue = machine.ownership.queue
+    taken = await queue.take("node-w:1")
+    assert taken is not None and taken.execution_id == execution_id
+    won = await machine.ownership.claim(execution_id, Mode.TAKE, "node-w:1", expected="1")
+    assert won.status_before is Status.QUEUED and won.last_id == 0
+    record = await machine.record(execution_id)
+    assert record[Field.STATUS] == Status.RUNNING and record[Field.OWNER] == "node-w:1"
+    assert record[Field.EPOCH] == "1" and record[Field.RESERVED] == "1"
+    # The same delivery claimed again by another worker (a duplicate) is dropped.
+    await check.refused(
+        Reply.STATUS, machine.ownership.claim(execution_id, Mode.TAKE, "node-x:1", expected="1")
+    )
+    await check.refused(
+        Reply.NOEXEC, machine.ownership.claim(missing(), Mode.TAKE, "node-x:1", expected="1")
+    )
+    assert (await machine.record(execution_id))[Field.OWNER] == "node-w:1"
+    check.every_refusal_tried()
+
+
+@row_test(Status.QUEUED, "cancel")
+async def test_a_queued_execution_cancelled_becomes_its_cancellers_to_end(
+    machine: Machine,
+) -> None:
+    check = RowCheck(row_of(Status.QUEUED, "cancel"))
+    execution_id = await machine.queued()
+    won = await machine.ownership.claim(execution_id, Mode.CANCEL, "node-c:1")
+    assert won.status_before is Status.QUEUED and won.cancel_requested
+    record = await machine.record(execution_id)
+    assert record[Field.STATUS] == Status.RUNNING and record[Field.OWNER] == "node-c:1"
+    # A worker that took it before the cancel is refused its claim: it never runs.
+    await check.refused(
+        Reply.STATUS, machine.ownership.claim(execution_id, Mode.TAKE, "node-w:1", expected="1")
+    )
+    await check.refused(Reply.NOEXEC, machine.ownership.claim(missing(), Mode.CANCEL, "n:1"))
+    finished = await machine.finished()
+    await check.refused(Reply.STATUS, machine.ownership.claim(finished, Mode.CANCEL, "n:1"))
+    check.every_refusal_tried()
 
 
 @row_test(Status.RUNNING, "pause")
@@ -299,6 +387,50 @@ async def test_any_process_resumes_a_pause_once_with_its_answer_checkpointed(
         Reply.BLOCK, claim(machine, other, Mode.RESUME, "node-c:1", block_id="elsewhere")
     )
     assert block.paused_at == "ask" and block.asked == "elsewhere"  # type: ignore[attr-defined]
+    check.every_refusal_tried()
+
+
+@row_test(Status.PAUSED, "resume later")
+async def test_a_resume_that_may_not_run_now_waits_in_line_with_its_answer(
+    machine: Machine,
+) -> None:
+    check = RowCheck(row_of(Status.PAUSED, "resume later"))
+    execution_id = await machine.paused("node-a:1")
+    won = await claim(
+        machine,
+        execution_id,
+        Mode.RESUME,
+        "node-b:1",
+        block_id="ask",
+        answer=b'{"ok":true}',
+        later=True,
+    )
+    assert won.status_before is Status.PAUSED and won.owner == ""
+    record = await machine.record(execution_id)
+    assert record[Field.STATUS] == Status.QUEUED and record[Field.OWNER] == ""
+    assert record[Field.CONTINUES] == "ask" and record[Field.PAUSE_BLOCK] == ""
+    state = await machine.redis.hget(machine.buffer.keys.state(execution_id), "a:ask")
+    assert state == b'{"ok":true}'
+    # A worker takes it on from the answer: it numbers after the pause, nothing reserved.
+    taken = await claim(machine, execution_id, Mode.TAKE, "node-w:1", expected="1")
+    assert taken.status_before is Status.QUEUED and taken.base == 2
+    record = await machine.record(execution_id)
+    assert record[Field.STATUS] == Status.RUNNING and Field.CONTINUES not in record
+    assert record[Field.RESERVED] == "2" and record[Field.OWNER] == "node-w:1"
+
+    await check.refused(
+        Reply.NOEXEC, claim(machine, missing(), Mode.RESUME, "node-c:1", later=True)
+    )
+    status = await check.refused(
+        Reply.STATUS, claim(machine, execution_id, Mode.RESUME, "node-c:1", later=True)
+    )
+    assert isinstance(status, WrongStatus) and status.status == Status.RUNNING
+    other = await machine.paused("node-a:1")
+    await check.refused(
+        Reply.BLOCK,
+        claim(machine, other, Mode.RESUME, "node-c:1", block_id="elsewhere", later=True),
+    )
+    assert (await machine.record(other))[Field.STATUS] == Status.PAUSED
     check.every_refusal_tried()
 
 
@@ -460,7 +592,7 @@ def test_every_row_of_the_table_has_its_test() -> None:
 async def test_a_refused_claim_leaves_the_record_as_it_was(machine: Machine) -> None:
     execution_id = await machine.finished("node-a:1")
     before = await machine.record(execution_id)
-    for mode in (Mode.RESUME, Mode.CANCEL, Mode.TAKEOVER, Mode.HANDOFF, Mode.EXPIRE):
+    for mode in (Mode.RESUME, Mode.CANCEL, Mode.TAKEOVER, Mode.HANDOFF, Mode.EXPIRE, Mode.TAKE):
         with pytest.raises(WrongStatus):
             await claim(machine, execution_id, mode, "node-b:1")
     assert await machine.record(execution_id) == before

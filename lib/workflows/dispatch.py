@@ -1,0 +1,213 @@
+"""The worker side of the queue: this process takes queued executions while it has
+free slots, and runs each as its new owner (SPEC §14).
+
+A take is woken (``nudge``) whenever a slot may be free or work may wait: a start here
+was queued, a run here ended, another process announced queued work (the control
+listener reads the queue's wake stream), or a janitor pass came round (the safety net
+for a missed announcement). Each take is fair across tenants (queue.py); then the
+claim decides (claim.lua "take"): an execution claimed by another, or cancelled
+meanwhile, is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from datetime import datetime
+from typing import Any
+
+from lib.errors import FlowcastError, NotFound, WrongStatus
+from lib.execution.ownership import START_RESERVED, Claim
+from lib.execution.queue import CONTINUATION_OFFSET_MS, Queue, Taken
+from lib.execution.record import ExecutionMeta, Mode
+from lib.workflows.executor import RunState
+from lib.workflows.leases import LocalRuns
+from lib.workflows.model import Workflow
+from lib.workflows.parts import Parts
+
+log = logging.getLogger(__name__)
+
+# Runs an execution this process claimed from the queue: (its record, the claim, its
+# workflow, its input, its checkpoint, its run state as stored, how long it waited in ms).
+Start = Callable[[ExecutionMeta, Claim, Workflow, Any, RunState, dict[str, bytes], int], None]
+
+
+class Dispatcher:
+    """Takes queued work for this process's free slots (``slots``; 0: none)."""
+
+    def __init__(
+        self,
+        parts: Parts,
+        *,
+        slots: int,
+        start: Start,
+        recall: Callable[[str, ExecutionMeta], Awaitable[int]] | None = None,
+    ) -> None:
+        transitions = parts.transitions
+        self._parts = parts
+        self._queue: Queue = transitions.queue
+        self._ownership = transitions.ownership
+        self._watch = transitions.watch
+        self._admission = transitions.admission
+        self._control = transitions.control
+        self._buffer = parts.buffer
+        self._states = parts.states
+        self._runs: LocalRuns = parts.runs
+        self.slots = slots
+        self._start = start
+        # What a claim must know of what a store back behind forgot (takeovers.py
+        # ``recalled``): the id to number above.
+        self._recall = recall
+        self._nudged = asyncio.Event()
+
+    def free(self) -> int:
+        """Slots free here now (what runs here, taken or not from the queue, fills them)."""
+        return max(0, self.slots - len(self._runs))
+
+    def nudge(self) -> None:
+        """Look at the queue again soon (a slot may be free, or work may wait)."""
+        if self.slots > 0:
+            self._nudged.set()
+
+    async def ahead(self, tenant: str, execution_id: str) -> int | None:
+        """About how many executions start before this queued one (None: not queued)."""
+        return await self._queue.ahead(tenant, execution_id)
+
+    async def announce(self) -> None:
+        """Tell every process that work was queued (best effort: their janitor passes
+        look anyway)."""
+        try:
+            await self._control.announce_queued()
+        except FlowcastError as exc:
+            log.warning("could not announce queued work", extra={"error": str(exc)})
+
+    async def run(self) -> None:
+        """Take work whenever nudged, while slots are free and the process accepts."""
+        while True:
+            await self._nudged.wait()
+            self._nudged.clear()
+            while self._runs.accepting and self.free() > 0:
+                try:
+                    if not await self.take_one():
+                        break
+                except FlowcastError as exc:
+                    log.warning("taking queued work failed", extra={"error": str(exc)})
+                    break
+
+    async def take_one(self) -> bool:
+        """Take and start one queued execution; False when none could be taken."""
+        fence = self._parts.new_fence()
+        taken = await self._queue.take(fence)
+        if taken is None:
+            return False
+        await self._claim_and_start(taken, fence)
+        return True
+
+    async def _claim_and_start(self, taken: Taken, fence: str) -> None:
+        eid = taken.execution_id
+        try:
+            meta = await self._buffer.meta(eid)
+            # Read while it is still queued: once claimed, its run must start.
+            version, given, run, saved = await self._states.load(eid)
+            workflow = await self._states.load_version(version)
+            await self._watch.hold(eid, fence)
+            claim = await self._ownership.claim(eid, Mode.TAKE, fence, expected=str(START_RESERVED))
+        except (WrongStatus, NotFound) as exc:
+            # A stale delivery: cancelled, claimed by another, or gone. Dropped.
+            log.info("queued execution not taken", extra={"executionId": eid, "why": str(exc)})
+            await self._drop(taken, fence)
+            return
+        # A failure of the store here leaves the delivery in ``taken``: past a
+        # lease a janitor queues it again (if its claim did not apply).
+        await self._quietly(eid, self._queue.claimed(taken))
+        queued_ms = _queued_ms(meta)
+        if not meta.continues and claim.base == 0:
+            claim = replace(claim, reserved=START_RESERVED)  # its first event is its own
+        self._start(meta, claim, workflow, given, run, saved, queued_ms)
+
+    async def _drop(self, taken: Taken, fence: str) -> None:
+        eid = taken.execution_id
+        await self._quietly(
+            eid,
+            self._watch.release(eid, fence),
+            self._admission.leave(taken.tenant, fence),
+            self._queue.claimed(taken),
+        )
+
+    async def reclaim(self) -> None:
+        """Queue again what a dead taker took and never claimed (a janitor pass)."""
+        for taken in await self._queue.stale():
+            try:
+                meta = await self._buffer.meta(taken.execution_id)
+            except NotFound:
+                await self._queue.claimed(taken)
+                continue
+            if meta.status != "queued":
+                await self._queue.claimed(taken)  # claimed after all
+                continue
+            if await self._queue.requeue(taken, queued_ms=created_ms(meta)):
+                log.warning(
+                    "queued execution taken by a dead worker; queued again",
+                    extra={"executionId": taken.execution_id},
+                )
+                self.nudge()
+
+    async def reconcile(self) -> int:
+        """Put back in line every queued execution no line holds: after the store came
+        back from another server (a restart, a failover, a restore), the line and the
+        record, in other hash slots, may disagree. Reads each tenant's unfinished index
+        once; returns how many it put back."""
+        keys = self._buffer.keys
+        redis = self._buffer.redis
+        head, tail = f"{keys.prefix}:{{t:", "}:executions:open"
+        found = 0
+        async for raw in redis.scan_iter(match=f"{head}*{tail}", count=1000):
+            name = raw.decode() if isinstance(raw, bytes) else str(raw)
+            tenant = name[len(head) : -len(tail)]
+            members: Any = await redis.zrange(name, 0, -1)
+            for eid in [member.decode() for member in members]:
+                try:
+                    meta = await self._buffer.meta(eid)
+                except NotFound:
+                    continue
+                if meta.status != "queued":
+                    continue
+                score = created_ms(meta)
+                if meta.continues:
+                    score -= CONTINUATION_OFFSET_MS
+                if await self._queue.again(tenant, eid, score=score):
+                    found += 1
+        if found:
+            log.warning("queued executions no line held were queued again", extra={"count": found})
+            await self.announce()
+            self.nudge()
+        return found
+
+    @staticmethod
+    async def _quietly(execution_id: str, *steps: Awaitable[object]) -> None:
+        for step in steps:
+            try:
+                await step
+            except FlowcastError as exc:
+                log.warning(
+                    "queue cleanup failed", extra={"executionId": execution_id, "error": str(exc)}
+                )
+
+
+def created_ms(meta: ExecutionMeta) -> int:
+    """When an execution was created, in ms since the epoch (0 when unreadable)."""
+    try:
+        return int(datetime.fromisoformat(meta.created_at).timestamp() * 1000)
+    except ValueError:
+        return 0
+
+
+def _queued_ms(meta: ExecutionMeta) -> int:
+    """How long it waited, from its creation to now (this host's clock)."""
+    created = created_ms(meta)
+    if not created:
+        return 0
+    now = datetime.now().astimezone().timestamp() * 1000
+    return max(0, round(now - created))
