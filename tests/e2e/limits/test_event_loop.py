@@ -148,7 +148,7 @@ async def test_a_large_json_response_neither_stalls_another_tenant_nor_loses_its
     body (its 35 MB kept in the value store).
 
     One such run, not the review's two: each costs the replica ~15 s of CPU (parsing,
-    compacting and encoding 700,000 objects in slices, lib/slices.py), and one 35 MB
+    compacting and encoding its 700,000 items in slices, lib/slices.py), and one 35 MB
     body parsed whole would still hold the loop far past the floor and the 2 s lease
     (the review's two held it 35 s)."""
     items = [{"id": index, "name": f"item {index}", "tags": ["a", "b"]} for index in range(700_000)]
@@ -186,7 +186,7 @@ async def test_a_large_json_response_neither_stalls_another_tenant_nor_loses_its
             ratio=STALL_RATIO,
             floor=HTTP_STALL_FLOOR,
             what=f"another tenant's worst GET of {len(loaded)} beside a 35 MB response",
-            # 700,000 parsed objects: the garbage collector's full collections walk them
+            # 700,000 parsed items: the garbage collector's full collections walk them
             # all at once (0.1-0.2 s each for two responses, README: Security); with two,
             # measured 1.6 s on 2 CPUs at a load of 11, 8.5 s before the slices.
         )
