@@ -22,9 +22,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import uvicorn
-from pydantic import ValidationError
-
 from app.client import (
     DEFAULT_URL,
     Event,
@@ -36,7 +33,6 @@ from app.client import (
     Unreachable,
 )
 from app.progress import Display, LiveDisplay, PlainDisplay, compact
-from app.settings import Settings
 
 COMPLETED, FAILED, USAGE, CANCELLED, PAUSED, UNREACHABLE = 0, 1, 2, 3, 4, 5
 INTERRUPTED = 130
@@ -60,6 +56,13 @@ def _is_loopback(host: str) -> bool:
 
 def serve(args: argparse.Namespace) -> int:
     """Run one Flowcast process (embedded engine unless FLOWCAST_REDIS_URL is set)."""
+    # Here, not at the top: the client commands (run, list, ...) start in about half the
+    # time without the server's imports.
+    import uvicorn
+    from pydantic import ValidationError
+
+    from app.settings import Settings
+
     try:
         settings = Settings()
     except ValidationError as exc:
