@@ -20,8 +20,9 @@ from typing import Any
 
 from lib.errors import FlowcastError, NotFound, WrongStatus
 from lib.execution.ownership import START_RESERVED, Claim
-from lib.execution.queue import CONTINUATION_OFFSET_MS, Queue, Taken
+from lib.execution.queue import CONTINUATION_OFFSET_MS, Backlog, Queue, Taken
 from lib.execution.record import ExecutionMeta, Mode
+from lib.metrics import Metrics
 from lib.workflows.executor import RunState
 from lib.workflows.leases import LocalRuns
 from lib.workflows.model import Workflow
@@ -44,6 +45,7 @@ class Dispatcher:
         slots: int,
         start: Start,
         recall: Callable[[str, ExecutionMeta], Awaitable[int]] | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         transitions = parts.transitions
         self._parts = parts
@@ -60,6 +62,7 @@ class Dispatcher:
         # What a claim must know of what a store back behind forgot (takeovers.py
         # ``recalled``): the id to number above.
         self._recall = recall
+        self._metrics = metrics
         self._nudged = asyncio.Event()
 
     def free(self) -> int:
@@ -75,6 +78,10 @@ class Dispatcher:
         """About how many executions start before this queued one (None: not queued)."""
         return await self._queue.ahead(tenant, execution_id)
 
+    async def backlog(self) -> Backlog:
+        """What waits in every tenant's line (for /metrics)."""
+        return await self._queue.backlog()
+
     async def announce(self) -> None:
         """Tell every process that work was queued (best effort: their janitor passes
         look anyway)."""
@@ -84,9 +91,19 @@ class Dispatcher:
             log.warning("could not announce queued work", extra={"error": str(exc)})
 
     async def run(self) -> None:
-        """Take work whenever nudged, while slots are free and the process accepts."""
+        """Take work whenever nudged, while slots are free and the process accepts; and,
+        every half lease without a nudge, look for deliveries a dead taker left (and
+        for work a missed wake-up left waiting)."""
+        look_seconds = self._queue.lease_ms / 2000
         while True:
-            await self._nudged.wait()
+            try:
+                async with asyncio.timeout(look_seconds):
+                    await self._nudged.wait()
+            except TimeoutError:
+                try:
+                    await self.reclaim()
+                except FlowcastError as exc:
+                    log.warning("looking for dead takers failed", extra={"error": str(exc)})
             self._nudged.clear()
             while self._runs.accepting and self.free() > 0:
                 try:
@@ -129,6 +146,8 @@ class Dispatcher:
 
     async def _drop(self, taken: Taken, fence: str) -> None:
         eid = taken.execution_id
+        if self._metrics is not None:
+            self._metrics.stale_deliveries.inc()
         await self._quietly(
             eid,
             self._watch.release(eid, fence),
@@ -148,6 +167,8 @@ class Dispatcher:
                 await self._queue.claimed(taken)  # claimed after all
                 continue
             if await self._queue.requeue(taken, queued_ms=created_ms(meta)):
+                if self._metrics is not None:
+                    self._metrics.queue_reclaims.inc()
                 log.warning(
                     "queued execution taken by a dead worker; queued again",
                     extra={"executionId": taken.execution_id},
