@@ -71,7 +71,12 @@ CAP = 20  # FLOWCAST_MAX_EXECUTIONS_PER_TENANT and FLOWCAST_MAX_STREAMS_PER_TENA
 BODY_TIMEOUT = 2.0  # FLOWCAST_BODY_TIMEOUT_SECONDS
 CLOSE_WITHIN = 3.0  # seconds after its 408 by which a trickling connection is closed
 FAST = 0.5  # seconds: a refused PUT or resume, or a stored template, answers within this
-P99_LIMIT = 0.100  # seconds: the well-behaved tenant's request latency
+P99_LIMIT = 0.100  # seconds: the well-behaved tenant's request latency, on a quiet machine
+# On a busy one the bound follows the good tenant's own p99 measured alone first, in the
+# same run (QUIET_SECONDS): at most QUIET_RATIO times it plus QUIET_MARGIN, if above.
+QUIET_SECONDS = 4.0
+QUIET_RATIO = 3
+QUIET_MARGIN = 0.050
 RSS_ALLOWANCE = 300 * 1024 * 1024  # bytes above the baseline the server may reach
 FOLD_GROWTH = 50 * 1024 * 1024  # bytes one PUT of the folding template may add
 MIB = 1024 * 1024
@@ -825,9 +830,13 @@ async def hostile_tenant(
                     stop.set()
                     await asyncio.gather(*workers)
 
+            # The good tenant alone first: what its p99 is on this machine right now.
+            await asyncio.to_thread(asyncio.run, polite.main(QUIET_SECONDS))
+            quiet = percentile(t.latencies, 0.99)
+            t.latencies.clear()
             await bounded(report, load())
             peak = max(peak, rss(pid, "VmHWM"))
-            conclude(report, t, baseline, peak)
+            conclude(report, t, baseline, peak, quiet)
             for view in polite.views:
                 log = await stored_log(t.good, view.execution_id)
                 report.stored_events += len(log)
@@ -850,10 +859,14 @@ async def hostile_tenant(
     return report
 
 
-def conclude(report: Report, t: Tenants, baseline: int, peak: int) -> None:
-    """The figures, and the rules on the good tenant's latency and the server's memory."""
+def conclude(report: Report, t: Tenants, baseline: int, peak: int, quiet: float) -> None:
+    """The figures, and the rules on the good tenant's latency (against ``quiet``, its
+    p99 alone on this machine in this run) and the server's memory."""
     p50, p99 = percentile(t.latencies, 0.5), percentile(t.latencies, 0.99)
+    limit = max(P99_LIMIT, QUIET_RATIO * quiet + QUIET_MARGIN)
     report.figures.update(
+        good_quiet_p99_ms=round(quiet * 1000, 1),
+        good_p99_limit_ms=round(limit * 1000, 1),
         good_requests=len(t.latencies),
         good_p50_ms=round(p50 * 1000, 1),
         good_p99_ms=round(p99 * 1000, 1),
@@ -865,9 +878,10 @@ def conclude(report: Report, t: Tenants, baseline: int, peak: int) -> None:
         slowest_s=t.slowest,
         good_slow=dict(t.slow),
     )
-    if p99 > P99_LIMIT:
+    if p99 > limit:
         report.find(
-            f"good: request p99 {p99 * 1000:.0f} ms over {P99_LIMIT * 1000:.0f} ms "
+            f"good: request p99 {p99 * 1000:.0f} ms over {limit * 1000:.0f} ms "
+            f"(alone first: p99 {quiet * 1000:.0f} ms) "
             f"(p50 {p50 * 1000:.0f} ms, {len(t.latencies)} requests, "
             f"mean {statistics.fmean(t.latencies) * 1000:.0f} ms)"
         )
