@@ -3,16 +3,20 @@ free slots, and runs each as its new owner (SPEC §14).
 
 A take is woken (``nudge``) whenever a slot may be free or work may wait: a start here
 was queued, a run here ended, another process announced queued work (the control
-listener reads the queue's wake stream), or a janitor pass came round (the safety net
-for a missed announcement). Each take is fair across tenants (queue.py); then the
-claim decides (claim.lua "take"): an execution claimed by another, or cancelled
-meanwhile, is dropped.
+listener reads the queue's wake stream), and every half lease without any of those (the
+safety net for a missed announcement, or a cap freed by a lease that ran out). Each
+take is fair across tenants (queue.py); then the claim decides (claim.lua "take"): an
+execution claimed by another, or cancelled meanwhile, is dropped. Each of those rounds
+also gives back what a dead taker took and never claimed (``reclaim``), in every
+process, with slots or not: nothing else is sure to come round.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from datetime import datetime
@@ -56,6 +60,9 @@ class Dispatcher:
         self.slots = slots
         self._start = start
         self._nudged = asyncio.Event()
+        # The rounds that come without a nudge, and those that reclaim.
+        self._every = max(0.05, self._queue.lease_ms / 2000)
+        self._next_reclaim = 0.0
 
     def free(self) -> int:
         """Slots free here now (what runs here, taken or not from the queue, fills them)."""
@@ -79,10 +86,19 @@ class Dispatcher:
             log.warning("could not announce queued work", extra={"error": str(exc)})
 
     async def run(self) -> None:
-        """Take work whenever nudged, while slots are free and the process accepts."""
+        """Take work whenever nudged (or half a lease passed), while slots are free and
+        the process accepts; give back what dead takers never claimed first."""
         while True:
-            await self._nudged.wait()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._every):
+                    await self._nudged.wait()
             self._nudged.clear()
+            if time.monotonic() >= self._next_reclaim:
+                self._next_reclaim = time.monotonic() + self._every
+                try:
+                    await self.reclaim()
+                except FlowcastError as exc:
+                    log.warning("giving back stale deliveries failed", extra={"error": str(exc)})
             while self._runs.accepting and self.free() > 0:
                 try:
                     if not await self.take_one():
@@ -104,6 +120,15 @@ class Dispatcher:
         eid = taken.execution_id
         try:
             meta = await self._buffer.meta(eid)
+        except NotFound:
+            # Taken between the start's admission and its record's creation (start.lua
+            # follows queue.lua ``enter``): not claimed, and not dropped for good. The
+            # delivery stays in ``taken``; past its lease ``reclaim`` queues it again
+            # once its record says ``queued`` (or drops it, should it never appear).
+            log.info("queued execution taken before it exists", extra={"executionId": eid})
+            await self._quietly(eid, self._admission.leave(taken.tenant, fence))
+            return
+        try:
             # Read while it is still queued: once claimed, its run must start.
             version, given, _run, saved = await self._states.load(eid)
             workflow = await self._states.load_version(version)

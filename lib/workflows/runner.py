@@ -543,8 +543,6 @@ class Runner:
                 continue  # shutting down: this process takes nothing over any more
             try:
                 await self._ownership.take_back_owed()
-                await self.dispatcher.reclaim()
-                self.dispatcher.nudge()
                 if due.restarted:
                     await self._reassert()
                 for execution_id, fence in due.dead:

@@ -1,0 +1,126 @@
+"""Races between the queue's steps on real processes (SPEC §14 "Nothing stuck, nothing
+lost"; SPEC §3 "A 202 means it happens").
+
+An ``execute`` queues the execution (queue.lua ``enter``) in one write and creates its
+record (start.lua) in the next: a worker may take it in between. Such a delivery must
+not be dropped for good, or the execution stays ``queued`` with no queue holding it.
+
+Found by the step 17 fresh-eyes review.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from tests.support.api import put, quick_workflow, until, wait_finished
+from tests.support.faults import LEASE_SECONDS, kill_replica, replica
+from tests.support.logcheck import check_log
+from tests.support.servers import FlowcastServer, ValkeyServer
+from tests.support.tap import Tap
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+async def api_and_worker(
+    own_valkey: ValkeyServer, tmp_path: Path
+) -> AsyncIterator[tuple[Tap, httpx.AsyncClient, FlowcastServer]]:
+    """An API replica without worker slots, through a tap; a worker beside it."""
+    async with Tap(own_valkey.port) as tap:
+        api = replica(own_valkey, tmp_path, "api", FLOWCAST_REDIS_URL=tap.url)
+        api.env["FLOWCAST_WORKER_SLOTS"] = "0"
+        worker = replica(own_valkey, tmp_path, "worker")
+        await asyncio.gather(api.start(), worker.start())
+        try:
+            async with httpx.AsyncClient(base_url=api.url, timeout=60) as client:
+                await put(client, quick_workflow("quick"))
+                yield tap, client, worker
+        finally:
+            await asyncio.gather(api.stop(), worker.stop())
+
+
+async def test_a_queued_execution_taken_before_its_record_exists_still_runs(
+    api_and_worker: tuple[Tap, httpx.AsyncClient, FlowcastServer], own_valkey: ValkeyServer
+) -> None:
+    tap, client, worker = api_and_worker
+    redis = Redis.from_url(own_valkey.url)
+    try:
+        release = asyncio.Event()
+        # start.lua writes the metadata and the run state together: held, after the
+        # batch that queued the execution.
+        tap.hold(lambda data: b"}:meta" in data and b"}:state" in data, release=release)
+        answer = asyncio.create_task(
+            client.post("/api/workflows/quick/execute", json={"input": {"n": 1}})
+        )
+        await asyncio.wait_for(tap.held.wait(), 20)
+
+        # Another start, on the worker, queues behind it and wakes the worker, which
+        # takes the oldest in line: the one whose record is not written yet.
+        async with httpx.AsyncClient(base_url=worker.url, timeout=60) as on_worker:
+            other = await on_worker.post("/api/workflows/quick/execute", json={"input": {}})
+            assert other.status_code == 202, other.text
+            assert (await wait_finished(on_worker, other.json()["executionId"]))[
+                "status"
+            ] == "completed"
+
+        async def taken() -> bool:
+            return not await redis.keys("*{queue}:queued:*") and not await redis.keys(
+                "*{queue}:tenants"
+            )
+
+        await until(taken, "the worker took the execution before it existed", 20)
+        release.set()
+        accepted = await answer
+        assert accepted.status_code == 202, accepted.text
+        assert accepted.json()["status"] == "queued"
+        execution_id = accepted.json()["executionId"]
+        # Given back within a few leases (a taker that never claimed it), then run.
+        ended = await wait_finished(client, execution_id, timeout=10 * LEASE_SECONDS)
+        assert ended["status"] == "completed", ended
+        events = (await client.get(f"/api/executions/{execution_id}/events")).json()["events"]
+        check_log(events)
+        assert [e["type"] for e in events].count("execution:started") == 1
+    finally:
+        await redis.aclose()
+
+
+async def test_a_worker_killed_between_take_and_claim_gives_the_execution_back(
+    own_valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """SPEC §14: "A worker that dies after taking an execution gives it back within about
+    FLOWCAST_LEASE_SECONDS" -- also when nothing else is due anywhere (no lease expires,
+    no deadline passes) to set the other processes' janitors going."""
+    api = replica(own_valkey, tmp_path, "api", FLOWCAST_WORKER_SLOTS="0")
+    async with Tap(own_valkey.port) as tap:
+        taker = replica(own_valkey, tmp_path, "taker", FLOWCAST_REDIS_URL=tap.url)
+        other = replica(own_valkey, tmp_path, "other")
+        await asyncio.gather(api.start(), taker.start())
+        try:
+            async with httpx.AsyncClient(base_url=api.url, timeout=60) as client:
+                await put(client, quick_workflow("quick"))
+                # The taker's claim (claim.lua "take") never reaches Redis: it dies there.
+                tap.hold(lambda data: b"}:meta" in data and b"\r\ntake\r\n" in data)
+                accepted = await client.post("/api/workflows/quick/execute", json={"input": {}})
+                assert accepted.status_code == 202, accepted.text
+                assert accepted.json()["status"] == "queued"
+                execution_id = accepted.json()["executionId"]
+                await asyncio.wait_for(tap.held.wait(), 20)
+                await kill_replica(taker)
+                killed = time.monotonic()
+                await other.start()
+                ended = await wait_finished(client, execution_id, timeout=20 * LEASE_SECONDS)
+                given_back = time.monotonic() - killed
+                assert ended["status"] == "completed", ended
+                events = (await client.get(f"/api/executions/{execution_id}/events")).json()
+                check_log(events["events"])
+                # Within a few leases of the death (the taker's delivery lasts two).
+                assert given_back < 5 * LEASE_SECONDS, given_back
+        finally:
+            await asyncio.gather(api.stop(), other.stop(), taker.stop())
