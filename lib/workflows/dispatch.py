@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
 from datetime import datetime
 from typing import Any
@@ -60,13 +60,30 @@ class Dispatcher:
         self.slots = slots
         self._start = start
         self._nudged = asyncio.Event()
+        # Slots held by starts and takes on their way to launching (``slot``).
+        self._holding = 0
         # The rounds that come without a nudge, and those that reclaim.
         self._every = max(0.05, self._queue.lease_ms / 2000)
         self._next_reclaim = 0.0
 
     def free(self) -> int:
-        """Slots free here now (what runs here, taken or not from the queue, fills them)."""
-        return max(0, self.slots - len(self._runs))
+        """Slots free here now (what runs here, taken or not from the queue, fills them,
+        and so does each start or take on its way to launching)."""
+        return max(0, self.slots - len(self._runs) - self._holding)
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[bool]:
+        """Hold a free slot, if there is one (True), while a start or a take is on its
+        way to launching here: concurrent starts each saw the same free slot before any
+        had launched, and ran past ``slots``. The launch fills it once made."""
+        if not (self._runs.accepting and self.free() > 0):
+            yield False
+            return
+        self._holding += 1
+        try:
+            yield True
+        finally:
+            self._holding -= 1
 
     def nudge(self) -> None:
         """Look at the queue again soon (a slot may be free, or work may wait)."""
@@ -101,7 +118,9 @@ class Dispatcher:
                     log.warning("giving back stale deliveries failed", extra={"error": str(exc)})
             while self._runs.accepting and self.free() > 0:
                 try:
-                    if not await self.take_one():
+                    with self.slot():
+                        took = await self.take_one()
+                    if not took:
                         break
                 except FlowcastError as exc:
                     log.warning("taking queued work failed", extra={"error": str(exc)})

@@ -247,7 +247,15 @@ class Runner:
             Field.CREATED_AT.value: utc_timestamp(now),
             Field.INLINE_FILES.value: "1" if inline_files else "",
         }
-        created = await self._create(execution_id, workflow, input, identity, now, confirm)
+        with self.dispatcher.slot() as here:
+            created = await self._create(
+                execution_id, workflow, input, identity, now, confirm, here=here
+            )
+            if created is not None and not isinstance(created, Entered):
+                claim, saved = created
+                events = self._run_new(
+                    execution_id, claim, identity, workflow, input, saved, write_back=write_back
+                )
         if created is None:
             log.info("execution created by another request", extra={"executionId": execution_id})
             return Started(execution_id, "running")
@@ -256,10 +264,6 @@ class Runner:
             await self.dispatcher.announce()
             self.dispatcher.nudge()
             return Started(execution_id, "queued", ahead=created.ahead)
-        claim, saved = created
-        events = self._run_new(
-            execution_id, claim, identity, workflow, input, saved, write_back=write_back
-        )
         if first_stored:
             await events.first_stored(START_RESERVED, FIRST_STORED_SECONDS)
         return Started(execution_id, "running")
@@ -329,6 +333,8 @@ class Runner:
         identity: dict[str, str],
         now: datetime,
         confirm: Callable[[Batch], None] | None = None,
+        *,
+        here: bool,
     ) -> tuple[Claim, dict[str, bytes]] | Entered | None:
         """Admit the tenant's execution and create it, owned here, with its run state
         (the claim and the state as stored), or queued (``Entered``); None when another
@@ -366,7 +372,7 @@ class Runner:
                 state=saved,
                 checked=checked,
                 alongside=lambda batch: self._states.save_version_in(batch, workflow),
-                here=self._runs.accepting and self.dispatcher.free() > 0,
+                here=here,
             )
         except OverQuota:
             raise  # refused before anything was counted
