@@ -124,3 +124,48 @@ async def test_a_worker_killed_between_take_and_claim_gives_the_execution_back(
                 assert given_back < 5 * LEASE_SECONDS, given_back
         finally:
             await asyncio.gather(api.stop(), other.stop(), taker.stop())
+
+
+async def test_a_keyed_repeat_racing_its_first_request_leaves_the_execution_in_line(
+    own_valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """Two requests with one Idempotency-Key both queue the one execution id they name;
+    the one that finds it created by the other must not take it out of line (SPEC §3
+    "Idempotency": "even when the repeats arrive concurrently")."""
+    key = {"Idempotency-Key": "order-17"}
+    body = {"input": {"n": 17}}
+    async with Tap(own_valkey.port) as tap:
+        a = replica(
+            own_valkey, tmp_path, "a", FLOWCAST_REDIS_URL=tap.url, FLOWCAST_WORKER_SLOTS="0"
+        )
+        b = replica(own_valkey, tmp_path, "b", FLOWCAST_WORKER_SLOTS="0")
+        worker = replica(own_valkey, tmp_path, "worker")
+        await asyncio.gather(a.start(), b.start())
+        try:
+            async with (
+                httpx.AsyncClient(base_url=a.url, timeout=60) as on_a,
+                httpx.AsyncClient(base_url=b.url, timeout=60) as on_b,
+            ):
+                await put(on_b, quick_workflow("quick"))
+                release = asyncio.Event()
+                # A's start.lua is held after A queued the id; B's repeat creates it.
+                tap.hold(lambda data: b"}:meta" in data and b"}:state" in data, release=release)
+                url = "/api/workflows/quick/execute"
+                first = asyncio.create_task(on_a.post(url, json=body, headers=key))
+                await asyncio.wait_for(tap.held.wait(), 20)
+                repeat = await on_b.post(url, json=body, headers=key)
+                assert repeat.status_code == 202, repeat.text
+                execution_id = repeat.json()["executionId"]
+                release.set()
+                answered = await first
+                assert answered.status_code == 202, answered.text
+                assert answered.json()["executionId"] == execution_id
+                assert "execution created by another request" in a.logs()
+                # A worker comes: the execution is still in line, and runs once.
+                await worker.start()
+                ended = await wait_finished(on_b, execution_id, timeout=10 * LEASE_SECONDS)
+                assert ended["status"] == "completed", ended
+                events = (await on_b.get(f"/api/executions/{execution_id}/events")).json()
+                check_log(events["events"])
+        finally:
+            await asyncio.gather(a.stop(), b.stop(), worker.stop())
