@@ -142,7 +142,7 @@ class Dispatcher:
         except NotFound:
             # Taken between the start's admission and its record's creation (start.lua
             # follows queue.lua ``enter``): not claimed, and not dropped for good. The
-            # delivery stays in ``taken``; past its lease ``reclaim`` queues it again
+            # delivery stays in ``taken``; past two leases ``reclaim`` queues it again
             # once its record says ``queued`` (or drops it, should it never appear).
             log.info("queued execution taken before it exists", extra={"executionId": eid})
             await self._quietly(eid, self._admission.leave(taken.tenant, fence))
@@ -158,12 +158,14 @@ class Dispatcher:
             log.info("queued execution not taken", extra={"executionId": eid, "why": str(exc)})
             await self._drop(taken, fence)
             return
-        # A failure of the store here leaves the delivery in ``taken``: past two
-        # leases a janitor queues it again (if its claim did not apply).
-        await self._quietly(eid, self._queue.claimed(taken))
-        queued_ms = _queued_ms(meta)
+        # Launched before anything else is awaited: a shutdown that cancels this task
+        # now finds the run here to hand off (else it would wait for its lease to end,
+        # charged as a crash), and a cancel sent here finds the run to stop.
         claim = replace(claim, reserved=START_RESERVED)
-        self._start(meta, claim, workflow, given, saved, queued_ms)
+        self._start(meta, claim, workflow, given, saved, _queued_ms(meta))
+        # A failure of the store here (or before the claim answered) leaves the delivery
+        # in ``taken``: past two leases ``reclaim`` queues it again if still queued.
+        await self._quietly(eid, self._queue.claimed(taken))
 
     async def _drop(self, taken: Taken, fence: str) -> None:
         eid = taken.execution_id
