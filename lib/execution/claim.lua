@@ -25,7 +25,11 @@ ARGV[4]  resume: the paused block the caller answers ("" = whichever it is);
          handoff: the highest id the caller showed live (its reservation above that
          is handed back: the next owner numbers from there);
          take: the ids reserved for the new owner from the start (start.lua's ARGV[6])
-ARGV[5]  takeover: "handoff" to take it over only if its owner handed it off; "dead"
+ARGV[5]  resume: "queue" when the caller may not run it now (its tenant runs its cap,
+         or the caller has no free worker slot): paused -> queued, owned by nobody,
+         with `continues` naming the answered block; a worker takes it (queue.lua)
+         and runs it on from the answer
+         takeover: "handoff" to take it over only if its owner handed it off; "dead"
          to take it over from the owner ARGV[4] although its lease has not ended (the
          caller knows that owner is dead: an earlier process of its own node)
 ARGV[6]  resume: the answer, as JSON. It goes into the checkpoint (`a:<block>`) with the
@@ -46,6 +50,9 @@ ARGV[8]  takeover: who the dead owner's death is charged to (blame.py reads it f
 ARGV[9]  takeover: "busy" when the caller runs a suspect already: a run whose owners
          died twice (this death counted) is refused SUSPECT, so that each process runs
          at most one suspect and its next death is charged to that one alone
+ARGV[10] the status channel (fc:status, pub/sub) and ARGV[11] the execution id: "take"
+         and a resume to "queue" publish the execution's new list row there (the live
+         lists), as start.lua does
 
 Suspicion: `deaths` counts every death of an owner while it ran (charged or not), and a
 run with two deaths is a suspect wherever it runs next; `crashes` counts the deaths charged
@@ -164,11 +171,19 @@ if mode == "resume" then
   if ARGV[4] ~= "" and ARGV[4] ~= state[5] then
     return redis.error_reply("BLOCK " .. (state[5] or ""))
   end
-  local won = own(false)
   if ARGV[6] and ARGV[6] ~= "" and state[5] then
     redis.call("HSET", KEYS[2], "a:" .. state[5], ARGV[6])
   end
-  return won
+  if ARGV[5] == "queue" then
+    redis.call("HSET", meta, "status", "queued", "owner", "", "leaseUntil", 0,
+      "pauseBlock", "", "pauseDeadline", "", "continues", state[5] or "")
+    if ARGV[10] and ARGV[10] ~= "" then
+      publish_row(meta, ARGV[10], ARGV[11], "queued", last)
+    end
+    return {last, base, status, "", tonumber(state[7]) or 0, recoveries, "", crashes,
+      cancel, deaths}
+  end
+  return own(false)
 elseif mode == "cancel" then
   if status == "running" then
     redis.call("HSET", meta, "cancelRequested", "1")
@@ -269,8 +284,17 @@ elseif mode == "take" then
   if status ~= "queued" then
     return redis.error_reply("STATUS " .. status)
   end
+  local continues = redis.call("HGET", meta, "continues")
   local won = own(false)
-  redis.call("HSET", meta, "reserved", tonumber(ARGV[4]) or 0)
+  redis.call("HDEL", meta, "continues")
+  if (not continues or continues == "") and base == 0 then
+    -- A start: its first event's id is the taker's already (as start.lua reserves it);
+    -- above a durable ceiling (a store back behind), it numbers from there instead.
+    redis.call("HSET", meta, "reserved", tonumber(ARGV[4]) or 0)
+  end
+  if ARGV[10] and ARGV[10] ~= "" then
+    publish_row(meta, ARGV[10], ARGV[11], "running", last)
+  end
   return won
 end
 return redis.error_reply("MODE " .. mode)

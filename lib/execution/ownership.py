@@ -28,6 +28,11 @@ against a real server, and checks that this drawing is the table):
                                                refused: GONE FENCED BEHIND
     paused   resume      claim.lua   running   any process, for a valid answer (once)
                                                refused: NOEXEC STATUS BLOCK
+    paused   resume later  claim.lua   queued    any process, for a valid answer (once),
+                                               when it may not run it now (its tenant
+                                               runs its cap, or no free slot here): in
+                                               line before its tenant's starts
+                                               refused: NOEXEC STATUS BLOCK
     paused   cancel      claim.lua   running   any process; it then writes the cancel
                                                refused: NOEXEC STATUS
     running  cancel      claim.lua   running   any process: flags cancelRequested; the
@@ -169,6 +174,12 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition(
         Status.PAUSED, "resume", Script.CLAIM, Mode.RESUME, (Status.RUNNING,),
         "any process, for a valid answer (once)", (Reply.NOEXEC, Reply.STATUS, Reply.BLOCK),
+    ),
+    Transition(
+        Status.PAUSED, "resume later", Script.CLAIM, Mode.RESUME, (Status.QUEUED,),
+        "any process, for a valid answer (once),\nwhen it may not run it now (its tenant\n"
+        "runs its cap, or no free slot here): in\nline before its tenant's starts",
+        (Reply.NOEXEC, Reply.STATUS, Reply.BLOCK),
     ),
     Transition(
         Status.PAUSED, "cancel", Script.CLAIM, Mode.CANCEL, (Status.RUNNING,),
@@ -456,6 +467,7 @@ class Ownership:
         base_at_least: int = 0,
         verdict: Verdict = Verdict.ALONE,
         busy: bool = False,
+        later: bool = False,
     ) -> Claim:
         """Win a transition (see claim.lua); its refusal otherwise (``WrongStatus`` with
         the status that won, ``NotFound``, …: see ``TRANSITIONS``).
@@ -466,7 +478,8 @@ class Ownership:
         puts the new owner's numbering above it, whatever the transition. A takeover's
         ``verdict`` says who the dead owner's death is charged to; ``busy``, that the
         caller runs a suspect already (``SuspectHeld`` for a run whose owners died:
-        blame.py).
+        blame.py). A resume ``later`` puts the execution in line instead of running it
+        here (the claim's owner is then "").
         """
         argument = block_id if mode is Mode.RESUME else expected
         try:
@@ -488,11 +501,13 @@ class Ownership:
                     fence,
                     self.lease_ms,
                     argument,
-                    takeover.value,
+                    "queue" if later else takeover.value,
                     answer,
                     base_at_least,
                     verdict.value,
                     "busy" if busy else "",
+                    self.keys.status,
+                    execution_id,
                 ],
             )
         except ResponseError as exc:

@@ -12,7 +12,7 @@ tenant that starts waiting again begins at the clock, with no credit for its idl
 Taking is a hint, the claim is the truth: a worker that took an execution then claims
 it (claim.lua "take", queued -> running). A claim refused (a cancel won, or another
 worker claimed it) drops the delivery. Each delivery stays in ``taken`` until its claim
-answered; a taker dead before that is presumed so after two leases, and a janitor
+answered; a taker dead before that is presumed so after a lease, and a janitor
 queues the execution again if it is still queued (``stale``, ``requeue``).
 
 Redis keeps, for the queue, only what waits: a tenant's line while it has one, the
@@ -111,10 +111,12 @@ class Queue:
 
         def then(reply: Any) -> None:
             if int(reply[0]) == 0:
+                retry = int(reply[1]) if len(reply) > 1 else self._retry_after
                 raise TooBusy(
-                    f"this tenant already has {self.max_unfinished} unfinished executions;"
-                    " try again shortly",
-                    retry_after=self._retry_after,
+                    f"this tenant already has {self.max_unfinished} unfinished executions"
+                    f" (queued, running or paused); at its recent pace one ends in about"
+                    f" {retry} s",
+                    retry_after=retry,
                 )
             answers.append(Entered(int(reply[0]) == 2, int(reply[1]) if len(reply) > 1 else 0))
 
@@ -142,6 +144,26 @@ class Queue:
             if len(tenants) < CANDIDATES:
                 return None
             offset += CANDIDATES
+
+    @translated
+    async def room(self, tenant: str, fence: str) -> bool:
+        """Admit a continuation (a resume) as the ownership ``fence`` when its tenant
+        runs fewer than its cap; False (nothing written) when it must wait in line."""
+        args = ["room", fence, self.lease_ms, self.grace_ms, self.max_running]
+        return bool(await self._call([self.keys.running(tenant)], args))
+
+    @translated
+    async def line(self, tenant: str, execution_id: str, *, replaces: str = "") -> int:
+        """Queue a continuation ahead of its tenant's starts; returns its ``ahead``.
+        ``replaces``: what counted it until now (its pause's entry)."""
+        keys = [*self._tenant_keys(tenant), self.keys.waiting, self.keys.fair]
+        return int(await self._call(keys, ["line", execution_id, tenant, replaces]))
+
+    @translated
+    async def again(self, tenant: str, execution_id: str, *, score: int) -> bool:
+        """Put a queued execution back in line if no line holds it (the reconciler)."""
+        keys = [self.keys.queued(tenant), self.keys.waiting, self.keys.fair]
+        return bool(await self._call(keys, ["again", execution_id, tenant, score]))
 
     @translated
     async def claimed(self, taken: Taken) -> None:

@@ -88,6 +88,9 @@ class Field(StrEnum):
     CRASHES = "crashes"  # deaths of an owner charged to it (blame.py)
     DEATHS = "deaths"  # every death of an owner while it ran: a suspect once above 0
     QUARANTINED = "quarantined"  # "1": charged as its process's suspect; it ends failed
+    # A resume waiting in line (claim.lua "resume" to queued): the block it answered,
+    # until a worker takes it and runs it on from there.
+    CONTINUES = "continues"
     # The replay buffer (append.lua).
     LAST_ID = "lastId"
     FIRST_ID = "firstId"  # the oldest id retained
@@ -355,6 +358,7 @@ class ExecutionMeta:
     reserved: int = 0
     inline_files: bool = False
     cancel_requested: bool = False
+    continues: str = ""  # queued: the block a resume answered (a continuation)
     output: Any = None
     error: Any = None
     pause: Any = None
@@ -396,6 +400,7 @@ class ExecutionMeta:
             reserved=number(Field.RESERVED),
             inline_files=text(Field.INLINE_FILES) == "1",
             cancel_requested=text(Field.CANCEL_REQUESTED) == "1",
+            continues=text(Field.CONTINUES),
             output=loaded(Field.OUTPUT),
             error=loaded(Field.ERROR),
             pause=loaded(Field.PAUSE),

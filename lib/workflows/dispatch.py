@@ -24,8 +24,9 @@ from typing import Any
 
 from lib.errors import FlowcastError, NotFound, WrongStatus
 from lib.execution.ownership import START_RESERVED, Claim
-from lib.execution.queue import Queue, Taken
+from lib.execution.queue import CONTINUATION_OFFSET_MS, Queue, Taken
 from lib.execution.record import ExecutionMeta, Mode
+from lib.workflows.executor import RunState
 from lib.workflows.leases import LocalRuns
 from lib.workflows.model import Workflow
 from lib.workflows.parts import Parts
@@ -33,8 +34,8 @@ from lib.workflows.parts import Parts
 log = logging.getLogger(__name__)
 
 # Runs an execution this process claimed from the queue: (its record, the claim, its
-# workflow, its input, its run state as stored, how long it waited in ms).
-Start = Callable[[ExecutionMeta, Claim, Workflow, Any, dict[str, bytes], int], None]
+# workflow, its input, its checkpoint, its run state as stored, how long it waited in ms).
+Start = Callable[[ExecutionMeta, Claim, Workflow, Any, RunState, dict[str, bytes], int], None]
 
 
 class Dispatcher:
@@ -46,6 +47,7 @@ class Dispatcher:
         *,
         slots: int,
         start: Start,
+        recall: Callable[[str, ExecutionMeta], Awaitable[int]] | None = None,
     ) -> None:
         transitions = parts.transitions
         self._parts = parts
@@ -59,6 +61,9 @@ class Dispatcher:
         self._runs: LocalRuns = parts.runs
         self.slots = slots
         self._start = start
+        # What a claim must know of what a store back behind forgot (takeovers.py
+        # ``recalled``): the id to number above.
+        self._recall = recall
         self._nudged = asyncio.Event()
         # Slots held by starts and takes on their way to launching (``slot``).
         self._holding = 0
@@ -142,14 +147,14 @@ class Dispatcher:
         except NotFound:
             # Taken between the start's admission and its record's creation (start.lua
             # follows queue.lua ``enter``): not claimed, and not dropped for good. The
-            # delivery stays in ``taken``; past two leases ``reclaim`` queues it again
+            # delivery stays in ``taken``; past a lease ``reclaim`` queues it again
             # once its record says ``queued`` (or drops it, should it never appear).
             log.info("queued execution taken before it exists", extra={"executionId": eid})
             await self._quietly(eid, self._admission.leave(taken.tenant, fence))
             return
         try:
             # Read while it is still queued: once claimed, its run must start.
-            version, given, _run, saved = await self._states.load(eid)
+            version, given, run, saved = await self._states.load(eid)
             workflow = await self._states.load_version(version)
             await self._watch.hold(eid, fence)
             claim = await self._ownership.claim(eid, Mode.TAKE, fence, expected=str(START_RESERVED))
@@ -161,10 +166,11 @@ class Dispatcher:
         # Launched before anything else is awaited: a shutdown that cancels this task
         # now finds the run here to hand off (else it would wait for its lease to end,
         # charged as a crash), and a cancel sent here finds the run to stop.
-        claim = replace(claim, reserved=START_RESERVED)
-        self._start(meta, claim, workflow, given, saved, _queued_ms(meta))
+        if not meta.continues and claim.base == 0:
+            claim = replace(claim, reserved=START_RESERVED)  # its first event is its own
+        self._start(meta, claim, workflow, given, run, saved, _queued_ms(meta))
         # A failure of the store here (or before the claim answered) leaves the delivery
-        # in ``taken``: past two leases ``reclaim`` queues it again if still queued.
+        # in ``taken``: past a lease ``reclaim`` queues it again if still queued.
         await self._quietly(eid, self._queue.claimed(taken))
 
     async def _drop(self, taken: Taken, fence: str) -> None:
@@ -193,6 +199,37 @@ class Dispatcher:
                     extra={"executionId": taken.execution_id},
                 )
                 self.nudge()
+
+    async def reconcile(self) -> int:
+        """Put back in line every queued execution no line holds: after the store came
+        back from another server (a restart, a failover, a restore), the line and the
+        record, in other hash slots, may disagree. Reads each tenant's unfinished index
+        once; returns how many it put back."""
+        keys = self._buffer.keys
+        redis = self._buffer.redis
+        head, tail = f"{keys.prefix}:{{t:", "}:executions:open"
+        found = 0
+        async for raw in redis.scan_iter(match=f"{head}*{tail}", count=1000):
+            name = raw.decode() if isinstance(raw, bytes) else str(raw)
+            tenant = name[len(head) : -len(tail)]
+            members: Any = await redis.zrange(name, 0, -1)
+            for eid in [member.decode() for member in members]:
+                try:
+                    meta = await self._buffer.meta(eid)
+                except NotFound:
+                    continue
+                if meta.status != "queued":
+                    continue
+                score = created_ms(meta)
+                if meta.continues:
+                    score -= CONTINUATION_OFFSET_MS
+                if await self._queue.again(tenant, eid, score=score):
+                    found += 1
+        if found:
+            log.warning("queued executions no line held were queued again", extra={"count": found})
+            await self.announce()
+            self.nudge()
+        return found
 
     @staticmethod
     async def _quietly(execution_id: str, *steps: Awaitable[object]) -> None:

@@ -54,6 +54,7 @@ from lib.execution.queue import Entered
 from lib.execution.record import ExecutionMeta, Field, Mode, Status, StopReason, Takeover
 from lib.workflows.checkpoint import answer_field
 from lib.workflows.dispatch import Dispatcher, created_ms
+from lib.workflows.executor import RunState
 from lib.workflows.janitor import Janitor, cancelled
 from lib.workflows.launcher import Body, Outcome, ending_body, identity_of
 from lib.workflows.leases import LeaseKeeper, LocalRun
@@ -128,7 +129,9 @@ class Runner:
         self._queue = transitions.queue
         # Takes queued work for this process's free slots; woken by the control
         # listener (work queued elsewhere) and by each run here that ends.
-        self.dispatcher = Dispatcher(parts, slots=worker_slots, start=self._start_taken)
+        self.dispatcher = Dispatcher(
+            parts, slots=worker_slots, start=self._start_taken, recall=takeovers.recalled
+        )
         listener.on_queued = self.dispatcher.nudge
         self._launcher.on_free = self.dispatcher.nudge
 
@@ -310,10 +313,17 @@ class Runner:
         claim: Claim,
         workflow: Workflow,
         input: Any,
+        run: RunState,
         saved: dict[str, bytes],
         queued_ms: int,
     ) -> None:
-        """Run an execution the dispatcher took from the queue and claimed here."""
+        """Run an execution the dispatcher took from the queue and claimed here: a
+        start from its first event, or a resume that waited in line from its answer."""
+        if meta.continues:
+            answer = run.answers.get(meta.continues)
+            body = self._resumed(meta.continues, answer)
+            self._launcher.launch(meta.id, claim, identity=identity_of(meta), body=body, meta=meta)
+            return
         self._run_new(
             meta.id,
             claim,
@@ -413,8 +423,41 @@ class Runner:
             raise NotPausedThere(execution_id, paused_at=paused_at, asked=block_id)
         _check_answer(meta.pause.get("schema") or {}, input)
         fence = self._parts.new_fence()
-        await self._admission.admit(tenant, fence, replaces=paused_member(execution_id))
-        claim = await self._claim(
+        # The same admission as a start's: run here only with a free slot and while
+        # the tenant runs fewer than its cap; else in line, before its starts.
+        # The slot is held until the launch fills it (``Dispatcher.slot``).
+        with self.dispatcher.slot() as here:
+            if not (here and await self._queue.room(tenant, fence)):
+                return await self._resume_later(execution_id, tenant, meta, paused_at, input, fence)
+            claim = await self._claim(
+                execution_id,
+                Mode.RESUME,
+                fence,
+                tenant,
+                meta=meta,
+                block_id=paused_at,
+                answer=orjson.dumps(input),
+            )
+            body = self._resumed(paused_at, input)
+            self._launcher.launch(
+                execution_id, claim, identity=identity_of(meta), body=body, meta=meta
+            )
+        return Started(execution_id, "running")
+
+    async def _resume_later(
+        self,
+        execution_id: str,
+        tenant: str,
+        meta: ExecutionMeta,
+        paused_at: str,
+        input: Any,
+        fence: str,
+    ) -> Started:
+        """Accept a resume that may not run now: its answer is stored with the claim
+        (paused -> queued), then it waits in line before its tenant's starts. ``fence``'s
+        lease entry, written before the claim, covers the step between: should this
+        process die there, a janitor finds the execution queued and puts it in line."""
+        await self._claim(
             execution_id,
             Mode.RESUME,
             fence,
@@ -422,7 +465,16 @@ class Runner:
             meta=meta,
             block_id=paused_at,
             answer=orjson.dumps(input),
+            later=True,
         )
+        ahead = await self._queue.line(tenant, execution_id, replaces=paused_member(execution_id))
+        await self._launcher.quietly(execution_id, self._watch.release(execution_id, fence))
+        await self.dispatcher.announce()
+        self.dispatcher.nudge()
+        return Started(execution_id, "queued", ahead=ahead)
+
+    def _resumed(self, paused_at: str, input: Any) -> Body:
+        """The run of a resume: ``execution:resumed`` with the answer, then on."""
 
         async def body(local: LocalRun, emitter: ExecutionLog) -> None:
             # First, whatever follows: the resume took effect even if a cancel stops
@@ -439,8 +491,7 @@ class Runner:
 
             await self._launcher.execute(local, emitter, work)
 
-        self._launcher.launch(execution_id, claim, identity=identity_of(meta), body=body, meta=meta)
-        return Started(execution_id, "running")
+        return body
 
     async def cancel(self, execution_id: str, *, tenant: str) -> Started:
         """Cancel a running or paused execution wherever it runs.
@@ -452,19 +503,21 @@ class Runner:
         """
         meta = await self._owned(execution_id, tenant)
         given: Any = None
-        if meta.status == Status.QUEUED:
+        if meta.status == Status.QUEUED and not meta.continues:
             # Its first event, written with the cancel, shows the input it was given.
             _version, given, _run, _saved = await self._states.load(execution_id)
         fence = self._parts.new_fence()
         claim = await self._claim(execution_id, Mode.CANCEL, fence, tenant, meta=meta)
         if claim.status_before is Status.QUEUED:
             await self._launcher.quietly(execution_id, self._dequeue(tenant, execution_id))
+            # A resume in line has its log already: it only ends.
+            ending = (
+                ending_body(cancelled)
+                if meta.continues
+                else _cancelled_in_line(given, created_ms(meta))
+            )
             self._launcher.launch(
-                execution_id,
-                claim,
-                identity=identity_of(meta),
-                body=_cancelled_in_line(given, created_ms(meta)),
-                meta=meta,
+                execution_id, claim, identity=identity_of(meta), body=ending, meta=meta
             )
             return Started(execution_id, "cancelling")
         if claim.status_before is not Status.RUNNING:
@@ -506,8 +559,10 @@ class Runner:
         meta: ExecutionMeta,
         block_id: str = "",
         answer: bytes = b"",
+        later: bool = False,
     ) -> Claim:
-        """Watch ``fence``'s lease, then win the transition with it.
+        """Watch ``fence``'s lease, then win the transition with it (``later``: a
+        resume that waits in line; its pause's entry is replaced by its place).
 
         A refused claim undoes the watch. One whose answer was lost (the buffer failed
         mid-call) keeps it: if the claim did apply, the lease it set expires unrenewed
@@ -520,7 +575,13 @@ class Runner:
             ceiling = await self._takeovers.recalled(execution_id, meta)
             await self._watch.hold(execution_id, fence)
             claim = await self._ownership.claim(
-                execution_id, mode, fence, block_id=block_id, answer=answer, base_at_least=ceiling
+                execution_id,
+                mode,
+                fence,
+                block_id=block_id,
+                answer=answer,
+                base_at_least=ceiling,
+                later=later,
             )
         except (Conflict, NotFound):
             await self._launcher.quietly(
@@ -532,7 +593,7 @@ class Runner:
         except FlowcastError:
             await self._launcher.quietly(execution_id, self._admission.leave(tenant, fence))
             raise
-        if claim.status_before is Status.PAUSED:
+        if claim.status_before is Status.PAUSED and not later:
             # The pause stops counting as such: its new owner counts (or it ends).
             await self._launcher.quietly(
                 execution_id, self._admission.leave(tenant, paused_member(execution_id))
@@ -551,9 +612,14 @@ class Runner:
                 await self._ownership.take_back_owed()
                 if due.restarted:
                     await self._reassert()
-                for execution_id, fence in due.dead:
+                # Only a process that runs work takes runs over (an API replica with no
+                # worker slots leaves them to the workers). A recovery continues a run
+                # its tenant counted already (it replaces the dead owner's entry), and
+                # goes before any start: it may take this process past its slots.
+                runs_work = self.dispatcher.slots > 0
+                for execution_id, fence in due.dead if runs_work else ():
                     await self._takeovers.take_over(execution_id, fence, how=Takeover.DEAD)
-                for execution_id, fence in due.leases:
+                for execution_id, fence in due.leases if runs_work else ():
                     await self._takeovers.take_over(execution_id, fence, how=due.takeover)
                 for execution_id in due.deadlines:
                     await self._takeovers.expire(execution_id)
@@ -567,6 +633,8 @@ class Runner:
         """Take over each execution handed off by another process, as it is announced
         (the janitors would find its lease due anyway, should this fail)."""
         async for execution_id, fence in self._listener.handoffs():
+            if self.dispatcher.slots == 0:
+                continue  # a worker takes it over (this process runs no work)
             try:
                 await self._takeovers.take_over(execution_id, fence, how=Takeover.HANDOFF)
             except FlowcastError as exc:
@@ -581,6 +649,10 @@ class Runner:
         the short settle every process waits for."""
         await self._keeper.renew_now()
         await self._finals.reassert()
+        # The lines and the records may disagree now (they live in other hash slots):
+        # a queued execution no line holds is put back in line.
+        if self.dispatcher.slots > 0:
+            await self.dispatcher.reconcile()
 
 
 def _cancelled_in_line(given: Any, created_ms: int) -> Body:

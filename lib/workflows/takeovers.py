@@ -19,7 +19,15 @@ import logging
 from enum import Enum
 from typing import Any
 
-from lib.errors import BufferUnavailable, Conflict, LeaseHeld, NotDue, NotFound, SuspectHeld
+from lib.errors import (
+    BufferUnavailable,
+    Conflict,
+    LeaseHeld,
+    NotDue,
+    NotFound,
+    SuspectHeld,
+    WrongStatus,
+)
 from lib.execution.admission import paused_member
 from lib.execution.blame import DEATHS_PER_RECOVERY, SUSPECT_DEATHS, Suspicion, Verdict
 from lib.execution.ceiling import Durable, read_durable
@@ -184,6 +192,10 @@ class Takeovers:
                 self._watch.release(execution_id, fence),
                 self._settle_suspect(execution_id, suspect=False),
             )
+            if isinstance(exc, WrongStatus) and exc.status == Status.QUEUED:
+                # Its lease entry outlived a resume that died before putting it in line
+                # (runner.py ``_resume_later``): in line now (once; a place kept stays).
+                await self._in_line(meta)
             waits = isinstance(exc, LeaseHeld | SuspectHeld)
             return Claimed.NOT_YET if waits else Claimed.SETTLED
         except BaseException:
@@ -208,6 +220,11 @@ class Takeovers:
             execution_id, self._settle_suspect(execution_id, suspect=suspect)
         )
         return Claimed.WON
+
+    async def _in_line(self, meta: ExecutionMeta) -> None:
+        queue = self._parts.transitions.queue
+        await queue.line(meta.tenant, meta.id, replaces=paused_member(meta.id))
+        await self._launcher.quietly(meta.id, self._parts.transitions.control.announce_queued())
 
     async def recall(
         self, execution_id: str, meta: ExecutionMeta, expected: str = ""
@@ -392,7 +409,7 @@ def _announce_recovery(
     if claim.base == 0:
         # Its owner died before anything was stored or shown, even its first event:
         # the log starts as every log does.
-        emitter.emit(EXECUTION_STARTED, {"input": given})
+        emitter.emit(EXECUTION_STARTED, {"input": given, "queuedMs": 0})
     completed = [b.id for b in workflow.blocks if b.id in run.outputs]
     data = {
         "reason": claim.reason,

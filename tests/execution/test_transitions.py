@@ -390,6 +390,50 @@ async def test_any_process_resumes_a_pause_once_with_its_answer_checkpointed(
     check.every_refusal_tried()
 
 
+@row_test(Status.PAUSED, "resume later")
+async def test_a_resume_that_may_not_run_now_waits_in_line_with_its_answer(
+    machine: Machine,
+) -> None:
+    check = RowCheck(row_of(Status.PAUSED, "resume later"))
+    execution_id = await machine.paused("node-a:1")
+    won = await claim(
+        machine,
+        execution_id,
+        Mode.RESUME,
+        "node-b:1",
+        block_id="ask",
+        answer=b'{"ok":true}',
+        later=True,
+    )
+    assert won.status_before is Status.PAUSED and won.owner == ""
+    record = await machine.record(execution_id)
+    assert record[Field.STATUS] == Status.QUEUED and record[Field.OWNER] == ""
+    assert record[Field.CONTINUES] == "ask" and record[Field.PAUSE_BLOCK] == ""
+    state = await machine.redis.hget(machine.buffer.keys.state(execution_id), "a:ask")
+    assert state == b'{"ok":true}'
+    # A worker takes it on from the answer: it numbers after the pause, nothing reserved.
+    taken = await claim(machine, execution_id, Mode.TAKE, "node-w:1", expected="1")
+    assert taken.status_before is Status.QUEUED and taken.base == 2
+    record = await machine.record(execution_id)
+    assert record[Field.STATUS] == Status.RUNNING and Field.CONTINUES not in record
+    assert record[Field.RESERVED] == "2" and record[Field.OWNER] == "node-w:1"
+
+    await check.refused(
+        Reply.NOEXEC, claim(machine, missing(), Mode.RESUME, "node-c:1", later=True)
+    )
+    status = await check.refused(
+        Reply.STATUS, claim(machine, execution_id, Mode.RESUME, "node-c:1", later=True)
+    )
+    assert isinstance(status, WrongStatus) and status.status == Status.RUNNING
+    other = await machine.paused("node-a:1")
+    await check.refused(
+        Reply.BLOCK,
+        claim(machine, other, Mode.RESUME, "node-c:1", block_id="elsewhere", later=True),
+    )
+    assert (await machine.record(other))[Field.STATUS] == Status.PAUSED
+    check.every_refusal_tried()
+
+
 @row_test(Status.PAUSED, "cancel")
 async def test_any_process_cancelling_a_pause_owns_it_to_write_the_cancel(
     machine: Machine,

@@ -12,7 +12,15 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.api import delay_workflow, put, quick_workflow, wait_finished, wait_status
+from tests.support.api import (
+    approval_workflow,
+    delay_workflow,
+    put,
+    quick_workflow,
+    wait_finished,
+    wait_status,
+)
+from tests.support.live_list import live
 from tests.support.servers import FlowcastServer, ValkeyServer, authed, env_on, serving
 from tests.support.sse import Frame, events
 
@@ -42,16 +50,22 @@ async def test_past_the_running_cap_an_execution_waits_queued_then_runs(
             await put(client, quick_workflow("quick"))
             first = await started(client, "slow")
             assert first["status"] == "running"
-            second = await started(client, "quick")
-            assert second["status"] == "queued" and second["ahead"] == 0, second
-            queued_id = second["executionId"]
-            snapshot = (await client.get(f"/api/executions/{queued_id}")).json()
-            assert snapshot["status"] == "queued" and snapshot["ahead"] == 0, snapshot
-            listed = (await client.get("/api/executions?status=queued")).json()["executions"]
-            assert [row["id"] for row in listed] == [queued_id]
-
-            frames: list[Frame] = []
-            await asyncio.wait_for(open_stream(client, queued_id, frames), 30)
+            async with live(client, "workflowId=quick") as rows:
+                assert await rows.rows() == []
+                second = await started(client, "quick")
+                assert second["status"] == "queued" and second["ahead"] == 0, second
+                queued_id = second["executionId"]
+                frames: list[Frame] = []
+                reading = asyncio.create_task(open_stream(client, queued_id, frames))
+                snapshot = (await client.get(f"/api/executions/{queued_id}")).json()
+                assert snapshot["status"] == "queued" and snapshot["ahead"] == 0, snapshot
+                listed = await client.get("/api/executions?status=queued")
+                assert [row["id"] for row in listed.json()["executions"]] == [queued_id]
+                # The live list shows it queued, then running (or straight completed).
+                assert await rows.until(queued_id, "queued") == ["queued"]
+                seen = await rows.until(queued_id, "completed")
+                assert seen in (["running", "completed"], ["completed"]), seen
+                await asyncio.wait_for(reading, 30)
             # Its place in line first, with no id; then its log from id 1.
             assert frames[0].event == "queue" and frames[0].id is None, frames[0]
             assert frames[0].json == {"state": "queued", "ahead": 0}
@@ -110,3 +124,68 @@ async def test_an_api_replica_without_slots_leaves_the_work_to_a_worker(
         if worker is not None:
             await worker.stop()
         await api.stop()
+
+
+async def paused(client: httpx.AsyncClient) -> str:
+    answer = await started(client, "ask")
+    eid = str(answer["executionId"])
+    await wait_status(client, eid, "paused")
+    return eid
+
+
+@pytest.mark.timeout(60)
+async def test_a_resume_past_the_running_cap_waits_in_line_then_runs_on(
+    valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """A resume makes work runnable too: it goes through the same admission (SPEC §14),
+    so at the cap it is accepted (202, its answer kept) and waits queued."""
+    async with serving(valkey, tmp_path, max_running_per_tenant="1") as server:
+        async with authed(server) as client:
+            await put(client, approval_workflow("ask"))
+            await put(client, delay_workflow("slow", ms=2000))
+            asked = await paused(client)
+            busy = await started(client, "slow")
+            resumed = await client.post(
+                f"/api/executions/{asked}/resume", json={"input": {"approved": True}}
+            )
+            assert resumed.status_code == 202, resumed.text
+            assert resumed.json()["status"] == "queued", resumed.text
+            assert (await client.get(f"/api/executions/{asked}")).json()["status"] == "queued"
+            # A second answer finds it no longer paused: 409 with the status that won.
+            again = await client.post(
+                f"/api/executions/{asked}/resume", json={"input": {"approved": False}}
+            )
+            assert again.status_code == 409 and again.json()["error"]["status"] == "queued"
+            assert (await wait_finished(client, asked))["status"] == "completed"
+            assert (await wait_finished(client, busy["executionId"]))["status"] == "completed"
+            log = (await client.get(f"/api/executions/{asked}/events")).json()["events"]
+            types = [event["type"] for event in log]
+            assert types.count("execution:started") == 1, types
+            resumed_at = types.index("execution:resumed")
+            assert types[resumed_at - 1] == "execution:paused", types
+            assert log[resumed_at]["data"]["input"] == {"approved": True}
+            assert [event["id"] for event in log] == list(range(1, len(log) + 1))
+
+
+@pytest.mark.timeout(60)
+async def test_a_resume_waiting_in_line_cancelled_only_ends(
+    valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    async with serving(valkey, tmp_path, max_running_per_tenant="1") as server:
+        async with authed(server) as client:
+            await put(client, approval_workflow("ask"))
+            await put(client, delay_workflow("slow", ms=30_000))
+            asked = await paused(client)
+            busy = await started(client, "slow")
+            resumed = await client.post(
+                f"/api/executions/{asked}/resume", json={"input": {"approved": True}}
+            )
+            assert resumed.json()["status"] == "queued", resumed.text
+            cancel = await client.post(f"/api/executions/{asked}/cancel")
+            assert cancel.status_code == 202, cancel.text
+            assert (await wait_finished(client, asked))["status"] == "cancelled"
+            log = (await client.get(f"/api/executions/{asked}/events")).json()["events"]
+            types = [event["type"] for event in log]
+            assert types[-2:] == ["execution:paused", "execution:cancelled"], types
+            assert types.count("execution:started") == 1, types
+            await client.post(f"/api/executions/{busy['executionId']}/cancel")

@@ -29,7 +29,7 @@ async def test_execute_with_event_stream_accept_streams_the_whole_execution(
     execution_id = response.headers["x-execution-id"]
     envelopes = check_view(frames)
     check_log(envelopes)
-    assert envelopes[0]["data"] == {"input": {"name": "ada"}}
+    assert envelopes[0]["data"] == {"input": {"name": "ada"}, "queuedMs": 0}
     assert {e["executionId"] for e in envelopes} == {execution_id}
     assert {e["workflowId"] for e in envelopes} == {f"talk-{unique}"}
     chunks = [e["data"]["text"] for e in envelopes if e["type"] == "block:chunk"]
