@@ -170,8 +170,12 @@ class Dispatcher:
             claim = replace(claim, reserved=START_RESERVED)  # its first event is its own
         self._start(meta, claim, workflow, given, run, saved, _queued_ms(meta))
         # A failure of the store here (or before the claim answered) leaves the delivery
-        # in ``taken``: past a lease ``reclaim`` queues it again if still queued.
-        await self._quietly(eid, self._queue.claimed(taken))
+        # in ``taken``: past a lease ``reclaim`` queues it again if still queued. A claim
+        # slower than that won all the same, after ``requeue`` took the admission back:
+        # counted again (a no-op otherwise), or its tenant would run past its cap.
+        await self._quietly(
+            eid, self._admission.count(taken.tenant, fence), self._queue.claimed(taken)
+        )
 
     async def _drop(self, taken: Taken, fence: str) -> None:
         eid = taken.execution_id

@@ -8,44 +8,18 @@ Found by the step 17 fresh-eyes review.
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
-from tests.support.api import delay_workflow, put, wait_finished
-from tests.support.logcheck import check_log
+from tests.support.api import delay_workflow, put
+from tests.support.queue import most_at_once, run_log
 from tests.support.servers import ValkeyServer, authed, serving, serving_pair
 
 pytestmark = pytest.mark.timeout(120)
 
 DELAY_MS = 300
-
-
-async def run_log(client: httpx.AsyncClient, execution_id: str) -> list[dict[str, Any]]:
-    await wait_finished(client, execution_id)
-    events: list[dict[str, Any]] = (
-        await client.get(f"/api/executions/{execution_id}/events")
-    ).json()["events"]
-    check_log(events)
-    assert events[-1]["type"] == "execution:completed", events[-1]
-    return events
-
-
-def most_at_once(logs: list[list[dict[str, Any]]]) -> int:
-    """The most runs between their first and last stored event at one instant."""
-    edges: list[tuple[datetime, int]] = []
-    for events in logs:
-        edges.append((datetime.fromisoformat(events[0]["ts"]), 1))
-        edges.append((datetime.fromisoformat(events[-1]["ts"]), -1))
-    edges.sort(key=lambda edge: (edge[0], edge[1]))  # an end before a start at one instant
-    now = most = 0
-    for _, step in edges:
-        now += step
-        most = max(most, now)
-    return most
 
 
 async def fire(clients: list[httpx.AsyncClient], count: int) -> list[tuple[httpx.AsyncClient, str]]:

@@ -19,9 +19,10 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from tests.support.api import put, quick_workflow, until, wait_finished
+from tests.support.api import delay_workflow, put, quick_workflow, until, wait_finished, wait_status
 from tests.support.faults import LEASE_SECONDS, kill_replica, replica
 from tests.support.logcheck import check_log
+from tests.support.queue import most_at_once, run_log
 from tests.support.servers import FlowcastServer, ValkeyServer
 from tests.support.tap import Tap
 
@@ -169,3 +170,42 @@ async def test_a_keyed_repeat_racing_its_first_request_leaves_the_execution_in_l
                 check_log(events["events"])
         finally:
             await asyncio.gather(a.stop(), b.stop(), worker.stop())
+
+
+async def test_a_slow_taker_whose_delivery_was_queued_again_still_counts_for_its_tenant(
+    own_valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """A taker slower than a lease between its take and its claim is presumed dead: its
+    delivery is queued again and its admission taken back. If its claim then wins, the
+    run must count for its tenant all the same, or the tenant runs past its cap (SPEC
+    §14: "never more than FLOWCAST_MAX_RUNNING_PER_TENANT at once")."""
+    caps = {"FLOWCAST_MAX_RUNNING_PER_TENANT": "1"}
+    api = replica(own_valkey, tmp_path, "api", FLOWCAST_WORKER_SLOTS="0", **caps)
+    async with Tap(own_valkey.port) as tap:
+        taker = replica(own_valkey, tmp_path, "taker", FLOWCAST_REDIS_URL=tap.url, **caps)
+        await asyncio.gather(api.start(), taker.start())
+        try:
+            async with httpx.AsyncClient(base_url=api.url, timeout=60) as client:
+                await put(client, delay_workflow("slow", ms=2500))
+                release = asyncio.Event()
+                tap.hold(
+                    lambda data: b"}:meta" in data and b"\r\ntake\r\n" in data, release=release
+                )
+                first = await client.post("/api/workflows/slow/execute", json={"input": {}})
+                assert first.json()["status"] == "queued", first.text
+                await asyncio.wait_for(tap.held.wait(), 20)
+
+                # The API replica's round finds the delivery a lease old: queued again.
+                def queued_again() -> bool:
+                    return "taken by a dead worker; queued again" in api.logs()
+
+                await until(queued_again, "the slow taker's delivery queued again", 20)
+                release.set()  # the slow taker's claim wins after all
+                first_id = first.json()["executionId"]
+                await wait_status(client, first_id, "running")
+                second = await client.post("/api/workflows/slow/execute", json={"input": {}})
+                second_id = second.json()["executionId"]
+                logs = [await run_log(client, eid) for eid in (first_id, second_id)]
+                assert most_at_once(logs) == 1, [(log[0]["ts"], log[-1]["ts"]) for log in logs]
+        finally:
+            await asyncio.gather(api.stop(), taker.stop())
