@@ -197,7 +197,10 @@ class Dispatcher:
             if meta.status != "queued":
                 await self._queue.claimed(taken)  # claimed after all
                 continue
-            if await self._queue.requeue(taken, queued_ms=created_ms(meta)):
+            score = created_ms(meta)
+            if meta.continues:
+                score -= CONTINUATION_OFFSET_MS  # a resume goes back before the starts
+            if await self._queue.requeue(taken, queued_ms=score):
                 log.warning(
                     "queued execution taken by a dead worker; queued again",
                     extra={"executionId": taken.execution_id},
