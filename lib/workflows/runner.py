@@ -510,10 +510,12 @@ class Runner:
         claim = await self._claim(execution_id, Mode.CANCEL, fence, tenant, meta=meta)
         if claim.status_before is Status.QUEUED:
             await self._launcher.quietly(execution_id, self._dequeue(tenant, execution_id))
-            # A resume in line has its log already: it only ends.
+            # A resume in line has its log already: it only ends. Told by the claim (its
+            # stored events), not by ``meta``: read before the claim, it may have said
+            # paused for a resume that went in line meanwhile.
             ending = (
                 ending_body(cancelled)
-                if meta.continues
+                if meta.continues or claim.last_id > 0
                 else _cancelled_in_line(given, created_ms(meta))
             )
             self._launcher.launch(
