@@ -70,6 +70,8 @@ class Dispatcher:
         # The rounds that come without a nudge, and those that reclaim.
         self._every = max(0.05, self._queue.lease_ms / 2000)
         self._next_reclaim = 0.0
+        # A run ended here while this process takes nothing: the others are told.
+        self._tell = False
 
     def free(self) -> int:
         """Slots free here now (what runs here, taken or not from the queue, fills them,
@@ -95,6 +97,16 @@ class Dispatcher:
         if self.slots > 0:
             self._nudged.set()
 
+    def freed(self) -> None:
+        """A run here ended: its tenant may run one more, anywhere. This process looks
+        (``nudge``); one that takes nothing now (no slots, or draining) tells the others
+        instead, or a backlog held by its cap would wait for their next round."""
+        if self.slots > 0 and self._runs.accepting:
+            self._nudged.set()
+        else:
+            self._tell = True
+            self._nudged.set()
+
     async def ahead(self, tenant: str, execution_id: str) -> int | None:
         """About how many executions start before this queued one (None: not queued)."""
         return await self._queue.ahead(tenant, execution_id)
@@ -115,6 +127,9 @@ class Dispatcher:
                 async with asyncio.timeout(self._every):
                     await self._nudged.wait()
             self._nudged.clear()
+            if self._tell:
+                self._tell = False
+                await self.announce()
             if time.monotonic() >= self._next_reclaim:
                 self._next_reclaim = time.monotonic() + self._every
                 try:

@@ -133,7 +133,7 @@ class Runner:
             parts, slots=worker_slots, start=self._start_taken, recall=takeovers.recalled
         )
         listener.on_queued = self.dispatcher.nudge
-        self._launcher.on_free = self.dispatcher.nudge
+        self._launcher.on_free = self.dispatcher.freed
 
     async def __aenter__(self) -> Runner:
         try:

@@ -2,64 +2,63 @@
 freed (SPEC §14 "Nothing stuck": "it runs as soon as any worker has a slot").
 
 A run that ends wakes the dispatcher of its own process only. When that process takes
-no work (``FLOWCAST_WORKER_SLOTS=0``: a resume still runs where it was asked, SPEC §14
-is not built for resumes yet), the workers must still find the tenant's backlog.
+nothing (it drains after a SIGTERM, or has no worker slots), the others must be told,
+or the tenant's backlog waits for their next round (every half lease).
 
-Found by the step 17 fresh-eyes review.
+Found by the step 17 fresh-eyes review (before the rounds existed, it waited until some
+unrelated lease or deadline fell due: forever on a quiet system).
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
+from datetime import datetime
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.support.api import put, wait_finished, wait_status
-from tests.support.faults import LEASE_SECONDS, replica
+from tests.support.api import put, quick_workflow
+from tests.support.faults import replica, terminate_replica
+from tests.support.queue import run_log
 from tests.support.servers import ValkeyServer
 
 pytestmark = pytest.mark.timeout(90)
 
-APPROVE_THEN_WAIT = {
-    "id": "approve-then-wait",
-    "blocks": [
-        {"id": "review", "type": "approval", "config": {"prompt": "ok?", "schema": {}}},
-        {"id": "think", "type": "delay", "config": {"ms": 1500}},
-    ],
-    "edges": [{"from": "review", "to": "think"}],
-}
-QUICK = {"id": "quick", "blocks": [{"id": "only", "type": "transform", "config": {}}]}
+ONE_SECOND = {"id": "think", "type": "delay", "config": {"ms": 1000}}
+# A long lease: the others' rounds (every half lease) are far apart.
+LEASE = 6.0
 
 
-async def test_a_backlog_held_by_a_run_on_an_api_replica_moves_when_it_ends(
+async def test_a_backlog_moves_at_once_when_a_draining_worker_frees_its_tenant(
     own_valkey: ValkeyServer, tmp_path: Path
 ) -> None:
-    caps = {"FLOWCAST_MAX_RUNNING_PER_TENANT": "1"}
-    api = replica(own_valkey, tmp_path, "api", FLOWCAST_WORKER_SLOTS="0", **caps)
-    worker = replica(own_valkey, tmp_path, "worker", **caps)
-    await asyncio.gather(api.start(), worker.start())
+    settings = {
+        "FLOWCAST_MAX_RUNNING_PER_TENANT": "1",
+        "FLOWCAST_LEASE_SECONDS": str(LEASE),
+        "FLOWCAST_SHUTDOWN_GRACE_SECONDS": "20",
+    }
+    draining = replica(own_valkey, tmp_path, "draining", **settings)
+    other = replica(own_valkey, tmp_path, "other", **settings)
+    await asyncio.gather(draining.start(), other.start())
     try:
-        async with httpx.AsyncClient(base_url=api.url, timeout=60) as client:
-            await put(client, APPROVE_THEN_WAIT)
-            await put(client, {**QUICK, "edges": []})
-            answer = await client.post("/api/workflows/approve-then-wait/execute", json={})
-            paused = answer.json()["executionId"]
-            await wait_status(client, paused, "paused")
-            resumed = await client.post(f"/api/executions/{paused}/resume", json={"input": 1})
-            assert resumed.status_code == 202, resumed.text
-            await wait_status(client, paused, "running")
-            # The tenant runs one (the resumed run, here on the API replica): queued.
-            queued = await client.post("/api/workflows/quick/execute", json={"input": {}})
-            assert queued.json()["status"] == "queued", queued.text
-            queued_id = queued.json()["executionId"]
-            await wait_finished(client, paused)
-            ended = time.monotonic()
-            await wait_finished(client, queued_id, timeout=10 * LEASE_SECONDS)
-            waited = time.monotonic() - ended
-            # Within about a lease of the slot freeing (the workers look every half lease).
-            assert waited < 2 * LEASE_SECONDS, waited
+        async with httpx.AsyncClient(base_url=draining.url, timeout=30) as client:
+            # One block: it ends the run during the drain (nothing left to hand off).
+            await put(client, {"id": "slow", "blocks": [ONE_SECOND], "edges": []})
+            await put(client, quick_workflow("quick"))
+            first = await client.post("/api/workflows/slow/execute", json={"input": {}})
+            assert first.json()["status"] == "running", first.text
+            second = await client.post("/api/workflows/quick/execute", json={"input": {}})
+            assert second.json()["status"] == "queued", second.text
+        # The first run ends within the grace, on a process that takes nothing more.
+        stopping = asyncio.create_task(terminate_replica(draining))
+        async with httpx.AsyncClient(base_url=other.url, timeout=30) as client:
+            ended = await run_log(client, first.json()["executionId"])
+            began = await run_log(client, second.json()["executionId"])
+        await stopping
+        waited = (
+            datetime.fromisoformat(began[0]["ts"]) - datetime.fromisoformat(ended[-1]["ts"])
+        ).total_seconds()
+        assert waited < LEASE / 6, waited  # told at once, not at the next round
     finally:
-        await asyncio.gather(api.stop(), worker.stop())
+        await asyncio.gather(draining.stop(), other.stop())
