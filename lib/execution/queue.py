@@ -39,6 +39,8 @@ from lib.execution.record import Asked, Script, refused
 CANDIDATES = 16
 # A continuation (a resume, a recovery) is queued ahead of every start of its tenant.
 CONTINUATION_OFFSET_MS = 10**13
+# Tenants' lines counted per round trip by ``backlog``.
+BACKLOG_PAGE = 500
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,15 @@ class Entered:
 
     queued: bool
     ahead: int = 0
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """What waits in every tenant's line: how many executions, and when the oldest at
+    the head of a line was queued (ms since the epoch; None when nothing waits)."""
+
+    queued: int
+    oldest_ms: int | None
 
 
 @dataclass(frozen=True)
@@ -203,6 +214,35 @@ class Queue:
         keys = [self.keys.queued(tenant), self.keys.waiting]
         ahead = int(await self._call(keys, ["ahead", execution_id, tenant]))
         return None if ahead < 0 else ahead
+
+    @translated
+    async def backlog(self) -> Backlog:
+        """Every tenant's line, counted (for /metrics, read when scraped): a page of
+        tenants per round trip, so the cost grows with the tenants waiting, never with
+        the executions ever run."""
+        queued, oldest, offset = 0, None, 0
+        while True:
+            page: Any = await self.redis.zrange(
+                self.keys.waiting, offset, offset + BACKLOG_PAGE - 1
+            )
+            if not page:
+                return Backlog(queued, oldest)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for raw in page:
+                    line = self.keys.queued(raw.decode())
+                    pipe.zcard(line)
+                    pipe.zrange(line, 0, 0, withscores=True)
+                replies = await pipe.execute()
+            for count, head in zip(replies[::2], replies[1::2], strict=True):
+                queued += int(count)
+                if head:
+                    score = int(head[0][1])
+                    # A continuation scores below every start of its line.
+                    at = score + CONTINUATION_OFFSET_MS if score < 0 else score
+                    oldest = at if oldest is None else min(oldest, at)
+            if len(page) < BACKLOG_PAGE:
+                return Backlog(queued, oldest)
+            offset += BACKLOG_PAGE
 
     @translated
     async def waiting(self) -> int:

@@ -24,8 +24,9 @@ from typing import Any
 
 from lib.errors import FlowcastError, NotFound, WrongStatus
 from lib.execution.ownership import START_RESERVED, Claim
-from lib.execution.queue import CONTINUATION_OFFSET_MS, Queue, Taken
+from lib.execution.queue import CONTINUATION_OFFSET_MS, Backlog, Queue, Taken
 from lib.execution.record import ExecutionMeta, Mode
+from lib.metrics import Metrics
 from lib.workflows.executor import RunState
 from lib.workflows.leases import LocalRuns
 from lib.workflows.model import Workflow
@@ -48,6 +49,7 @@ class Dispatcher:
         slots: int,
         start: Start,
         recall: Callable[[str, ExecutionMeta], Awaitable[int]] | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         transitions = parts.transitions
         self._parts = parts
@@ -64,6 +66,7 @@ class Dispatcher:
         # What a claim must know of what a store back behind forgot (takeovers.py
         # ``recalled``): the id to number above.
         self._recall = recall
+        self._metrics = metrics
         self._nudged = asyncio.Event()
         # Slots held by starts and takes on their way to launching (``slot``).
         self._holding = 0
@@ -111,6 +114,10 @@ class Dispatcher:
         """About how many executions start before this queued one (None: not queued)."""
         return await self._queue.ahead(tenant, execution_id)
 
+    async def backlog(self) -> Backlog:
+        """What waits in every tenant's line (for /metrics)."""
+        return await self._queue.backlog()
+
     async def announce(self) -> None:
         """Tell every process that work was queued (best effort: their janitor passes
         look anyway)."""
@@ -121,7 +128,9 @@ class Dispatcher:
 
     async def run(self) -> None:
         """Take work whenever nudged (or half a lease passed), while slots are free and
-        the process accepts; give back what dead takers never claimed first."""
+        the process accepts; every half lease, nudged or not, give back first what dead
+        takers never claimed (a busy process is nudged by every run that ends: a look
+        only when no nudge came for half a lease would never come there)."""
         while True:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._every):
@@ -194,6 +203,8 @@ class Dispatcher:
 
     async def _drop(self, taken: Taken, fence: str) -> None:
         eid = taken.execution_id
+        if self._metrics is not None:
+            self._metrics.stale_deliveries.inc()
         await self._quietly(
             eid,
             self._watch.release(eid, fence),
@@ -216,6 +227,8 @@ class Dispatcher:
             if meta.continues:
                 score -= CONTINUATION_OFFSET_MS  # a resume goes back before the starts
             if await self._queue.requeue(taken, queued_ms=score):
+                if self._metrics is not None:
+                    self._metrics.queue_reclaims.inc()
                 log.warning(
                     "queued execution taken by a dead worker; queued again",
                     extra={"executionId": taken.execution_id},

@@ -52,6 +52,7 @@ from lib.execution.log import ExecutionLog
 from lib.execution.ownership import START_RESERVED, Claim, node_of
 from lib.execution.queue import Entered
 from lib.execution.record import ExecutionMeta, Field, Mode, Status, StopReason, Takeover
+from lib.metrics import Metrics
 from lib.workflows.checkpoint import answer_field
 from lib.workflows.dispatch import Dispatcher, created_ms
 from lib.workflows.executor import RunState
@@ -106,6 +107,7 @@ class Runner:
         takeovers: Takeovers,
         shutdown_grace_seconds: float = 30.0,
         worker_slots: int = 64,
+        metrics: Metrics | None = None,
     ) -> None:
         transitions = parts.transitions
         self._parts = parts
@@ -129,8 +131,13 @@ class Runner:
         self._queue = transitions.queue
         # Takes queued work for this process's free slots; woken by the control
         # listener (work queued elsewhere) and by each run here that ends.
+        self._metrics = metrics
         self.dispatcher = Dispatcher(
-            parts, slots=worker_slots, start=self._start_taken, recall=takeovers.recalled
+            parts,
+            slots=worker_slots,
+            start=self._start_taken,
+            recall=takeovers.recalled,
+            metrics=metrics,
         )
         listener.on_queued = self.dispatcher.nudge
         self._launcher.on_free = self.dispatcher.freed
@@ -203,6 +210,10 @@ class Runner:
 
     def _tasks(self) -> list[asyncio.Task[None]]:
         return [local.task for local in self._runs.values() if local.task is not None]
+
+    def running_here(self) -> int:
+        """Executions running in this process: the worker slots they fill."""
+        return len(self._runs)
 
     def pending_events(self) -> int:
         """Events emitted by the runs here and not stored yet."""
@@ -285,6 +296,8 @@ class Runner:
         meta: ExecutionMeta | None = None,
     ) -> ExecutionLog:
         """Run a new execution here from its first event, as ``claim``'s owner."""
+        if self._metrics is not None:
+            self._metrics.queue_wait.observe(queued_ms / 1000)
 
         def opening(local: LocalRun, emitter: ExecutionLog) -> None:
             emitter.emit(EXECUTION_STARTED, {"input": input, "queuedMs": queued_ms})
@@ -612,6 +625,7 @@ class Runner:
                 continue  # shutting down: this process takes nothing over any more
             try:
                 await self._ownership.take_back_owed()
+                self.dispatcher.nudge()
                 if due.restarted:
                     await self._reassert()
                 # Only a process that runs work takes runs over (an API replica with no

@@ -189,3 +189,36 @@ async def test_a_resume_waiting_in_line_cancelled_only_ends(
             assert types[-2:] == ["execution:paused", "execution:cancelled"], types
             assert types.count("execution:started") == 1, types
             await client.post(f"/api/executions/{busy['executionId']}/cancel")
+
+
+@pytest.mark.timeout(90)
+async def test_tenants_named_by_their_api_keys_share_the_slots_by_weight(
+    valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """``FLOWCAST_TENANT_WEIGHTS`` names tenants by their API keys: with weights 3 and 1
+    and one worker slot, 6 of the first 8 queued executions to start are the heavier
+    tenant's, although both queued 8 at once."""
+    settings = {
+        "api_keys": "gold-key,plain-key",
+        "tenant_weights": '{"gold-key": 3}',
+        "worker_slots": "1",
+    }
+    async with serving(valkey, tmp_path, **settings) as server:
+        async with authed(server, "gold-key") as gold, authed(server, "plain-key") as plain:
+            for client in (gold, plain):
+                await put(client, quick_workflow("quick"))
+            await put(gold, delay_workflow("slow", ms=1500))
+            blocker = await started(gold, "slow")
+            assert blocker["status"] == "running"
+            queued = {
+                name: [(await started(client, "quick"))["executionId"] for _ in range(8)]
+                for name, client in (("gold", gold), ("plain", plain))
+            }
+            began: list[tuple[str, str]] = []
+            for name, client in (("gold", gold), ("plain", plain)):
+                for eid in queued[name]:
+                    await wait_finished(client, eid)
+                    log = (await client.get(f"/api/executions/{eid}/events")).json()["events"]
+                    began.append((log[0]["ts"], name))
+            first = [name for _ts, name in sorted(began)[:8]]
+            assert first.count("gold") == 6, sorted(began)

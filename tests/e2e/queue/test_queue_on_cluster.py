@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.e2e.api.test_observability import metric
 from tests.support.api import approval_workflow, delay_workflow, put, wait_finished, wait_status
 from tests.support.cluster import ValkeyCluster
 from tests.support.servers import FlowcastServer, prefix
@@ -52,6 +53,9 @@ async def test_the_queue_runs_on_a_cluster(cluster: ValkeyCluster, tmp_path: Pat
             cancelled = str((await execute("slow"))["executionId"])
             later = str((await execute("slow"))["executionId"])
             assert (await client.get(f"/api/executions/{later}")).json()["status"] == "queued"
+            # /metrics reads the lines (one hash tag) in one pipeline, also on a cluster.
+            figures = (await client.get("/metrics")).text
+            assert metric(figures, "flowcast_queue_depth", 'state="queued"') >= 1
             resumed = await client.post(f"/api/executions/{asked}/resume", json={"input": 1})
             assert resumed.status_code == 202 and resumed.json()["status"] == "queued"
             cancel = await client.post(f"/api/executions/{cancelled}/cancel")
