@@ -139,7 +139,7 @@ class Runner:
             metrics=metrics,
         )
         listener.on_queued = self.dispatcher.nudge
-        self._launcher.on_free = self.dispatcher.nudge
+        self._launcher.on_free = self.dispatcher.freed
 
     async def __aenter__(self) -> Runner:
         try:
@@ -260,7 +260,15 @@ class Runner:
             Field.CREATED_AT.value: utc_timestamp(now),
             Field.INLINE_FILES.value: "1" if inline_files else "",
         }
-        created = await self._create(execution_id, workflow, input, identity, now, confirm)
+        with self.dispatcher.slot() as here:
+            created = await self._create(
+                execution_id, workflow, input, identity, now, confirm, here=here
+            )
+            if created is not None and not isinstance(created, Entered):
+                claim, saved = created
+                events = self._run_new(
+                    execution_id, claim, identity, workflow, input, saved, write_back=write_back
+                )
         if created is None:
             log.info("execution created by another request", extra={"executionId": execution_id})
             return Started(execution_id, "running")
@@ -269,10 +277,6 @@ class Runner:
             await self.dispatcher.announce()
             self.dispatcher.nudge()
             return Started(execution_id, "queued", ahead=created.ahead)
-        claim, saved = created
-        events = self._run_new(
-            execution_id, claim, identity, workflow, input, saved, write_back=write_back
-        )
         if first_stored:
             await events.first_stored(START_RESERVED, FIRST_STORED_SECONDS)
         return Started(execution_id, "running")
@@ -351,6 +355,8 @@ class Runner:
         identity: dict[str, str],
         now: datetime,
         confirm: Callable[[Batch], None] | None = None,
+        *,
+        here: bool,
     ) -> tuple[Claim, dict[str, bytes]] | Entered | None:
         """Admit the tenant's execution and create it, owned here, with its run state
         (the claim and the state as stored), or queued (``Entered``); None when another
@@ -388,7 +394,7 @@ class Runner:
                 state=saved,
                 checked=checked,
                 alongside=lambda batch: self._states.save_version_in(batch, workflow),
-                here=self._runs.accepting and self.dispatcher.free() > 0,
+                here=here,
             )
         except OverQuota:
             raise  # refused before anything was counted
@@ -431,19 +437,23 @@ class Runner:
         fence = self._parts.new_fence()
         # The same admission as a start's: run here only with a free slot and while
         # the tenant runs fewer than its cap; else in line, before its starts.
-        if not (self.dispatcher.free() > 0 and await self._queue.room(tenant, fence)):
-            return await self._resume_later(execution_id, tenant, meta, paused_at, input, fence)
-        claim = await self._claim(
-            execution_id,
-            Mode.RESUME,
-            fence,
-            tenant,
-            meta=meta,
-            block_id=paused_at,
-            answer=await encode(input),  # in slices: an answer may be 10 MB
-        )
-        body = self._resumed(paused_at, input)
-        self._launcher.launch(execution_id, claim, identity=identity_of(meta), body=body, meta=meta)
+        # The slot is held until the launch fills it (``Dispatcher.slot``).
+        with self.dispatcher.slot() as here:
+            if not (here and await self._queue.room(tenant, fence)):
+                return await self._resume_later(execution_id, tenant, meta, paused_at, input, fence)
+            claim = await self._claim(
+                execution_id,
+                Mode.RESUME,
+                fence,
+                tenant,
+                meta=meta,
+                block_id=paused_at,
+                answer=await encode(input),  # in slices: an answer may be 10 MB
+            )
+            body = self._resumed(paused_at, input)
+            self._launcher.launch(
+                execution_id, claim, identity=identity_of(meta), body=body, meta=meta
+            )
         return Started(execution_id, "running")
 
     async def _resume_later(
@@ -512,10 +522,12 @@ class Runner:
         claim = await self._claim(execution_id, Mode.CANCEL, fence, tenant, meta=meta)
         if claim.status_before is Status.QUEUED:
             await self._launcher.quietly(execution_id, self._dequeue(tenant, execution_id))
-            # A resume in line has its log already: it only ends.
+            # A resume in line has its log already: it only ends. Told by the claim (its
+            # stored events), not by ``meta``: read before the claim, it may have said
+            # paused for a resume that went in line meanwhile.
             ending = (
                 ending_body(cancelled)
-                if meta.continues
+                if meta.continues or claim.last_id > 0
                 else _cancelled_in_line(given, created_ms(meta))
             )
             self._launcher.launch(
