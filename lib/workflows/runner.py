@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -41,9 +40,6 @@ from lib.errors import (
 from lib.execution.admission import paused_member
 from lib.execution.buffer import EXECUTION_OVERHEAD_BYTES
 from lib.execution.events import (
-    EXECUTION_CANCELLED,
-    EXECUTION_RESUMED,
-    EXECUTION_STARTED,
     utc_timestamp,
 )
 from lib.execution.log import ExecutionLog
@@ -52,17 +48,17 @@ from lib.execution.queue import Entered
 from lib.execution.record import ExecutionMeta, Field, Mode, Status, StopReason, Takeover
 from lib.metrics import Metrics
 from lib.slices import encode
-from lib.workflows.checkpoint import answer_field
+from lib.workflows.bodies import cancelled_in_line, new_run, resumed
 from lib.workflows.dispatch import Dispatcher, created_ms
 from lib.workflows.executor import RunState
 from lib.workflows.janitor import Janitor, cancelled
-from lib.workflows.launcher import Body, Outcome, ending_body, identity_of
-from lib.workflows.leases import LeaseKeeper, LocalRun
+from lib.workflows.launcher import Body, ending_body, identity_of
+from lib.workflows.leases import LeaseKeeper
 from lib.workflows.listener import ControlListener
 from lib.workflows.model import Workflow
 from lib.workflows.parts import Parts
 from lib.workflows.schemas import answer_problems
-from lib.workflows.takeovers import Takeovers, load_run
+from lib.workflows.takeovers import Takeovers
 
 log = logging.getLogger(__name__)
 
@@ -298,17 +294,7 @@ class Runner:
         if self._metrics is not None:
             self._metrics.queue_wait.observe(queued_ms / 1000)
 
-        def opening(local: LocalRun, emitter: ExecutionLog) -> None:
-            emitter.emit(EXECUTION_STARTED, {"input": input, "queuedMs": queued_ms})
-            emitter.remember(saved)
-            local.workflow = workflow
-
-        async def body(local: LocalRun, emitter: ExecutionLog) -> None:
-            async def work() -> Outcome:
-                return await self._launcher.run_workflow(local, emitter, workflow, input, None)
-
-            await self._launcher.execute(local, emitter, work)
-
+        opening, body = new_run(self._launcher, workflow, input, saved, queued_ms)
         return self._launcher.launch(
             execution_id,
             claim,
@@ -486,24 +472,7 @@ class Runner:
         return Started(execution_id, "queued", ahead=ahead)
 
     def _resumed(self, paused_at: str, input: Any) -> Body:
-        """The run of a resume: ``execution:resumed`` with the answer, then on."""
-
-        async def body(local: LocalRun, emitter: ExecutionLog) -> None:
-            # First, whatever follows: the resume took effect even if a cancel stops
-            # the run before its work begins. The answer goes into the checkpoint with
-            # it (as a ref when large), so a recovery after this point still has it.
-            kept, kept_json = await local.keeper.keep(input)
-            checkpoint = answer_field(paused_at, kept_json)
-            emitter.emit(EXECUTION_RESUMED, {"blockId": paused_at, "input": kept}, checkpoint)
-
-            async def work() -> Outcome:
-                workflow, given, run = await load_run(self._launcher, self._states, local, emitter)
-                run.answers[paused_at] = kept
-                return await self._launcher.run_workflow(local, emitter, workflow, given, run)
-
-            await self._launcher.execute(local, emitter, work)
-
-        return body
+        return resumed(self._launcher, self._states, paused_at, input)
 
     async def cancel(self, execution_id: str, *, tenant: str) -> Started:
         """Cancel a running or paused execution wherever it runs.
@@ -528,7 +497,7 @@ class Runner:
             ending = (
                 ending_body(cancelled)
                 if meta.continues or claim.last_id > 0
-                else _cancelled_in_line(given, created_ms(meta))
+                else cancelled_in_line(given, created_ms(meta))
             )
             self._launcher.launch(
                 execution_id, claim, identity=identity_of(meta), body=ending, meta=meta
@@ -668,18 +637,6 @@ class Runner:
         # a queued execution no line holds is put back in line.
         if self.dispatcher.slots > 0:
             await self.dispatcher.reconcile()
-
-
-def _cancelled_in_line(given: Any, created_ms: int) -> Body:
-    """The run of an execution cancelled while queued: it never ran, yet its log starts
-    as every log does (id 1 ``execution:started``), then ends cancelled."""
-
-    async def body(local: LocalRun, emitter: ExecutionLog) -> None:
-        waited = max(0, round(time.time() * 1000) - created_ms) if created_ms else 0
-        emitter.emit(EXECUTION_STARTED, {"input": given, "queuedMs": waited})
-        emitter.emit(EXECUTION_CANCELLED, {"reason": "cancelled"})
-
-    return body
 
 
 def _check_answer(schema: dict[str, Any], answer: Any) -> None:
