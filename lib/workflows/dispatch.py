@@ -174,7 +174,7 @@ class Dispatcher:
             # delivery stays in ``taken``; past a lease ``reclaim`` queues it again
             # once its record says ``queued`` (or drops it, should it never appear).
             log.info("queued execution taken before it exists", extra={"executionId": eid})
-            await self._quietly(eid, self._admission.leave(taken.tenant, fence))
+            await self._parts.launcher.quietly(eid, self._admission.leave(taken.tenant, fence))
             return
         try:
             # Read while it is still queued: once claimed, its run must start.
@@ -197,7 +197,7 @@ class Dispatcher:
         # in ``taken``: past a lease ``reclaim`` queues it again if still queued. A claim
         # slower than that won all the same, after ``requeue`` took the admission back:
         # counted again (a no-op otherwise), or its tenant would run past its cap.
-        await self._quietly(
+        await self._parts.launcher.quietly(
             eid, self._admission.count(taken.tenant, fence), self._queue.claimed(taken)
         )
 
@@ -205,7 +205,7 @@ class Dispatcher:
         eid = taken.execution_id
         if self._metrics is not None:
             self._metrics.stale_deliveries.inc()
-        await self._quietly(
+        await self._parts.launcher.quietly(
             eid,
             self._watch.release(eid, fence),
             self._admission.leave(taken.tenant, fence),
@@ -265,16 +265,6 @@ class Dispatcher:
             await self.announce()
             self.nudge()
         return found
-
-    @staticmethod
-    async def _quietly(execution_id: str, *steps: Awaitable[object]) -> None:
-        for step in steps:
-            try:
-                await step
-            except FlowcastError as exc:
-                log.warning(
-                    "queue cleanup failed", extra={"executionId": execution_id, "error": str(exc)}
-                )
 
 
 def created_ms(meta: ExecutionMeta) -> int:
