@@ -19,6 +19,7 @@ replica, so each one goes through the queue and is taken by a worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import os
@@ -27,6 +28,7 @@ import secrets
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -34,7 +36,7 @@ import orjson
 from redis.asyncio import Redis
 
 from app.auth import tenant_of_key
-from bench.flood import POSTERS, START_TIMEOUT, Feeder, Line, Mark, Start, flood, start_streamed
+from bench.flood import POSTERS, Feeder, Line, Mark, Start, flood, start_streamed
 from bench.flood import wait as shown
 from bench.flood import waits as seconds_of
 from bench.queue_kill import QueueKill
@@ -45,7 +47,7 @@ from lib.backend import Keys
 from tests.support.servers import ALPHA, BETA, FlowcastServer, bearer
 
 HEAVY, LIGHT = ALPHA, BETA  # the two tenants' API keys
-PREFIX, KILL_PREFIX = "fcqueue", "fcqueuekill"
+PREFIX = "fcqueue"  # the Redis prefix of its processes (the kill case's: + "kill")
 GAP = 0.25  # the light tenant's next start comes at a random moment up to this after
 DROPPED = "queued execution not taken"  # a worker's log line: a delivery it dropped
 
@@ -65,8 +67,11 @@ def hold(index: int, block_ms: int) -> dict[str, Any]:
 class QueueBench:
     """Runs the four cases; each adds its rows and notes to the report."""
 
-    def __init__(self, stack: Stack, config: Config, report: Report) -> None:
+    def __init__(
+        self, stack: Stack, config: Config, report: Report, *, prefix: str = PREFIX
+    ) -> None:
         self.stack = stack
+        self.prefix = prefix
         self.config = config
         self.report = report
         self.http = httpx.AsyncClient(timeout=60)
@@ -74,7 +79,7 @@ class QueueBench:
         self.slots = 2 * config.queue_slots
 
     def queued_key(self, key: str) -> str:
-        return Keys(PREFIX).queued(tenant_of_key(key))
+        return Keys(self.prefix).queued(tenant_of_key(key))
 
     def servers(self, prefix: str, **extra: str) -> Callable[[str, int], FlowcastServer]:
         """A maker of processes sharing one environment: (name, worker slots) → server."""
@@ -107,7 +112,7 @@ class QueueBench:
                 report=self.report,
                 http=self.http,
                 server=self.servers(
-                    KILL_PREFIX,
+                    f"{self.prefix}kill",
                     FLOWCAST_LEASE_SECONDS=f"{config.recovery_lease_seconds:g}",
                     FLOWCAST_SHUTDOWN_GRACE_SECONDS=f"{config.recovery_grace_seconds:g}",
                 ),
@@ -132,11 +137,11 @@ class QueueBench:
         direct: list[Start | None] = []
         dropped = self.dropped()
         for _ in range(5):  # warm both up
-            await start_streamed(api.port, LIGHT, "q-quick")
-            await start_streamed(worker.port, LIGHT, "q-quick")
+            await self.start(api)
+            await self.start(worker)
         for _ in range(runs):
-            queued.append(await start_streamed(api.port, LIGHT, "q-quick"))
-            direct.append(await start_streamed(worker.port, LIGHT, "q-quick"))
+            queued.append(await self.start(api))
+            direct.append(await self.start(worker))
         through, at_once = seconds_of(queued), seconds_of(direct)
         stuck = through.count(math.inf)
         waited = [s.queued_ms / 1000 for s in queued if s is not None]
@@ -167,6 +172,11 @@ class QueueBench:
             + self.stuck_note(stuck, runs, dropped)
         )
 
+    async def start(self, server: FlowcastServer) -> Start | None:
+        """One start of the light tenant's quick workflow, streamed from ``server``."""
+        timeout = self.config.queue_start_timeout
+        return await start_streamed(server.port, LIGHT, "q-quick", timeout=timeout)
+
     def dropped(self) -> int:
         """Deliveries the workers dropped so far (cancelled, claimed by another, or not
         found), from their logs."""
@@ -178,7 +188,7 @@ class QueueBench:
         if stuck:
             text += (
                 f" STUCK: {stuck} of {runs} showed no `execution:started` within "
-                f"{START_TIMEOUT:g} s."
+                f"{self.config.queue_start_timeout:g} s."
             )
         if dropped:
             text += (
@@ -192,7 +202,7 @@ class QueueBench:
 
     async def in_line(self) -> None:
         config = self.config
-        make = self.servers(PREFIX)
+        make = self.servers(self.prefix)
         api = make("queue-api", 0)
         self.workers = [make(f"queue-w{i}", config.queue_slots) for i in (1, 2)]
         holds = [hold(i, config.queue_block_ms) for i in range(config.queue_spread)]
@@ -233,7 +243,7 @@ class QueueBench:
             with self.cpu(api) as cpu:
                 for _ in range(config.queue_light_runs):
                     await asyncio.sleep(random.uniform(0, GAP))
-                    starts.append(await start_streamed(api.port, LIGHT, "q-quick"))
+                    starts.append(await self.start(api))
         last = feeder.marks[-1]
         window = last.at - first.at
         taken = feeder.taken(HEAVY, first, last)
@@ -352,25 +362,44 @@ def nearest(marks: list[Mark], at: float) -> Mark:
 
 
 class Cpu:
-    """CPU use of the API replica, the workers and Valkey over one window."""
+    """CPU use of the API replica, the workers and Valkey over one window, and how long
+    the workers' threads waited for a CPU while runnable (``/proc/<pid>/task/*/schedstat``:
+    on a machine shared with other work, a slow slot turnover is told from a slow
+    worker this way)."""
 
     def __init__(self, api: FlowcastServer, workers: list[FlowcastServer], valkey: int | None):
         self.api = Usage(descendants(api.pid), valkey)
-        self.workers = Usage([pid for w in workers for pid in descendants(w.pid)], None)
+        self.worker_pids = [pid for w in workers for pid in descendants(w.pid)]
+        self.workers = Usage(self.worker_pids, None)
+        self.waited = 0.0
 
     def __enter__(self) -> Cpu:
         self.api.begin()
         self.workers.begin()
+        self.waited = -run_delay(self.worker_pids)
         return self
 
     def __exit__(self, *_: object) -> None:
         self.api.end()
         self.workers.end()
+        self.waited += run_delay(self.worker_pids)
 
     def describe(self) -> str:
         wall = self.api.wall or 1.0
         return (
             f"CPU: API replica {self.api.server / wall:.0%} of a core, workers "
             f"{self.workers.server / wall:.0%}, Valkey {self.api.store / wall:.0%}, machine "
-            f"busy {self.api.busy:.0%} of {os.cpu_count()} CPUs"
+            f"busy {self.api.busy:.0%} of {os.cpu_count()} CPUs; the workers' threads "
+            f"waited {self.waited / wall:.0%} of the window for a CPU (summed over threads)"
         )
+
+
+def run_delay(pids: list[int]) -> float:
+    """Seconds the threads of ``pids`` spent runnable, waiting for a CPU, so far."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    total += int((task / "schedstat").read_text().split()[1])
+    return total / 1e9
