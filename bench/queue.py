@@ -150,7 +150,7 @@ class QueueBench:
             self.report.add(
                 Row(
                     f"queue: accepted → execution:started, free slots, p{pct} ({runs} runs)",
-                    shown(q) + (f"; {stuck} never started" if stuck else ""),
+                    shown(q) + self.stuck_cell(through, pct),
                     f"run at once: {shown(d)}",
                     ratio(q, d) if q < math.inf else "—",
                     f"≤ {target * 1000:g} ms",
@@ -177,6 +177,15 @@ class QueueBench:
         timeout = self.config.queue_start_timeout
         return await start_streamed(server.port, LIGHT, "q-quick", timeout=timeout)
 
+    @staticmethod
+    def stuck_cell(took: list[float], pct: float = 99) -> str:
+        """How many never started, and the percentile of those that did."""
+        stuck = took.count(math.inf)
+        if not stuck:
+            return ""
+        started = [t for t in took if t < math.inf] or [math.inf]
+        return f"; {stuck} never started (p{pct:g} of the rest {shown(percentile(started, pct))})"
+
     def dropped(self) -> int:
         """Deliveries the workers dropped so far (cancelled, claimed by another, or not
         found), from their logs."""
@@ -192,9 +201,11 @@ class QueueBench:
             )
         if dropped:
             text += (
-                f" The workers logged {dropped} '{DROPPED}' meanwhile (the record not "
-                "found: taken from the queue before it was written; it stays `queued`, "
-                "in no line; see bench/README.md)."
+                f" The workers logged {dropped} '{DROPPED}' meanwhile, each with the "
+                "record not found: a worker took the start from its line between the "
+                "start's two round trips (the batch that queues it, then `start.lua` "
+                "that writes its record, lib/execution/ownership.py `start`) and dropped "
+                "it; it stays `queued`, in no line, and never runs."
             )
         return text
 
@@ -259,8 +270,7 @@ class QueueBench:
             Row(
                 f"queue: a light tenant's wait p99 (p50) while another has "
                 f"{target:,} queued ({len(took)} runs)",
-                f"{shown(p99)} ({shown(percentile(took, 50))})"
-                + (f"; {stuck} never started" if stuck else ""),
+                f"{shown(p99)} ({shown(percentile(took, 50))})" + self.stuck_cell(took),
                 f"slot turnover {ms(turnover)}",
                 ratio(p99, turnover) if p99 < math.inf else "—",
                 "≤ turnover + 100 ms",
