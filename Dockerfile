@@ -10,7 +10,9 @@
 # app factory under uvicorn; `flowcast serve` runs the same server (same settings):
 #   docker run --rm -p 8000:8000 -e FLOWCAST_API_KEYS=change-me flowcast flowcast serve
 # On Redis and S3, with replicas, see docker-compose.yml: every replica needs the same
-# FLOWCAST_API_KEYS and FLOWCAST_SECRET_KEY.
+# FLOWCAST_API_KEYS and FLOWCAST_SECRET_KEY. `flowcast worker` runs a process of the same
+# image that only runs queued work (health and metrics on port 8000, no API):
+#   docker run --rm -e FLOWCAST_API_KEYS=… -e FLOWCAST_SECRET_KEY=… -e FLOWCAST_REDIS_URL=… flowcast flowcast worker
 
 FROM python:3.11-slim AS build
 WORKDIR /src

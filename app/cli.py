@@ -1,4 +1,5 @@
-"""The ``flowcast`` command line: ``serve``, ``run``, ``attach``, ``resume``, ``cancel``, ``list``.
+"""The ``flowcast`` command line: ``serve``, ``worker``, ``run``, ``attach``, ``resume``,
+``cancel``, ``list``.
 
 Exit codes: 0 completed (or the request was accepted), 1 failed, 2 usage or bad input
 (a 4xx answer; the server's message goes to stderr), 3 cancelled, 4 paused (``run`` and
@@ -31,12 +32,13 @@ from app.client import (
     Finished,
     FlowcastClient,
     Gap,
+    Queued,
     Reconnecting,
     Refused,
     Unreachable,
 )
-from app.progress import Display, LiveDisplay, PlainDisplay, compact
-from app.settings import Settings
+from app.progress import Display, LiveDisplay, PlainDisplay, compact, queued_text
+from app.settings import NO_SLOTS, Settings
 
 COMPLETED, FAILED, USAGE, CANCELLED, PAUSED, UNREACHABLE = 0, 1, 2, 3, 4, 5
 INTERRUPTED = 130
@@ -60,8 +62,19 @@ def _is_loopback(host: str) -> bool:
 
 def serve(args: argparse.Namespace) -> int:
     """Run one Flowcast process (embedded engine unless FLOWCAST_REDIS_URL is set)."""
+    return _run_server(args, "app.main:create_app")
+
+
+def worker(args: argparse.Namespace) -> int:
+    """Run a process that only runs work: it takes queued executions for its
+    ``FLOWCAST_WORKER_SLOTS`` and serves ``/healthz``, ``/readyz`` and ``/metrics``."""
+    return _run_server(args, "app.main:create_worker", worker=True)
+
+
+def _settings() -> Settings | None:
+    """The settings from the environment, or None once each problem was said."""
     try:
-        settings = Settings()
+        return Settings()
     except ValidationError as exc:
         for problem in exc.errors():
             message = str(problem["msg"])
@@ -70,6 +83,15 @@ def serve(args: argparse.Namespace) -> int:
             else:
                 name = "_".join(str(part) for part in problem["loc"]).upper()
                 _error(f"FLOWCAST_{name}: {message}")
+        return None
+
+
+def _run_server(args: argparse.Namespace, factory: str, *, worker: bool = False) -> int:
+    settings = _settings()
+    if settings is None:
+        return USAGE
+    if worker and settings.worker_slots == 0:
+        _error(NO_SLOTS)
         return USAGE
     host = args.host or settings.host
     port = args.port if args.port is not None else settings.port
@@ -83,7 +105,7 @@ def serve(args: argparse.Namespace) -> int:
     if not settings.api_keys:
         print("flowcast: no FLOWCAST_API_KEYS set; listening on loopback only", file=sys.stderr)
     uvicorn.run(
-        "app.main:create_app",
+        factory,
         factory=True,
         host=host,
         port=port,
@@ -167,14 +189,21 @@ def _follow(
                     return _finish(item.terminal_status, item.data)
                 if item.type == "execution:paused" and not wait:
                     # A replayed pause may have been answered since: stop unless later
-                    # events exist (the snapshot may lag a live pause, never lead it).
-                    if client.execution(execution_id)["lastEventId"] <= item.id:
+                    # events exist (the snapshot may lag a live pause, never lead it),
+                    # or its answer waits in line for a worker (queued).
+                    snapshot = client.execution(execution_id)
+                    if snapshot["status"] == "queued":
+                        if display:
+                            display.queued(int(snapshot.get("ahead") or 0))
+                    elif snapshot["lastEventId"] <= item.id:
                         if display:
                             display.close()
                         _show_pause(execution_id, item.data, item.id)
                         return PAUSED
             elif isinstance(item, Gap) and display:
                 display.gap(item)
+            elif isinstance(item, Queued) and display:
+                display.queued(item.ahead)
             elif isinstance(item, Reconnecting) and display:
                 display.notice(
                     f"stream ended ({item.reason}); reconnecting after event {item.cursor}"
@@ -214,6 +243,8 @@ def run(args: argparse.Namespace) -> int:
         display = _display(args)
         if display:
             display.started(execution_id, args.workflow)
+            if started.get("status") == "queued":
+                display.queued(int(started.get("ahead") or 0))
         return _follow(client, execution_id, after=0, wait=args.wait, display=display)
 
 
@@ -228,6 +259,8 @@ def attach(args: argparse.Namespace) -> int:
         display = _display(args)
         if display:
             display.started(args.execution, snapshot["workflowId"])
+            if snapshot["status"] == "queued":
+                display.queued(int(snapshot.get("ahead") or 0))
         return _follow(client, args.execution, after=args.after, wait=args.wait, display=display)
 
 
@@ -240,7 +273,7 @@ def resume(args: argparse.Namespace) -> int:
 
 
 def cancel(args: argparse.Namespace) -> int:
-    """Cancel a running or paused execution."""
+    """Cancel a queued, running or paused execution."""
     with _client(args) as client:
         answer = client.cancel(args.execution)
     print(f"{answer['executionId']} {answer['status']}", flush=True)
@@ -253,7 +286,7 @@ def list_executions(args: argparse.Namespace) -> int:
         found = client.executions(workflow_id=args.workflow, status=args.status, limit=args.limit)
     rows = [("ID", "WORKFLOW", "STATUS", "EVENTS", "CREATED", "UPDATED")]
     rows += [
-        (e["id"], e["workflowId"], e["status"], str(e["lastEventId"]), e["createdAt"],
+        (e["id"], e["workflowId"], _status(e), str(e["lastEventId"]), e["createdAt"],
          e["updatedAt"])
         for e in found
     ]  # fmt: skip
@@ -262,6 +295,13 @@ def list_executions(args: argparse.Namespace) -> int:
         cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
         print("  ".join(cells).rstrip())
     return COMPLETED
+
+
+def _status(execution: dict[str, Any]) -> str:
+    """A listed execution's status; a queued one with its place (``queued, 3 ahead``)."""
+    if execution["status"] == "queued" and execution.get("ahead") is not None:
+        return queued_text(int(execution["ahead"]))
+    return str(execution["status"])
 
 
 def _client_options(command: argparse.ArgumentParser, *, top: bool) -> None:
@@ -305,6 +345,15 @@ def parser() -> argparse.ArgumentParser:
     run_server.add_argument("--port", type=int, help="listen port (default FLOWCAST_PORT or 8000)")
     run_server.set_defaults(handler=serve)
 
+    run_worker = commands.add_parser(
+        "worker", help="run a process that only runs queued work (no API)"
+    )
+    run_worker.add_argument(
+        "--host", help="where /healthz, /readyz and /metrics listen (default FLOWCAST_HOST)"
+    )
+    run_worker.add_argument("--port", type=int, help="their port (default FLOWCAST_PORT or 8000)")
+    run_worker.set_defaults(handler=worker)
+
     start = commands.add_parser("run", help="start an execution and follow it")
     start.add_argument("workflow", help="workflow id")
     start.add_argument("--input", type=_json_type, help="input as JSON, or @file")
@@ -326,7 +375,7 @@ def parser() -> argparse.ArgumentParser:
     answer.add_argument("--block", help="the paused block's id (refused if paused elsewhere)")
     answer.set_defaults(handler=resume)
 
-    stop = commands.add_parser("cancel", help="cancel a running or paused execution")
+    stop = commands.add_parser("cancel", help="cancel a queued, running or paused execution")
     stop.add_argument("execution", metavar="EID", help="execution id")
     stop.set_defaults(handler=cancel)
 

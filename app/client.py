@@ -88,6 +88,14 @@ class Gap:
 
 
 @dataclass(frozen=True)
+class Queued:
+    """A ``queue`` frame: the execution waits for a worker, ``ahead`` others first (an
+    estimate)."""
+
+    ahead: int
+
+
+@dataclass(frozen=True)
 class Reconnecting:
     """The connection ended before the terminal event; the next one starts after ``cursor``."""
 
@@ -103,7 +111,7 @@ class Finished:
     cursor: int
 
 
-StreamItem = Event | Gap | Reconnecting | Finished
+StreamItem = Event | Gap | Queued | Reconnecting | Finished
 
 
 def backoff(attempt: int, *, base: float = 0.2, cap: float = 5.0) -> float:
@@ -286,6 +294,9 @@ class FlowcastClient:
                 if frame.event == "replay:gap":
                     gap = frame.json()
                     yield Gap(int(gap["after"]), int(gap["resumeAt"]), gap["reason"])
+                    continue
+                if frame.event == "queue":  # no id: its place in line, before it starts
+                    yield Queued(int(frame.json().get("ahead", 0)))
                     continue
                 if not frame.id or not frame.data:
                     continue

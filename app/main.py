@@ -1,4 +1,6 @@
-"""The app factory: ``uvicorn --factory app.main:create_app``.
+"""The app factories: ``uvicorn --factory app.main:create_app`` (the API, which runs work
+too unless ``FLOWCAST_WORKER_SLOTS=0``) and ``app.main:create_worker`` (``flowcast
+worker``: the same process without the API, SPEC §14).
 
 Nothing is built at import time. ``create_app`` reads the settings; the lifespan opens
 every resource in steps, one module each (the stores, the workflow catalog, the
@@ -9,6 +11,7 @@ the routes reach (``app/services.py``), and closes them in reverse order.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
@@ -22,12 +25,18 @@ from app.limits import BodyLimit, Turns
 from app.routes import executions, health, live, page, secrets, streams, values, workflows
 from app.runtime import start_runtime
 from app.services import build_services
-from app.settings import Settings, warn_about_defaults
+from app.settings import NO_SLOTS, Settings, warn_about_defaults
 from app.stores import open_stores
 
+log = logging.getLogger("flowcast")
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    """Build the Flowcast app; resources open when the app's lifespan starts."""
+
+def create_app(settings: Settings | None = None, *, api: bool = True) -> FastAPI:
+    """Build the Flowcast app; resources open when the app's lifespan starts.
+
+    ``api=False`` builds a worker: the same lifespan (the runner takes queued work for
+    its slots, drains and hands off on SIGTERM), with only ``/healthz``, ``/readyz`` and
+    ``/metrics`` mounted; every other path is 404."""
     settings = settings or Settings()
     logs.configure(settings.log_level, settings.log_format)
     memory.pin_mmap_threshold()
@@ -36,6 +45,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
         summary="Workflow executions with a durable, resumable event stream.",
         lifespan=functools.partial(_lifespan, settings=settings),
+        # A worker documents no API: it has none.
+        openapi_url="/openapi.json" if api else None,
     )
     errors.install(app)
     # Innermost: a request waits its turn once its headers were checked and its body
@@ -51,8 +62,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     else:
         app.add_middleware(LoopbackOnly)
     # live before executions: /api/executions/{eid} would take "live" for an id.
-    for module in (health, workflows, live, executions, streams, values, secrets, page):
+    routers = (health, workflows, live, executions, streams, values, secrets, page)
+    for module in routers if api else (health,):
         app.include_router(module.router)
+    return app
+
+
+def create_worker(settings: Settings | None = None) -> FastAPI:
+    """A process that only runs work (``flowcast worker``): health and metrics, no API."""
+    settings = settings or Settings()
+    if settings.worker_slots == 0:
+        raise ValueError(NO_SLOTS)
+    app = create_app(settings, api=False)
+    log.info(
+        "worker: runs queued executions, serves /healthz, /readyz and /metrics only",
+        extra={"slots": settings.worker_slots},
+    )
     return app
 
 

@@ -5,11 +5,15 @@
     <id> <type> [fields…]        e.g. ``4 block:completed story 1203ms``
     gap after=<n> resumeAt=<m> reason=<why>
 
+and says on stderr where a queued execution stands (``flowcast: queued, 12 ahead``)
+whenever that changes, until it starts.
+
 ``LiveDisplay`` (stdout is a terminal) is a ``rich`` live view redrawn in place: a header
-(execution, workflow, status, time) and one line per block with its status, duration and
-the tail of the text it streams; a block that runs again (a retry, a re-run after
-``execution:recovered``) shows only its latest run's text. Notices (reconnects, gaps,
-recoveries) go to stderr in both, so stdout stays the execution's own record.
+(execution, workflow, status -- ``queued, 12 ahead`` while it waits -- and time) and one
+line per block with its status, duration and the tail of the text it streams; a block
+that runs again (a retry, a re-run after ``execution:recovered``) shows only its latest
+run's text. Notices (reconnects, gaps, recoveries) go to stderr in both, so stdout stays
+the execution's own record.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ STYLES = {
     "skipped": "dim",
     "paused": "magenta",
     "cancelled": "red",
+    "queued": "cyan",
 }
 
 
@@ -66,8 +71,14 @@ class Display(Protocol):
     def started(self, execution_id: str, workflow_id: str) -> None: ...
     def event(self, event: Event) -> None: ...
     def gap(self, gap: Gap) -> None: ...
+    def queued(self, ahead: int) -> None: ...
     def notice(self, text: str) -> None: ...
     def close(self) -> None: ...
+
+
+def queued_text(ahead: int) -> str:
+    """A queued execution's place: ``queued, 12 ahead``."""
+    return f"queued, {ahead} ahead"
 
 
 def gap_notice(gap: Gap) -> str:
@@ -136,6 +147,7 @@ class PlainDisplay:
 
     def __init__(self, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> None:
         self.out, self.err = out, err
+        self._ahead: int | None = None  # the place last said, while queued
 
     def started(self, execution_id: str, workflow_id: str) -> None:
         print(f"execution {execution_id} workflow={workflow_id}", file=self.out, flush=True)
@@ -149,6 +161,11 @@ class PlainDisplay:
         line = f"gap after={gap.after} resumeAt={gap.resume_at} reason={gap.reason}"
         print(line, file=self.out, flush=True)
         self.notice(gap_notice(gap))
+
+    def queued(self, ahead: int) -> None:
+        if ahead != self._ahead:
+            self._ahead = ahead
+            self.notice(queued_text(ahead))
 
     def notice(self, text: str) -> None:
         print(f"flowcast: {text}", file=self.err, flush=True)
@@ -210,6 +227,7 @@ class LiveDisplay:
         self.console = Console(file=self.out, highlight=False)
         self.header = ""
         self.status = "running"
+        self.ahead: int | None = None  # while queued: about how many start first
         self.began = time.monotonic()
         self.ended: float | None = None
         self.blocks: dict[str, _Block] = {}
@@ -266,8 +284,8 @@ class LiveDisplay:
         elif block is not None and event.type == "execution:paused":
             block.status, block.detail = "paused", str(data.get("prompt", ""))
             self.status = "paused"
-        elif event.type == "execution:resumed":
-            self.status = "running"
+        elif event.type in ("execution:started", "execution:resumed"):
+            self.status, self.ahead = "running", None
         elif event.type == "execution:recovered":
             # Not an ending: the execution goes on under a new owner.
             self.status = "running"
@@ -278,6 +296,13 @@ class LiveDisplay:
 
     def gap(self, gap: Gap) -> None:
         self.notice(gap_notice(gap))
+
+    def queued(self, ahead: int) -> None:
+        with self._lock:
+            # Before it starts, or a resume that waits in line (after its pause).
+            if self.status in ("running", "queued", "paused"):
+                self.status, self.ahead = "queued", ahead
+        self._live.refresh()
 
     def notice(self, text: str) -> None:
         if self._notices_on_console and self._live.is_started:
@@ -294,8 +319,11 @@ class LiveDisplay:
         with self._lock:
             now = time.monotonic()
             took = (self.ended or now) - self.began
+            status = self.status
+            if status == "queued" and self.ahead is not None:
+                status = queued_text(self.ahead)
             header = Text.assemble(
-                (self.header, "bold"), "  ", (self.status, STYLES.get(self.status, "")),
+                (self.header, "bold"), "  ", (status, STYLES.get(self.status, "")),
                 f"  {took:.1f}s",
             )  # fmt: skip
             rows = Table.grid(padding=(0, 1))

@@ -8,6 +8,7 @@ from __future__ import annotations
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
+from app.auth import tenant_of_key
 from app.executor import Blocks
 from app.node import Node
 from app.settings import Settings
@@ -74,9 +75,25 @@ async def start_runtime(
         sse_clients=open_streams.__len__,  # execution streams and live lists alike
         bytes_retained=runner.retained_bytes,
     )
+    metrics.watch_queue(
+        backlog=runner.dispatcher.backlog,
+        slots=runner.dispatcher.slots,
+        used=runner.running_here,
+    )
     return Runtime(
         metrics=metrics, hub=hub, readers=readers, runner=runner, open_streams=open_streams
     )
+
+
+def tenant_weights(settings: Settings) -> dict[str, float]:
+    """``FLOWCAST_TENANT_WEIGHTS`` by tenant: a name that is one of ``FLOWCAST_API_KEYS``
+    stands for that key's tenant (an operator knows keys, not their hashes); any other
+    name is a tenant as it is (``t_…``, or ``default`` without keys)."""
+    keys = {key.strip() for key in (settings.api_keys or "").split(",") if key.strip()}
+    return {
+        tenant_of_key(name) if name in keys else name: weight
+        for name, weight in settings.weights.items()
+    }
 
 
 def offload_policy(settings: Settings) -> OffloadPolicy:
@@ -102,7 +119,7 @@ def build_runner(
         lease_seconds=lease,
         limit=settings.max_executions_per_tenant,
         running=settings.max_running_per_tenant,
-        weights=settings.weights,
+        weights=tenant_weights(settings),
     )
     states = RunStates(buffer=buffer, values=stores.values)
     finals = Finals(
@@ -149,4 +166,5 @@ def build_runner(
         takeovers=Takeovers(parts, max_recoveries=settings.max_recoveries, suspicion=suspicion),
         shutdown_grace_seconds=settings.shutdown_grace_seconds,
         worker_slots=settings.worker_slots,
+        metrics=metrics,
     )

@@ -14,6 +14,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 log = logging.getLogger("flowcast")
 
+# Why ``flowcast worker`` (app.main:create_worker) refuses FLOWCAST_WORKER_SLOTS=0.
+NO_SLOTS = "FLOWCAST_WORKER_SLOTS=0: a worker without slots would run nothing"
+
 
 class Settings(BaseSettings):
     """Every knob of a Flowcast process; the embedded default needs none of them."""

@@ -3,18 +3,33 @@
 ``Metrics`` owns its own registry, built when the app starts (never at import), and is
 handed to the parts that count: the writer (events written, write failures, dropped
 events), the compactor (bytes offloaded, offload failures), the stream readers (gaps
-served, stream latency) and the runner (executions by outcome). Gauges whose value lives
-elsewhere (pending backlog, SSE clients) are read at scrape time through callbacks.
+served, stream latency), the runner (executions by outcome, queue waits) and the
+dispatcher (reclaims, stale deliveries). Gauges whose value lives elsewhere (pending
+backlog, SSE clients, slots used) are read at scrape time through callbacks; the queue's
+backlog lives in Redis and is read by ``refresh`` before each scrape.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from lib.errors import FlowcastError
+
+if TYPE_CHECKING:
+    from lib.execution.queue import Backlog
+
+log = logging.getLogger(__name__)
+
 # Stream latency buckets in seconds: fine below 10 ms, where the targets are.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# Queue wait buckets in seconds, accepted -> started: from a start with a free slot
+# (a few ms) to a backlog drained over minutes.
+WAIT_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 15.0, 60.0, 300.0, 1800.0)
 
 
 class Metrics:
@@ -82,6 +97,48 @@ class Metrics:
             "Bytes the executions running here retain in their rings (as modelled)",
             registry=registry,
         )
+        # The queue (SPEC §14): the signals an autoscaler needs.
+        self.queue_depth = Gauge(
+            "flowcast_queue_depth",
+            "Executions by queue state: queued, in every tenant's line (the same figure"
+            " on every process); running, in this process (sum over processes)",
+            ["state"],
+            registry=registry,
+        )
+        self.queue_oldest = Gauge(
+            "flowcast_queue_oldest_seconds",
+            "How long the oldest execution at the head of a tenant's line has waited"
+            " (0: nothing waits)",
+            registry=registry,
+        )
+        self.queue_wait = Histogram(
+            "flowcast_queue_wait_seconds",
+            "From an execution accepted to its start here (0 when a slot took it at once)",
+            buckets=WAIT_BUCKETS,
+            registry=registry,
+        )
+        self.worker_slots = Gauge(
+            "flowcast_worker_slots",
+            "Executions this process may run at once (FLOWCAST_WORKER_SLOTS; 0: API only)",
+            registry=registry,
+        )
+        self.worker_slots_used = Gauge(
+            "flowcast_worker_slots_used",
+            "Executions running in this process now (started, taken, resumed or taken over)",
+            registry=registry,
+        )
+        self.queue_reclaims = Counter(
+            "flowcast_queue_reclaims_total",
+            "Executions taken by a worker that died before claiming them, queued again here",
+            registry=registry,
+        )
+        self.stale_deliveries = Counter(
+            "flowcast_queue_stale_deliveries_total",
+            "Executions taken from the queue here and dropped: cancelled, claimed by"
+            " another worker, or gone",
+            registry=registry,
+        )
+        self._backlog: Callable[[], Awaitable[Backlog]] | None = None
 
     def watch(
         self,
@@ -94,6 +151,36 @@ class Metrics:
         self.pending.set_function(pending)
         self.sse_clients.set_function(sse_clients)
         self.bytes_retained.set_function(bytes_retained)
+
+    def watch_queue(
+        self,
+        *,
+        backlog: Callable[[], Awaitable[Backlog]],
+        slots: int,
+        used: Callable[[], float],
+    ) -> None:
+        """Read the queue's backlog at scrape time (``refresh``), and this process's
+        slots as they are."""
+        self._backlog = backlog
+        self.worker_slots.set(slots)
+        self.worker_slots_used.set_function(used)
+        self.queue_depth.labels("running").set_function(used)
+
+    async def refresh(self) -> None:
+        """Read what lives in Redis before a scrape (a failed read keeps the last
+        figures: a scrape never fails because the queue could not be read)."""
+        if self._backlog is None:
+            return
+        try:
+            backlog = await self._backlog()
+        except FlowcastError as exc:
+            log.warning("could not read the queue for /metrics", extra={"error": str(exc)})
+            return
+        self.queue_depth.labels("queued").set(backlog.queued)
+        waited = 0.0
+        if backlog.oldest_ms is not None:
+            waited = max(0.0, time.time() - backlog.oldest_ms / 1000)
+        self.queue_oldest.set(waited)
 
     def render(self) -> bytes:
         """The text exposition format for ``/metrics``."""

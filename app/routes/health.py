@@ -58,4 +58,5 @@ async def metrics(request: Request, svc: Annotated[Services, Depends(services)])
     """Prometheus metrics of this process (an API key when keys are set, unless public)."""
     if not svc.settings.metrics_public:
         authenticate(request, svc.keys)
+    await svc.metrics.refresh()  # the queue's figures live in Redis
     return Response(svc.metrics.render(), media_type=CONTENT_TYPE_LATEST)

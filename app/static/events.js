@@ -23,7 +23,7 @@ const HANDLERS = {
     run.workflowId = event.workflowId;
     $("run-workflow").textContent = `workflow ${event.workflowId}`;
     chooseWorkflow(event.workflowId);
-    setStatus(run, "running");
+    if (!run.answerWaits) setStatus(run, "running");
   },
   "block:started": (run, event, data) => {
     const row = blockRow(run, data.blockId, event.ts);
@@ -70,6 +70,12 @@ const HANDLERS = {
   "execution:paused": (run, event, data) => {
     const row = blockRow(run, data.blockId, event.ts);
     setBlockStatus(row, "waiting");
+    if (run.answerWaits) {
+      // Replayed, but answered already: the answer waits in line for a worker (the
+      // resume follows once one takes it), so the form is not offered again.
+      setStatus(run, "queued", run.place);
+      return;
+    }
     setStatus(run, "paused");
     showPause(run, data);
   },
@@ -77,6 +83,7 @@ const HANDLERS = {
     const row = run.blocks.get(data.blockId);
     if (row) setBlockStatus(row, "resumed");
     hidePause(run);
+    run.answerWaits = false;
     setStatus(run, "running");
   },
   "execution:recovered": (run, event, data) => {

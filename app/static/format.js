@@ -9,3 +9,8 @@ export function formatBytes(size) {
 export function formatMs(ms) {
   return ms < 1000 ? `${Math.round(ms)} ms` : `${(ms / 1000).toFixed(2)} s`;
 }
+
+/** A queued run's place: "queued, 3 ahead" (or just "queued" when the place is not known). */
+export function queuedLabel(ahead) {
+  return Number.isInteger(ahead) ? `queued, ${ahead} ahead` : "queued";
+}

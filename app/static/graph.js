@@ -37,6 +37,7 @@ export class FlowGraph {
     this.nodes = new Map(); // blockId -> the node's elements
     this.incoming = new Map(); // blockId -> the paths and condition labels that enter it
     this.strangers = new Set(); // blocks the run names that the definition read lacks
+    this.place = ""; // while the run waits in line: where it stands, said under the graph
     this.size = null;
     this.moved = false;
     this.drawing.replaceChildren();
@@ -44,8 +45,23 @@ export class FlowGraph {
     this.root.hidden = true;
   }
 
+  /** The run waits in line for a worker (to start, or to go on with a resume's answer):
+  draw its workflow and say its place (`queued, 3 ahead`) under it until it runs. */
+  queued(workflowId, place) {
+    this.place = `Waiting for a worker: ${place}.`;
+    if (this.workflowId === null && workflowId) {
+      this.workflowId = workflowId;
+      this.fetch();
+    }
+    this.note(this.strangerNote());
+  }
+
   /** One event of the run, in id order (a replay and the live tail alike). */
   apply(event) {
+    if (this.place && (event.type === "execution:started" || event.type === "execution:resumed")) {
+      this.place = "";
+      this.note(this.strangerNote());
+    }
     if (this.workflowId === null && event.workflowId) {
       this.workflowId = event.workflowId;
       this.fetch();
@@ -333,6 +349,7 @@ export class FlowGraph {
   }
 
   strangerNote() {
+    if (this.place) return this.place;
     if (!this.strangers.size) return "";
     const names = [...this.strangers].join(", ");
     return `The workflow was changed after this run started: ${names} not in the graph.`;

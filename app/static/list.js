@@ -10,6 +10,7 @@
 
 import { headers } from "./api.js";
 import { $ } from "./dom.js";
+import { queuedLabel } from "./format.js";
 import { apiKey } from "./keys.js";
 import { hashOf } from "./routing.js";
 
@@ -83,7 +84,8 @@ function rowNode(row) {
   const badge = document.createElement("span");
   badge.className = "status";
   badge.dataset.status = row.status;
-  badge.textContent = row.status;
+  // A queued run says its place in line when the list knows it.
+  badge.textContent = row.status === "queued" ? queuedLabel(row.ahead) : row.status;
   const status = cell("");
   status.append(badge);
   if (row.errorCode) {

@@ -3,12 +3,13 @@
 import { $, el, show } from "./dom.js";
 import { renderValue } from "./values.js";
 
-export function setStatus(run, status) {
+/** The run's status on its badge; `label` says more (a queued run's place in line). */
+export function setStatus(run, status, label = status) {
   run.status = status;
   const badge = $("run-status");
-  badge.textContent = status;
+  badge.textContent = label;
   badge.dataset.status = status;
-  show($("cancel"), status === "running" || status === "paused");
+  show($("cancel"), status === "queued" || status === "running" || status === "paused");
   $("cancel").disabled = false;
 }
 

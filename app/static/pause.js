@@ -4,6 +4,8 @@
 import { api, errorText } from "./api.js";
 import { $, show } from "./dom.js";
 import { answerForm } from "./forms.js";
+import { queuedLabel } from "./format.js";
+import { setStatus } from "./panel.js";
 
 export function showPause(run, pause) {
   run.pause = pause;
@@ -51,8 +53,17 @@ export async function resume(run, approved) {
       problem.textContent = await errorText(response);
       show(problem, true);
       setPauseBusy(false);
+      return;
     }
-    // On 202 the form goes away when execution:resumed arrives on the stream.
+    // On 202 the form goes away when execution:resumed arrives on the stream; an answer
+    // that waits in line for a worker (queued) says so until then.
+    const answer = await response.json();
+    if (answer.status === "queued") {
+      run.place = queuedLabel(answer.ahead);
+      run.answerWaits = true;
+      hidePause(run);
+      setStatus(run, "queued", run.place);
+    }
   } catch (error) {
     problem.textContent = `Cannot resume: ${error.message}`;
     show(problem, true);

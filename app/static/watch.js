@@ -5,6 +5,7 @@
 import { api, errorText, withToken } from "./api.js";
 import { $, show } from "./dom.js";
 import { apply, EVENT_TYPES, TERMINAL } from "./events.js";
+import { queuedLabel } from "./format.js";
 import { notice, setDuplicates, setStatus, showResult } from "./panel.js";
 import { hidePause } from "./pause.js";
 import { highlightRow, logEvent } from "./timeline.js";
@@ -36,6 +37,9 @@ export function attach(executionId, token) {
     finished: false,
     workflowId: null,
     pause: null,
+    place: "", // while queued: "queued, 3 ahead"
+    askedSnapshot: false, // while queued: its snapshot was asked (workflow, answer waiting)
+    answerWaits: false, // its pause was answered and the answer waits in line
   };
   watching = run;
   clearPanel(run);
@@ -65,6 +69,8 @@ function listen(run) {
     source.addEventListener(type, (message) => onEvent(run, message));
   }
   source.addEventListener("replay:gap", (message) => onGap(run, JSON.parse(message.data)));
+  // A queued run's place in line, sent (with no id) until it starts.
+  source.addEventListener("queue", (message) => onQueue(run, JSON.parse(message.data)));
   source.onopen = () => {
     if (watching === run) $("run-connection").textContent = "live";
   };
@@ -96,11 +102,44 @@ async function explainClosed(run) {
     return;
   }
   const snapshot = await response.json();
-  setStatus(run, snapshot.status);
+  if (snapshot.status === "queued") setStatus(run, "queued", queuedLabel(snapshot.ahead));
+  else setStatus(run, snapshot.status);
   if (["completed", "failed", "cancelled"].includes(snapshot.status)) {
     showResult(run, snapshot.status, snapshot.output, snapshot.error);
     detach(run);
   }
+}
+
+async function onQueue(run, place) {
+  // Before its first event, or while it is shown queued (a resume's answer waiting in
+  // line): otherwise the events say where it is.
+  const waiting = () =>
+    watching === run && !run.finished && (run.seen.size === 0 || run.status === "queued");
+  if (!waiting()) return;
+  run.place = queuedLabel(place.ahead);
+  setStatus(run, "queued", run.place);
+  if (!run.askedSnapshot) {
+    // The snapshot says which workflow (no event may have named it yet) and whether
+    // this is a start or a paused run's answer waiting (its replayed pause is then not
+    // offered again). Unreadable with a stream token alone: the events tell, later.
+    run.askedSnapshot = true;
+    const response = await api(`/api/executions/${run.id}`).catch(() => null);
+    const snapshot = response && response.ok ? await response.json() : null;
+    if (watching !== run || run.finished || !snapshot) return;
+    run.workflowId = run.workflowId || snapshot.workflowId;
+    $("run-workflow").textContent = `workflow ${run.workflowId}`;
+    // Its replay may have shown the pause meanwhile; a later event (the resume itself)
+    // makes the snapshot old news.
+    let newest = 0;
+    for (const id of run.seen) if (id > newest) newest = id;
+    if (snapshot.status === "queued" && snapshot.pause && newest <= snapshot.lastEventId) {
+      run.answerWaits = true;
+      hidePause(run);
+      setStatus(run, "queued", run.place);
+    }
+  }
+  // The latest place, if another came meanwhile.
+  if (run.status === "queued") graph.queued(run.workflowId, run.place);
 }
 
 function onGap(run, gap) {

@@ -50,6 +50,9 @@ ARGV[8]  takeover: who the dead owner's death is charged to (blame.py reads it f
 ARGV[9]  takeover: "busy" when the caller runs a suspect already: a run whose owners
          died twice (this death counted) is refused SUSPECT, so that each process runs
          at most one suspect and its next death is charged to that one alone
+ARGV[10] the status channel (fc:status, pub/sub) and ARGV[11] the execution id: "take"
+         and a resume to "queue" publish the execution's new list row there (the live
+         lists), as start.lua does
 
 Suspicion: `deaths` counts every death of an owner while it ran (charged or not), and a
 run with two deaths is a suspect wherever it runs next; `crashes` counts the deaths charged
@@ -174,6 +177,9 @@ if mode == "resume" then
   if ARGV[5] == "queue" then
     redis.call("HSET", meta, "status", "queued", "owner", "", "leaseUntil", 0,
       "pauseBlock", "", "pauseDeadline", "", "continues", state[5] or "")
+    if ARGV[10] and ARGV[10] ~= "" then
+      publish_row(meta, ARGV[10], ARGV[11], "queued", last)
+    end
     return {last, base, status, "", tonumber(state[7]) or 0, recoveries, "", crashes,
       cancel, deaths}
   end
@@ -281,9 +287,13 @@ elseif mode == "take" then
   local continues = redis.call("HGET", meta, "continues")
   local won = own(false)
   redis.call("HDEL", meta, "continues")
-  if not continues or continues == "" then
-    -- A start: its first event's id is the taker's already (as start.lua reserves it).
+  if (not continues or continues == "") and base == 0 then
+    -- A start: its first event's id is the taker's already (as start.lua reserves it);
+    -- above a durable ceiling (a store back behind), it numbers from there instead.
     redis.call("HSET", meta, "reserved", tonumber(ARGV[4]) or 0)
+  end
+  if ARGV[10] and ARGV[10] ~= "" then
+    publish_row(meta, ARGV[10], ARGV[11], "running", last)
   end
   return won
 end

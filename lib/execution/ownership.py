@@ -507,6 +507,8 @@ class Ownership:
                     base_at_least,
                     verdict.value,
                     "busy" if busy else "",
+                    self.keys.status,
+                    execution_id,
                 ],
             )
         except ResponseError as exc:

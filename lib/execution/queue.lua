@@ -12,7 +12,9 @@ Keys (all passed in KEYS, as each operation lists them):
   waiting  fc:{queue}:tenants           sorted set: each tenant with queued work, scored
            by its virtual time (the service it had, divided by its weight)
   fair     fc:{queue}:fair              hash: "clock" (the virtual time of the last
-           tenant served), "w:<tenant>" (a weight, FLOWCAST_TENANT_WEIGHTS)
+           tenant served), "w:<tenant>" (a weight, FLOWCAST_TENANT_WEIGHTS), and per
+           tenant its drain rate: "dw:<tenant>" when the current minute began, "dn:" its
+           admissions in it, "dp:" those of the minute before
   taken    fc:{queue}:taken             sorted set: "<eid> <fence> <tenant>" for each
            execution taken from the queue and not yet claimed (claim.lua "take"),
            scored by when the taker is presumed dead
@@ -46,6 +48,9 @@ ARGV[1] is the operation:
          the member it replaces in `running` ("paused:<eid>": it counts as queued now)
          Queues a continuation ahead of every start of its tenant (once: a second
          "line" of the same id keeps its place); returns its `ahead`.
+"again"  KEYS queued, waiting, fair; ARGV[2] eid, ARGV[3] the tenant, ARGV[4] its score:
+         a queued execution no line holds (the store lost the line: the reconciler) is
+         put back in line; returns 1, or 0 when it was in line already
 "claimed" KEYS taken; ARGV[2] the taken member: the delivery is over (claimed, or its
          claim refused: a stale delivery)
 "stale"  KEYS taken; ARGV[2] the most to return: the members whose taker is presumed
@@ -91,6 +96,35 @@ local function wait_in_line(waiting, fair, tenant)
   end
 end
 
+-- One more admission of `tenant` (a run started): its drain rate's counts.
+local function served(fair, tenant)
+  local began = tonumber(redis.call("HGET", fair, "dw:" .. tenant)) or 0
+  if now - began >= 60000 then
+    local last = 0
+    if now - began < 120000 then
+      last = tonumber(redis.call("HGET", fair, "dn:" .. tenant)) or 0
+    end
+    redis.call("HSET", fair, "dw:" .. tenant, now, "dn:" .. tenant, 0, "dp:" .. tenant, last)
+  end
+  redis.call("HINCRBY", fair, "dn:" .. tenant, 1)
+end
+
+-- Seconds until a refused tenant may find room: a minute over its admissions in the
+-- last one to two minutes (1 to 60).
+local function retry_after(fair, tenant)
+  local began = tonumber(redis.call("HGET", fair, "dw:" .. tenant)) or 0
+  local count = tonumber(redis.call("HGET", fair, "dn:" .. tenant)) or 0
+  local span = (now - began) / 1000
+  if now - began < 120000 then
+    count = count + (tonumber(redis.call("HGET", fair, "dp:" .. tenant)) or 0)
+    span = span + 60
+  end
+  if count <= 0 or span > 180 then
+    return 60
+  end
+  return math.max(1, math.min(60, math.floor(span / count + 0.5)))
+end
+
 local function ahead_of(queued, waiting, eid, tenant)
   local rank = redis.call("ZRANK", queued, eid)
   if not rank then
@@ -110,11 +144,12 @@ if op == "enter" then
   local runs = running_now(running, grace, most_running)
   local unfinished = redis.call("ZCARD", running) + redis.call("ZCARD", queued)
   if most > 0 and unfinished >= most then
-    return {0}
+    return {0, retry_after(fair, tenant)}
   end
   local free = most_running <= 0 or runs < most_running
   if ARGV[8] == "1" and free and redis.call("ZCARD", waiting) == 0 then
     redis.call("ZADD", running, now + lease, token)
+    served(fair, tenant)
     return {1}
   end
   redis.call("ZADD", queued, "NX", now, eid)
@@ -147,8 +182,10 @@ elseif op == "take" then
   redis.call("ZREM", queued, eid)
   redis.call("ZADD", running, now + lease, token)
   local member = eid .. " " .. token .. " " .. tenant
-  -- Past two leases without a claim, its taker is presumed dead: queued again.
-  redis.call("ZADD", taken, now + 2 * lease, member)
+  -- A lease without a claim (it takes milliseconds): its taker is presumed dead, and a
+  -- janitor queues it again.
+  redis.call("ZADD", taken, now + lease, member)
+  served(fair, tenant)
   local weight = tonumber(redis.call("HGET", fair, "w:" .. tenant)) or default_weight
   redis.call("HSET", fair, "clock", best_time)
   if redis.call("ZCARD", queued) == 0 then
@@ -175,6 +212,13 @@ elseif op == "line" then
   redis.call("ZADD", queued, "NX", now - CONTINUATION_OFFSET_MS, eid)
   wait_in_line(waiting, fair, tenant)
   return ahead_of(queued, waiting, eid, tenant)
+elseif op == "again" then
+  if redis.call("ZSCORE", KEYS[1], ARGV[2]) then
+    return 0
+  end
+  redis.call("ZADD", KEYS[1], tonumber(ARGV[4]), ARGV[2])
+  wait_in_line(KEYS[2], KEYS[3], ARGV[3])
+  return 1
 elseif op == "claimed" then
   return redis.call("ZREM", KEYS[1], ARGV[2])
 elseif op == "stale" then

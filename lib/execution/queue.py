@@ -12,7 +12,7 @@ tenant that starts waiting again begins at the clock, with no credit for its idl
 Taking is a hint, the claim is the truth: a worker that took an execution then claims
 it (claim.lua "take", queued -> running). A claim refused (a cancel won, or another
 worker claimed it) drops the delivery. Each delivery stays in ``taken`` until its claim
-answered; a taker dead before that is presumed so after two leases, and a janitor
+answered; a taker dead before that is presumed so after a lease, and a janitor
 queues the execution again if it is still queued (``stale``, ``requeue``).
 
 Redis keeps, for the queue, only what waits: a tenant's line while it has one, the
@@ -39,6 +39,8 @@ from lib.execution.record import Asked, Script, refused
 CANDIDATES = 16
 # A continuation (a resume, a recovery) is queued ahead of every start of its tenant.
 CONTINUATION_OFFSET_MS = 10**13
+# Tenants' lines counted per round trip by ``backlog``.
+BACKLOG_PAGE = 500
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,15 @@ class Entered:
 
     queued: bool
     ahead: int = 0
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """What waits in every tenant's line: how many executions, and when the oldest at
+    the head of a line was queued (ms since the epoch; None when nothing waits)."""
+
+    queued: int
+    oldest_ms: int | None
 
 
 @dataclass(frozen=True)
@@ -111,10 +122,12 @@ class Queue:
 
         def then(reply: Any) -> None:
             if int(reply[0]) == 0:
+                retry = int(reply[1]) if len(reply) > 1 else self._retry_after
                 raise TooBusy(
-                    f"this tenant already has {self.max_unfinished} unfinished executions;"
-                    " try again shortly",
-                    retry_after=self._retry_after,
+                    f"this tenant already has {self.max_unfinished} unfinished executions"
+                    f" (queued, running or paused); at its recent pace one ends in about"
+                    f" {retry} s",
+                    retry_after=retry,
                 )
             answers.append(Entered(int(reply[0]) == 2, int(reply[1]) if len(reply) > 1 else 0))
 
@@ -158,6 +171,12 @@ class Queue:
         return int(await self._call(keys, ["line", execution_id, tenant, replaces]))
 
     @translated
+    async def again(self, tenant: str, execution_id: str, *, score: int) -> bool:
+        """Put a queued execution back in line if no line holds it (the reconciler)."""
+        keys = [self.keys.queued(tenant), self.keys.waiting, self.keys.fair]
+        return bool(await self._call(keys, ["again", execution_id, tenant, score]))
+
+    @translated
     async def claimed(self, taken: Taken) -> None:
         """The delivery ``taken`` is over: its claim answered (won or refused)."""
         await self._call([self.keys.taken], ["claimed", taken.member])
@@ -195,6 +214,35 @@ class Queue:
         keys = [self.keys.queued(tenant), self.keys.waiting]
         ahead = int(await self._call(keys, ["ahead", execution_id, tenant]))
         return None if ahead < 0 else ahead
+
+    @translated
+    async def backlog(self) -> Backlog:
+        """Every tenant's line, counted (for /metrics, read when scraped): a page of
+        tenants per round trip, so the cost grows with the tenants waiting, never with
+        the executions ever run."""
+        queued, oldest, offset = 0, None, 0
+        while True:
+            page: Any = await self.redis.zrange(
+                self.keys.waiting, offset, offset + BACKLOG_PAGE - 1
+            )
+            if not page:
+                return Backlog(queued, oldest)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for raw in page:
+                    line = self.keys.queued(raw.decode())
+                    pipe.zcard(line)
+                    pipe.zrange(line, 0, 0, withscores=True)
+                replies = await pipe.execute()
+            for count, head in zip(replies[::2], replies[1::2], strict=True):
+                queued += int(count)
+                if head:
+                    score = int(head[0][1])
+                    # A continuation scores below every start of its line.
+                    at = score + CONTINUATION_OFFSET_MS if score < 0 else score
+                    oldest = at if oldest is None else min(oldest, at)
+            if len(page) < BACKLOG_PAGE:
+                return Backlog(queued, oldest)
+            offset += BACKLOG_PAGE
 
     @translated
     async def waiting(self) -> int:

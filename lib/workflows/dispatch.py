@@ -20,8 +20,9 @@ from typing import Any
 
 from lib.errors import FlowcastError, NotFound, WrongStatus
 from lib.execution.ownership import START_RESERVED, Claim
-from lib.execution.queue import Queue, Taken
+from lib.execution.queue import CONTINUATION_OFFSET_MS, Backlog, Queue, Taken
 from lib.execution.record import ExecutionMeta, Mode
+from lib.metrics import Metrics
 from lib.workflows.executor import RunState
 from lib.workflows.leases import LocalRuns
 from lib.workflows.model import Workflow
@@ -43,6 +44,8 @@ class Dispatcher:
         *,
         slots: int,
         start: Start,
+        recall: Callable[[str, ExecutionMeta], Awaitable[int]] | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         transitions = parts.transitions
         self._parts = parts
@@ -56,6 +59,10 @@ class Dispatcher:
         self._runs: LocalRuns = parts.runs
         self.slots = slots
         self._start = start
+        # What a claim must know of what a store back behind forgot (takeovers.py
+        # ``recalled``): the id to number above.
+        self._recall = recall
+        self._metrics = metrics
         self._nudged = asyncio.Event()
 
     def free(self) -> int:
@@ -71,6 +78,10 @@ class Dispatcher:
         """About how many executions start before this queued one (None: not queued)."""
         return await self._queue.ahead(tenant, execution_id)
 
+    async def backlog(self) -> Backlog:
+        """What waits in every tenant's line (for /metrics)."""
+        return await self._queue.backlog()
+
     async def announce(self) -> None:
         """Tell every process that work was queued (best effort: their janitor passes
         look anyway)."""
@@ -80,9 +91,19 @@ class Dispatcher:
             log.warning("could not announce queued work", extra={"error": str(exc)})
 
     async def run(self) -> None:
-        """Take work whenever nudged, while slots are free and the process accepts."""
+        """Take work whenever nudged, while slots are free and the process accepts; and,
+        every half lease without a nudge, look for deliveries a dead taker left (and
+        for work a missed wake-up left waiting)."""
+        look_seconds = self._queue.lease_ms / 2000
         while True:
-            await self._nudged.wait()
+            try:
+                async with asyncio.timeout(look_seconds):
+                    await self._nudged.wait()
+            except TimeoutError:
+                try:
+                    await self.reclaim()
+                except FlowcastError as exc:
+                    log.warning("looking for dead takers failed", extra={"error": str(exc)})
             self._nudged.clear()
             while self._runs.accepting and self.free() > 0:
                 try:
@@ -115,16 +136,18 @@ class Dispatcher:
             log.info("queued execution not taken", extra={"executionId": eid, "why": str(exc)})
             await self._drop(taken, fence)
             return
-        # A failure of the store here leaves the delivery in ``taken``: past two
-        # leases a janitor queues it again (if its claim did not apply).
+        # A failure of the store here leaves the delivery in ``taken``: past a
+        # lease a janitor queues it again (if its claim did not apply).
         await self._quietly(eid, self._queue.claimed(taken))
         queued_ms = _queued_ms(meta)
-        if not meta.continues:
+        if not meta.continues and claim.base == 0:
             claim = replace(claim, reserved=START_RESERVED)  # its first event is its own
         self._start(meta, claim, workflow, given, run, saved, queued_ms)
 
     async def _drop(self, taken: Taken, fence: str) -> None:
         eid = taken.execution_id
+        if self._metrics is not None:
+            self._metrics.stale_deliveries.inc()
         await self._quietly(
             eid,
             self._watch.release(eid, fence),
@@ -144,11 +167,44 @@ class Dispatcher:
                 await self._queue.claimed(taken)  # claimed after all
                 continue
             if await self._queue.requeue(taken, queued_ms=created_ms(meta)):
+                if self._metrics is not None:
+                    self._metrics.queue_reclaims.inc()
                 log.warning(
                     "queued execution taken by a dead worker; queued again",
                     extra={"executionId": taken.execution_id},
                 )
                 self.nudge()
+
+    async def reconcile(self) -> int:
+        """Put back in line every queued execution no line holds: after the store came
+        back from another server (a restart, a failover, a restore), the line and the
+        record, in other hash slots, may disagree. Reads each tenant's unfinished index
+        once; returns how many it put back."""
+        keys = self._buffer.keys
+        redis = self._buffer.redis
+        head, tail = f"{keys.prefix}:{{t:", "}:executions:open"
+        found = 0
+        async for raw in redis.scan_iter(match=f"{head}*{tail}", count=1000):
+            name = raw.decode() if isinstance(raw, bytes) else str(raw)
+            tenant = name[len(head) : -len(tail)]
+            members: Any = await redis.zrange(name, 0, -1)
+            for eid in [member.decode() for member in members]:
+                try:
+                    meta = await self._buffer.meta(eid)
+                except NotFound:
+                    continue
+                if meta.status != "queued":
+                    continue
+                score = created_ms(meta)
+                if meta.continues:
+                    score -= CONTINUATION_OFFSET_MS
+                if await self._queue.again(tenant, eid, score=score):
+                    found += 1
+        if found:
+            log.warning("queued executions no line held were queued again", extra={"count": found})
+            await self.announce()
+            self.nudge()
+        return found
 
     @staticmethod
     async def _quietly(execution_id: str, *steps: Awaitable[object]) -> None:

@@ -52,6 +52,7 @@ from lib.execution.log import ExecutionLog
 from lib.execution.ownership import START_RESERVED, Claim, node_of
 from lib.execution.queue import Entered
 from lib.execution.record import ExecutionMeta, Field, Mode, Status, StopReason, Takeover
+from lib.metrics import Metrics
 from lib.workflows.checkpoint import answer_field
 from lib.workflows.dispatch import Dispatcher, created_ms
 from lib.workflows.executor import RunState
@@ -106,6 +107,7 @@ class Runner:
         takeovers: Takeovers,
         shutdown_grace_seconds: float = 30.0,
         worker_slots: int = 64,
+        metrics: Metrics | None = None,
     ) -> None:
         transitions = parts.transitions
         self._parts = parts
@@ -129,7 +131,14 @@ class Runner:
         self._queue = transitions.queue
         # Takes queued work for this process's free slots; woken by the control
         # listener (work queued elsewhere) and by each run here that ends.
-        self.dispatcher = Dispatcher(parts, slots=worker_slots, start=self._start_taken)
+        self._metrics = metrics
+        self.dispatcher = Dispatcher(
+            parts,
+            slots=worker_slots,
+            start=self._start_taken,
+            recall=takeovers.recalled,
+            metrics=metrics,
+        )
         listener.on_queued = self.dispatcher.nudge
         self._launcher.on_free = self.dispatcher.nudge
 
@@ -201,6 +210,10 @@ class Runner:
 
     def _tasks(self) -> list[asyncio.Task[None]]:
         return [local.task for local in self._runs.values() if local.task is not None]
+
+    def running_here(self) -> int:
+        """Executions running in this process: the worker slots they fill."""
+        return len(self._runs)
 
     def pending_events(self) -> int:
         """Events emitted by the runs here and not stored yet."""
@@ -279,6 +292,8 @@ class Runner:
         meta: ExecutionMeta | None = None,
     ) -> ExecutionLog:
         """Run a new execution here from its first event, as ``claim``'s owner."""
+        if self._metrics is not None:
+            self._metrics.queue_wait.observe(queued_ms / 1000)
 
         def opening(local: LocalRun, emitter: ExecutionLog) -> None:
             emitter.emit(EXECUTION_STARTED, {"input": input, "queuedMs": queued_ms})
@@ -598,7 +613,6 @@ class Runner:
                 continue  # shutting down: this process takes nothing over any more
             try:
                 await self._ownership.take_back_owed()
-                await self.dispatcher.reclaim()
                 self.dispatcher.nudge()
                 if due.restarted:
                     await self._reassert()
@@ -639,6 +653,10 @@ class Runner:
         the short settle every process waits for."""
         await self._keeper.renew_now()
         await self._finals.reassert()
+        # The lines and the records may disagree now (they live in other hash slots):
+        # a queued execution no line holds is put back in line.
+        if self.dispatcher.slots > 0:
+            await self.dispatcher.reconcile()
 
 
 def _cancelled_in_line(given: Any, created_ms: int) -> Body:

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
-from playwright.async_api import Browser, Page, Request, Route, async_playwright, expect
+from playwright.async_api import Page, Request, Route, expect
 
 from tests.support.api import (
     all_events,
@@ -41,56 +41,9 @@ pytestmark = pytest.mark.skipif(
     reason="no /usr/bin/chromium (Debian's chromium); `make test` installs it when run as root",
 )
 
-# Playwright's own browser download does not work here: use Debian's Chromium, and keep
-# it from reaching anything but the servers under test.
-CHROMIUM_FLAGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-default-apps",
-    "--disable-extensions",
-    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
-]
 SETTLE_MS = 30_000  # how long expect() waits for a run to reach a state
 API_KEY = "page-key-" + "p" * 24
 LLM_KEY = "sk-page-model-key"
-
-
-@pytest.fixture(scope="module")
-async def browser() -> AsyncIterator[Browser]:
-    async with async_playwright() as playwright:
-        launched = await playwright.chromium.launch(
-            executable_path=str(CHROMIUM), args=CHROMIUM_FLAGS
-        )
-        yield launched
-        await launched.close()
-
-
-@pytest.fixture
-async def page(browser: Browser) -> AsyncIterator[Page]:
-    """A fresh tab (own sessionStorage) that fails the test on a script error or on any
-    request that leaves 127.0.0.1."""
-    context = await browser.new_context(viewport={"width": 1100, "height": 820})
-    tab = await context.new_page()
-    outside: list[str] = []
-    errors: list[str] = []
-    tab.on(
-        "request",
-        lambda request: (
-            None
-            if request.url.startswith(("http://127.0.0.1:", "data:"))
-            else outside.append(request.url)
-        ),
-    )
-    tab.on("pageerror", lambda error: errors.append(str(error)))
-    yield tab
-    await context.close()
-    assert outside == [], f"the page reached beyond loopback: {outside}"
-    assert errors == [], f"script errors on the page: {errors}"
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import pytest
 from redis.asyncio import Redis
 
 from lib.backend import Batch
+from lib.errors import TooBusy
 from lib.execution.buffer import EventBuffer
 from lib.execution.queue import Entered, Queue
 
@@ -109,3 +110,20 @@ async def test_a_dead_takers_delivery_is_queued_again_once_and_nothing_is_left(
     await redis.zrem(queue.keys.running("t"), "w:live")
     left = [key async for key in redis.scan_iter(match=f"{queue.keys.prefix}:*")]
     assert sorted(k.decode() for k in left) == [queue.keys.fair], left
+
+
+@pytest.mark.timeout(30)
+async def test_a_refusal_says_when_to_retry_from_the_tenants_drain_rate(redis: Redis) -> None:
+    queue = queue_on(redis, max_unfinished=10)
+    for n in range(10):
+        batch = Batch(redis)
+        answers = queue.enter_in(batch, "t", f"ex_{n}", f"n:{n}", here=True)
+        await batch.send()
+        assert answers == [Entered(False)]
+    assert await redis.zcard(queue.keys.running("t")) == 10
+    batch = Batch(redis)
+    queue.enter_in(batch, "t", "ex_more", "n:more", here=True)
+    with pytest.raises(TooBusy) as refused:
+        await batch.send()
+    # Ten runs admitted within the last minute: one ends about every 6 s.
+    assert refused.value.retry_after == 6, refused.value

@@ -122,6 +122,17 @@ class FlowcastServer:
         return self.log_path.read_text() if self.log_path.exists() else ""
 
 
+class FlowcastWorker(FlowcastServer):
+    """``flowcast worker`` (the command line itself, a fresh process) on a free loopback
+    port: a process that only runs work, with its health and metrics routes."""
+
+    def command(self) -> list[str]:
+        return [str(Path(sys.executable).with_name("flowcast")), "worker"]
+
+    def environment(self) -> dict[str, str]:
+        return {**super().environment(), "FLOWCAST_PORT": str(self.port)}
+
+
 async def wait_ready(url: str, process: Process, log_path: Path, timeout: float) -> None:
     """Poll ``/readyz`` until it answers 200; fail early if the process exits."""
     deadline = asyncio.get_running_loop().time() + timeout

@@ -116,3 +116,23 @@ def test_the_lifecycle_rule_covers_the_prefix_the_replicas_write_values_under() 
     assert f"--prefix {prefix} " in script
     # The README's rule for other S3 stores names the same prefix.
     assert f'"Filter": {{"Prefix": "{prefix}"}}' in (ROOT / "README.md").read_text()
+
+
+def test_compose_runs_two_workers_beside_api_replicas_that_run_no_work() -> None:
+    services = compose()["services"]
+    for name in ("flowcast-1", "flowcast-2"):
+        assert services[name]["environment"]["FLOWCAST_WORKER_SLOTS"] == "0", name
+    worker = services["worker"]
+    assert worker["command"] == ["flowcast", "worker"]
+    assert worker["deploy"]["replicas"] == 2
+    assert worker["build"] == "." and "ports" not in worker
+    slots = re.fullmatch(
+        r"\$\{FLOWCAST_WORKER_SLOTS:-(\d+)\}", worker["environment"]["FLOWCAST_WORKER_SLOTS"]
+    )
+    assert slots is not None and int(slots[1]) > 0
+    # The same Redis, bucket, keys, secret and tenant weights as the API replicas.
+    api = dict(services["flowcast-1"]["environment"])
+    shared = {k: v for k, v in worker["environment"].items() if k != "FLOWCAST_WORKER_SLOTS"}
+    assert shared == {k: v for k, v in api.items() if k != "FLOWCAST_WORKER_SLOTS"}
+    assert worker["depends_on"] == services["flowcast-1"]["depends_on"]
+    assert worker["stop_grace_period"] == services["flowcast-1"]["stop_grace_period"]

@@ -20,6 +20,7 @@ from tests.support.api import (
     wait_finished,
     wait_status,
 )
+from tests.support.live_list import live
 from tests.support.servers import FlowcastServer, ValkeyServer, authed, env_on, serving
 from tests.support.sse import Frame, events
 
@@ -49,16 +50,22 @@ async def test_past_the_running_cap_an_execution_waits_queued_then_runs(
             await put(client, quick_workflow("quick"))
             first = await started(client, "slow")
             assert first["status"] == "running"
-            second = await started(client, "quick")
-            assert second["status"] == "queued" and second["ahead"] == 0, second
-            queued_id = second["executionId"]
-            snapshot = (await client.get(f"/api/executions/{queued_id}")).json()
-            assert snapshot["status"] == "queued" and snapshot["ahead"] == 0, snapshot
-            listed = (await client.get("/api/executions?status=queued")).json()["executions"]
-            assert [row["id"] for row in listed] == [queued_id]
-
-            frames: list[Frame] = []
-            await asyncio.wait_for(open_stream(client, queued_id, frames), 30)
+            async with live(client, "workflowId=quick") as rows:
+                assert await rows.rows() == []
+                second = await started(client, "quick")
+                assert second["status"] == "queued" and second["ahead"] == 0, second
+                queued_id = second["executionId"]
+                frames: list[Frame] = []
+                reading = asyncio.create_task(open_stream(client, queued_id, frames))
+                snapshot = (await client.get(f"/api/executions/{queued_id}")).json()
+                assert snapshot["status"] == "queued" and snapshot["ahead"] == 0, snapshot
+                listed = await client.get("/api/executions?status=queued")
+                assert [row["id"] for row in listed.json()["executions"]] == [queued_id]
+                # The live list shows it queued, then running (or straight completed).
+                assert await rows.until(queued_id, "queued") == ["queued"]
+                seen = await rows.until(queued_id, "completed")
+                assert seen in (["running", "completed"], ["completed"]), seen
+                await asyncio.wait_for(reading, 30)
             # Its place in line first, with no id; then its log from id 1.
             assert frames[0].event == "queue" and frames[0].id is None, frames[0]
             assert frames[0].json == {"state": "queued", "ahead": 0}
@@ -182,3 +189,36 @@ async def test_a_resume_waiting_in_line_cancelled_only_ends(
             assert types[-2:] == ["execution:paused", "execution:cancelled"], types
             assert types.count("execution:started") == 1, types
             await client.post(f"/api/executions/{busy['executionId']}/cancel")
+
+
+@pytest.mark.timeout(90)
+async def test_tenants_named_by_their_api_keys_share_the_slots_by_weight(
+    valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """``FLOWCAST_TENANT_WEIGHTS`` names tenants by their API keys: with weights 3 and 1
+    and one worker slot, 6 of the first 8 queued executions to start are the heavier
+    tenant's, although both queued 8 at once."""
+    settings = {
+        "api_keys": "gold-key,plain-key",
+        "tenant_weights": '{"gold-key": 3}',
+        "worker_slots": "1",
+    }
+    async with serving(valkey, tmp_path, **settings) as server:
+        async with authed(server, "gold-key") as gold, authed(server, "plain-key") as plain:
+            for client in (gold, plain):
+                await put(client, quick_workflow("quick"))
+            await put(gold, delay_workflow("slow", ms=1500))
+            blocker = await started(gold, "slow")
+            assert blocker["status"] == "running"
+            queued = {
+                name: [(await started(client, "quick"))["executionId"] for _ in range(8)]
+                for name, client in (("gold", gold), ("plain", plain))
+            }
+            began: list[tuple[str, str]] = []
+            for name, client in (("gold", gold), ("plain", plain)):
+                for eid in queued[name]:
+                    await wait_finished(client, eid)
+                    log = (await client.get(f"/api/executions/{eid}/events")).json()["events"]
+                    began.append((log[0]["ts"], name))
+            first = [name for _ts, name in sorted(began)[:8]]
+            assert first.count("gold") == 6, sorted(began)

@@ -11,7 +11,16 @@ import pytest
 from redis.asyncio import Redis
 
 from lib.backend import Keys
-from tests.support.api import delay_workflow, put, until, wait_finished
+from tests.support.api import (
+    approval_workflow,
+    delay_workflow,
+    execute,
+    put,
+    until,
+    wait_finished,
+    wait_status,
+)
+from tests.support.faults import crash_and_restart
 from tests.support.servers import FlowcastServer, ValkeyServer, authed, env_on
 
 LEASE = "1"
@@ -68,3 +77,80 @@ async def test_a_dead_workers_run_waits_for_a_worker_not_an_api_replica(
         await second.stop()
         await first.stop(signal.SIGKILL)
         await api.stop()
+
+
+@pytest.mark.timeout(90)
+async def test_a_queued_execution_no_line_holds_is_queued_again_after_a_store_restart(
+    own_valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """On a cluster the line and the record live on different nodes: one restored from
+    an older snapshot may hold a queued record no line holds. Here the line is emptied
+    by hand, then the store restarts (losing nothing): the processes notice the store
+    changed and the reconciler puts the execution back in line, so it runs."""
+    valkey = own_valkey
+    env = env_on(valkey, lease_seconds=LEASE, max_running_per_tenant="1")
+    server = FlowcastServer(data_dir=tmp_path / "one", env=env)
+    await server.start()
+    redis = Redis.from_url(valkey.url)
+    keys = Keys(env["FLOWCAST_REDIS_PREFIX"])
+    try:
+        async with authed(server) as client:
+            await put(client, delay_workflow("slow", ms=1500))
+            first = await client.post("/api/workflows/slow/execute", json={"input": {}})
+            second = await client.post("/api/workflows/slow/execute", json={"input": {}})
+            assert second.json()["status"] == "queued", second.text
+            eid = second.json()["executionId"]
+            tenant = (await redis.hget(keys.meta(eid), "tenant") or b"").decode()
+            assert await redis.zrem(keys.queued(tenant), eid) == 1
+            await redis.zrem(keys.waiting, tenant)
+            await crash_and_restart(valkey)
+            assert (await wait_finished(client, first.json()["executionId"]))["status"] == (
+                "completed"
+            )
+            assert (await wait_finished(client, eid, timeout=40))["status"] == "completed"
+            assert "queued executions no line held were queued again" in server.logs()
+    finally:
+        await redis.aclose()
+        await server.stop()
+
+
+@pytest.mark.timeout(120)
+async def test_no_path_runs_a_tenant_past_its_running_cap(
+    valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """Starts, resumes and recoveries all go through the admission: with a cap of 2, a
+    worker SIGKILLed with 2 runs, 3 starts queued and a resume asked meanwhile, the
+    tenant never has more than 2 running while another worker recovers and drains."""
+    env = env_on(valkey, lease_seconds=LEASE, max_running_per_tenant="2")
+    first = FlowcastServer(data_dir=tmp_path / "w1", env=env)
+    second = FlowcastServer(data_dir=tmp_path / "w2", env=env)
+    await first.start()
+    try:
+        async with authed(first) as on_first, authed(second) as on_second:
+            await put(on_first, delay_workflow("slow", ms=1500))
+            await put(on_first, approval_workflow("ask"))
+            asked = await execute(on_first, "ask")
+            await wait_status(on_first, asked, "paused")
+            ids = [await execute(on_first, "slow") for _ in range(5)]
+            statuses = [(await on_first.get(f"/api/executions/{e}")).json()["status"] for e in ids]
+            assert statuses == ["running"] * 2 + ["queued"] * 3, statuses
+            await first.stop(signal.SIGKILL)
+            await second.start()
+            resumed = await on_second.post(f"/api/executions/{asked}/resume", json={"input": 1})
+            assert resumed.status_code == 202, resumed.text
+
+            most = 0
+
+            async def drained() -> bool:
+                nonlocal most
+                listed = await on_second.get("/api/executions?status=running&limit=50")
+                most = max(most, len(listed.json()["executions"]))
+                views = [(await on_second.get(f"/api/executions/{e}")).json() for e in ids]
+                return all(view["status"] == "completed" for view in views)
+
+            await until(drained, "every run completed", 90)
+            assert most <= 2, most
+            assert (await wait_finished(on_second, asked))["status"] == "completed"
+    finally:
+        await second.stop()
+        await first.stop(signal.SIGKILL)
