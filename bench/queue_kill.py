@@ -221,7 +221,7 @@ class QueueKill:
         for index, run in enumerate(runs):
             self.report.notes.append(f"queue, kill {index + 1}: {run.note()}")
         self.report.notes.append(
-            f"queue, kill: an API replica (FLOWCAST_WORKER_SLOTS=0) and a worker with "
+            f"queue, kill: an API replica (FLOWCAST_WORKER_SLOTS=0) and two workers with "
             f"{config.queue_slots} slots each, FLOWCAST_LEASE_SECONDS={lease:g}; {count} "
             f"chains of {config.queue_chain_blocks} `delay` blocks of "
             f"{config.recovery_block_ms} ms started on the first worker (which runs what it "
