@@ -21,10 +21,7 @@ import shlex
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
-
-import uvicorn
-from pydantic import ValidationError
+from typing import TYPE_CHECKING, Any
 
 from app.client import (
     DEFAULT_URL,
@@ -38,7 +35,9 @@ from app.client import (
     Unreachable,
 )
 from app.progress import Display, LiveDisplay, PlainDisplay, compact, queued_text
-from app.settings import NO_SLOTS, Settings
+
+if TYPE_CHECKING:
+    from app.settings import Settings
 
 COMPLETED, FAILED, USAGE, CANCELLED, PAUSED, UNREACHABLE = 0, 1, 2, 3, 4, 5
 INTERRUPTED = 130
@@ -73,6 +72,12 @@ def worker(args: argparse.Namespace) -> int:
 
 def _settings() -> Settings | None:
     """The settings from the environment, or None once each problem was said."""
+    # The server's imports here, not at the top: the client commands (run, list, ...)
+    # start in about half the time without them (and without uvicorn's, below).
+    from pydantic import ValidationError
+
+    from app.settings import Settings
+
     try:
         return Settings()
     except ValidationError as exc:
@@ -91,6 +96,8 @@ def _run_server(args: argparse.Namespace, factory: str, *, worker: bool = False)
     if settings is None:
         return USAGE
     if worker and settings.worker_slots == 0:
+        from app.settings import NO_SLOTS
+
         _error(NO_SLOTS)
         return USAGE
     host = args.host or settings.host
@@ -104,6 +111,8 @@ def _run_server(args: argparse.Namespace, factory: str, *, worker: bool = False)
         return 2
     if not settings.api_keys:
         print("flowcast: no FLOWCAST_API_KEYS set; listening on loopback only", file=sys.stderr)
+    import uvicorn
+
     uvicorn.run(
         factory,
         factory=True,

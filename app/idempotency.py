@@ -51,6 +51,7 @@ from app.errors import ApiError, error_payload
 from app.limits import turn_set_aside
 from lib.backend import Keys, load_script, translating
 from lib.errors import BufferUnavailable, FlowcastError
+from lib.slices import decode, encode, sha256_hex
 from lib.workflows.runner import Started, new_execution_id
 
 log = logging.getLogger(__name__)
@@ -66,11 +67,13 @@ RETRIED_STATUSES = frozenset({429})
 CREATED_MEANWHILE_SECONDS = 0.25
 
 
-def fingerprint(scope: str, body: bytes) -> bytes:
+async def fingerprint(scope: str, body: bytes) -> bytes:
     """What makes two requests "the same": the scope and the body as canonical JSON, so
-    a retry serialized differently (spacing, key order) still matches."""
+    a retry serialized differently (spacing, key order) still matches. A large body is
+    parsed and encoded in slices (lib/slices.py): a 10 MB one held the loop ~0.1 s."""
     try:
-        canonical = orjson.dumps(orjson.loads(body), option=orjson.OPT_SORT_KEYS)
+        value = await decode(body, orjson.loads, orjson.loads)
+        canonical = await encode(value, orjson.OPT_SORT_KEYS)
     except orjson.JSONDecodeError:
         canonical = body
     return scope.encode() + b"\0" + canonical
@@ -167,7 +170,7 @@ class Idempotency:
         if key is None:
             return accepted(await action(new_execution_id(), None))
         redis_key = self._record(tenant, "execute", _checked(key))
-        digest = hashlib.sha256(fingerprint(scope, await request.body())).hexdigest()
+        digest = await sha256_hex(await fingerprint(scope, await request.body()))
         claimed = await self._claim(redis_key, digest, request)
         if isinstance(claimed, Outcome):
             return claimed
@@ -303,7 +306,7 @@ class Idempotency:
         if key is None:
             return await action()
         redis_key = self._record(tenant, operation, _checked(key))
-        digest = hashlib.sha256(fingerprint).hexdigest()
+        digest = await sha256_hex(fingerprint)
         pending = orjson.dumps({"fingerprint": digest})
         with translating("check the Idempotency-Key"):
             claimed = await self._redis.set(
@@ -347,7 +350,7 @@ class Idempotency:
             operation=operation,
             key=key,
             # Only a keyed request is compared with its repeats.
-            fingerprint=fingerprint(scope, await request.body()) if key is not None else b"",
+            fingerprint=await fingerprint(scope, await request.body()) if key is not None else b"",
             action=took_effect,
             request=request,
         )

@@ -27,7 +27,7 @@ from app.responses import JSON
 from lib.errors import TooManyStreams
 from lib.slices import PIECE, encode, weight
 from lib.tenancy import FairGate
-from lib.workflows.limits import MAX_DEPTH, too_deep
+from lib.workflows.limits import MAX_DEPTH, too_deep, too_deep_in_slices
 
 MAX_HEADER_BYTES = 64 * 1024
 
@@ -77,7 +77,7 @@ async def check_large_input(value: Any) -> None:
     except orjson.JSONEncodeError as exc:  # deep first, as the validator checks
         problem: str | None = _DEEP if too_deep(value) else f"input cannot be stored as JSON: {exc}"
     else:
-        problem = _DEEP if too_deep(value, encoded=encoded) else None
+        problem = _DEEP if await too_deep_in_slices(encoded) else None
     if problem is not None:
         error = {"loc": ("body", "input"), "msg": f"Value error, {problem}", "type": "value_error"}
         raise RequestValidationError([error])

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from app.auth import tenant_of_key
 from app.executor import Blocks
+from app.loopwatch import LoopWatch
 from app.node import Node
 from app.settings import Settings
 from app.sse import OpenStreams
@@ -49,6 +50,7 @@ async def start_runtime(
     the streams first, then drains the runner (its exit hands off or finishes the
     executions)."""
     metrics = Metrics()
+    await stack.enter_async_context(LoopWatch(metrics, settings.loop_watch_ms / 1000))
     node = stores.node
     # Idle tails look for an execution the store lost about once a lease.
     tail_block_ms = min(TAIL_BLOCK_MS, max(100, int(settings.lease_seconds * 1000)))

@@ -65,6 +65,8 @@ class Settings(BaseSettings):
     template_timeout_ms: int = Field(1000, ge=1)
     template_max_bytes: int = Field(1024 * 1024, ge=1024)
     template_workers: int = Field(2, ge=1, le=64)
+    # How often the event loop's lag is measured (app/loopwatch.py); 0: never.
+    loop_watch_ms: int = Field(100, ge=0)
     http_allow_private: bool = False
     http_max_concurrency: int = Field(64, ge=1)
     plugins: str | None = None

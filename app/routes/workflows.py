@@ -207,7 +207,19 @@ async def execute(
         return JSON(outcome.body, status_code=outcome.status)
     execution_id = outcome.body["executionId"]
     if streaming:
-        return sse_response(svc, execution_id, cursor=0, tenant=tenant_id, slot_taken=True)
+        reader = None
+        if outcome.body.get("status") == "queued":
+            # Opened here, as a stream request's reader is: it reads the record, so its
+            # place in line goes out first (SPEC §4 "Queued"), not only heartbeats.
+            reader = svc.readers.reader(execution_id, cursor=0)
+            try:
+                await reader.open()
+            except BaseException:
+                svc.streams.give_back(tenant_id)
+                raise
+        return sse_response(
+            svc, execution_id, cursor=0, tenant=tenant_id, slot_taken=True, reader=reader
+        )
     answer = {
         **outcome.body,
         "streamUrl": f"/api/executions/{execution_id}/stream",

@@ -388,11 +388,10 @@ class Ownership:
             await self._undo_start(execution_id, tenant, fence, watched=True)
             raise
         if not created:
-            if queued is not None:
-                await self._quietly(
-                    "take back a place in line", execution_id, self._dequeue(tenant, execution_id)
-                )
-            else:
+            # A place in line is the execution's (its id), not this request's: the
+            # request that created it queued the same id (ZADD NX: one entry) and needs
+            # it; if that one runs already, its stale entry is a delivery dropped.
+            if queued is None:
                 await self._undo_start(execution_id, tenant, fence)
             return None
         if listed != [1]:

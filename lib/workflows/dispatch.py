@@ -3,17 +3,21 @@ free slots, and runs each as its new owner (SPEC §14).
 
 A take is woken (``nudge``) whenever a slot may be free or work may wait: a start here
 was queued, a run here ended, another process announced queued work (the control
-listener reads the queue's wake stream), or a janitor pass came round (the safety net
-for a missed announcement). Each take is fair across tenants (queue.py); then the
-claim decides (claim.lua "take"): an execution claimed by another, or cancelled
-meanwhile, is dropped.
+listener reads the queue's wake stream), and every half lease without any of those (the
+safety net for a missed announcement, or a cap freed by a lease that ran out). Each
+take is fair across tenants (queue.py); then the claim decides (claim.lua "take"): an
+execution claimed by another, or cancelled meanwhile, is dropped. Each of those rounds
+also gives back what a dead taker took and never claimed (``reclaim``), in every
+process, with slots or not: nothing else is sure to come round.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
 from datetime import datetime
 from typing import Any
@@ -64,14 +68,46 @@ class Dispatcher:
         self._recall = recall
         self._metrics = metrics
         self._nudged = asyncio.Event()
+        # Slots held by starts and takes on their way to launching (``slot``).
+        self._holding = 0
+        # The rounds that come without a nudge, and those that reclaim.
+        self._every = max(0.05, self._queue.lease_ms / 2000)
+        self._next_reclaim = 0.0
+        # A run ended here while this process takes nothing: the others are told.
+        self._tell = False
 
     def free(self) -> int:
-        """Slots free here now (what runs here, taken or not from the queue, fills them)."""
-        return max(0, self.slots - len(self._runs))
+        """Slots free here now (what runs here, taken or not from the queue, fills them,
+        and so does each start or take on its way to launching)."""
+        return max(0, self.slots - len(self._runs) - self._holding)
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[bool]:
+        """Hold a free slot, if there is one (True), while a start or a take is on its
+        way to launching here: concurrent starts each saw the same free slot before any
+        had launched, and ran past ``slots``. The launch fills it once made."""
+        if not (self._runs.accepting and self.free() > 0):
+            yield False
+            return
+        self._holding += 1
+        try:
+            yield True
+        finally:
+            self._holding -= 1
 
     def nudge(self) -> None:
         """Look at the queue again soon (a slot may be free, or work may wait)."""
         if self.slots > 0:
+            self._nudged.set()
+
+    def freed(self) -> None:
+        """A run here ended: its tenant may run one more, anywhere. This process looks
+        (``nudge``); one that takes nothing now (no slots, or draining) tells the others
+        instead, or a backlog held by its cap would wait for their next round."""
+        if self.slots > 0 and self._runs.accepting:
+            self._nudged.set()
+        else:
+            self._tell = True
             self._nudged.set()
 
     async def ahead(self, tenant: str, execution_id: str) -> int | None:
@@ -91,23 +127,29 @@ class Dispatcher:
             log.warning("could not announce queued work", extra={"error": str(exc)})
 
     async def run(self) -> None:
-        """Take work whenever nudged, while slots are free and the process accepts; and,
-        every half lease without a nudge, look for deliveries a dead taker left (and
-        for work a missed wake-up left waiting)."""
-        look_seconds = self._queue.lease_ms / 2000
+        """Take work whenever nudged (or half a lease passed), while slots are free and
+        the process accepts; every half lease, nudged or not, give back first what dead
+        takers never claimed (a busy process is nudged by every run that ends: a look
+        only when no nudge came for half a lease would never come there)."""
         while True:
-            try:
-                async with asyncio.timeout(look_seconds):
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._every):
                     await self._nudged.wait()
-            except TimeoutError:
+            self._nudged.clear()
+            if self._tell:
+                self._tell = False
+                await self.announce()
+            if time.monotonic() >= self._next_reclaim:
+                self._next_reclaim = time.monotonic() + self._every
                 try:
                     await self.reclaim()
                 except FlowcastError as exc:
-                    log.warning("looking for dead takers failed", extra={"error": str(exc)})
-            self._nudged.clear()
+                    log.warning("giving back stale deliveries failed", extra={"error": str(exc)})
             while self._runs.accepting and self.free() > 0:
                 try:
-                    if not await self.take_one():
+                    with self.slot():
+                        took = await self.take_one()
+                    if not took:
                         break
                 except FlowcastError as exc:
                     log.warning("taking queued work failed", extra={"error": str(exc)})
@@ -126,6 +168,15 @@ class Dispatcher:
         eid = taken.execution_id
         try:
             meta = await self._buffer.meta(eid)
+        except NotFound:
+            # Taken between the start's admission and its record's creation (start.lua
+            # follows queue.lua ``enter``): not claimed, and not dropped for good. The
+            # delivery stays in ``taken``; past a lease ``reclaim`` queues it again
+            # once its record says ``queued`` (or drops it, should it never appear).
+            log.info("queued execution taken before it exists", extra={"executionId": eid})
+            await self._parts.launcher.quietly(eid, self._admission.leave(taken.tenant, fence))
+            return
+        try:
             # Read while it is still queued: once claimed, its run must start.
             version, given, run, saved = await self._states.load(eid)
             workflow = await self._states.load_version(version)
@@ -136,19 +187,25 @@ class Dispatcher:
             log.info("queued execution not taken", extra={"executionId": eid, "why": str(exc)})
             await self._drop(taken, fence)
             return
-        # A failure of the store here leaves the delivery in ``taken``: past a
-        # lease a janitor queues it again (if its claim did not apply).
-        await self._quietly(eid, self._queue.claimed(taken))
-        queued_ms = _queued_ms(meta)
+        # Launched before anything else is awaited: a shutdown that cancels this task
+        # now finds the run here to hand off (else it would wait for its lease to end,
+        # charged as a crash), and a cancel sent here finds the run to stop.
         if not meta.continues and claim.base == 0:
             claim = replace(claim, reserved=START_RESERVED)  # its first event is its own
-        self._start(meta, claim, workflow, given, run, saved, queued_ms)
+        self._start(meta, claim, workflow, given, run, saved, _queued_ms(meta))
+        # A failure of the store here (or before the claim answered) leaves the delivery
+        # in ``taken``: past a lease ``reclaim`` queues it again if still queued. A claim
+        # slower than that won all the same, after ``requeue`` took the admission back:
+        # counted again (a no-op otherwise), or its tenant would run past its cap.
+        await self._parts.launcher.quietly(
+            eid, self._admission.count(taken.tenant, fence), self._queue.claimed(taken)
+        )
 
     async def _drop(self, taken: Taken, fence: str) -> None:
         eid = taken.execution_id
         if self._metrics is not None:
             self._metrics.stale_deliveries.inc()
-        await self._quietly(
+        await self._parts.launcher.quietly(
             eid,
             self._watch.release(eid, fence),
             self._admission.leave(taken.tenant, fence),
@@ -166,7 +223,10 @@ class Dispatcher:
             if meta.status != "queued":
                 await self._queue.claimed(taken)  # claimed after all
                 continue
-            if await self._queue.requeue(taken, queued_ms=created_ms(meta)):
+            score = created_ms(meta)
+            if meta.continues:
+                score -= CONTINUATION_OFFSET_MS  # a resume goes back before the starts
+            if await self._queue.requeue(taken, queued_ms=score):
                 if self._metrics is not None:
                     self._metrics.queue_reclaims.inc()
                 log.warning(
@@ -205,16 +265,6 @@ class Dispatcher:
             await self.announce()
             self.nudge()
         return found
-
-    @staticmethod
-    async def _quietly(execution_id: str, *steps: Awaitable[object]) -> None:
-        for step in steps:
-            try:
-                await step
-            except FlowcastError as exc:
-                log.warning(
-                    "queue cleanup failed", extra={"executionId": execution_id, "error": str(exc)}
-                )
 
 
 def created_ms(meta: ExecutionMeta) -> int:

@@ -215,8 +215,9 @@ class Launcher:
             await self._states.save_version(local.workflow)
 
     async def _let_go(self, local: LocalRun, writer: ExecutionLog) -> None:
-        """Leave the tenant's running set; hand the execution off, or stop watching the
-        lease once it is settled.
+        """Leave the tenant's running set once the run is over (not when it goes on
+        elsewhere); hand the execution off, or stop watching the lease once it is
+        settled.
 
         A run whose last event was not stored (and that was not fenced out) keeps its
         lease entry: the lease expires and a janitor takes the execution over, so it is
@@ -227,12 +228,18 @@ class Launcher:
         if final is not None and final.type != EXECUTION_PAUSED:
             # Ended, also when a cancel won over its pause: it no longer counts at all.
             members.append(paused_member(local.execution_id))
-        work = [self._admission.leave(local.tenant, *members)]
         settled = (
             writer.final_stored is not None
             or writer.refused is not None
             or local.stop_reason is StopReason.FENCED
         )
+        work = []
+        if final is not None or (settled and not local.handoff):
+            work.append(self._admission.leave(local.tenant, *members))
+        # Else it goes on running elsewhere (handed off, or taken over once its lease
+        # ends): it goes on counting for its tenant until its takeover counts instead
+        # (takeovers.py), or a queued execution of the tenant would run beside it past
+        # its running cap (a lone replica restarted: both ran at once at a cap of 1).
         if writer.final_stored is not None and writer.refused is None:
             self._finals.remember(local, writer.final_stored)
         if local.handoff and writer.refused is None:
@@ -332,10 +339,12 @@ class Launcher:
             if not task.done():  # the run itself is being torn down
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        await self._stop_counting(local, task, extra)
         handed_off = (task.cancelled() and local.stop_reason is StopReason.HANDOFF) or (
             not task.cancelled() and isinstance(task.exception(), HandedOff)
         )
+        if not handed_off:
+            # A run handed off goes on counting until its takeover counts instead.
+            await self._stop_counting(local, task, extra)
         if handed_off:
             # No last event: the process that takes over recovers the run from its
             # checkpoint, once this one stored every event (on letting go).

@@ -21,13 +21,10 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
-
-import orjson
 
 from lib.backend import Batch
 from lib.errors import (
@@ -43,9 +40,6 @@ from lib.errors import (
 from lib.execution.admission import paused_member
 from lib.execution.buffer import EXECUTION_OVERHEAD_BYTES
 from lib.execution.events import (
-    EXECUTION_CANCELLED,
-    EXECUTION_RESUMED,
-    EXECUTION_STARTED,
     utc_timestamp,
 )
 from lib.execution.log import ExecutionLog
@@ -53,17 +47,18 @@ from lib.execution.ownership import START_RESERVED, Claim, node_of
 from lib.execution.queue import Entered
 from lib.execution.record import ExecutionMeta, Field, Mode, Status, StopReason, Takeover
 from lib.metrics import Metrics
-from lib.workflows.checkpoint import answer_field
+from lib.slices import encode
+from lib.workflows.bodies import cancelled_in_line, new_run, resumed
 from lib.workflows.dispatch import Dispatcher, created_ms
 from lib.workflows.executor import RunState
 from lib.workflows.janitor import Janitor, cancelled
-from lib.workflows.launcher import Body, Outcome, ending_body, identity_of
-from lib.workflows.leases import LeaseKeeper, LocalRun
+from lib.workflows.launcher import Body, ending_body, identity_of
+from lib.workflows.leases import LeaseKeeper
 from lib.workflows.listener import ControlListener
 from lib.workflows.model import Workflow
 from lib.workflows.parts import Parts
 from lib.workflows.schemas import answer_problems
-from lib.workflows.takeovers import Takeovers, load_run
+from lib.workflows.takeovers import Takeovers
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +135,7 @@ class Runner:
             metrics=metrics,
         )
         listener.on_queued = self.dispatcher.nudge
-        self._launcher.on_free = self.dispatcher.nudge
+        self._launcher.on_free = self.dispatcher.freed
 
     async def __aenter__(self) -> Runner:
         try:
@@ -261,7 +256,15 @@ class Runner:
             Field.CREATED_AT.value: utc_timestamp(now),
             Field.INLINE_FILES.value: "1" if inline_files else "",
         }
-        created = await self._create(execution_id, workflow, input, identity, now, confirm)
+        with self.dispatcher.slot() as here:
+            created = await self._create(
+                execution_id, workflow, input, identity, now, confirm, here=here
+            )
+            if created is not None and not isinstance(created, Entered):
+                claim, saved = created
+                events = self._run_new(
+                    execution_id, claim, identity, workflow, input, saved, write_back=write_back
+                )
         if created is None:
             log.info("execution created by another request", extra={"executionId": execution_id})
             return Started(execution_id, "running")
@@ -270,10 +273,6 @@ class Runner:
             await self.dispatcher.announce()
             self.dispatcher.nudge()
             return Started(execution_id, "queued", ahead=created.ahead)
-        claim, saved = created
-        events = self._run_new(
-            execution_id, claim, identity, workflow, input, saved, write_back=write_back
-        )
         if first_stored:
             await events.first_stored(START_RESERVED, FIRST_STORED_SECONDS)
         return Started(execution_id, "running")
@@ -295,17 +294,7 @@ class Runner:
         if self._metrics is not None:
             self._metrics.queue_wait.observe(queued_ms / 1000)
 
-        def opening(local: LocalRun, emitter: ExecutionLog) -> None:
-            emitter.emit(EXECUTION_STARTED, {"input": input, "queuedMs": queued_ms})
-            emitter.remember(saved)
-            local.workflow = workflow
-
-        async def body(local: LocalRun, emitter: ExecutionLog) -> None:
-            async def work() -> Outcome:
-                return await self._launcher.run_workflow(local, emitter, workflow, input, None)
-
-            await self._launcher.execute(local, emitter, work)
-
+        opening, body = new_run(self._launcher, workflow, input, saved, queued_ms)
         return self._launcher.launch(
             execution_id,
             claim,
@@ -352,6 +341,8 @@ class Runner:
         identity: dict[str, str],
         now: datetime,
         confirm: Callable[[Batch], None] | None = None,
+        *,
+        here: bool,
     ) -> tuple[Claim, dict[str, bytes]] | Entered | None:
         """Admit the tenant's execution and create it, owned here, with its run state
         (the claim and the state as stored), or queued (``Entered``); None when another
@@ -389,7 +380,7 @@ class Runner:
                 state=saved,
                 checked=checked,
                 alongside=lambda batch: self._states.save_version_in(batch, workflow),
-                here=self._runs.accepting and self.dispatcher.free() > 0,
+                here=here,
             )
         except OverQuota:
             raise  # refused before anything was counted
@@ -432,44 +423,35 @@ class Runner:
         fence = self._parts.new_fence()
         # The same admission as a start's: run here only with a free slot and while
         # the tenant runs fewer than its cap; else in line, before its starts.
-        if not (self.dispatcher.free() > 0 and await self._queue.room(tenant, fence)):
-            return await self._resume_later(execution_id, tenant, meta, paused_at, input, fence)
-        claim = await self._claim(
-            execution_id,
-            Mode.RESUME,
-            fence,
-            tenant,
-            meta=meta,
-            block_id=paused_at,
-            answer=orjson.dumps(input),
-        )
-        body = self._resumed(paused_at, input)
-        self._launcher.launch(execution_id, claim, identity=identity_of(meta), body=body, meta=meta)
+        # The slot is held until the launch fills it (``Dispatcher.slot``).
+        with self.dispatcher.slot() as here:
+            now = here and await self._queue.room(tenant, fence)
+            # A resume that may not run now is accepted all the same: its answer is
+            # stored with the claim (paused -> queued), then it waits in line before its
+            # tenant's starts. ``fence``'s lease entry, written before the claim, covers
+            # the step between: should this process die there, a janitor finds the
+            # execution queued and puts it in line.
+            claim = await self._claim(
+                execution_id,
+                Mode.RESUME,
+                fence,
+                tenant,
+                meta=meta,
+                block_id=paused_at,
+                answer=await encode(input),  # in slices: an answer may be 10 MB
+                later=not now,
+            )
+            if not now:
+                return await self._in_line(execution_id, tenant, fence)
+            body = self._resumed(paused_at, input)
+            self._launcher.launch(
+                execution_id, claim, identity=identity_of(meta), body=body, meta=meta
+            )
         return Started(execution_id, "running")
 
-    async def _resume_later(
-        self,
-        execution_id: str,
-        tenant: str,
-        meta: ExecutionMeta,
-        paused_at: str,
-        input: Any,
-        fence: str,
-    ) -> Started:
-        """Accept a resume that may not run now: its answer is stored with the claim
-        (paused -> queued), then it waits in line before its tenant's starts. ``fence``'s
-        lease entry, written before the claim, covers the step between: should this
-        process die there, a janitor finds the execution queued and puts it in line."""
-        await self._claim(
-            execution_id,
-            Mode.RESUME,
-            fence,
-            tenant,
-            meta=meta,
-            block_id=paused_at,
-            answer=orjson.dumps(input),
-            later=True,
-        )
+    async def _in_line(self, execution_id: str, tenant: str, fence: str) -> Started:
+        """A resume accepted to run later takes its place in line (instead of its pause's
+        entry), and the workers hear of it."""
         ahead = await self._queue.line(tenant, execution_id, replaces=paused_member(execution_id))
         await self._launcher.quietly(execution_id, self._watch.release(execution_id, fence))
         await self.dispatcher.announce()
@@ -477,24 +459,7 @@ class Runner:
         return Started(execution_id, "queued", ahead=ahead)
 
     def _resumed(self, paused_at: str, input: Any) -> Body:
-        """The run of a resume: ``execution:resumed`` with the answer, then on."""
-
-        async def body(local: LocalRun, emitter: ExecutionLog) -> None:
-            # First, whatever follows: the resume took effect even if a cancel stops
-            # the run before its work begins. The answer goes into the checkpoint with
-            # it (as a ref when large), so a recovery after this point still has it.
-            kept, kept_json = await local.keeper.keep(input)
-            checkpoint = answer_field(paused_at, kept_json)
-            emitter.emit(EXECUTION_RESUMED, {"blockId": paused_at, "input": kept}, checkpoint)
-
-            async def work() -> Outcome:
-                workflow, given, run = await load_run(self._launcher, self._states, local, emitter)
-                run.answers[paused_at] = kept
-                return await self._launcher.run_workflow(local, emitter, workflow, given, run)
-
-            await self._launcher.execute(local, emitter, work)
-
-        return body
+        return resumed(self._launcher, self._states, paused_at, input)
 
     async def cancel(self, execution_id: str, *, tenant: str) -> Started:
         """Cancel a running or paused execution wherever it runs.
@@ -513,11 +478,13 @@ class Runner:
         claim = await self._claim(execution_id, Mode.CANCEL, fence, tenant, meta=meta)
         if claim.status_before is Status.QUEUED:
             await self._launcher.quietly(execution_id, self._dequeue(tenant, execution_id))
-            # A resume in line has its log already: it only ends.
+            # A resume in line has its log already: it only ends. Told by the claim (its
+            # stored events), not by ``meta``: read before the claim, it may have said
+            # paused for a resume that went in line meanwhile.
             ending = (
                 ending_body(cancelled)
-                if meta.continues
-                else _cancelled_in_line(given, created_ms(meta))
+                if meta.continues or claim.last_id > 0
+                else cancelled_in_line(given, created_ms(meta))
             )
             self._launcher.launch(
                 execution_id, claim, identity=identity_of(meta), body=ending, meta=meta
@@ -657,18 +624,6 @@ class Runner:
         # a queued execution no line holds is put back in line.
         if self.dispatcher.slots > 0:
             await self.dispatcher.reconcile()
-
-
-def _cancelled_in_line(given: Any, created_ms: int) -> Body:
-    """The run of an execution cancelled while queued: it never ran, yet its log starts
-    as every log does (id 1 ``execution:started``), then ends cancelled."""
-
-    async def body(local: LocalRun, emitter: ExecutionLog) -> None:
-        waited = max(0, round(time.time() * 1000) - created_ms) if created_ms else 0
-        emitter.emit(EXECUTION_STARTED, {"input": given, "queuedMs": waited})
-        emitter.emit(EXECUTION_CANCELLED, {"reason": "cancelled"})
-
-    return body
 
 
 def _check_answer(schema: dict[str, Any], answer: Any) -> None:

@@ -11,7 +11,6 @@ block beside the events.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any, cast
 
 import orjson
@@ -21,7 +20,7 @@ from lib.errors import NotFound
 from lib.execution.buffer import EventBuffer
 from lib.execution.record import Field
 from lib.execution.values import ValueStore, value_id
-from lib.slices import encode
+from lib.slices import decode, encode, sha256_hex
 from lib.workflows.checkpoint import read_fields, write_fields
 from lib.workflows.executor import RunState
 from lib.workflows.model import Workflow
@@ -142,12 +141,12 @@ class RunStates:
         raw = await encode(value)  # in slices: a run's input may be 10 MB
         if len(raw) <= self._inline_bytes:
             return {"v": value}
-        ident = value_id(hashlib.sha256(raw).hexdigest())
+        ident = value_id(await sha256_hex(raw))
         await self._values.put(execution_id, ident, raw)
         return {"ref": ident}
 
     async def _decode(self, execution_id: str, wrapped: dict[str, Any]) -> Any:
         if "ref" in wrapped:
             parts = [chunk async for chunk in self._values.read(execution_id, wrapped["ref"])]
-            return orjson.loads(b"".join(parts))
+            return await decode(b"".join(parts), orjson.loads, orjson.loads)  # in slices
         return wrapped.get("v")

@@ -3,11 +3,13 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import orjson
 import pytest
 
 from lib.errors import WorkflowInvalid
+from lib.workflows import limits
 from lib.workflows.blocks import BlockTypes
-from lib.workflows.limits import too_deep
+from lib.workflows.limits import too_deep, too_deep_in_slices
 from lib.workflows.model import Workflow
 from lib.workflows.templates import Templates
 from lib.workflows.validation import validate_workflow
@@ -186,3 +188,28 @@ def test_the_depth_check_agrees_with_a_walk_whatever_the_strings_hold() -> None:
     assert not too_deep({"z": [0] * 1_000_000})
     assert not too_deep([{}] * 1_000_000)
     assert too_deep([10**30, [[[1]]]], 3)  # not JSON orjson takes: walked instead
+
+
+async def test_the_depth_check_in_slices_answers_as_the_whole_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A large input's depth is read from its JSON in windows (the event loop runs
+    between them): cut into windows of 1-7 bytes (inside strings, escapes and runs of
+    backslashes), random shapes give what the whole check gives."""
+    rng = random.Random(24)
+    escapes = ['\\"[', "\\\\", '"]{', "[\\\\]", "x\\"]
+
+    def shape(depth: int, budget: list[int]) -> object:
+        if depth == 0 or budget[0] <= 0 or rng.random() < 0.15:
+            return rng.choice([1, None, 2.5, *escapes])
+        budget[0] -= 1
+        width = 1 if rng.random() < 0.7 else 2
+        if rng.random() < 0.5:
+            return [shape(depth - 1, budget) for _ in range(width)]
+        return {rng.choice(escapes) + str(n): shape(depth - 1, budget) for n in range(width)}
+
+    for _ in range(1500):
+        monkeypatch.setattr(limits, "DEPTH_WINDOW", rng.randint(1, 7))
+        value, limit = shape(rng.randint(0, 90), [120]), rng.randint(1, 80)
+        encoded = orjson.dumps(value)
+        assert await too_deep_in_slices(encoded, limit) == too_deep(value, limit), encoded

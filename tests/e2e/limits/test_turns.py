@@ -217,7 +217,7 @@ async def test_repeats_waiting_for_a_dead_first_request_hold_no_turn(
         await put(alpha, approval_workflow("held"))
         execution_id = await paused_execution(alpha, "held")
         operation = f"cancel:{execution_id}"
-        digest = hashlib.sha256(fingerprint(execution_id, b"")).hexdigest()
+        digest = hashlib.sha256(await fingerprint(execution_id, b"")).hexdigest()
         keys = [f"dead-first-{index}" for index in range(PER_CALLER * 2)]
         names = [
             Keys(own).idempotency(

@@ -184,7 +184,9 @@ async def test_a_store_back_empty_grants_no_slot_while_the_old_call_streams(
         httpx.AsyncClient(base_url=other.url, timeout=60) as on_other,
     ):
         await put(on_other, llm_workflow("wiped"))
-        llm.default = Reply(pieces=[f"w{i} " for i in range(30)], piece_delay=0.1)
+        # H's call and C's stream 3 s each; H's retried attempt, the last, answers at once.
+        long = Reply(pieces=[f"w{i} " for i in range(30)], piece_delay=0.1)
+        llm.script(long, long)
         first = await execute(on_holder, "wiped")
         await llm.wait_in_flight(1, timeout=20)
         if waiter == "in line before":

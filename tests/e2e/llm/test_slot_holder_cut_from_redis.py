@@ -111,7 +111,11 @@ async def test_a_holder_cut_from_redis_does_not_call_beside_the_next_one(
                 await put(on_other, llm_workflow("cut", attempts))
                 # The holder's call streams for about 5 s (two and a half leases): had
                 # it gone on past the cut, it would still stream when the slot lapses.
-                llm.default = Reply(pieces=[f"w{i} " for i in range(25)], piece_delay=0.2)
+                # The next one's call (the other's) streams as long, for the holder's
+                # next attempt to be caught if it called beside it; the holder's call
+                # after that, once Redis answers again, comes last and answers at once.
+                long = Reply(pieces=[f"w{i} " for i in range(25)], piece_delay=0.2)
+                llm.script(long, long)
                 first = await execute(on_holder, "cut")
                 await llm.wait_in_flight(1, timeout=20)
                 second = await execute(on_other, "cut")
