@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 from redis.asyncio import Redis
 
 from bench.clients import HOST, frame_data, frame_event, http_request, open_stream
@@ -179,16 +180,20 @@ class Feeder:
 
 @dataclass
 class Start:
-    """Request sent → ``execution:started`` received, and the ``queuedMs`` it carried."""
+    """Request sent → ``execution:started`` received, and the ``queuedMs`` it carried.
+    A late start (none within the timeout) has ``seconds`` None until ``settle`` finds
+    its ``execution:started`` in the stored log (then its ``queuedMs`` stands in)."""
 
-    seconds: float
-    queued_ms: int
-    queue_frames: int
+    execution_id: str
+    seconds: float | None
+    queued_ms: int | None
+    queue_frames: int = 0
+    late: bool = False
 
 
-async def start_streamed(port: int, key: str, workflow: str, *, timeout: float) -> Start | None:
-    """``POST …/execute`` with ``Accept: text/event-stream``, read to its end; None when
-    no ``execution:started`` came within ``timeout`` (the stream is dropped)."""
+async def start_streamed(port: int, key: str, workflow: str, *, timeout: float) -> Start:
+    """``POST …/execute`` with ``Accept: text/event-stream``, read to its end, or given up
+    after ``timeout`` without ``execution:started`` (a late start)."""
     got: dict[str, Any] = {}
     queue_frames = 0
 
@@ -219,15 +224,42 @@ async def start_streamed(port: int, key: str, workflow: str, *, timeout: float) 
         client.close()
     if client.status != 200:
         raise RuntimeError(f"{workflow}: answered {client.status}")
+    eid = client.headers.get("x-execution-id", "")
     if "at" not in got:
-        return None
-    return Start(got["at"] - sent, int(got["queued_ms"]), queue_frames)
+        return Start(eid, None, None, queue_frames, late=True)
+    return Start(eid, got["at"] - sent, int(got["queued_ms"]), queue_frames)
 
 
-def waits(starts: list[Start | None]) -> list[float]:
+async def settle(
+    http: httpx.AsyncClient, url: str, key: str, starts: list[Start], *, timeout: float
+) -> None:
+    """Wait (all at once, up to ``timeout``) for the late starts' ``execution:started`` in
+    their stored logs, and take its ``queuedMs`` as their wait; those still without one
+    stay None (never started)."""
+
+    async def one(start: Start) -> None:
+        path = f"{url}/api/executions/{start.execution_id}/events"
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                while True:
+                    answer = await http.get(path, headers=bearer(key))
+                    if answer.status_code == 200:
+                        for event in answer.json()["events"]:
+                            if event["type"] == STARTED:
+                                start.queued_ms = int(event["data"].get("queuedMs", 0))
+                                start.seconds = start.queued_ms / 1000
+                                return
+                    await asyncio.sleep(0.5)
+
+    await asyncio.gather(*(one(start) for start in starts if start.late and start.execution_id))
+
+
+def waits(starts: list[Start]) -> list[float]:
     """Each start's seconds to ``execution:started``; infinite when it never came."""
-    return [math.inf if s is None else s.seconds for s in starts]
+    return [math.inf if s.seconds is None else s.seconds for s in starts]
 
 
 def wait(seconds: float) -> str:
-    return "never" if seconds == math.inf else ms(seconds)
+    if seconds == math.inf:
+        return "never"
+    return ms(seconds) if seconds < 10 else f"{seconds:.1f} s"

@@ -27,6 +27,7 @@ import random
 import secrets
 import signal
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from redis.asyncio import Redis
 
 from app.auth import tenant_of_key
 from bench.flood import POSTERS, Feeder, Line, Mark, Start, flood, start_streamed
+from bench.flood import settle as settle_late
 from bench.flood import wait as shown
 from bench.flood import waits as seconds_of
 from bench.queue_kill import QueueKill
@@ -50,6 +52,7 @@ HEAVY, LIGHT = ALPHA, BETA  # the two tenants' API keys
 PREFIX = "fcqueue"  # the Redis prefix of its processes (the kill case's: + "kill")
 GAP = 0.25  # the light tenant's next start comes at a random moment up to this after
 DROPPED = "queued execution not taken"  # a worker's log line: a delivery it dropped
+EARLY = "queued execution taken before it exists"  # and one it took too early
 
 
 def quick() -> dict[str, Any]:
@@ -77,6 +80,7 @@ class QueueBench:
         self.http = httpx.AsyncClient(timeout=60)
         self.workers: list[FlowcastServer] = []  # whose logs count dropped deliveries
         self.slots = 2 * config.queue_slots
+        self.lease = config.queue_lease_seconds
 
     def queued_key(self, key: str) -> str:
         return Keys(self.prefix).queued(tenant_of_key(key))
@@ -118,12 +122,9 @@ class QueueBench:
                 ),
                 keys=(HEAVY, LIGHT),
             )
-            async with kill.started():
-                self.workers = [kill.pair[0]]
-                await self.put(kill.api, LIGHT, quick())
-                await self.start_latency(kill.api, kill.pair[0])
-                await kill.run()
             await self.in_line()
+            async with kill.started():
+                await kill.run()
         finally:
             await self.http.aclose()
 
@@ -133,79 +134,94 @@ class QueueBench:
         """Accepted → started with free slots: through the queue (the API replica runs
         nothing) and, alternating, on a worker that runs it at once."""
         runs = self.config.queue_start_runs
-        queued: list[Start | None] = []
-        direct: list[Start | None] = []
-        dropped = self.dropped()
+        queued: list[Start] = []
+        direct: list[Start] = []
+        logged = self.logged()
         for _ in range(5):  # warm both up
             await self.start(api)
             await self.start(worker)
         for _ in range(runs):
             queued.append(await self.start(api))
             direct.append(await self.start(worker))
+        await self.settle(api, queued + direct)
         through, at_once = seconds_of(queued), seconds_of(direct)
-        stuck = through.count(math.inf)
-        waited = [s.queued_ms / 1000 for s in queued if s is not None]
+        waited = [s.queued_ms / 1000 for s in queued if s.queued_ms is not None] or [math.inf]
         for pct, target in ((50, 0.005), (99, 0.025)):
             q, d = percentile(through, pct), percentile(at_once, pct)
             self.report.add(
                 Row(
                     f"queue: accepted → execution:started, free slots, p{pct} ({runs} runs)",
-                    shown(q) + self.stuck_cell(through, pct),
+                    shown(q) + self.late_cell(queued, pct),
                     f"run at once: {shown(d)}",
                     ratio(q, d) if q < math.inf else "—",
                     f"≤ {target * 1000:g} ms",
-                    verdict(q <= target and not stuck),
+                    verdict(q <= target and not any(s.late for s in queued)),
                 )
             )
         self.report.notes.append(
             "queue, start: `POST /api/workflows/q-quick/execute` (one `transform` block) "
-            "with `Accept: text/event-stream` to an API replica (FLOWCAST_WORKER_SLOTS=0) "
+            "with `Accept: text/event-stream` to the API replica (FLOWCAST_WORKER_SLOTS=0) "
             "with one idle worker (16 slots), one at a time: request sent → the "
             f"`execution:started` frame received, p50 {shown(percentile(through, 50))}, "
             f"p99 {shown(percentile(through, 99))}, max {shown(max(through))}; its "
             "`queuedMs` (created → started on the servers' clock, whole ms) p50 "
-            f"{ms(percentile(waited, 50))}, p99 {ms(percentile(waited, 99))}; "
-            f"{sum(1 for s in queued if s and s.queue_frames)} of {runs} streams showed a "
+            f"{shown(percentile(waited, 50))}, p99 {shown(percentile(waited, 99))}; "
+            f"{sum(1 for s in queued if s.queue_frames)} of {runs} streams showed a "
             "`queue` frame first. Baseline: the same request to the worker, which runs it "
             "at once (nothing waits, a slot is free; `queuedMs` 0 in "
-            f"{sum(1 for s in direct if s and s.queued_ms == 0)} of {runs})."
-            + self.stuck_note(stuck, runs, dropped)
+            f"{sum(1 for s in direct if s.queued_ms == 0)} of {runs})."
+            + self.late_note(queued, logged)
         )
 
-    async def start(self, server: FlowcastServer) -> Start | None:
+    async def start(self, server: FlowcastServer) -> Start:
         """One start of the light tenant's quick workflow, streamed from ``server``."""
         timeout = self.config.queue_start_timeout
         return await start_streamed(server.port, LIGHT, "q-quick", timeout=timeout)
 
-    @staticmethod
-    def stuck_cell(took: list[float], pct: float = 99) -> str:
-        """How many never started, and the percentile of those that did."""
-        stuck = took.count(math.inf)
-        if not stuck:
+    async def settle(self, api: FlowcastServer, starts: list[Start]) -> None:
+        """The late starts' waits from their stored logs (a start taken before its record
+        existed is queued again after about a lease)."""
+        timeout = 2 * self.lease + 10
+        await settle_late(self.http, api.url, LIGHT, starts, timeout=timeout)
+
+    def late_cell(self, starts: list[Start], pct: float) -> str:
+        """How many started late, and the percentile of the others."""
+        late = [s for s in starts if s.late]
+        if not late:
             return ""
-        started = [t for t in took if t < math.inf] or [math.inf]
-        return f"; {stuck} never started (p{pct:g} of the rest {shown(percentile(started, pct))})"
+        never = sum(1 for s in late if s.seconds is None)
+        rest = seconds_of([s for s in starts if not s.late]) or [math.inf]
+        timeout = self.config.queue_start_timeout
+        return (
+            f"; {len(late)} started after {timeout:g} s or more"
+            + (f" ({never} never)" if never else "")
+            + f", p{pct:g} of the others {shown(percentile(rest, pct))}"
+        )
 
-    def dropped(self) -> int:
-        """Deliveries the workers dropped so far (cancelled, claimed by another, or not
-        found), from their logs."""
-        return sum(worker.logs().count(DROPPED) for worker in self.workers)
+    def logged(self) -> Counter[str]:
+        """The workers' log lines so far that tell a delivery was not run at once."""
+        return Counter(
+            {line: sum(w.logs().count(line) for w in self.workers) for line in (EARLY, DROPPED)}
+        )
 
-    def stuck_note(self, stuck: int, runs: int, dropped_before: int) -> str:
-        dropped = self.dropped() - dropped_before
+    def late_note(self, starts: list[Start], before: Counter[str]) -> str:
+        late = sorted(s.seconds if s.seconds is not None else math.inf for s in starts if s.late)
+        logged = self.logged() - before
         text = ""
-        if stuck:
+        if late:
             text += (
-                f" STUCK: {stuck} of {runs} showed no `execution:started` within "
-                f"{self.config.queue_start_timeout:g} s."
+                f" LATE: {len(late)} of {len(starts)} showed no `execution:started` within "
+                f"{self.config.queue_start_timeout:g} s; their stored `queuedMs`: "
+                f"{', '.join(shown(t) for t in late[:12])}{' …' if len(late) > 12 else ''}."
             )
-        if dropped:
+        if logged:
             text += (
-                f" The workers logged {dropped} '{DROPPED}' meanwhile, each with the "
-                "record not found: a worker took the start from its line between the "
-                "start's two round trips (the batch that queues it, then `start.lua` "
-                "that writes its record, lib/execution/ownership.py `start`) and dropped "
-                "it; it stays `queued`, in no line, and never runs."
+                f" The workers logged {logged[EARLY]} '{EARLY}' and {logged[DROPPED]} "
+                f"'{DROPPED}' meanwhile: a worker took a start from its line between the "
+                "start's two round trips (the batch that queues it, then `start.lua` that "
+                "writes its record, lib/execution/ownership.py `start`); the delivery "
+                "stays taken until the dispatcher queues it again, about a lease later "
+                f"(FLOWCAST_LEASE_SECONDS {self.lease:g} s here)."
             )
         return text
 
@@ -213,15 +229,17 @@ class QueueBench:
 
     async def in_line(self) -> None:
         config = self.config
-        make = self.servers(self.prefix)
+        make = self.servers(self.prefix, FLOWCAST_LEASE_SECONDS=f"{self.lease:g}")
         api = make("queue-api", 0)
         self.workers = [make(f"queue-w{i}", config.queue_slots) for i in (1, 2)]
         holds = [hold(i, config.queue_block_ms) for i in range(config.queue_spread)]
         try:
-            await api.start()
+            await asyncio.gather(api.start(), self.workers[0].start())
             for key in (HEAVY, LIGHT):
                 for workflow in (quick(), *holds):
                     await self.put(api, key, workflow)
+            await self.start_latency(api, self.workers[0])
+            await self.workers[0].stop(signal.SIGKILL, timeout=10)  # idle: the flood waits
             async with Redis.from_url(self.stack.valkey.url) as redis:
                 turnover = await self.light_wait(api, redis, [w["id"] for w in holds])
                 await self.share(api, redis, [w["id"] for w in holds], turnover)
@@ -246,8 +264,8 @@ class QueueBench:
             raise RuntimeError(f"the flood was refused: {dict(statuses)}")
         await asyncio.gather(*(worker.start() for worker in self.workers))
         feeder = Feeder(api.port, redis, [Line(HEAVY, self.queued_key(HEAVY), target, holds)])
-        starts: list[Start | None] = []
-        dropped = self.dropped()
+        starts: list[Start] = []
+        logged = self.logged()
         async with feeder.running():
             await feeder.until_taken(HEAVY, self.slots, timeout=60)  # every slot busy
             first = feeder.marks[-1]
@@ -261,20 +279,20 @@ class QueueBench:
         # A slot's turnover: how long each heavy execution held one, on average (the
         # light tenant's quick runs hold a slot for a few ms only).
         turnover = self.slots * window / max(taken, 1)
+        await self.settle(api, starts)
         took = seconds_of(starts)
-        stuck = took.count(math.inf)
-        queued_ms = [s.queued_ms / 1000 for s in starts if s is not None] or [math.inf]
+        queued_ms = [s.queued_ms / 1000 for s in starts if s.queued_ms is not None] or [math.inf]
         depths = [mark.depth[HEAVY] for mark in feeder.marks if first.at <= mark.at]
         p99 = percentile(took, 99)
         self.report.add(
             Row(
                 f"queue: a light tenant's wait p99 (p50) while another has "
                 f"{target:,} queued ({len(took)} runs)",
-                f"{shown(p99)} ({shown(percentile(took, 50))})" + self.stuck_cell(took),
+                f"{shown(p99)} ({shown(percentile(took, 50))})" + self.late_cell(starts, 99),
                 f"slot turnover {ms(turnover)}",
                 ratio(p99, turnover) if p99 < math.inf else "—",
                 "≤ turnover + 100 ms",
-                verdict(p99 <= turnover + 0.100 and not stuck and min(depths) >= 0.9 * target),
+                verdict(p99 <= turnover + 0.100 and min(depths) >= 0.9 * target),
             )
         )
         durations = self.run_durations("q-hold-")
@@ -293,8 +311,8 @@ class QueueBench:
             f"{GAP * 1000:.0f} ms after the last one's stream ended: request sent → "
             f"`execution:started` received p50 {shown(percentile(took, 50))}, p99 "
             f"{shown(p99)}, max {shown(max(took))}; `queuedMs` p50 "
-            f"{ms(percentile(queued_ms, 50))}, p99 {ms(percentile(queued_ms, 99))}, max "
-            f"{ms(max(queued_ms))}; {cpu.describe()}." + self.stuck_note(stuck, len(took), dropped)
+            f"{shown(percentile(queued_ms, 50))}, p99 {shown(percentile(queued_ms, 99))}, "
+            f"max {shown(max(queued_ms))}; {cpu.describe()}." + self.late_note(starts, logged)
         )
         return turnover
 
@@ -326,7 +344,7 @@ class QueueBench:
             Line(LIGHT, self.queued_key(LIGHT), level, holds[:1]),
         ]
         feeder = Feeder(api.port, redis, lines)
-        dropped = self.dropped()
+        logged = self.logged()
         async with feeder.running():
             await feeder.until_taken(LIGHT, self.slots, timeout=60)  # in the rotation
             first = feeder.marks[-1]
@@ -362,7 +380,7 @@ class QueueBench:
             f"{light:,}, heavy {heavy:,}, share {share:.3f}; by sixths (light/heavy): "
             f"{', '.join(parts)}; looks that found a line empty: {dry}; refused posts: "
             f"{dict(feeder.refused) or 'none'}; a slot's turnover in the light case "
-            f"{ms(turnover)}; {cpu.describe()}." + self.stuck_note(0, 0, dropped)
+            f"{ms(turnover)}; {cpu.describe()}." + self.late_note([], logged)
         )
 
 

@@ -64,6 +64,7 @@ class Config:
     queue_kill_running: int = 16  # running on the worker that is SIGKILLed...
     queue_kill_runs: int = 3  # ...this many times
     queue_chain_blocks: int = 20  # `delay` blocks (recovery_block_ms) of each of them
+    queue_lease_seconds: float = 15.0  # FLOWCAST_LEASE_SECONDS of the start, light, share
     queue_start_timeout: float = 5.0  # a start with no execution:started by then is stuck
 
 
