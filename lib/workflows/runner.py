@@ -162,6 +162,7 @@ class Runner:
         self._runs.accepting = False
         await self._drain()
         await self._stop_listening()
+        await self._stop_dispatching()
         await self._cancel([*self._tasks(), *self._loops])
 
     async def _drain(self) -> None:
@@ -185,6 +186,13 @@ class Runner:
             async with asyncio.timeout(STOP_SECONDS):
                 await self._listener.stop()
             await asyncio.wait([control], timeout=STOP_SECONDS)
+
+    async def _stop_dispatching(self) -> None:
+        # Told to stop, the dispatcher ends at its next turn (an announcement it sends
+        # is bounded), rather than being cancelled in the middle of a Redis call.
+        self.dispatcher.stop()
+        dispatching = [task for task in self._loops if task.get_name() == "dispatcher"]
+        await asyncio.wait(dispatching, timeout=STOP_SECONDS)
 
     async def _cancel(self, tasks: list[asyncio.Task[None]]) -> None:
         for task in tasks:
