@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
@@ -43,11 +44,14 @@ METRICS = (
     "recovery",
     "starts",
     "streams",
+    "queue",
 )
 
 
 async def main(args: argparse.Namespace) -> int:
     config = QUICK if args.quick else FULL
+    if args.share_seconds is not None:
+        config = replace(config, queue_share_seconds=args.share_seconds)
     chosen = set(METRICS) if not args.only else {m for o in args.only for m in o.split(",")}
     unknown = chosen - set(METRICS)
     if unknown:
@@ -80,6 +84,7 @@ async def main(args: argparse.Namespace) -> int:
                     "recovery": bench.recovery,
                     "starts": bench.starts,
                     "streams": bench.streams,
+                    "queue": bench.queue,
                 }
                 for name in METRICS:
                     if name not in chosen:
@@ -116,6 +121,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"one of {', '.join(METRICS)} (repeatable)",
     )
     parser.add_argument("--profile", action="store_true", help="add py-spy hot spots of server A")
+    parser.add_argument(
+        "--share-seconds",
+        type=float,
+        metavar="S",
+        help="the queue's share window (default 60 s, 15 s with --quick)",
+    )
     parser.add_argument("--output", default=str(ROOT / "bench" / "RESULTS.md"))
     parser.add_argument("--timeout", type=float, default=1500, help="stop everything after this")
     return parser.parse_args(argv)

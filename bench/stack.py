@@ -54,6 +54,18 @@ class Config:
     streams_window: float = 10.0  # delivery latency measured for this long, each size...
     streams_settle: float = 5.0  # ...this long after the opens
     streams_workers: int = 4  # client processes holding the streams
+    queue_slots: int = 16  # FLOWCAST_WORKER_SLOTS of each of the two workers
+    queue_start_runs: int = 200  # accepted → started with free slots, each way
+    queue_flood: int = 10_000  # the heavy tenant's queued executions...
+    queue_spread: int = 20  # ...over this many workflows...
+    queue_block_ms: int = 500  # ...each holding a slot this long
+    queue_light_runs: int = 200  # the light tenant's starts meanwhile
+    queue_share_seconds: float = 60.0  # both tenants backlogged this long
+    queue_kill_running: int = 16  # running on the worker that is SIGKILLed...
+    queue_kill_runs: int = 3  # ...this many times
+    queue_chain_blocks: int = 20  # `delay` blocks (recovery_block_ms) of each of them
+    queue_lease_seconds: float = 15.0  # FLOWCAST_LEASE_SECONDS of the start, light, share
+    queue_start_timeout: float = 5.0  # a start with no execution:started by then is stuck
 
 
 FULL = Config()
@@ -77,6 +89,10 @@ QUICK = Config(
     streams_window=4.0,
     streams_settle=2.0,
     streams_workers=2,
+    queue_start_runs=50,
+    queue_light_runs=50,
+    queue_share_seconds=15.0,
+    queue_kill_runs=1,
 )
 
 # Registered on the servers their metric starts, not on A.
