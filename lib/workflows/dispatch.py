@@ -22,6 +22,7 @@ from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
+from lib.backoff import Backoff
 from lib.errors import FlowcastError, NotFound, WrongStatus
 from lib.execution.ownership import START_RESERVED, Claim
 from lib.execution.queue import CONTINUATION_OFFSET_MS, Backlog, Queue, Taken
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 Start = Callable[[ExecutionMeta, Claim, Workflow, Any, RunState, dict[str, bytes], int], None]
 
 
+# How long a worker reads again the record of a start it took just as it was queued.
+RECORD_WAIT_SECONDS = 1.0
 # How long an announcement of queued work may take before it is given up.
 ANNOUNCE_SECONDS = 1.0
 
@@ -184,10 +187,11 @@ class Dispatcher:
     async def _claim_and_start(self, taken: Taken, fence: str) -> None:
         eid = taken.execution_id
         try:
-            meta = await self._buffer.meta(eid)
+            meta = await self._record_of(eid)
         except NotFound:
             # Taken between the start's admission and its record's creation (start.lua
-            # follows queue.lua ``enter``): not claimed, and not dropped for good. The
+            # follows queue.lua ``enter``, a round trip later), and still not there
+            # after RECORD_WAIT_SECONDS: not claimed, and not dropped for good. The
             # delivery stays in ``taken``; past a lease ``reclaim`` queues it again
             # once its record says ``queued`` (or drops it, should it never appear).
             log.info("queued execution taken before it exists", extra={"executionId": eid})
@@ -197,8 +201,12 @@ class Dispatcher:
             # Read while it is still queued: once claimed, its run must start.
             version, given, run, saved = await self._states.load(eid)
             workflow = await self._states.load_version(version)
+            # As every claim does: what a store back behind forgot (the id to number above).
+            ceiling = await self._recall(eid, meta) if self._recall is not None else 0
             await self._watch.hold(eid, fence)
-            claim = await self._ownership.claim(eid, Mode.TAKE, fence, expected=str(START_RESERVED))
+            claim = await self._ownership.claim(
+                eid, Mode.TAKE, fence, expected=str(START_RESERVED), base_at_least=ceiling
+            )
         except (WrongStatus, NotFound) as exc:
             # A stale delivery: cancelled, claimed by another, or gone. Dropped.
             log.info("queued execution not taken", extra={"executionId": eid, "why": str(exc)})
@@ -217,6 +225,20 @@ class Dispatcher:
         await self._parts.launcher.quietly(
             eid, self._admission.count(taken.tenant, fence), self._queue.claimed(taken)
         )
+
+    async def _record_of(self, execution_id: str) -> ExecutionMeta:
+        """The record of a taken execution; a start is taken as soon as it is queued,
+        a round trip before its record is written, so a missing one is read again for
+        a moment (NotFound after RECORD_WAIT_SECONDS)."""
+        backoff = Backoff(base=0.005, cap=0.1)
+        deadline = time.monotonic() + RECORD_WAIT_SECONDS
+        while True:
+            try:
+                return await self._buffer.meta(execution_id)
+            except NotFound:
+                if time.monotonic() > deadline:
+                    raise
+                await backoff.wait()
 
     async def _drop(self, taken: Taken, fence: str) -> None:
         eid = taken.execution_id

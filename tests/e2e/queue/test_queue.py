@@ -130,12 +130,6 @@ async def test_an_api_replica_without_slots_leaves_the_work_to_a_worker(
 LEASE = 20  # seconds: a start given back by the dispatcher's reclaim waits about this
 
 
-@pytest.mark.xfail(
-    reason="a worker can take a start between the batch that queues it and start.lua that "
-    "writes its record (lib/execution/ownership.py start); the delivery then stays taken "
-    "until the dispatcher queues it again, about a lease later (found by bench/queue.py)",
-    strict=False,  # the race is timing-dependent: on a quiet machine it may not show
-)
 @pytest.mark.timeout(120)
 async def test_a_start_taken_by_a_worker_as_it_is_queued_does_not_wait_a_lease(
     valkey: ValkeyServer, tmp_path: Path
