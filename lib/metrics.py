@@ -11,6 +11,7 @@ backlog lives in Redis and is read by ``refresh`` before each scrape.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -32,6 +33,10 @@ LOOP_BUCKETS = (0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0
 # Queue wait buckets in seconds, accepted -> started: from a start with a free slot
 # (a few ms) to a backlog drained over minutes.
 WAIT_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 15.0, 60.0, 300.0, 1800.0)
+
+
+# How long a scrape waits for the queue's figures before it gives the last ones.
+REFRESH_SECONDS = 0.5
 
 
 class Metrics:
@@ -186,9 +191,13 @@ class Metrics:
         if self._backlog is None:
             return
         try:
-            backlog = await self._backlog()
-        except FlowcastError as exc:
-            log.warning("could not read the queue for /metrics", extra={"error": str(exc)})
+            # Bounded: a store that hangs (paused, stopped) must not hold the scrape,
+            # which an operator needs most then.
+            async with asyncio.timeout(REFRESH_SECONDS):
+                backlog = await self._backlog()
+        except (FlowcastError, TimeoutError) as exc:
+            error = str(exc) or type(exc).__name__
+            log.warning("could not read the queue for /metrics", extra={"error": error})
             return
         self.queue_depth.labels("queued").set(backlog.queued)
         waited = 0.0

@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 Start = Callable[[ExecutionMeta, Claim, Workflow, Any, RunState, dict[str, bytes], int], None]
 
 
+# How long an announcement of queued work may take before it is given up.
+ANNOUNCE_SECONDS = 1.0
+
+
 class Dispatcher:
     """Takes queued work for this process's free slots (``slots``; 0: none)."""
 
@@ -68,6 +72,7 @@ class Dispatcher:
         self._recall = recall
         self._metrics = metrics
         self._nudged = asyncio.Event()
+        self._stopping = False
         # Slots held by starts and takes on their way to launching (``slot``).
         self._holding = 0
         # The rounds that come without a nudge, and those that reclaim.
@@ -94,6 +99,12 @@ class Dispatcher:
             yield True
         finally:
             self._holding -= 1
+
+    def stop(self) -> None:
+        """End ``run`` at its next turn (a shutdown, once the runs here let go): it need
+        not be cancelled in the middle of a Redis call."""
+        self._stopping = True
+        self._nudged.set()
 
     def nudge(self) -> None:
         """Look at the queue again soon (a slot may be free, or work may wait)."""
@@ -122,20 +133,26 @@ class Dispatcher:
         """Tell every process that work was queued (best effort: their janitor passes
         look anyway)."""
         try:
-            await self._control.announce_queued()
-        except FlowcastError as exc:
-            log.warning("could not announce queued work", extra={"error": str(exc)})
+            # Bounded: a store that holds writes (paused) must not hold the dispatcher,
+            # nor a shutdown that waits for it; the others' own rounds look anyway.
+            async with asyncio.timeout(ANNOUNCE_SECONDS):
+                await self._control.announce_queued()
+        except (FlowcastError, TimeoutError) as exc:
+            error = str(exc) or type(exc).__name__
+            log.warning("could not announce queued work", extra={"error": error})
 
     async def run(self) -> None:
         """Take work whenever nudged (or half a lease passed), while slots are free and
         the process accepts; every half lease, nudged or not, give back first what dead
         takers never claimed (a busy process is nudged by every run that ends: a look
         only when no nudge came for half a lease would never come there)."""
-        while True:
+        while not self._stopping:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._every):
                     await self._nudged.wait()
             self._nudged.clear()
+            if self._stopping:
+                return
             if self._tell:
                 self._tell = False
                 await self.announce()
@@ -174,7 +191,7 @@ class Dispatcher:
             # delivery stays in ``taken``; past a lease ``reclaim`` queues it again
             # once its record says ``queued`` (or drops it, should it never appear).
             log.info("queued execution taken before it exists", extra={"executionId": eid})
-            await self._quietly(eid, self._admission.leave(taken.tenant, fence))
+            await self._parts.launcher.quietly(eid, self._admission.leave(taken.tenant, fence))
             return
         try:
             # Read while it is still queued: once claimed, its run must start.
@@ -197,7 +214,7 @@ class Dispatcher:
         # in ``taken``: past a lease ``reclaim`` queues it again if still queued. A claim
         # slower than that won all the same, after ``requeue`` took the admission back:
         # counted again (a no-op otherwise), or its tenant would run past its cap.
-        await self._quietly(
+        await self._parts.launcher.quietly(
             eid, self._admission.count(taken.tenant, fence), self._queue.claimed(taken)
         )
 
@@ -205,7 +222,7 @@ class Dispatcher:
         eid = taken.execution_id
         if self._metrics is not None:
             self._metrics.stale_deliveries.inc()
-        await self._quietly(
+        await self._parts.launcher.quietly(
             eid,
             self._watch.release(eid, fence),
             self._admission.leave(taken.tenant, fence),
@@ -265,16 +282,6 @@ class Dispatcher:
             await self.announce()
             self.nudge()
         return found
-
-    @staticmethod
-    async def _quietly(execution_id: str, *steps: Awaitable[object]) -> None:
-        for step in steps:
-            try:
-                await step
-            except FlowcastError as exc:
-                log.warning(
-                    "queue cleanup failed", extra={"executionId": execution_id, "error": str(exc)}
-                )
 
 
 def created_ms(meta: ExecutionMeta) -> int:

@@ -162,6 +162,7 @@ class Runner:
         self._runs.accepting = False
         await self._drain()
         await self._stop_listening()
+        await self._stop_dispatching()
         await self._cancel([*self._tasks(), *self._loops])
 
     async def _drain(self) -> None:
@@ -185,6 +186,13 @@ class Runner:
             async with asyncio.timeout(STOP_SECONDS):
                 await self._listener.stop()
             await asyncio.wait([control], timeout=STOP_SECONDS)
+
+    async def _stop_dispatching(self) -> None:
+        # Told to stop, the dispatcher ends at its next turn (an announcement it sends
+        # is bounded), rather than being cancelled in the middle of a Redis call.
+        self.dispatcher.stop()
+        dispatching = [task for task in self._loops if task.get_name() == "dispatcher"]
+        await asyncio.wait(dispatching, timeout=STOP_SECONDS)
 
     async def _cancel(self, tasks: list[asyncio.Task[None]]) -> None:
         for task in tasks:
@@ -441,8 +449,12 @@ class Runner:
         # the tenant runs fewer than its cap; else in line, before its starts.
         # The slot is held until the launch fills it (``Dispatcher.slot``).
         with self.dispatcher.slot() as here:
-            if not (here and await self._queue.room(tenant, fence)):
-                return await self._resume_later(execution_id, tenant, meta, paused_at, input, fence)
+            now = here and await self._queue.room(tenant, fence)
+            # A resume that may not run now is accepted all the same: its answer is
+            # stored with the claim (paused -> queued), then it waits in line before its
+            # tenant's starts. ``fence``'s lease entry, written before the claim, covers
+            # the step between: should this process die there, a janitor finds the
+            # execution queued and puts it in line.
             claim = await self._claim(
                 execution_id,
                 Mode.RESUME,
@@ -451,36 +463,19 @@ class Runner:
                 meta=meta,
                 block_id=paused_at,
                 answer=await encode(input),  # in slices: an answer may be 10 MB
+                later=not now,
             )
+            if not now:
+                return await self._in_line(execution_id, tenant, fence)
             body = self._resumed(paused_at, input)
             self._launcher.launch(
                 execution_id, claim, identity=identity_of(meta), body=body, meta=meta
             )
         return Started(execution_id, "running")
 
-    async def _resume_later(
-        self,
-        execution_id: str,
-        tenant: str,
-        meta: ExecutionMeta,
-        paused_at: str,
-        input: Any,
-        fence: str,
-    ) -> Started:
-        """Accept a resume that may not run now: its answer is stored with the claim
-        (paused -> queued), then it waits in line before its tenant's starts. ``fence``'s
-        lease entry, written before the claim, covers the step between: should this
-        process die there, a janitor finds the execution queued and puts it in line."""
-        await self._claim(
-            execution_id,
-            Mode.RESUME,
-            fence,
-            tenant,
-            meta=meta,
-            block_id=paused_at,
-            answer=await encode(input),  # in slices: an answer may be 10 MB
-            later=True,
-        )
+    async def _in_line(self, execution_id: str, tenant: str, fence: str) -> Started:
+        """A resume accepted to run later takes its place in line (instead of its pause's
+        entry), and the workers hear of it."""
         ahead = await self._queue.line(tenant, execution_id, replaces=paused_member(execution_id))
         await self._launcher.quietly(execution_id, self._watch.release(execution_id, fence))
         await self.dispatcher.announce()

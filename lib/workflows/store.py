@@ -14,8 +14,11 @@ execution always runs the version that was current when it was accepted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -24,6 +27,7 @@ import orjson
 from redis.asyncio import Redis
 
 from lib.backend import Batch, Keys, translating
+from lib.backoff import Backoff
 from lib.errors import (
     Conflict,
     FlowcastError,
@@ -45,6 +49,8 @@ Validate = Callable[[Any], Workflow]
 Admit = Callable[[Workflow], list[Problem]]
 # Past this many, the workflows known by (tenant, id) are forgotten (and read again).
 KNOWN_MAX = 1024
+# The longest one PUT of a workflow holds its turn (others of the same workflow wait).
+PUT_TURN_MS = 5000
 
 
 @dataclass(frozen=True)
@@ -188,16 +194,42 @@ class WorkflowStore:
             with translating("store the workflow"):
                 return bool(await self._redis.hset(self._key(tenant), workflow_id, raw))
         member, size = workflow_member(workflow_id), len(raw) + len(workflow_id)
-        previous = await self._quota.reserve(tenant, member, size)
+        # One PUT of a workflow at a time, across replicas: two racing ones could count
+        # one version and store the other (the figure and the store are two writes, in
+        # two hash slots). The turn lasts at most PUT_TURN_MS, should its holder die.
+        async with self._put_turn(tenant, workflow_id):
+            previous = await self._quota.reserve(tenant, member, size)
+            try:
+                with translating("store the workflow"):
+                    return bool(await self._redis.hset(self._key(tenant), workflow_id, raw))
+            except BaseException:
+                if previous:
+                    await self._quota.record(tenant, member, previous)
+                else:
+                    await self._quota.forget(tenant, member)
+                raise
+
+    @contextlib.asynccontextmanager
+    async def _put_turn(self, tenant: str, workflow_id: str) -> AsyncIterator[None]:
+        key = f"{self._key(tenant)}:put:{workflow_id}"
+        token = secrets.token_hex(8)
+        backoff = Backoff(base=0.005, cap=0.1)
+        deadline = time.monotonic() + PUT_TURN_MS / 1000
+        with translating("wait for another PUT of the workflow"):
+            while not await self._redis.set(key, token, nx=True, px=PUT_TURN_MS):
+                if time.monotonic() > deadline:
+                    break  # its holder died holding it: the turn ends with its time
+                await backoff.wait()
         try:
-            with translating("store the workflow"):
-                return bool(await self._redis.hset(self._key(tenant), workflow_id, raw))
-        except BaseException:
-            if previous:
-                await self._quota.record(tenant, member, previous)
-            else:
-                await self._quota.forget(tenant, member)
-            raise
+            yield
+        finally:
+            try:
+                with translating("end a PUT's turn"):
+                    if await self._redis.get(key) == token.encode():
+                        await self._redis.delete(key)
+            except FlowcastError as exc:
+                # Left, the turn ends with its time (PUT_TURN_MS).
+                log.warning("could not end a PUT's turn", extra={"error": str(exc)})
 
     async def get(self, tenant: str, workflow_id: str) -> StoredWorkflow:
         with translating("read the workflow"):

@@ -194,7 +194,7 @@ class Takeovers:
             )
             if isinstance(exc, WrongStatus) and exc.status == Status.QUEUED:
                 # Its lease entry outlived a resume that died before putting it in line
-                # (runner.py ``_resume_later``): in line now (once; a place kept stays).
+                # (runner.py ``_in_line``): in line now (once; a place kept stays).
                 await self._in_line(meta)
             waits = isinstance(exc, LeaseHeld | SuspectHeld)
             return Claimed.NOT_YET if waits else Claimed.SETTLED

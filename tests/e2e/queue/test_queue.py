@@ -17,6 +17,7 @@ from tests.support.api import (
     delay_workflow,
     put,
     quick_workflow,
+    start_execution,
     wait_finished,
     wait_status,
 )
@@ -34,10 +35,7 @@ async def open_stream(client: httpx.AsyncClient, execution_id: str, into: list[F
 
 
 async def started(client: httpx.AsyncClient, workflow_id: str) -> dict[str, Any]:
-    answer = await client.post(f"/api/workflows/{workflow_id}/execute", json={"input": {"n": 1}})
-    assert answer.status_code == 202, answer.text
-    body: dict[str, Any] = answer.json()
-    return body
+    return await start_execution(client, workflow_id, {"n": 1})
 
 
 @pytest.mark.timeout(60)
