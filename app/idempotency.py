@@ -161,30 +161,39 @@ class Idempotency:
         tenant: str,
         scope: str,
         action: Callable[[str, WriteBack | None], Awaitable[Started]],
+        found: Callable[[str], Awaitable[Started]],
     ) -> Outcome:
         """Start an execution once per the request's ``Idempotency-Key``: ``action``
         creates the execution with the id it is given (or finds it created already),
         and hands the ``WriteBack`` of the key's record (None without a key) to the
-        run, which writes the record back should the store lose it."""
+        run, which writes the record back should the store lose it. ``found`` says what
+        an execution the key names, created by another request, answers: ``queued``
+        with its place while it waits in line, else ``running``."""
         key = request.headers.get("idempotency-key")
         if key is None:
             return accepted(await action(new_execution_id(), None))
         redis_key = self._record(tenant, "execute", _checked(key))
         digest = await sha256_hex(await fingerprint(scope, await request.body()))
-        claimed = await self._claim(redis_key, digest, request)
+        claimed = await self._claim(redis_key, digest, request, found)
         if isinstance(claimed, Outcome):
             return claimed
         execution_id, write_back = claimed
         try:
             started = await action(execution_id, write_back)
         except FlowcastError as exc:
-            return await self._refused(exc, redis_key, digest, write_back.record, execution_id)
+            return await self._refused(
+                exc, redis_key, digest, write_back.record, execution_id, found
+            )
         outcome = accepted(started)
         await self._remember(redis_key, digest, outcome, exists=True)
         return outcome
 
     async def _claim(
-        self, redis_key: str, digest: str, request: Request
+        self,
+        redis_key: str,
+        digest: str,
+        request: Request,
+        found: Callable[[str], Awaitable[Started]],
     ) -> Outcome | tuple[str, WriteBack]:
         """The key's record, claimed for a new execution id or found naming one (the id
         to start, and the record's write-back), or the outcome a repeat answers."""
@@ -214,14 +223,20 @@ class Idempotency:
             asked = time.monotonic()
             left_ms = await self._left_ms(redis_key, execution_id)
             if left_ms is None:
-                outcome = Outcome(202, {"executionId": execution_id, "status": "running"})
+                outcome = accepted(await found(execution_id))
                 await self._remember(redis_key, digest, outcome, exists=True)
                 return outcome
             record = WriteBack(self._redis, redis_key, cast(bytes, raw), asked + left_ms / 1000)
             return execution_id, record
 
     async def _refused(
-        self, exc: FlowcastError, redis_key: str, digest: str, pending: bytes, execution_id: str
+        self,
+        exc: FlowcastError,
+        redis_key: str,
+        digest: str,
+        pending: bytes,
+        execution_id: str,
+        found: Callable[[str], Awaitable[Started]],
     ) -> Outcome:
         """What a keyed start refused with ``exc`` answers (or raises), and records."""
         status, body = error_payload(exc)
@@ -230,7 +245,7 @@ class Idempotency:
         if status in RETRIED_STATUSES and await self._created_meanwhile(execution_id):
             # A concurrent request with the key was admitted first and creates the
             # execution, which is what filled the cap: its outcome is this one's.
-            outcome = Outcome(202, {"executionId": execution_id, "status": "running"})
+            outcome = accepted(await found(execution_id))
             await self._remember(redis_key, digest, outcome, exists=True)
             return outcome
         retried = execution_id if status in RETRIED_STATUSES else None

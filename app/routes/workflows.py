@@ -195,7 +195,7 @@ async def execute(
         svc.streams.take(tenant_id)  # before starting: a refused stream starts nothing
     try:
         outcome = await svc.idempotency.execute(
-            request, tenant=tenant_id, scope=workflow_id, action=start
+            request, tenant=tenant_id, scope=workflow_id, action=start, found=svc.runner.found
         )
     except BaseException:
         if streaming:

@@ -94,12 +94,22 @@ class Queue:
 
     @translated
     async def publish_weights(self) -> None:
-        """Write this process's ``FLOWCAST_TENANT_WEIGHTS`` where every taker reads them
-        (every process should be given the same map)."""
+        """Write this process's ``FLOWCAST_TENANT_WEIGHTS`` where every taker reads them,
+        in place of the map found there (every process should be given the same map): a
+        weight taken out of the settings went on counting, in Redis, for good."""
+        fields = await self.redis.hkeys(self.keys.fair)
+        named = {f"w:{tenant}".encode() for tenant in self.weights}
+        stale = [
+            field
+            for field in (f if isinstance(f, bytes) else f.encode() for f in fields)
+            if field.startswith(b"w:") and field not in named
+        ]
         if self.weights:
             await self.redis.hset(
                 self.keys.fair, mapping={f"w:{t}": str(w) for t, w in self.weights.items()}
             )
+        if stale:
+            await self.redis.hdel(self.keys.fair, *stale)
 
     def enter_in(
         self, batch: Batch, tenant: str, execution_id: str, fence: str, *, here: bool

@@ -275,7 +275,7 @@ class Runner:
                 )
         if created is None:
             log.info("execution created by another request", extra={"executionId": execution_id})
-            return Started(execution_id, "running")
+            return await self.found(execution_id)
         if isinstance(created, Entered):
             # Queued: a worker with a free slot takes it (this one first, if it has one).
             await self.dispatcher.announce()
@@ -283,6 +283,22 @@ class Runner:
             return Started(execution_id, "queued", ahead=created.ahead)
         if first_stored:
             await events.first_stored(START_RESERVED, FIRST_STORED_SECONDS)
+        return Started(execution_id, "running")
+
+    async def found(self, execution_id: str) -> Started:
+        """What an execution another request created answers a start with the same id
+        (an Idempotency-Key's repeat): ``queued`` with its place while it waits in line
+        (SPEC §14 "Accepting"), else ``running``. A repeat told ``running`` of a queued
+        execution waited for a run not begun, and its answer is what later repeats
+        replay."""
+        try:
+            meta = await self._buffer.meta(execution_id)
+        except NotFound:
+            return Started(execution_id, "running")  # created, then expired: it ran
+        if meta.status == Status.QUEUED:
+            ahead = await self._queue.ahead(meta.tenant, execution_id)
+            if ahead is not None:
+                return Started(execution_id, "queued", ahead=ahead)
         return Started(execution_id, "running")
 
     def _run_new(

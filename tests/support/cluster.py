@@ -163,6 +163,34 @@ class ValkeyCluster:
         finally:
             await node.aclose()
 
+    async def restart_node(self, port: int, timeout: float = 30.0) -> None:
+        """SIGKILL one node and start it again on its own config: it comes back empty
+        (no persistence), with its slots, as a node restarted without its data does."""
+        index = self.ports.index(port)
+        process = self._processes[index]
+        process.kill()
+        await asyncio.to_thread(process.wait)
+        self._processes[index] = subprocess.Popen(
+            self.command(port),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=die_with_parent,
+        )
+        deadline = asyncio.get_running_loop().time() + timeout
+        await self._until(deadline, self._all_answer, "the restarted node did not answer")
+        await self._until(deadline, self._all_ok, "the cluster never came back to ok")
+
+    async def node_of(self, key: str) -> int:
+        """The port of the node that serves ``key``'s hash slot."""
+        slot = await self._node_call(self.ports[0], "CLUSTER", "KEYSLOT", key)
+        shards = await self._node_call(self.ports[0], "CLUSTER", "SLOTS")
+        assert isinstance(slot, int) and isinstance(shards, list), (slot, shards)
+        for start, end, primary, *_ in shards:
+            if start <= slot <= end:
+                return int(primary[1])
+        raise AssertionError(f"no node serves slot {slot}")
+
     async def stop(self) -> None:
         processes, self._processes = self._processes, []
         for process in processes:

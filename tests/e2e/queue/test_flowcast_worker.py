@@ -16,13 +16,16 @@ import pytest
 
 from tests.e2e.api.test_observability import metric
 from tests.support.api import (
+    approval_workflow,
     delay_workflow,
+    paused_execution,
     put,
     quick_workflow,
     until,
     wait_finished,
     wait_status,
 )
+from tests.support.logcheck import check_log
 from tests.support.servers import (
     FlowcastServer,
     FlowcastWorker,
@@ -167,3 +170,55 @@ def test_a_worker_without_slots_refuses_to_start(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "FLOWCAST_WORKER_SLOTS=0" in result.stderr
+
+
+@pytest.mark.timeout(120)
+async def test_a_worker_stopped_with_sigterm_leaves_its_queued_work_to_the_next(
+    valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """A lone worker with one slot runs one execution while two more wait in line (one
+    a resume): SIGTERM hands the run off and takes nothing more while it drains; the
+    next worker takes the hand-off and the line over, each run once, nothing stuck."""
+    env = env_on(valkey, shutdown_grace_seconds="0.2", lease_seconds="3")
+    api = FlowcastServer(data_dir=tmp_path / "api", env={**env, "FLOWCAST_WORKER_SLOTS": "0"})
+    one = {**env, "FLOWCAST_WORKER_SLOTS": "1"}
+    first = FlowcastWorker(data_dir=tmp_path / "first", env=one)
+    second = FlowcastWorker(data_dir=tmp_path / "second", env=one)
+    await asyncio.gather(api.start(), first.start())
+    try:
+        async with authed(api) as client:
+            await put(client, delay_workflow("slow", ms=3000))
+            await put(client, quick_workflow("quick"))
+            await put(client, approval_workflow("review"))
+            asked = await paused_execution(client, "review")
+            running = (await execute(client, "slow"))["executionId"]
+            await wait_status(client, running, "running")
+            waiting = await execute(client, "quick")
+            assert waiting["status"] == "queued", waiting
+            queued = waiting["executionId"]
+            answer = await client.post(
+                f"/api/executions/{asked}/resume", json={"input": {"approved": True}}
+            )
+            assert answer.json()["status"] == "queued", answer.text
+            assert_left_cleanly(await first.stop(signal.SIGTERM), first)
+            for eid in (queued, asked):
+                seen = (await client.get(f"/api/executions/{eid}")).json()
+                assert seen["status"] == "queued", (eid == queued, seen, first.logs()[-3000:])
+            await second.start()
+            for eid in (running, queued, asked):
+                finished = await wait_finished(client, eid, timeout=30)
+                assert finished["status"] == "completed", finished
+                log = (await client.get(f"/api/executions/{eid}/events")).json()["events"]
+                check_log(log)
+                kinds = [e["type"] for e in log]
+                assert kinds.count("execution:started") == 1, (eid, kinds)
+                assert kinds.count("execution:completed") == 1, (eid, kinds)
+            log = (await client.get(f"/api/executions/{running}/events")).json()["events"]
+            recovered = [e for e in log if e["type"] == "execution:recovered"]
+            assert [e["data"]["reason"] for e in recovered] == ["handoff"], log
+            log = (await client.get(f"/api/executions/{asked}/events")).json()["events"]
+            assert [e["type"] for e in log].count("execution:resumed") == 1, log
+            assert "execution:recovered" not in [e["type"] for e in log], log
+    finally:
+        await asyncio.gather(first.stop(), second.stop())
+        await api.stop()

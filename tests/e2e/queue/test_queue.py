@@ -254,3 +254,41 @@ async def test_tenants_named_by_their_api_keys_share_the_slots_by_weight(
                     began.append((log[0]["ts"], name))
             first = [name for _ts, name in sorted(began)[:8]]
             assert first.count("gold") == 6, sorted(began)
+
+
+@pytest.mark.timeout(90)
+async def test_a_weight_taken_out_of_the_settings_no_longer_counts(
+    valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """The weights live in Redis for every taker: a server restarted without the weight
+    it was given before (the operator took it out) shares the slots evenly again, not
+    by the old weight left behind."""
+    settings = {"api_keys": "gold-key,plain-key", "worker_slots": "1"}
+    before = env_on(valkey, **settings, tenant_weights='{"gold-key": 3}')
+    server = FlowcastServer(data_dir=tmp_path / "before", env=before)
+    await server.start()
+    await server.stop()
+    after = {k: v for k, v in before.items() if k != "FLOWCAST_TENANT_WEIGHTS"}
+    server = FlowcastServer(data_dir=tmp_path / "after", env=after)
+    await server.start()
+    try:
+        async with authed(server, "gold-key") as gold, authed(server, "plain-key") as plain:
+            for client in (gold, plain):
+                await put(client, quick_workflow("quick"))
+            await put(gold, delay_workflow("slow", ms=1500))
+            blocker = await started(gold, "slow")
+            assert blocker["status"] == "running"
+            queued = {
+                name: [(await started(client, "quick"))["executionId"] for _ in range(8)]
+                for name, client in (("gold", gold), ("plain", plain))
+            }
+            began: list[tuple[str, str]] = []
+            for name, client in (("gold", gold), ("plain", plain)):
+                for eid in queued[name]:
+                    await wait_finished(client, eid)
+                    log = (await client.get(f"/api/executions/{eid}/events")).json()["events"]
+                    began.append((log[0]["ts"], name))
+            first = [name for _ts, name in sorted(began)[:8]]
+            assert first.count("gold") <= 5, sorted(began)
+    finally:
+        await server.stop()
