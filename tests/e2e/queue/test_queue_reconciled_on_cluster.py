@@ -19,7 +19,9 @@ from tests.support.servers import FlowcastServer, prefix
 
 @pytest.mark.timeout(120)
 @pytest.mark.xfail(
-    strict=True,
+    # Not strict: redis-py's default node may happen to be the restarted one, and the
+    # tenant's index may live elsewhere; then it passes.
+    strict=False,
     reason="open: store.py asks INFO of one node only on a cluster (redis-py's default "
     "node), so another node restarted empty goes unnoticed; asked of every primary it is "
     "noticed, but the reconciler still finds nothing when the tenant's open index lived "
@@ -63,7 +65,7 @@ async def test_queued_executions_survive_the_restart_of_the_node_of_the_lines(
                 assert kept, "every record on the node of the lines: try again"
                 await cluster.restart_node(lines)
                 for eid in [first["executionId"], *kept]:
-                    ended = await wait_finished(client, eid, timeout=30)
+                    ended = await wait_finished(client, eid, timeout=12)
                     assert ended["status"] == "completed", ended
                     log = (await client.get(f"/api/executions/{eid}/events")).json()["events"]
                     check_log(log)
