@@ -28,13 +28,15 @@ ARGV[1] is the operation:
          ARGV[7] most running (0 = no limit), ARGV[8] "1" when the caller has a free
          worker slot, ARGV[9] the tenant
          Returns {1} when it runs at once (the token is admitted: the caller creates it
-         running), {2, ahead} when it is queued, {0} when the tenant has its limit of
-         unfinished executions (nothing is written). It runs at once only when nothing
+         running), {2, ahead} when it is queued, {0, retry} when the tenant has its
+         limit of unfinished executions (nothing is written): `retry` is when to try
+         again, in seconds, from its recent drain rate (its admissions over the last
+         one to two minutes: at its limit, one starts as one ends). It runs at once only when nothing
          waits anywhere (a queued execution of any tenant goes first, fairly, through
          "take") and the tenant runs fewer than its limit.
 "take"   KEYS waiting, fair, taken, then running and queued of each candidate tenant
-         ARGV[2] the taker's new fencing token, ARGV[3] lease ms, ARGV[4] the grace of
-         ARGV[5] of "enter", ARGV[5] most running per tenant, ARGV[6] the default
+         ARGV[2] the taker's new fencing token, ARGV[3] lease ms, ARGV[4] the grace
+         (ARGV[5] of "enter"), ARGV[5] most running per tenant, ARGV[6] the default
          weight, ARGV[7 ..] the candidate tenants (the first of `waiting`, in order)
          Of the candidates still waiting and running fewer than their limit, serves the
          one with the least virtual time: pops its oldest queued execution, admits the
