@@ -15,7 +15,8 @@ Keys (all passed in KEYS, as each operation lists them):
            tenant served), "w:<tenant>" (a weight, FLOWCAST_TENANT_WEIGHTS), and per
            tenant its drain rate: "dw:<tenant>" when the current minute began, "dn:" its
            admissions in it, "dp:" those of the minute before
-  taken    fc:{queue}:taken             sorted set: "<eid> <fence> <tenant>" for each
+  taken    fc:{queue}:taken             sorted set: "<eid> <fence> <score> <tenant>" (its
+           score in its line) for each
            execution taken from the queue and not yet claimed (claim.lua "take"),
            scored by when the taker is presumed dead
 
@@ -183,7 +184,7 @@ elseif op == "take" then
   local eid, score = head[1], head[2]
   redis.call("ZREM", queued, eid)
   redis.call("ZADD", running, now + lease, token)
-  local member = eid .. " " .. token .. " " .. tenant
+  local member = eid .. " " .. token .. " " .. score .. " " .. tenant
   -- A lease without a claim (it takes milliseconds): its taker is presumed dead, and a
   -- janitor queues it again.
   redis.call("ZADD", taken, now + lease, member)

@@ -66,7 +66,9 @@ class Taken:
 
     execution_id: str
     tenant: str
-    queued_ms: int  # when it was queued (Redis's clock)
+    # Its score in its line: when it was queued (Redis's clock), less
+    # CONTINUATION_OFFSET_MS for a continuation.
+    queued_ms: int
     member: str  # its delivery, in ``taken``
 
 
@@ -198,14 +200,14 @@ class Queue:
         found = []
         for raw in members:
             member = raw.decode()
-            eid, _fence, tenant = member.split(" ", 2)
-            found.append(Taken(eid, tenant, 0, member))
+            eid, _fence, score, tenant = member.split(" ", 3)
+            found.append(Taken(eid, tenant, int(float(score)), member))
         return found
 
     @translated
     async def requeue(self, taken: Taken, *, queued_ms: int) -> bool:
         """Queue a delivery whose taker died again (once, whoever asks first)."""
-        _eid, fence, _tenant = taken.member.split(" ", 2)
+        _eid, fence, _score, _tenant = taken.member.split(" ", 3)
         keys = [*self._tenant_keys(taken.tenant), self.keys.waiting, self.keys.fair]
         keys.append(self.keys.taken)
         args = ["requeue", taken.execution_id, fence, taken.member, queued_ms, taken.tenant]

@@ -42,6 +42,8 @@ Start = Callable[[ExecutionMeta, Claim, Workflow, Any, RunState, dict[str, bytes
 
 # How long a worker reads again the record of a start it took just as it was queued.
 RECORD_WAIT_SECONDS = 1.0
+# How many leases after it was queued a start whose record never came leaves its line.
+ORPHAN_LEASES = 10
 # How long an announcement of queued work may take before it is given up.
 ANNOUNCE_SECONDS = 1.0
 
@@ -257,7 +259,7 @@ class Dispatcher:
             try:
                 meta = await self._buffer.meta(taken.execution_id)
             except NotFound:
-                await self._queue.claimed(taken)
+                await self._no_record(taken)
                 continue
             if meta.status != "queued":
                 await self._queue.claimed(taken)  # claimed after all
@@ -273,6 +275,24 @@ class Dispatcher:
                     extra={"executionId": taken.execution_id},
                 )
                 self.nudge()
+
+    async def _no_record(self, taken: Taken) -> None:
+        """A delivery given back whose record is not there: a start whose record is
+        still to be written (its two writes far apart: a stalled store or process) goes
+        back to its place in line; one queued ORPHAN_LEASES leases ago whose record never
+        came (its process died between them) is dropped."""
+        queued = taken.queued_ms
+        if queued < 0:
+            queued += CONTINUATION_OFFSET_MS
+        age_ms = await self._watch.now_ms() - queued
+        if age_ms < ORPHAN_LEASES * self._queue.lease_ms:
+            await self._queue.requeue(taken, queued_ms=taken.queued_ms)
+            return
+        log.warning(
+            "a queued execution whose record never came is dropped from its line",
+            extra={"executionId": taken.execution_id},
+        )
+        await self._queue.claimed(taken)
 
     async def reconcile(self) -> int:
         """Put back in line every queued execution no line holds: after the store came

@@ -72,7 +72,9 @@ async def test_a_tenant_at_its_running_cap_is_passed_over(redis: Redis) -> None:
     assert Counter(tenants) == {"busy": 2, "other": 2, None: 1}, tenants
     assert await queue.take("w:x") is None
     # One of busy's runs ends: its next one may run.
-    _eid, fence, _tenant = next(t for t in served if t and t.tenant == "busy").member.split(" ")
+    _eid, fence, _score, _tenant = next(t for t in served if t and t.tenant == "busy").member.split(
+        " "
+    )
     await redis.zrem(queue.keys.running("busy"), fence)
     again = await queue.take("w:y")
     assert again is not None and again.tenant == "busy"

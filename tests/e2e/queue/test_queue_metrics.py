@@ -125,7 +125,9 @@ async def test_what_a_dead_worker_took_and_never_claimed_is_queued_again_and_cou
             await redis.zrem(queue_key(server, "tenants"), TENANT)
             seconds, micros = await redis.time()
             past = seconds * 1000 + micros // 1000 - 1
-            await redis.zadd(queue_key(server, "taken"), {f"{eid} dead-fence {TENANT}": past})
+            await redis.zadd(
+                queue_key(server, "taken"), {f"{eid} dead-fence {past} {TENANT}": past}
+            )
 
             async def reclaimed() -> bool:
                 return metric(await figures(client), "flowcast_queue_reclaims_total") == 1
