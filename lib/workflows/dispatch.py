@@ -44,8 +44,6 @@ Start = Callable[[ExecutionMeta, Claim, Workflow, Any, RunState, dict[str, bytes
 RECORD_WAIT_SECONDS = 1.0
 # How many leases after it was queued a start whose record never came leaves its line.
 ORPHAN_LEASES = 10
-# How long an announcement of queued work may take before it is given up.
-ANNOUNCE_SECONDS = 1.0
 
 
 class Dispatcher:
@@ -138,23 +136,24 @@ class Dispatcher:
         """Tell every process that work was queued (best effort: their janitor passes
         look anyway)."""
         try:
-            # Bounded: a store that holds writes (paused) must not hold the dispatcher,
-            # nor a shutdown that waits for it; the others' own rounds look anyway.
-            async with asyncio.timeout(ANNOUNCE_SECONDS):
-                await self._control.announce_queued()
-        except (FlowcastError, TimeoutError) as exc:
-            error = str(exc) or type(exc).__name__
-            log.warning("could not announce queued work", extra={"error": error})
+            await self._control.announce_queued()
+        except FlowcastError as exc:
+            log.warning("could not announce queued work", extra={"error": str(exc)})
 
     async def run(self) -> None:
         """Take work whenever nudged (or half a lease passed), while slots are free and
         the process accepts; every half lease, nudged or not, give back first what dead
         takers never claimed (a busy process is nudged by every run that ends: a look
         only when no nudge came for half a lease would never come there)."""
+        loop = asyncio.get_running_loop()
         while not self._stopping:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self._every):
-                    await self._nudged.wait()
+            # A tick instead of a timeout around the wait: on Python 3.11 a cancel that
+            # lands as such a timeout fires can come out as the timeout, and be lost.
+            tick = loop.call_later(self._every, self._nudged.set)
+            try:
+                await self._nudged.wait()
+            finally:
+                tick.cancel()
             self._nudged.clear()
             if self._stopping:
                 return
