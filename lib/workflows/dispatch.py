@@ -133,7 +133,7 @@ class Dispatcher:
         return await self._queue.backlog()
 
     async def announce(self) -> None:
-        """Tell every process that work was queued (best effort: their janitor passes
+        """Tell every process that work was queued (best effort: their own rounds
         look anyway)."""
         try:
             await self._control.announce_queued()
