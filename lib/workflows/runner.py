@@ -188,8 +188,8 @@ class Runner:
             await asyncio.wait([control], timeout=STOP_SECONDS)
 
     async def _stop_dispatching(self) -> None:
-        # Told to stop, the dispatcher ends at its next turn (an announcement it sends
-        # is bounded), rather than being cancelled in the middle of a Redis call.
+        # Told to stop, the dispatcher ends at its next turn rather than being cancelled
+        # in the middle of a Redis call (the cancel that follows is for one that hangs).
         self.dispatcher.stop()
         dispatching = [task for task in self._loops if task.get_name() == "dispatcher"]
         await asyncio.wait(dispatching, timeout=STOP_SECONDS)
