@@ -44,9 +44,18 @@ async def test_filtered_lists_read_about_limit_records_beside_many_runs_of_anoth
     filters too. What the server does beside 3,000 runs, timed, is
     tests/e2e/api/test_list_filters.py."""
     await stored_runs(buffer, TENANT, "busy", 1_000, status="completed")
-    done = [await stored_run(buffer, TENANT, "x", status="completed") for _ in range(3)]
-    running = [await stored_run(buffer, TENANT, "x") for _ in range(2)]
-    paused = [await stored_run(buffer, TENANT, "gate", status="paused") for _ in range(2)]
+    # Each a millisecond apart and after the busy runs: two created in the same
+    # millisecond would list in the order of their random ids (a flake in CI).
+    at = iter(range(int(time.time() * 1000) + 1_000, 2**62))
+    done = [
+        await stored_run(buffer, TENANT, "x", status="completed", created_ms=next(at))
+        for _ in range(3)
+    ]
+    running = [await stored_run(buffer, TENANT, "x", created_ms=next(at)) for _ in range(2)]
+    paused = [
+        await stored_run(buffer, TENANT, "gate", status="paused", created_ms=next(at))
+        for _ in range(2)
+    ]
     # The tenant's first filtered list lists what older code stored (none here) once.
     await buffer.recent_metas(TENANT, limit=1, workflow_id="none")
 
