@@ -354,7 +354,7 @@ class Ownership:
             await self._undo_start(execution_id, tenant, fence)
             # It may have been queued before a check refused it.
             await self._quietly(
-                "take back a place in line", execution_id, self._dequeue(tenant, execution_id)
+                "take back a place in line", execution_id, self.queue.dequeue(tenant, execution_id)
             )
             if listed == [1]:
                 unlisting = self.buffer.unlist(execution_id, where)
@@ -402,9 +402,6 @@ class Ownership:
         if queued is not None:
             return queued
         return Claim(0, 0, None, fence, 1, reserved=START_RESERVED)
-
-    async def _dequeue(self, tenant: str, execution_id: str) -> None:
-        await self.queue.dequeue(tenant, execution_id)
 
     async def _undo_start(
         self, execution_id: str, tenant: str, fence: str, *, watched: bool = False

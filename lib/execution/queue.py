@@ -205,19 +205,20 @@ class Queue:
         return found
 
     @translated
-    async def requeue(self, taken: Taken, *, queued_ms: int) -> bool:
-        """Queue a delivery whose taker died again (once, whoever asks first)."""
+    async def requeue(self, taken: Taken) -> bool:
+        """Queue a delivery whose taker died again, at its place (its score), once,
+        whoever asks first."""
         _eid, fence, _score, _tenant = taken.member.split(" ", 3)
         keys = [*self._tenant_keys(taken.tenant), self.keys.waiting, self.keys.fair]
         keys.append(self.keys.taken)
-        args = ["requeue", taken.execution_id, fence, taken.member, queued_ms, taken.tenant]
+        args = ["requeue", taken.execution_id, fence, taken.member, taken.queued_ms, taken.tenant]
         return bool(await self._call(keys, args))
 
     @translated
-    async def dequeue(self, tenant: str, execution_id: str) -> bool:
+    async def dequeue(self, tenant: str, execution_id: str) -> None:
         """Take a queued execution out of its tenant's line (it was cancelled)."""
         keys = [self.keys.queued(tenant), self.keys.waiting]
-        return bool(await self._call(keys, ["dequeue", execution_id, tenant]))
+        await self._call(keys, ["dequeue", execution_id, tenant])
 
     @translated
     async def ahead(self, tenant: str, execution_id: str) -> int | None:

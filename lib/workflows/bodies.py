@@ -8,7 +8,6 @@ claim that makes this process the owner.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from lib.execution.events import EXECUTION_CANCELLED, EXECUTION_RESUMED, EXECUTION_STARTED
@@ -62,13 +61,12 @@ def resumed(launcher: Launcher, states: RunStates, paused_at: str, input: Any) -
     return body
 
 
-def cancelled_in_line(given: Any, created_ms: int) -> Body:
-    """An execution cancelled while queued: it never ran, yet its log starts as every
-    log does (id 1 ``execution:started``), then ends cancelled."""
+def cancelled_in_line(given: Any, queued_ms: int) -> Body:
+    """An execution cancelled while queued (for ``queued_ms``): it never ran, yet its
+    log starts as every log does (id 1 ``execution:started``), then ends cancelled."""
 
     async def body(local: LocalRun, emitter: ExecutionLog) -> None:
-        waited = max(0, round(time.time() * 1000) - created_ms) if created_ms else 0
-        emitter.emit(EXECUTION_STARTED, {"input": given, "queuedMs": waited})
+        emitter.emit(EXECUTION_STARTED, {"input": given, "queuedMs": queued_ms})
         emitter.emit(EXECUTION_CANCELLED, {"reason": "cancelled"})
 
     return body

@@ -19,11 +19,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
-from datetime import datetime
 from typing import Any
 
 from lib.backoff import Backoff
 from lib.errors import FlowcastError, NotFound, WrongStatus
+from lib.execution.indexes import created_ms
 from lib.execution.ownership import START_RESERVED, Claim
 from lib.execution.queue import CONTINUATION_OFFSET_MS, Backlog, Queue, Taken
 from lib.execution.record import ExecutionMeta, Mode
@@ -218,7 +218,7 @@ class Dispatcher:
         # charged as a crash), and a cancel sent here finds the run to stop.
         if not meta.continues and claim.base == 0:
             claim = replace(claim, reserved=START_RESERVED)  # its first event is its own
-        self._start(meta, claim, workflow, given, run, saved, _queued_ms(meta))
+        self._start(meta, claim, workflow, given, run, saved, queued_ms(meta))
         # A failure of the store here (or before the claim answered) leaves the delivery
         # in ``taken``: past a lease ``reclaim`` queues it again if still queued. A claim
         # slower than that won all the same, after ``requeue`` took the admission back:
@@ -263,10 +263,9 @@ class Dispatcher:
             if meta.status != "queued":
                 await self._queue.claimed(taken)  # claimed after all
                 continue
-            score = created_ms(meta)
-            if meta.continues:
-                score -= CONTINUATION_OFFSET_MS  # a resume goes back before the starts
-            if await self._queue.requeue(taken, queued_ms=score):
+            # Back at its place: the delivery carries its score (a resume's is before
+            # every start's).
+            if await self._queue.requeue(taken):
                 if self._metrics is not None:
                     self._metrics.queue_reclaims.inc()
                 log.warning(
@@ -285,7 +284,7 @@ class Dispatcher:
             queued += CONTINUATION_OFFSET_MS
         age_ms = await self._watch.now_ms() - queued
         if age_ms < ORPHAN_LEASES * self._queue.lease_ms:
-            await self._queue.requeue(taken, queued_ms=taken.queued_ms)
+            await self._queue.requeue(taken)
             return
         log.warning(
             "a queued execution whose record never came is dropped from its line",
@@ -313,10 +312,7 @@ class Dispatcher:
                     continue
                 if meta.status != "queued":
                     continue
-                score = created_ms(meta)
-                if meta.continues:
-                    score -= CONTINUATION_OFFSET_MS
-                if await self._queue.again(tenant, eid, score=score):
+                if await self._queue.again(tenant, eid, score=line_score(meta)):
                     found += 1
         if found:
             log.warning("queued executions no line held were queued again", extra={"count": found})
@@ -325,18 +321,18 @@ class Dispatcher:
         return found
 
 
-def created_ms(meta: ExecutionMeta) -> int:
-    """When an execution was created, in ms since the epoch (0 when unreadable)."""
+def line_score(meta: ExecutionMeta) -> int:
+    """A queued execution's score in its tenant's line, from its record: when it was
+    created, less CONTINUATION_OFFSET_MS for a resume (before every start)."""
+    score = created_ms(meta.created_at)
+    return score - CONTINUATION_OFFSET_MS if meta.continues else score
+
+
+def queued_ms(meta: ExecutionMeta) -> int:
+    """How long a queued execution waited, from its creation to now (this host's
+    clock; 0 when its record says no readable time)."""
     try:
-        return int(datetime.fromisoformat(meta.created_at).timestamp() * 1000)
+        created = created_ms(meta.created_at)
     except ValueError:
         return 0
-
-
-def _queued_ms(meta: ExecutionMeta) -> int:
-    """How long it waited, from its creation to now (this host's clock)."""
-    created = created_ms(meta)
-    if not created:
-        return 0
-    now = datetime.now().astimezone().timestamp() * 1000
-    return max(0, round(now - created))
+    return max(0, round(time.time() * 1000) - created)

@@ -49,7 +49,7 @@ from lib.execution.record import ExecutionMeta, Field, Mode, Status, StopReason,
 from lib.metrics import Metrics
 from lib.slices import encode
 from lib.workflows.bodies import cancelled_in_line, new_run, resumed
-from lib.workflows.dispatch import Dispatcher, created_ms
+from lib.workflows.dispatch import Dispatcher, queued_ms
 from lib.workflows.executor import RunState
 from lib.workflows.janitor import Janitor, cancelled
 from lib.workflows.launcher import Body, ending_body, identity_of
@@ -501,14 +501,14 @@ class Runner:
         fence = self._parts.new_fence()
         claim = await self._claim(execution_id, Mode.CANCEL, fence, tenant, meta=meta)
         if claim.status_before is Status.QUEUED:
-            await self._launcher.quietly(execution_id, self._dequeue(tenant, execution_id))
+            await self._launcher.quietly(execution_id, self._queue.dequeue(tenant, execution_id))
             # A resume in line has its log already: it only ends. Told by the claim (its
             # stored events), not by ``meta``: read before the claim, it may have said
             # paused for a resume that went in line meanwhile.
             ending = (
                 ending_body(cancelled)
                 if meta.continues or claim.last_id > 0
-                else cancelled_in_line(given, created_ms(meta))
+                else cancelled_in_line(given, queued_ms(meta))
             )
             self._launcher.launch(
                 execution_id, claim, identity=identity_of(meta), body=ending, meta=meta
@@ -533,9 +533,6 @@ class Runner:
                 execution_id, self._control.send_cancel(node_of(claim.owner), execution_id)
             )
         return Started(execution_id, "cancelling")
-
-    async def _dequeue(self, tenant: str, execution_id: str) -> None:
-        await self._queue.dequeue(tenant, execution_id)
 
     async def _owned(self, execution_id: str, tenant: str) -> ExecutionMeta:
         meta = await self._buffer.meta(execution_id)

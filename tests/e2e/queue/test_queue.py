@@ -223,6 +223,29 @@ async def test_a_resume_waiting_in_line_cancelled_only_ends(
             await client.post(f"/api/executions/{busy['executionId']}/cancel")
 
 
+async def first_eight_to_start(
+    gold: httpx.AsyncClient, plain: httpx.AsyncClient
+) -> list[tuple[str, str]]:
+    """Both tenants queue 8 quick runs behind gold's blocker (one worker slot); when
+    each started, with whose it was, in the order they started."""
+    for client in (gold, plain):
+        await put(client, quick_workflow("quick"))
+    await put(gold, delay_workflow("slow", ms=1500))
+    blocker = await started(gold, "slow")
+    assert blocker["status"] == "running"
+    queued = {
+        name: [(await started(client, "quick"))["executionId"] for _ in range(8)]
+        for name, client in (("gold", gold), ("plain", plain))
+    }
+    began: list[tuple[str, str]] = []
+    for name, client in (("gold", gold), ("plain", plain)):
+        for eid in queued[name]:
+            await wait_finished(client, eid)
+            log = (await client.get(f"/api/executions/{eid}/events")).json()["events"]
+            began.append((log[0]["ts"], name))
+    return sorted(began)
+
+
 @pytest.mark.timeout(90)
 async def test_tenants_named_by_their_api_keys_share_the_slots_by_weight(
     valkey: ValkeyServer, tmp_path: Path
@@ -237,23 +260,9 @@ async def test_tenants_named_by_their_api_keys_share_the_slots_by_weight(
     }
     async with serving(valkey, tmp_path, **settings) as server:
         async with authed(server, "gold-key") as gold, authed(server, "plain-key") as plain:
-            for client in (gold, plain):
-                await put(client, quick_workflow("quick"))
-            await put(gold, delay_workflow("slow", ms=1500))
-            blocker = await started(gold, "slow")
-            assert blocker["status"] == "running"
-            queued = {
-                name: [(await started(client, "quick"))["executionId"] for _ in range(8)]
-                for name, client in (("gold", gold), ("plain", plain))
-            }
-            began: list[tuple[str, str]] = []
-            for name, client in (("gold", gold), ("plain", plain)):
-                for eid in queued[name]:
-                    await wait_finished(client, eid)
-                    log = (await client.get(f"/api/executions/{eid}/events")).json()["events"]
-                    began.append((log[0]["ts"], name))
-            first = [name for _ts, name in sorted(began)[:8]]
-            assert first.count("gold") == 6, sorted(began)
+            began = await first_eight_to_start(gold, plain)
+            first = [name for _ts, name in began[:8]]
+            assert first.count("gold") == 6, began
 
 
 @pytest.mark.timeout(90)
@@ -273,22 +282,8 @@ async def test_a_weight_taken_out_of_the_settings_no_longer_counts(
     await server.start()
     try:
         async with authed(server, "gold-key") as gold, authed(server, "plain-key") as plain:
-            for client in (gold, plain):
-                await put(client, quick_workflow("quick"))
-            await put(gold, delay_workflow("slow", ms=1500))
-            blocker = await started(gold, "slow")
-            assert blocker["status"] == "running"
-            queued = {
-                name: [(await started(client, "quick"))["executionId"] for _ in range(8)]
-                for name, client in (("gold", gold), ("plain", plain))
-            }
-            began: list[tuple[str, str]] = []
-            for name, client in (("gold", gold), ("plain", plain)):
-                for eid in queued[name]:
-                    await wait_finished(client, eid)
-                    log = (await client.get(f"/api/executions/{eid}/events")).json()["events"]
-                    began.append((log[0]["ts"], name))
-            first = [name for _ts, name in sorted(began)[:8]]
-            assert first.count("gold") <= 5, sorted(began)
+            began = await first_eight_to_start(gold, plain)
+            first = [name for _ts, name in began[:8]]
+            assert first.count("gold") <= 5, began
     finally:
         await server.stop()
