@@ -6,19 +6,18 @@ here, one task per ownership.
 Every change of ownership is a transition of ``Ownership`` (one Lua call each): any
 replica may resume a pause or cancel an execution, and the janitor of any replica
 reports the executions whose owner died or handed them off, and those whose approval
-timed out, for this runner to take over or end (takeovers.py). A request either wins
-its transition (202) or gets 409 with the status that won; once it won, the run it
-launched retries whatever Redis work follows, so a 202 always takes effect.
+timed out, to be taken over or ended (takeovers.py; the loops are tending.py's). A
+request either wins its transition (202) or gets 409 with the status that won; once it
+won, the run it launched retries whatever Redis work follows, so a 202 always takes
+effect.
 
-A shutdown drains: no new block starts, the running ones may finish within the grace,
-then each run hands its execution off (no last event) for another process to recover
-at once.
+A shutdown drains (tending.py): no new block starts, the running ones may finish
+within the grace, then each run hands its execution off (no last event) for another
+process to recover at once.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
@@ -45,7 +44,7 @@ from lib.execution.events import (
 from lib.execution.log import ExecutionLog
 from lib.execution.ownership import START_RESERVED, Claim, node_of
 from lib.execution.queue import Entered
-from lib.execution.record import ExecutionMeta, Field, Mode, Status, StopReason, Takeover
+from lib.execution.record import ExecutionMeta, Field, Mode, Status, StopReason
 from lib.metrics import Metrics
 from lib.slices import encode
 from lib.workflows.bodies import cancelled_in_line, new_run, resumed
@@ -59,15 +58,12 @@ from lib.workflows.model import Workflow
 from lib.workflows.parts import Parts
 from lib.workflows.schemas import answer_problems
 from lib.workflows.takeovers import Takeovers
+from lib.workflows.tending import Tending
 
 log = logging.getLogger(__name__)
 
 # How long a start answered with a 202 waits for its first event to be stored.
 FIRST_STORED_SECONDS = 1.0
-
-
-# How long the runner's tasks may take to stop once cancelled at shutdown.
-STOP_SECONDS = 2.0
 
 
 def new_execution_id() -> str:
@@ -89,7 +85,8 @@ class Runner:
     app/runtime.py): the ``Parts`` it shares with the takeovers (the transitions and
     what they keep in step, the run states, the endings, ``runs``, the executions
     running here, and their launcher), and the loops that act on ``runs`` (the lease
-    keeper, the control listener, the janitor) with the takeovers they report to.
+    keeper, the control listener, the janitor, the dispatcher: ``Tending``) with the
+    takeovers they report to.
     """
 
     def __init__(
@@ -116,13 +113,8 @@ class Runner:
         self._finals = parts.finals
         self._runs = parts.runs
         self._launcher = parts.launcher
-        self._keeper = keeper
-        self._listener = listener
-        self._janitor = janitor
         self._takeovers = takeovers
         self.node_id = parts.node_id
-        self._grace = shutdown_grace_seconds
-        self._loops: list[asyncio.Task[None]] = []
         self._queue = transitions.queue
         # Takes queued work for this process's free slots; woken by the control
         # listener (work queued elsewhere) and by each run here that ends.
@@ -136,6 +128,15 @@ class Runner:
         )
         listener.on_queued = self.dispatcher.nudge
         self._launcher.on_free = self.dispatcher.freed
+        self._tending = Tending(
+            parts,
+            keeper=keeper,
+            listener=listener,
+            janitor=janitor,
+            takeovers=takeovers,
+            dispatcher=self.dispatcher,
+            shutdown_grace_seconds=shutdown_grace_seconds,
+        )
 
     async def __aenter__(self) -> Runner:
         try:
@@ -147,72 +148,14 @@ class Runner:
             await self._queue.publish_weights()
         except FlowcastError as exc:
             log.warning("could not publish the tenant weights", extra={"error": str(exc)})
-        self._loops = [
-            asyncio.create_task(self._keeper.renew_loop(), name="lease-renewal"),
-            asyncio.create_task(self._listen(), name="control-listener"),
-            asyncio.create_task(self._tend(), name="janitor"),
-            asyncio.create_task(self.dispatcher.run(), name="dispatcher"),
-        ]
-        self.dispatcher.nudge()  # work may have waited for a worker already
+        self._tending.start()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         # Shutdown: start nothing new, let running blocks finish within the grace
         # period, then hand every execution still running off to another process.
         self._runs.accepting = False
-        await self._drain()
-        await self._stop_listening()
-        await self._stop_dispatching()
-        await self._cancel([*self._tasks(), *self._loops])
-
-    async def _drain(self) -> None:
-        """Let the running blocks finish within the grace, then hand every run off."""
-        running = self._tasks()
-        for local in list(self._runs.values()):
-            local.drain()
-        if running:
-            log.info("draining executions", extra={"count": len(running), "grace": self._grace})
-            await asyncio.wait(running, timeout=self._grace)
-        for local in list(self._runs.values()):
-            local.stop(StopReason.HANDOFF)
-        if remaining := self._tasks():
-            await asyncio.wait(remaining, timeout=10)
-
-    async def _stop_listening(self) -> None:
-        # The control loop ends on a wake-up message: a blocking read, once cancelled,
-        # may be retried by the client and hold the shutdown up.
-        control = next(task for task in self._loops if task.get_name() == "control-listener")
-        with contextlib.suppress(FlowcastError, TimeoutError):
-            async with asyncio.timeout(STOP_SECONDS):
-                await self._listener.stop()
-            await asyncio.wait([control], timeout=STOP_SECONDS)
-
-    async def _stop_dispatching(self) -> None:
-        # Told to stop, the dispatcher ends at its next turn rather than being cancelled
-        # in the middle of a Redis call (the cancel that follows is for one that hangs).
-        self.dispatcher.stop()
-        dispatching = [task for task in self._loops if task.get_name() == "dispatcher"]
-        await asyncio.wait(dispatching, timeout=STOP_SECONDS)
-
-    async def _cancel(self, tasks: list[asyncio.Task[None]]) -> None:
-        for task in tasks:
-            task.cancel()
-        if not tasks:
-            return
-        # Bounded: a task stuck in a client library that ignores the cancel must not
-        # keep the process from exiting (its lease then expires, as on a crash).
-        _done, stuck = await asyncio.wait(tasks, timeout=STOP_SECONDS)
-        if stuck:
-            names = sorted(task.get_name() for task in stuck)
-            where = [
-                f"{frame.f_code.co_filename}:{frame.f_lineno}"
-                for task in stuck
-                for frame in task.get_stack()
-            ]
-            log.warning("tasks did not stop", extra={"tasks": names, "where": where})
-
-    def _tasks(self) -> list[asyncio.Task[None]]:
-        return [local.task for local in self._runs.values() if local.task is not None]
+        await self._tending.stop()
 
     def running_here(self) -> int:
         """Executions running in this process: the worker slots they fill."""
@@ -590,61 +533,6 @@ class Runner:
                 execution_id, self._admission.leave(tenant, paused_member(execution_id))
             )
         return claim
-
-    # -- what the janitor and the hand-offs report -------------------------------
-
-    async def _tend(self) -> None:
-        """Act on what each janitor pass finds due, in order: re-assert into a store
-        that changed servers, take over the expired leases, end the expired pauses."""
-        async for due in self._janitor.passes():
-            if not self._runs.accepting:
-                continue  # shutting down: this process takes nothing over any more
-            try:
-                await self._ownership.take_back_owed()
-                self.dispatcher.nudge()
-                if due.restarted:
-                    await self._reassert()
-                # Only a process that runs work takes runs over (an API replica with no
-                # worker slots leaves them to the workers). A recovery continues a run
-                # its tenant counted already (it replaces the dead owner's entry), and
-                # goes before any start: it may take this process past its slots.
-                runs_work = self.dispatcher.slots > 0
-                for execution_id, fence in due.dead if runs_work else ():
-                    await self._takeovers.take_over(execution_id, fence, how=Takeover.DEAD)
-                for execution_id, fence in due.leases if runs_work else ():
-                    await self._takeovers.take_over(execution_id, fence, how=due.takeover)
-                for execution_id in due.deadlines:
-                    await self._takeovers.expire(execution_id)
-            except FlowcastError as exc:
-                # As a failed pass: owners need a lease to renew before anyone may
-                # call their lease expired.
-                self._janitor.distrust()
-                log.warning("janitor pass failed", extra={"error": str(exc)})
-
-    async def _listen(self) -> None:
-        """Take over each execution handed off by another process, as it is announced
-        (the janitors would find its lease due anyway, should this fail)."""
-        async for execution_id, fence in self._listener.handoffs():
-            if self.dispatcher.slots == 0:
-                continue  # a worker takes it over (this process runs no work)
-            try:
-                await self._takeovers.take_over(execution_id, fence, how=Takeover.HANDOFF)
-            except FlowcastError as exc:
-                log.warning(
-                    "taking over a hand-off failed",
-                    extra={"executionId": execution_id, "error": str(exc)},
-                )
-
-    async def _reassert(self) -> None:
-        """Another Redis server answers: tell it at once what it may have forgotten (the
-        runs here, by renewing their leases; how the latest runs here ended), within
-        the short settle every process waits for."""
-        await self._keeper.renew_now()
-        await self._finals.reassert()
-        # The lines and the records may disagree now (they live in other hash slots):
-        # a queued execution no line holds is put back in line.
-        if self.dispatcher.slots > 0:
-            await self.dispatcher.reconcile()
 
 
 def _check_answer(schema: dict[str, Any], answer: Any) -> None:
