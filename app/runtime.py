@@ -125,7 +125,11 @@ def build_runner(
     )
     states = RunStates(buffer=buffer, values=stores.values)
     finals = Finals(
-        buffer=buffer, watch=transitions.watch, admission=transitions.admission, states=states
+        buffer=buffer,
+        watch=transitions.watch,
+        admission=transitions.admission,
+        states=states,
+        lease_seconds=lease,
     )
     runs = LocalRuns()
     launcher = Launcher(

@@ -24,9 +24,11 @@ Returns {settle, behind, mark}: the milliseconds left to settle (0: claims and
 janitors may go on; ARGV[2] when the identity just changed, what is left of that
 settle while it has not), the milliseconds left for deadlines to wait (0: none), and
 the mark to remember. No error reply of its own. A store without the key is new or
-came back empty: nothing in it can have been forgotten (an execution it lost is gone,
-and only its owner may bring it back) and nothing was restored, so it has nothing to
-settle and no deadline to hold (0, 0, and the identity is recorded).
+came back empty: it has nothing to settle (an execution it lost is gone, and only what
+a process kept of it brings it back). A new one (the caller saw no mark) is not behind:
+(0, 0, and the identity is recorded). One that came back empty (the caller saw a mark)
+is behind for ARGV[4] like an older snapshot: ids owners showed are forgotten, and a
+pause or an ending a process stores again into it is older than they are.
 ]]
 
 local now = now_ms()
@@ -34,9 +36,14 @@ local known = redis.call("HMGET", KEYS[1], "runId", "settleUntil", "mark", "behi
 local seen = tonumber(ARGV[3]) or 0
 if not known[1] then
   local mark = math.max(now, seen)
+  local behind, behind_until = 0, 0
+  if seen > 0 then
+    behind = tonumber(ARGV[4])
+    behind_until = now + behind
+  end
   redis.call("HSET", KEYS[1], "runId", ARGV[1], "settleUntil", 0, "mark", mark,
-    "behindUntil", 0)
-  return {0, 0, mark}
+    "behindUntil", behind_until)
+  return {0, behind, mark}
 end
 local settle_until = tonumber(known[2]) or 0
 local mark = tonumber(known[3]) or 0

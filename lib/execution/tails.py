@@ -234,7 +234,7 @@ class Tails:
                         continue
                     except TimeoutError:
                         pass
-                    missing_since = await self._check_gone(channel, missing_since)
+                    missing_since = await self._check_idle(channel, missing_since)
                     if channel.finished:
                         break
                     continue
@@ -268,7 +268,7 @@ class Tails:
         try:
             meta = await self.buffer.meta(channel.execution_id)
         except NotFound:
-            return False  # gone from the store: _check_gone ends its readers
+            return False  # gone from the store: _check_idle ends its readers
         if meta.last_id > channel.last_published:
             return False  # stored meanwhile: the next read takes it
         if not meta.finished:
@@ -276,7 +276,7 @@ class Tails:
             return False
         found = await self.buffer.after(channel.execution_id, after=meta.last_id - 1, count=1)
         if not found or not found[0].terminal:
-            return False  # its terminal event is gone with the rest: see _check_gone
+            return False  # its terminal event is gone with the rest: see _check_idle
         log.warning(
             "the execution ended below ids shown here; handing its readers its end",
             extra={
@@ -288,10 +288,21 @@ class Tails:
         channel.publish_end(found[0])
         return True
 
-    async def _check_gone(self, channel: Channel, missing_since: float | None) -> float | None:
-        """After an idle read: end the readers of an execution the store no longer has."""
-        if await self.buffer.exists(channel.execution_id):
-            return None
+    async def _check_idle(self, channel: Channel, missing_since: float | None) -> float | None:
+        """After an idle read: end the readers of an execution the store no longer has,
+        or hand them the terminal event of one whose log ended below what they saw (the
+        store lost what this process stored, so ``stored_last`` says nothing of it: a
+        store that came back empty, the pause re-asserted there and ended by another
+        process)."""
+        try:
+            meta = await self.buffer.meta(channel.execution_id)
+        except NotFound:
+            return self._gone(channel, missing_since)
+        if meta.finished and meta.last_id < channel.last_published:
+            await self._terminal_below(channel)
+        return None
+
+    def _gone(self, channel: Channel, missing_since: float | None) -> float | None:
         now = time.monotonic()
         if missing_since is None:
             return now

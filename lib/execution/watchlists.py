@@ -73,9 +73,17 @@ class WatchLists:
         return found
 
     @translated
-    async def watch_deadline(self, execution_id: str, deadline_ms: int) -> None:
-        """List a pause under its approval deadline (Redis time, ms), for the janitors."""
-        await self.redis.zadd(self.keys.deadlines, {execution_id: deadline_ms})
+    async def watch_deadline(
+        self, execution_id: str, deadline_ms: int, *, not_within_ms: int = 0
+    ) -> None:
+        """List a pause under its approval deadline (Redis time, ms), for the janitors;
+        with ``not_within_ms``, no sooner than that long from now (watch.lua "at")."""
+        if not_within_ms <= 0:
+            await self.redis.zadd(self.keys.deadlines, {execution_id: deadline_ms})
+            return
+        await self._watch(
+            keys=[self.keys.deadlines], args=["at", execution_id, deadline_ms, not_within_ms]
+        )
 
     @translated
     async def due_deadlines(self, *, limit: int = 100, ahead_ms: int = 0) -> list[str]:

@@ -125,8 +125,12 @@ class Finals:
         watch: WatchLists,
         admission: Admission,
         states: RunStates,
+        lease_seconds: float,
     ) -> None:
         self._buffer = buffer
+        # How long a restored pause's deadline waits at least: an owner that resumed it
+        # since (the store forgot that too) re-asserts its run within a lease.
+        self._hold_ms = int(lease_seconds * 1000)
         self._watch = watch
         self._admission = admission
         self._states = states
@@ -153,6 +157,11 @@ class Finals:
         )
         while len(self._kept) > MAX_FINALS:
             self._kept.popitem(last=False)
+
+    def forget(self, execution_id: str) -> None:
+        """A run of ``execution_id`` starts here (its pause was resumed): what was kept
+        of it is no longer its last event, and that run re-asserts itself."""
+        self._kept.pop(execution_id, None)
 
     async def reassert(self) -> None:
         """Another Redis server answers: store again the kept events it lacks."""
@@ -205,4 +214,10 @@ class Finals:
         # It counts for its tenant again, as a pause does.
         await self._admission.count_paused(tenant, execution_id, "")
         if pause.deadline_ms is not None:
-            await self._watch.watch_deadline(execution_id, pause.deadline_ms)
+            # Not expired sooner than a lease from now, even if its deadline passed: the
+            # store that forgot the pause may have forgotten its resume too, and that
+            # run's owner, if it lives, takes the execution back within a lease
+            # (renew.lua) instead of seeing its ids reused by an expiry.
+            await self._watch.watch_deadline(
+                execution_id, pause.deadline_ms, not_within_ms=self._hold_ms
+            )

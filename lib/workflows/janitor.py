@@ -16,7 +16,8 @@ deadlines passed, so a deadline fires within about a second, also right after a 
 of Redis or of this process; only after Redis came back without writes it had
 acknowledged (an older snapshot) do the deadlines it brought back wait about a lease,
 for the owner of a pause resumed since to re-assert it even if it was stalled across
-the settle. Leases
+the settle (a pause stored again into a store that came back empty waits the same: its
+deadline is listed a lease ahead, finals.py). Leases
 are swept every half lease: a crashed owner's lease proves nothing until the store has
 answered well for a whole lease (it may have been unable to renew). Hand-offs are
 announced on a stream every process reads (leases.py), so one is taken over within

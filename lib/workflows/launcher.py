@@ -129,6 +129,8 @@ class Launcher:
         the execution's keys that names it back, should the store lose writes of this
         run (see ``_rewatch``). Returns the run's log."""
         tenant = identity[Field.TENANT]
+        # A pause kept here is superseded by this run, which re-asserts itself.
+        self._finals.forget(execution_id)
         claimed_at = time.monotonic()
         # The claim just gave this process the lease: open until a renewal fails.
         gate = LiveGate(lease_seconds=self._lease_seconds, renewed_at=claimed_at)

@@ -102,3 +102,29 @@ async def test_readers_of_a_publisher_that_showed_unstored_ids_get_the_end_store
     assert [int(frame.id or 0) for frame in frames] == [*range(1, 11), 4]
     assert frames[-1].event == "execution:cancelled"
     assert check_view(frames[:-1]) == [orjson.loads(each.json) for each in shown]
+
+
+async def test_readers_above_a_log_the_store_lost_and_ended_below_get_that_end(
+    buffer: EventBuffer,
+) -> None:
+    """Found by the fault storm (step 17 session): the publisher here showed ids 1-10
+    and its writer stored them all, then the store lost them (it came back empty) and
+    another process ended the run at 4. The tail here believes 10 stored, so nothing
+    told it its readers were above the log: their streams stayed open for good. An idle
+    tail looks at the stored log now and hands them the end stored below."""
+    execution_id = await create(buffer)
+    async with Readers(buffer=buffer, tail_block_ms=200) as live:
+        publisher = live.hub.attach_local(execution_id, last_id=0)
+        reader = StreamReader(readers=live, execution_id=execution_id, cursor=0)
+        await reader.open()
+        reading = asyncio.create_task(read_frames(reader))
+        shown = [event(execution_id, 1, "execution:started")]
+        shown += [event(execution_id, i) for i in range(2, 11)]
+        for each in shown:
+            publisher.publish(each)
+        await until(lambda: reader.last_sent >= 10, "id 10 sent", 10, every=0.01)
+        await store_a_short_cancelled_log(buffer, execution_id)
+        publisher.detach(stored_id=10)  # what its writer had stored, before the loss
+        frames = await asyncio.wait_for(reading, 10)
+    assert [int(frame.id or 0) for frame in frames] == [*range(1, 11), 4]
+    assert frames[-1].event == "execution:cancelled"

@@ -205,6 +205,11 @@ class LiveReader:
                 async for frame in events(response):
                     self.frames.append(frame)
 
+    @property
+    def done(self) -> bool:
+        """Its stream ended (or was cut)."""
+        return self._task.done()
+
     def last_id(self) -> int:
         ids = [int(frame.id) for frame in self.frames if frame.id is not None]
         return max(ids, default=0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 
 from tests.support.api import all_events, execute, put, talking_workflow, until
 from tests.support.faults import (
+    LEASE_SECONDS,
     FaultyValkey,
     crash_and_restore,
     crash_and_wipe,
@@ -34,6 +36,7 @@ from tests.support.faults import (
 from tests.support.logcheck import check_lossy_log, check_view, same_ids_same_events
 from tests.support.recovery import (
     LiveReader,
+    approval_flow,
     chain,
     check_recovered,
     dropped_ranges,
@@ -473,3 +476,59 @@ async def test_sigterm_with_the_store_paused_or_down_exits_promptly_and_nothing_
     for log in stored:
         check_recovered(log)
     assert statuses == ["completed"] * len(started), statuses
+
+
+@pytest.mark.parametrize("stall", [0.6, 2.5], ids=["shorter-than-a-lease", "longer"])
+async def test_a_pause_resumed_elsewhere_then_redis_came_back_empty_is_not_expired_under_seen_ids(
+    valkey: FaultyValkey, tmp_path: Path, stall: float
+) -> None:
+    """Found by the fault storm (step 17 session): a pause with a deadline, paused on A
+    and resumed on B just before it; past the deadline Valkey came back empty while B
+    was stalled. A re-asserted the pause it kept (finals.py) into the empty store, and
+    its janitor expired it at once: ``execution:failed`` stored under id 6, which B's
+    client had seen as ``execution:resumed``, and B, fenced out, never ended its stream.
+    A restored pause's deadline now waits a lease, the time B needs to take its run back
+    (renew.lua lets the newer epoch in): the run completes as B's client saw it. Stalled
+    longer, B loses it: the store that came back empty is behind (store.lua), so the
+    expiry numbers above B's durable ceiling, and B's client gets that end."""
+    a, b = replica(valkey, tmp_path, "a"), replica(valkey, tmp_path, "b")
+    wf = approval_flow("wiped-resume", after_ms=4_000)
+    wf["blocks"][1]["config"]["timeoutSeconds"] = 2
+    async with running(a, b), httpx.AsyncClient(timeout=30) as http:
+        await put(http_for(http, a), wf)
+        eid = await execute(http_for(http, a), wf["id"])
+        await until(lambda: has_event(http_for(http, a), eid, "execution:paused"), "paused")
+        deadline_ms = int(await meta_field(valkey, eid, "pauseDeadline") or 0)
+        resumed = await http_for(http, b).post(
+            f"/api/executions/{eid}/resume", json={"input": {"ok": True}}
+        )
+        assert resumed.status_code == 202, resumed.text
+        reader = LiveReader(b, eid)
+        try:
+            await until(
+                lambda: has_event(http_for(http, b), eid, "block:started", "after"), "B runs on"
+            )
+            await until(_async(lambda: time.time() * 1000 > deadline_ms + 100), "past deadline")
+            os.kill(b.pid, signal.SIGSTOP)
+            try:
+                await crash_and_wipe(valkey)
+                await until(
+                    lambda: has_event(http_for(http, a), eid, "execution:paused"),
+                    "A restored the pause it kept",
+                )
+                # Longer than A's janitor takes to see a due deadline (half a lease).
+                await hold_for(stall, "B stalled while A's janitor looks at the pause")
+            finally:
+                os.kill(b.pid, signal.SIGCONT)
+            snapshot = await finished(http_for(http, a), eid)
+            stored = await all_events(http_for(http, a), eid)
+            await until(_async(lambda: reader.done), "B's stream ended")
+            seen = reader.seen()
+        finally:
+            await reader.close()
+    same_ids_same_events(seen, stored)
+    assert seen[-1] == stored[-1], (seen[-1], stored)  # the end B's client got is stored
+    if stall < LEASE_SECONDS:
+        assert snapshot["status"] == "completed", (snapshot.get("error"), stored)
+    else:
+        assert snapshot["status"] in ("completed", "failed"), snapshot

@@ -99,9 +99,15 @@ async def test_a_store_behind_a_callers_mark_holds_deadlines_for_the_wait_asked(
     assert (await store(redis, keys, "run-b", seen=mark))[1] == 0
 
 
-async def test_a_store_that_came_back_empty_holds_no_deadline(redis: Redis, keys: Keys) -> None:
-    """Nothing was restored, so no pause it holds can predate the owners' writes."""
+async def test_a_store_that_came_back_empty_is_behind_with_nothing_to_settle(
+    redis: Redis, keys: Keys
+) -> None:
+    """It forgot every id owners showed, and a pause a process stores again into it
+    (finals.py) is older than what they did since: behind, as an older snapshot is."""
     await redis.delete(keys.store)
     far = await now_ms(redis, keys.store) + 3_600_000
     settle, behind, mark = await store(redis, keys, "run-c", seen=far)
-    assert (settle, behind, mark) == (0, 0, far)
+    assert (settle, behind, mark) == (0, BEHIND_MS, far)
+    # Every other caller is told the same wait, whatever mark it saw.
+    _settle, left, _mark = await store(redis, keys, "run-c")
+    assert 0 < left <= BEHIND_MS

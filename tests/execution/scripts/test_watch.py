@@ -66,3 +66,17 @@ async def test_due_reads_the_members_whose_time_passed_oldest_first_up_to_a_coun
 async def test_any_other_operation_reads_as_due(redis: Redis, keys: Keys) -> None:
     await redis.zadd(keys.leases, {"ex1 f1": 1})
     assert await watch(redis, keys.leases, "list", 10) == [b"ex1 f1"]
+
+
+async def test_at_scores_a_member_no_sooner_than_the_hold_from_now(
+    redis: Redis, keys: Keys
+) -> None:
+    now = await now_ms(redis, keys.deadlines)
+    # A deadline long past is held: scored at least the hold from Redis's clock.
+    held = await watch(redis, keys.deadlines, "at", "ex1", now - 60_000, 15_000)
+    assert held >= now + 15_000
+    assert await redis.zscore(keys.deadlines, "ex1") == held
+    # A deadline later than the hold keeps its own time.
+    later = now + 3_600_000
+    assert await watch(redis, keys.deadlines, "at", "ex2", later, 15_000) == later
+    assert await watch(redis, keys.deadlines, "due", 10) == []
