@@ -45,6 +45,7 @@ METRICS = (
     "starts",
     "streams",
     "queue",
+    "floor",
 )
 
 
@@ -85,6 +86,7 @@ async def main(args: argparse.Namespace) -> int:
                     "starts": bench.starts,
                     "streams": bench.streams,
                     "queue": bench.queue,
+                    "floor": bench.floor,
                 }
                 for name in METRICS:
                     if name not in chosen:
