@@ -30,7 +30,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from app.connections import connect
+from app.stores import TAIL_BLOCK_MS
 from bench.clients import LatencyRecorder, http_request, open_stream
+from bench.relay_sse import REDIS_MAX_CONNECTIONS
 from bench.report import Row, ms, percentile, ratio, verdict
 from bench.stack import SSE, RelayServer, words
 
@@ -241,6 +244,16 @@ class Floor:
             f"{(percentile(f, 50) - percentile(p, 50)) * 1000:+.2f} ms, relay - plain "
             f"{(percentile(r, 50) - percentile(p, 50)) * 1000:+.2f} ms."
         )
+        trips = await self.round_trips()
+        allowance = (SL_TARGET - 1) * percentile(p, 99)
+        self.report.notes.append(
+            f"floor, SL: the {SL_TARGET:g}x target leaves {ms(allowance)} at p99 "
+            f"({SL_TARGET - 1:.2f} x plain's p99) for all a reader on another process adds; "
+            f"the relay added {ms(percentile(r, 99) - percentile(p, 99))} at p99 and "
+            f"{ms(percentile(r, 50) - percentile(p, 50))} at p50. One Redis round trip "
+            f"alone (PING from the bench process, {len(trips)} in a row, the same client "
+            f"settings): p50 {ms(percentile(trips, 50))}, p99 {ms(percentile(trips, 99))}."
+        )
         if rounds > 1:
             self.report.notes.append(
                 "floor, SL p99 by round (Flowcast / plain / relay / stored relay): "
@@ -250,6 +263,24 @@ class Floor:
                 )
                 + "."
             )
+
+    async def round_trips(self, count: int = 2_000) -> list[float]:
+        """Round trips of ``PING`` on a client built as Flowcast builds its own."""
+        redis = connect(
+            self.stack.valkey.url,
+            socket_timeout=TAIL_BLOCK_MS / 1000 + 10,
+            max_connections=REDIS_MAX_CONNECTIONS,
+        )
+        try:
+            await redis.ping()
+            trips = []
+            for _ in range(count):
+                began = time.perf_counter()
+                await redis.ping()
+                trips.append(time.perf_counter() - began)
+            return trips
+        finally:
+            await redis.aclose()
 
     # --- TTFE --------------------------------------------------------------------------
 
