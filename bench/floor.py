@@ -281,6 +281,8 @@ class Floor:
             return trips
         finally:
             await redis.aclose()
+            # A client given its pool (connect's) leaves the pool open when closed.
+            await redis.connection_pool.disconnect()
 
     # --- TTFE --------------------------------------------------------------------------
 

@@ -190,6 +190,8 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
             task.cancel()
         await app.state.tail_redis.aclose()
         await app.state.redis.aclose()
+        # A client given its pool (connect's) leaves the pool open when closed.
+        await app.state.redis.connection_pool.disconnect()
 
 
 def create_app() -> Starlette:
