@@ -10,10 +10,17 @@ BIN := $(VENV)/bin
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# Serving needs the package alone (about 30 packages); the tests and the tools add the
+# `dev` extra (playwright, moto, mypy, ...), installed by `make test` only.
+$(VENV)/.served: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	touch $@
+	touch $@ $(VENV)/.served
 
 install: $(VENV)/.installed
 
@@ -40,7 +47,7 @@ nginx:
 		fi; \
 	fi
 
-serve: install
+serve: $(VENV)/.served
 	$(BIN)/flowcast serve
 
 lint: install
