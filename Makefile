@@ -71,7 +71,7 @@ TEST_WORKERS ?= 2
 ALONE := tests/e2e/api/test_large_values.py::test_an_execution_producing_1_gib_keeps_its_redis_footprint_within_the_budget
 
 unit: install browser nginx
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --ignore=tests/e2e/limits/test_stress.py \
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 --ignore=tests/e2e/limits/test_stress.py \
 	  --deselect $(ALONE)
 	$(BIN)/pytest $(ALONE)
 	$(BIN)/pytest tests/e2e/limits/test_stress.py
