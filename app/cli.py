@@ -1,5 +1,6 @@
 """The ``flowcast`` command line: ``serve``, ``worker``, ``run``, ``attach``, ``resume``,
-``cancel``, ``list``.
+``cancel``, ``list`` here; ``workflows``, ``describe``, ``events``, ``approve``,
+``reject`` and ``secrets`` in ``app.cli_resources``.
 
 Exit codes: 0 completed (or the request was accepted), 1 failed, 2 usage or bad input
 (a 4xx answer; the server's message goes to stderr), 3 cancelled, 4 paused (``run`` and
@@ -14,12 +15,14 @@ and ``flowcast run wf --url U``); after it wins.
 from __future__ import annotations
 
 import argparse
+import functools
 import ipaddress
 import json
 import os
 import shlex
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -289,20 +292,36 @@ def cancel(args: argparse.Namespace) -> int:
     return COMPLETED
 
 
+def _print_json(value: Any) -> None:
+    """``-o json``: indented on a terminal, one line otherwise (for pipes and scripts)."""
+    print(json.dumps(value, indent=2) if sys.stdout.isatty() else compact(value), flush=True)
+
+
+def _table(rows: Sequence[Sequence[str]]) -> None:
+    """Rows in columns as wide as their widest cell."""
+    if not rows:
+        return
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
+        print("  ".join(cells).rstrip())
+    sys.stdout.flush()
+
+
 def list_executions(args: argparse.Namespace) -> int:
     """Recent executions as a table, newest first."""
     with _client(args) as client:
         found = client.executions(workflow_id=args.workflow, status=args.status, limit=args.limit)
+    if args.output == "json":
+        _print_json({"executions": found})
+        return COMPLETED
     rows = [("ID", "WORKFLOW", "STATUS", "EVENTS", "CREATED", "UPDATED")]
     rows += [
         (e["id"], e["workflowId"], _status(e), str(e["lastEventId"]), e["createdAt"],
          e["updatedAt"])
         for e in found
     ]  # fmt: skip
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
-        print("  ".join(cells).rstrip())
+    _table(rows)
     return COMPLETED
 
 
@@ -395,6 +414,11 @@ def parser() -> argparse.ArgumentParser:
     recent.set_defaults(handler=list_executions)
     for command in (start, follow, answer, stop, recent):
         _client_options(command, top=False)
+    # Here, not at the top: that module reads this one's helpers.
+    from app import cli_resources
+
+    cli_resources.output_option(recent)
+    cli_resources.add_commands(commands, functools.partial(_client_options, top=False))
     return top
 
 
