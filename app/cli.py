@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from app.cli_answer import decides
 from app.client import (
     DEFAULT_URL,
     Event,
@@ -164,6 +165,8 @@ def _show_pause(execution_id: str, pause: dict[str, Any], after: int) -> None:
     _error(f"paused at block {block!r}: {pause.get('prompt', '')}")
     if pause.get("schema"):
         _error(f"the answer must match: {compact(pause['schema'])}")
+    if decides(pause.get("schema")):
+        _error(f"approve it with: {program} approve {execution_id}  (or reject)")
     _error(f"resume it with: {program} resume {execution_id} --block {block} --input '<JSON>'")
     _error(f"then follow it with: {program} attach {execution_id} --after {after}")
 
@@ -365,7 +368,9 @@ def _json_type(raw: str) -> Any:
 
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="flowcast", description=__doc__.split("\n")[0])
+    top = argparse.ArgumentParser(
+        prog="flowcast", description="Flowcast: its server, and a client for its API."
+    )
     _client_options(top, top=True)
     commands = top.add_subparsers(dest="command", required=True)
     run_server = commands.add_parser("serve", help="run the server")

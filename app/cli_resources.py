@@ -91,7 +91,9 @@ def workflows_apply(args: argparse.Namespace) -> int:
         # What `workflows show -o json` prints says where the workflow came from; the
         # server reports it, never takes it.
         document.pop("source", None)
-        workflow_id = args.id or document.get("id")
+        if args.id:
+            document["id"] = args.id  # a copy under another id
+        workflow_id = document.get("id")
     else:
         workflow_id = args.id
     if not isinstance(workflow_id, str) or not workflow_id:

@@ -183,6 +183,11 @@ async def test_workflows_apply_refuses_bad_documents_with_the_servers_problems(
     assert no_id.code == 2 and 'has no "id": give one with --id' in no_id.err
     given = await flowcast("workflows", "apply", str(nameless), "--id", f"cli-id-{unique}", url=url)
     assert (given.code, given.out) == (0, f"cli-id-{unique} created\n"), given.err
+    named = tmp_path / "named.json"
+    named.write_text(json.dumps(workflow(f"cli-a-{unique}", {"id": "a", "type": "transform"})))
+    copied = await flowcast("workflows", "apply", str(named), "--id", f"cli-b-{unique}", url=url)
+    assert (copied.code, copied.out) == (0, f"cli-b-{unique} created\n"), "--id wins"
+    assert (await client.get(f"/api/workflows/cli-b-{unique}")).json()["id"] == f"cli-b-{unique}"
 
     broken = tmp_path / "broken.json"
     broken.write_text("{nope")
