@@ -297,7 +297,10 @@ def cancel(args: argparse.Namespace) -> int:
 
 def _print_json(value: Any) -> None:
     """``-o json``: indented on a terminal, one line otherwise (for pipes and scripts)."""
-    print(json.dumps(value, indent=2) if sys.stdout.isatty() else compact(value), flush=True)
+    if sys.stdout.isatty():
+        print(json.dumps(value, indent=2, ensure_ascii=False), flush=True)
+    else:
+        print(compact(value), flush=True)
 
 
 def _table(rows: Sequence[Sequence[str]]) -> None:
