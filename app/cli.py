@@ -1,5 +1,6 @@
 """The ``flowcast`` command line: ``serve``, ``worker``, ``run``, ``attach``, ``resume``,
-``cancel``, ``list``.
+``cancel``, ``list`` here; ``workflows``, ``describe``, ``events``, ``approve``,
+``reject`` and ``secrets`` in ``app.cli_resources``.
 
 Exit codes: 0 completed (or the request was accepted), 1 failed, 2 usage or bad input
 (a 4xx answer; the server's message goes to stderr), 3 cancelled, 4 paused (``run`` and
@@ -14,15 +15,18 @@ and ``flowcast run wf --url U``); after it wins.
 from __future__ import annotations
 
 import argparse
+import functools
 import ipaddress
 import json
 import os
 import shlex
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from app.cli_answer import decides
 from app.client import (
     DEFAULT_URL,
     Event,
@@ -161,6 +165,8 @@ def _show_pause(execution_id: str, pause: dict[str, Any], after: int) -> None:
     _error(f"paused at block {block!r}: {pause.get('prompt', '')}")
     if pause.get("schema"):
         _error(f"the answer must match: {compact(pause['schema'])}")
+    if decides(pause.get("schema")):
+        _error(f"approve it with: {program} approve {execution_id}  (or reject)")
     _error(f"resume it with: {program} resume {execution_id} --block {block} --input '<JSON>'")
     _error(f"then follow it with: {program} attach {execution_id} --after {after}")
 
@@ -289,20 +295,39 @@ def cancel(args: argparse.Namespace) -> int:
     return COMPLETED
 
 
+def _print_json(value: Any) -> None:
+    """``-o json``: indented on a terminal, one line otherwise (for pipes and scripts)."""
+    if sys.stdout.isatty():
+        print(json.dumps(value, indent=2, ensure_ascii=False), flush=True)
+    else:
+        print(compact(value), flush=True)
+
+
+def _table(rows: Sequence[Sequence[str]]) -> None:
+    """Rows in columns as wide as their widest cell."""
+    if not rows:
+        return
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
+        print("  ".join(cells).rstrip())
+    sys.stdout.flush()
+
+
 def list_executions(args: argparse.Namespace) -> int:
     """Recent executions as a table, newest first."""
     with _client(args) as client:
         found = client.executions(workflow_id=args.workflow, status=args.status, limit=args.limit)
+    if args.output == "json":
+        _print_json({"executions": found})
+        return COMPLETED
     rows = [("ID", "WORKFLOW", "STATUS", "EVENTS", "CREATED", "UPDATED")]
     rows += [
         (e["id"], e["workflowId"], _status(e), str(e["lastEventId"]), e["createdAt"],
          e["updatedAt"])
         for e in found
     ]  # fmt: skip
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
-        print("  ".join(cells).rstrip())
+    _table(rows)
     return COMPLETED
 
 
@@ -346,7 +371,9 @@ def _json_type(raw: str) -> Any:
 
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="flowcast", description=__doc__.split("\n")[0])
+    top = argparse.ArgumentParser(
+        prog="flowcast", description="Flowcast: its server, and a client for its API."
+    )
     _client_options(top, top=True)
     commands = top.add_subparsers(dest="command", required=True)
     run_server = commands.add_parser("serve", help="run the server")
@@ -395,6 +422,11 @@ def parser() -> argparse.ArgumentParser:
     recent.set_defaults(handler=list_executions)
     for command in (start, follow, answer, stop, recent):
         _client_options(command, top=False)
+    # Here, not at the top: that module reads this one's helpers.
+    from app import cli_resources
+
+    cli_resources.output_option(recent)
+    cli_resources.add_commands(commands, functools.partial(_client_options, top=False))
     return top
 
 

@@ -186,6 +186,7 @@ async def test_run_stops_at_a_pause_and_attach_finishes_after_resume(
     found = shutil.which("flowcast")
     started = "flowcast" if found and Path(found).resolve() == FLOWCAST.resolve() else FLOWCAST
     assert f"{started} resume {execution_id} --block ask --input" in paused.err
+    assert f"{started} approve {execution_id}  (or reject)" in paused.err
     assert f"{started} attach {execution_id} --after" in paused.err
     assert "Ship it?" in paused.err
     last = paused.event_ids[-1]
