@@ -38,7 +38,14 @@ from app.client import (
     Refused,
     Unreachable,
 )
-from app.progress import Display, LiveDisplay, PlainDisplay, compact, queued_text
+from app.progress import (
+    Display,
+    LiveDisplay,
+    PlainDisplay,
+    compact,
+    created_ms,
+    queued_text,
+)
 
 if TYPE_CHECKING:
     from app.settings import Settings
@@ -273,7 +280,7 @@ def attach(args: argparse.Namespace) -> int:
             return PAUSED
         display = _display(args)
         if display:
-            display.started(args.execution, snapshot["workflowId"])
+            display.started(args.execution, snapshot["workflowId"], snapshot.get("createdAt"))
             if snapshot["status"] == "queued":
                 display.queued(int(snapshot.get("ahead") or 0))
         return _follow(client, args.execution, after=args.after, wait=args.wait, display=display)
@@ -321,10 +328,10 @@ def list_executions(args: argparse.Namespace) -> int:
     if args.output == "json":
         _print_json({"executions": found})
         return COMPLETED
-    rows = [("ID", "WORKFLOW", "STATUS", "EVENTS", "CREATED", "UPDATED")]
+    rows = [("ID", "WORKFLOW", "STATUS", "EVENTS", "CREATED", "UPDATED", "DURATION")]
     rows += [
         (e["id"], e["workflowId"], _status(e), str(e["lastEventId"]), e["createdAt"],
-         e["updatedAt"])
+         e["updatedAt"], _duration(e))
         for e in found
     ]  # fmt: skip
     _table(rows)
@@ -332,10 +339,24 @@ def list_executions(args: argparse.Namespace) -> int:
 
 
 def _status(execution: dict[str, Any]) -> str:
-    """A listed execution's status; a queued one with its place (``queued, 3 ahead``)."""
+    """A listed execution's status; a queued one with its place (``queued, 3 ahead``),
+    one a person rejected an approval of with it (``completed,rejected``)."""
     if execution["status"] == "queued" and execution.get("ahead") is not None:
         return queued_text(int(execution["ahead"]))
+    if execution.get("decision") == "rejected":
+        return f"{execution['status']},rejected"
     return str(execution["status"])
+
+
+def _duration(execution: dict[str, Any]) -> str:
+    """A finished execution's duration, ``createdAt`` to its end (its ``updatedAt``, the
+    terminal event's time), as every view shows it (``7.6s``); ``-`` while unfinished."""
+    if execution["status"] not in OUTCOMES:
+        return "-"
+    created, ended = created_ms(execution.get("createdAt")), created_ms(execution.get("updatedAt"))
+    if created is None or ended is None:
+        return "?"
+    return f"{max(0.0, ended - created) / 1000:.1f}s"
 
 
 def _client_options(command: argparse.ArgumentParser, *, top: bool) -> None:

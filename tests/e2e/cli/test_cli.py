@@ -318,7 +318,9 @@ async def test_list_shows_recent_executions_as_a_table(
     )
     assert listed.code == 0, listed.err
     header, *rows = listed.out.splitlines()
-    assert header.split() == ["ID", "WORKFLOW", "STATUS", "EVENTS", "CREATED", "UPDATED"]
+    assert header.split() == [
+        "ID", "WORKFLOW", "STATUS", "EVENTS", "CREATED", "UPDATED", "DURATION"
+    ]  # fmt: skip
     assert [row.split()[0] for row in rows] == ids[::-1], "newest first"
     assert all(row.split()[1:3] == [f"cli-list-{unique}", "completed"] for row in rows)
     limited = await flowcast("list", "--workflow", f"cli-list-{unique}", "--limit", "1", url=url)
