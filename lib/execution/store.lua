@@ -4,20 +4,21 @@ that wrote it (a restart from AOF or an older snapshot, a replica promoted), say
 long ownership must wait for owners to re-assert what that server may have lost, and
 whether it lost writes some process saw acknowledged.
 
-KEYS[1]  fc:store  (hash: runId, settleUntil, mark, behindUntil)
+KEYS[1]  fc:store  (hash: runId, settleUntil, mark, behindUntil, born)
 ARGV[1]  the identity of the server(s) answering now (run ids)
 ARGV[2]  how long to settle after a change, in milliseconds
 ARGV[3]  the highest mark this store ever gave the caller ("0": none yet)
 ARGV[4]  how long approval deadlines wait after the store was found behind, in
          milliseconds (about a lease: the owners' time to re-assert what it lost)
 
-The mark is the store's own time of its latest call (Redis's clock, never lower than
-the mark before): a process remembers the highest one it was given. A store whose mark
-is below a caller's came back without writes that process saw acknowledged (an older
-snapshot, a lagging replica promoted): it is behind, and for ARGV[4] from then on the
-approval deadlines it holds may not expire, for a pause it brought back may have been
-resumed and its owner, stalled for a moment, not yet told it so (the janitors read the
-wait and hold the deadlines listed when they first see it).
+The mark is the store's own time of its latest call (of a caller that saw one; Redis's
+clock, never lower than the mark before): a process remembers the highest one it was
+given. A store whose mark is below a caller's came back without writes that process
+saw acknowledged (an older snapshot, a lagging replica promoted): it is behind, and
+for ARGV[4] from then on the approval deadlines it holds may not expire, for a pause
+it brought back may have been resumed and its owner, stalled for a moment, not yet
+told it so (the janitors read the wait and hold the deadlines listed when they first
+see it).
 A restart that lost nothing keeps its mark: deadlines fire at once after it.
 
 Returns {settle, behind, mark}: the milliseconds left to settle (0: claims and
@@ -29,10 +30,17 @@ a process kept of it brings it back). A new one (the caller saw no mark) is not 
 (0, 0, and the identity is recorded). One that came back empty (the caller saw a mark)
 is behind for ARGV[4] like an older snapshot: ids owners showed are forgotten, and a
 pause or an ending a process stores again into it is older than they are.
+
+A caller that saw no mark (a process just started) cannot tell, so it hides nothing
+from those that can: it is given the store's mark as it is, without raising it to now
+(raised, it would stand above every mark the others saw before an older snapshot was
+restored), and a key it creates records when ("born"): the first caller whose mark is
+older than that saw the store before it came back empty, and finds it behind.
 ]]
 
 local now = now_ms()
-local known = redis.call("HMGET", KEYS[1], "runId", "settleUntil", "mark", "behindUntil")
+local known = redis.call("HMGET", KEYS[1], "runId", "settleUntil", "mark", "behindUntil",
+  "born")
 local seen = tonumber(ARGV[3]) or 0
 if not known[1] then
   local mark = math.max(now, seen)
@@ -43,6 +51,9 @@ if not known[1] then
   end
   redis.call("HSET", KEYS[1], "runId", ARGV[1], "settleUntil", 0, "mark", mark,
     "behindUntil", behind_until)
+  if seen == 0 then
+    redis.call("HSET", KEYS[1], "born", now)
+  end
   return {0, behind, mark}
 end
 local settle_until = tonumber(known[2]) or 0
@@ -52,10 +63,16 @@ if known[1] ~= ARGV[1] then
   settle_until = now + tonumber(ARGV[2])
   redis.call("HSET", KEYS[1], "runId", ARGV[1], "settleUntil", settle_until)
 end
-if mark < seen then
+local born = tonumber(known[5])
+if mark < seen or (born and seen > 0 and seen < born) then
   behind_until = now + tonumber(ARGV[4])
   redis.call("HSET", KEYS[1], "behindUntil", behind_until)
+  if born then
+    redis.call("HDEL", KEYS[1], "born")  -- found: the others are told what is left
+  end
 end
-mark = math.max(mark, seen, now)
-redis.call("HSET", KEYS[1], "mark", mark)
+if seen > 0 then
+  mark = math.max(mark, seen, now)
+  redis.call("HSET", KEYS[1], "mark", mark)
+end
 return {math.max(settle_until - now, 0), math.max(behind_until - now, 0), mark}
