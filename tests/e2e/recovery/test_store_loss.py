@@ -532,3 +532,44 @@ async def test_a_pause_resumed_elsewhere_then_redis_came_back_empty_is_not_expir
         assert snapshot["status"] == "completed", (snapshot.get("error"), stored)
     else:
         assert snapshot["status"] in ("completed", "failed"), snapshot
+
+
+@pytest.mark.timeout(120)
+async def test_a_pause_stored_again_then_ended_by_its_resumer_stops_counting_for_its_tenant(
+    valkey: FaultyValkey, tmp_path: Path
+) -> None:
+    """Paused on A, resumed on B and completed there; Valkey came back empty while B was
+    stalled. A stored again the pause it kept, which counts for the tenant as a paused
+    execution does (finals.py); then B stored again the end it kept, above it. The
+    execution is completed, yet it went on counting as paused for its tenant as long
+    as a paused one's keys live (30 days): at a cap of one unfinished execution, the
+    tenant's next execute was refused (429). Found by the fresh-eyes review of e37bdfa."""
+    cap = {"FLOWCAST_MAX_EXECUTIONS_PER_TENANT": "1"}
+    a, b = replica(valkey, tmp_path, "a", **cap), replica(valkey, tmp_path, "b", **cap)
+    wf = approval_flow("ended-elsewhere")
+    async with running(a, b), httpx.AsyncClient(timeout=30) as http:
+        await put(http_for(http, a), wf)
+        eid = await execute(http_for(http, a), wf["id"])
+        await until(lambda: has_event(http_for(http, a), eid, "execution:paused"), "paused")
+        resumed = await http_for(http, b).post(
+            f"/api/executions/{eid}/resume", json={"input": {"ok": True}}
+        )
+        assert resumed.status_code == 202, resumed.text
+        assert (await finished(http_for(http, b), eid))["status"] == "completed"
+        os.kill(b.pid, signal.SIGSTOP)
+        try:
+            await crash_and_wipe(valkey)
+            await until(
+                lambda: has_event(http_for(http, a), eid, "execution:paused"),
+                "A stored again the pause it kept",
+            )
+        finally:
+            os.kill(b.pid, signal.SIGCONT)
+        await until(
+            lambda: has_event(http_for(http, a), eid, "execution:completed"),
+            "B stored again the end it kept",
+        )
+        await until(lambda: settled_store(valkey), "the store settled", timeout=20)
+        await put(http_for(http, a), wf)
+        answer = await http_for(http, a).post(f"/api/workflows/{wf['id']}/execute", json={})
+        assert answer.status_code == 202, answer.text
