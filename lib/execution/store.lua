@@ -25,11 +25,13 @@ Returns {settle, behind, mark}: the milliseconds left to settle (0: claims and
 janitors may go on; ARGV[2] when the identity just changed, what is left of that
 settle while it has not), the milliseconds left for deadlines to wait (0: none), and
 the mark to remember. No error reply of its own. A store without the key is new or
-came back empty: it has nothing to settle (an execution it lost is gone, and only what
-a process kept of it brings it back). A new one (the caller saw no mark) is not behind:
-(0, 0, and the identity is recorded). One that came back empty (the caller saw a mark)
-is behind for ARGV[4] like an older snapshot: ids owners showed are forgotten, and a
-pause or an ending a process stores again into it is older than they are.
+came back empty. A new one (the caller saw no mark) has nothing to settle and is not
+behind: (0, 0, and the identity is recorded). One that came back empty (the caller saw
+a mark) settles, as a restart that kept its data does, and is behind for ARGV[4] like
+an older snapshot: what a process kept is stored again into it (a pause, an ending:
+finals.py) and may be older than what another did since (resumed that pause, on a run
+that re-asserts itself within the settle; a resume claimed before that was a second
+one accepted: the fresh-eyes review of e37bdfa), and ids owners showed are forgotten.
 
 A caller that saw no mark (a process just started) cannot tell, so it hides nothing
 from those that can: it is given the store's mark as it is, without raising it to now
@@ -44,17 +46,17 @@ local known = redis.call("HMGET", KEYS[1], "runId", "settleUntil", "mark", "behi
 local seen = tonumber(ARGV[3]) or 0
 if not known[1] then
   local mark = math.max(now, seen)
-  local behind, behind_until = 0, 0
+  local settle, behind, settle_until, behind_until = 0, 0, 0, 0
   if seen > 0 then
-    behind = tonumber(ARGV[4])
-    behind_until = now + behind
+    settle, behind = tonumber(ARGV[2]), tonumber(ARGV[4])
+    settle_until, behind_until = now + settle, now + behind
   end
-  redis.call("HSET", KEYS[1], "runId", ARGV[1], "settleUntil", 0, "mark", mark,
+  redis.call("HSET", KEYS[1], "runId", ARGV[1], "settleUntil", settle_until, "mark", mark,
     "behindUntil", behind_until)
   if seen == 0 then
     redis.call("HSET", KEYS[1], "born", now)
   end
-  return {0, behind, mark}
+  return {settle, behind, mark}
 end
 local settle_until = tonumber(known[2]) or 0
 local mark = tonumber(known[3]) or 0
@@ -64,11 +66,18 @@ if known[1] ~= ARGV[1] then
   redis.call("HSET", KEYS[1], "runId", ARGV[1], "settleUntil", settle_until)
 end
 local born = tonumber(known[5])
-if mark < seen or (born and seen > 0 and seen < born) then
+local emptied = born and seen > 0 and seen < born
+if mark < seen or emptied then
   behind_until = now + tonumber(ARGV[4])
   redis.call("HSET", KEYS[1], "behindUntil", behind_until)
-  if born then
-    redis.call("HDEL", KEYS[1], "born")  -- found: the others are told what is left
+end
+if emptied then
+  -- Found: the others are told what is left; it settles from now (the process that
+  -- made the key could not tell).
+  redis.call("HDEL", KEYS[1], "born")
+  if settle_until < now + tonumber(ARGV[2]) then
+    settle_until = now + tonumber(ARGV[2])
+    redis.call("HSET", KEYS[1], "settleUntil", settle_until)
   end
 end
 if seen > 0 then

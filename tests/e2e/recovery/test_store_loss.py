@@ -573,3 +573,55 @@ async def test_a_pause_stored_again_then_ended_by_its_resumer_stops_counting_for
         await put(http_for(http, a), wf)
         answer = await http_for(http, a).post(f"/api/workflows/{wf['id']}/execute", json={})
         assert answer.status_code == 202, answer.text
+
+
+@pytest.mark.timeout(120)
+async def test_a_second_resume_right_after_redis_came_back_empty_meets_the_first(
+    valkey: FaultyValkey, tmp_path: Path
+) -> None:
+    """Paused on A, resumed on B (202); Valkey came back empty while B was held across
+    the restart for a moment. A stored again the pause it kept (finals.py), and a second
+    resume sent to A at once was accepted too (202, 0.1-0.4 s after the restore, 5 runs
+    in 6), ahead of B re-asserting its run: B's client saw its answer resumed, then the
+    other's, and the run completed with the second answer. An emptied store now settles
+    as a restarted one does (store.lua), so the second resume meets B's run: 409.
+    Found by the fresh-eyes review of e37bdfa."""
+    a, b = replica(valkey, tmp_path, "a"), replica(valkey, tmp_path, "b")
+    wf = approval_flow("resumed-twice", after_ms=4_000)
+    async with running(a, b), httpx.AsyncClient(timeout=30) as http:
+        await put(http_for(http, a), wf)
+        eid = await execute(http_for(http, a), wf["id"])
+        await until(lambda: has_event(http_for(http, a), eid, "execution:paused"), "paused")
+        first = await http_for(http, b).post(
+            f"/api/executions/{eid}/resume", json={"input": {"ok": True}}
+        )
+        assert first.status_code == 202, first.text
+        reader = LiveReader(b, eid)
+        try:
+            await until(
+                lambda: has_event(http_for(http, b), eid, "block:started", "after"), "B runs on"
+            )
+            os.kill(b.pid, signal.SIGSTOP)
+            try:
+                await crash_and_wipe(valkey)
+                await until(
+                    lambda: has_event(http_for(http, a), eid, "execution:paused"),
+                    "A restored the pause it kept",
+                )
+            finally:
+                os.kill(b.pid, signal.SIGCONT)
+            second = await http_for(http, a).post(
+                f"/api/executions/{eid}/resume", json={"input": {"ok": False}}
+            )
+            snapshot = await finished(http_for(http, a), eid)
+            stored = await all_events(http_for(http, a), eid)
+            await until(_async(lambda: reader.done), "B's stream ended")
+            seen = reader.seen()
+        finally:
+            await reader.close()
+    assert second.status_code == 409, (second.text, stored)
+    assert snapshot["status"] == "completed", snapshot
+    assert snapshot["output"] == {"echo": {"ok": True}}, snapshot
+    same_ids_same_events(seen, stored)
+    answers = [e["data"]["input"] for e in seen if e["type"] == "execution:resumed"]
+    assert answers == [{"ok": True}], answers
