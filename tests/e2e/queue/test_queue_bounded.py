@@ -1,6 +1,6 @@
 """What the queue keeps in Redis is its backlog, nothing of what it ran (SPEC §14
 "Bounded": queue memory proportional to the backlog; nothing grows with executions ever
-run or workers ever started). 300 one-block executions go through an API replica that
+run or workers ever started). 150 one-block executions go through an API replica that
 runs no work and a worker, then 150 more through a second worker that replaced the
 first: once each batch ended, every key under the queue's hash tag is the same size,
 and no line, delivery or waiting tenant is left."""
