@@ -112,13 +112,15 @@ def _worded(error: Any, keys: tuple[str, ...]) -> Problem:
     kind = error.get("type", "")
     shape = "{" + ", ".join(f'"{key}": …' for key in keys) + "}"
     wrap = '; wrap the input in {"input": …}' if "input" in keys else ""
-    if keys and loc[:1] == ("body",) and len(inside) <= 1:
-        if kind == "extra_forbidden":
-            return Problem(path, f'unknown field "{inside[0]}": the body is {shape}{wrap}')
-        if kind == "missing":
-            return Problem(path, f'"{inside[0]}" is required: the body is {shape}')
-        if kind in ("model_attributes_type", "model_type", "dict_type") and not inside:
+    if keys and loc[:1] == ("body",):
+        if not inside and kind == "missing":
+            return Problem(path, f"a body is required: send {shape}")
+        if not inside and kind in ("model_attributes_type", "model_type", "dict_type"):
             return Problem(path, f"the body must be a JSON object like {shape}{wrap}")
+        if len(inside) == 1 and kind == "extra_forbidden":
+            return Problem(path, f'unknown field "{inside[0]}": the body is {shape}{wrap}')
+        if len(inside) == 1 and kind == "missing":
+            return Problem(path, f'"{inside[0]}" is required: the body is {shape}')
     return Problem(path, str(error.get("msg", "invalid")))
 
 

@@ -132,3 +132,14 @@ async def test_with_keys_a_body_without_a_key_is_refused_before_it_is_read(
             )
             message = error_of(response, 422, "invalid_request")["message"]
             assert message.startswith("invalid JSON at line 1, column 2: ")
+
+
+@pytest.mark.timeout(30)
+async def test_a_route_that_needs_a_body_and_got_none_says_what_to_send(
+    client: httpx.AsyncClient,
+) -> None:
+    """Found by the fuzz test while this was written: a PUT without a body (pydantic's
+    ``missing`` at the body itself) must be a 422 too, never a 500."""
+    response = await client.put("/api/secrets/TOKEN")
+    error = error_of(response, 422, "invalid_request")
+    assert error["message"] == 'a body is required: send {"value": …}'
