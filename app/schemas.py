@@ -108,6 +108,9 @@ class Snapshot(_Camel):
     error: Any = None
     pause: Any = None
     ahead: int | None = None  # queued: about how many executions start before it
+    # "rejected" once a person answered an approval with approved false (the run may
+    # still complete: the workflow decides what a rejection leads to).
+    decision: Literal["rejected"] | None = None
 
 
 class ExecutionList(BaseModel):

@@ -58,6 +58,8 @@ def snapshot(meta: ExecutionMeta) -> dict[str, Any]:
         value = getattr(meta, name)
         if value is not None:
             view[name] = value
+    if meta.decision:
+        view["decision"] = meta.decision
     return view
 
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import inspect
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -231,3 +232,12 @@ async def has_stored(client: httpx.AsyncClient, execution_id: str, event_type: s
 def of_type(log: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     """The envelopes of one type in a log."""
     return [envelope for envelope in log if envelope["type"] == kind]
+
+
+def ms_between(earlier: str, later: str) -> float:
+    """The ms from one ISO 8601 timestamp (``createdAt``, an event's ``ts``) to another."""
+
+    def parse(ts: str) -> datetime:
+        return datetime.fromisoformat(ts.replace("Z", "+00:00"))
+
+    return (parse(later) - parse(earlier)).total_seconds() * 1000
