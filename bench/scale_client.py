@@ -278,6 +278,7 @@ async def posts(command: dict[str, Any]) -> dict[str, Any]:
     t1: float = command.get("t1", math.inf)
     loop = asyncio.get_running_loop()
     statuses: Counter[int] = Counter()  # answers in the window (all of them with count)
+    answered = 0  # answers in all, the warm-up's included
     errors: Counter[str] = Counter()  # not answered: the whole run
     durations: list[float] = []  # request sent → answer in, in the window
     connections = 0
@@ -286,7 +287,7 @@ async def posts(command: dict[str, Any]) -> dict[str, Any]:
     began = time.time()
 
     async def one_loop(index: int) -> None:
-        nonlocal connections, left
+        nonlocal connections, left, answered
         port = ports[index % len(ports)]
         request = http_request(
             "POST", path, port=port, headers=headers[index % len(headers)], json=body,
@@ -310,10 +311,11 @@ async def posts(command: dict[str, Any]) -> dict[str, Any]:
                 client = None
                 await asyncio.sleep(0.05)
                 continue
-            answered = time.time()
-            if count is not None or t0 <= answered <= t1:
+            answered += 1
+            now = time.time()
+            if count is not None or t0 <= now <= t1:
                 statuses[status] += 1
-                durations.append(answered - sent)
+                durations.append(now - sent)
         if client is not None:
             client.close()
 
@@ -331,6 +333,7 @@ async def posts(command: dict[str, Any]) -> dict[str, Any]:
     cpu.setdefault("t1", cpu_seconds())
     return {
         "statuses": {str(status): n for status, n in statuses.items()},
+        "answered": answered,
         "errors": dict(errors),
         "connections": connections,
         "cpu": cpu["t1"] - cpu["t0"],

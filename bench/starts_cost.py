@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import re
 import secrets
 import signal
 import time
@@ -47,13 +48,16 @@ from bench.scale import (
     Usage,
     Worker,
     descendants,
+    process_cpu,
     raise_nofile,
     redis_ports,
     stop_server,
+    tree_cpu,
     workers,
 )
-from bench.stack import Config, Stack
+from bench.stack import BUCKET, Config, Stack
 from lib.backend import Keys, script_source
+from tests.support.s3 import CREDENTIALS
 from tests.support.servers import ROOT, FlowcastServer, FlowcastWorker
 
 PREFIX = "fcstartcost"
@@ -66,6 +70,8 @@ DONE_TIMEOUT = 300.0  # every posted execution completed within this
 # The bare endpoint's CPU is taken over this many times more requests: it answers one in
 # about a tenth of a millisecond, and /proc counts CPU in ticks of 10 ms.
 BARE_TIMES = 10
+# A request in moto's (werkzeug's) access log.
+ACCESS = re.compile(r'"(GET|PUT|POST|HEAD|DELETE) /')
 
 
 def transform() -> dict[str, Any]:
@@ -99,13 +105,23 @@ class Cost:
     errors: Counter[str] = field(default_factory=Counter)
     commands: Counter[str] = field(default_factory=Counter)  # Redis commands, by name
     reads: int = 0  # Valkey's read events (a round trip each)
+    answered: int = 0  # answers in all, a warm-up's included (what commands and reads cover)
+    main: float = 0.0  # of ``server``: the main processes' own (not their helpers')
+    logged: int = 0  # log lines the servers wrote
+    s3: Counter[str] = field(default_factory=Counter)  # value store requests, by method
+    s3_cpu: float = 0.0  # the value store's (moto's) CPU
     durations: list[float] = field(default_factory=list)
 
     def add(self, other: Cost) -> None:
-        for name in ("count", "wall", "server", "api", "worker", "valkey", "client", "reads"):
+        for name in (
+            *("count", "wall", "server", "api", "worker", "valkey", "client", "reads"),
+            *("answered", "main", "logged"),
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.busy = max(self.busy, other.busy)
         self.statuses.update(other.statuses)
+        self.s3.update(other.s3)
+        self.s3_cpu += other.s3_cpu
         self.errors.update(other.errors)
         self.commands.update(other.commands)
         self.durations += other.durations
@@ -145,6 +161,7 @@ class StartsCost:
         self.worker = FlowcastWorker(data_dir=root / "startcost-worker", env=env)
         self.bare = BareServer(data_dir=root / "startcost-bare")
         self.idle = 0.0  # CPU share of API replica + worker with nothing to do
+        self.moto = getattr(stack, "moto", None)  # the S3 value store (the smoke test has none)
 
     async def run(self) -> None:
         raise_nofile()
@@ -186,8 +203,10 @@ class StartsCost:
         bare_rate, accept = Cost(), Cost()
         for _ in range(config.starts_cost_rounds):
             bare_rate.add(await self.rate(client, self.bare, [self.bare]))
-            accept.add(await self.rate(client, self.api, [self.api]))
-        self.add_rows(bare, flowcast, bare_rate, accept, sample)
+            accept.add(await self.rate(client, self.api, [self.api], redis=redis))
+        calls = await client_costs(redis)
+        calls.s3_put = await self.put_cost()
+        self.add_rows(bare, flowcast, bare_rate, accept, sample, calls)
 
     # --- cost: accepted → completed stored ---------------------------------------------
 
@@ -204,6 +223,9 @@ class StartsCost:
         completed, opened = self.completed_key(), self.open_key()
         before = int(await redis.zcard(completed))
         stats = await commandstats(redis)
+        logged = self.log_lines()
+        s3 = self.s3()
+        mains = process_cpu(self.api.pid) + process_cpu(self.worker.pid)
         api.begin()
         worker.begin()
         answer = await self.post(client, self.api, count=count)
@@ -211,8 +233,14 @@ class StartsCost:
         polls = await self.until_done(redis, before + accepted, completed, opened)
         api.end()
         worker.end()
+        mains = process_cpu(self.api.pid) + process_cpu(self.worker.pid) - mains
         after = await commandstats(redis)
         cost = self.cost(answer, api, api=api.server, worker=worker.server)
+        cost.main = mains
+        cost.logged = self.log_lines() - logged
+        cost.answered = cost.count
+        after_s3 = self.s3()
+        cost.s3, cost.s3_cpu = after_s3[0] - s3[0], after_s3[1] - s3[1]
         cost.wall = api.wall  # to the last completion
         cost.busy = api.busy
         cost.commands = Counter(
@@ -223,6 +251,46 @@ class StartsCost:
         cost.commands = +cost.commands
         cost.reads = after.reads - stats.reads - polls - 1  # the second INFO's own read
         return cost
+
+    def s3(self) -> tuple[Counter[str], float]:
+        """The value store's requests so far by method (its access log) and its CPU."""
+        if self.moto is None:
+            return Counter(), 0.0
+        log = self.moto.log_path.read_text(errors="replace")
+        requests = Counter(match.group(1) for match in ACCESS.finditer(log))
+        return requests, tree_cpu(self.moto.pid)
+
+    async def put_cost(self, count: int = 200) -> float | None:
+        """CPU seconds of one small PUT to the value store in this process, made as
+        lib/execution/s3.py makes it (boto3 in a worker thread); None without S3."""
+        if self.moto is None:
+            return None
+        import boto3
+        from botocore.config import Config as BotoConfig
+
+        client = boto3.client(
+            "s3",
+            endpoint_url=self.moto.url,
+            region_name=CREDENTIALS["AWS_DEFAULT_REGION"],
+            aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+            config=BotoConfig(retries={"max_attempts": 3, "mode": "standard"}),
+        )
+        body = b"x" * 200
+        for index in range(count + 20):  # the first ones warm the client up
+            if index == 20:
+                began = time.process_time()
+            await asyncio.to_thread(
+                client.put_object,
+                Bucket=BUCKET,
+                Key=f"{self.prefix}-probe/{index}",
+                Body=body,
+                ContentType="application/json",
+            )
+        return (time.process_time() - began) / count
+
+    def log_lines(self) -> int:
+        return sum(server.logs().count("\n") for server in (self.api, self.worker))
 
     def completed_key(self) -> str:
         return self.keys.listing(TENANT, workflow_id=None, bucket="completed")
@@ -261,7 +329,12 @@ class StartsCost:
     # --- accept: 202s per second -------------------------------------------------------
 
     async def rate(
-        self, client: Worker, target: FlowcastServer, measured: list[FlowcastServer]
+        self,
+        client: Worker,
+        target: FlowcastServer,
+        measured: list[FlowcastServer],
+        *,
+        redis: Redis | None = None,
     ) -> Cost:
         config = self.config
         usage = Usage([pid for s in measured for pid in descendants(s.pid)], self.valkey_pid)
@@ -274,9 +347,23 @@ class StartsCost:
             await asyncio.sleep(max(t1 - time.time(), 0))
             usage.end()
 
+        stats = await commandstats(redis) if redis is not None else None
+        logged = self.log_lines()
+        s3 = self.s3()
         answer, _ = await asyncio.gather(self.post(client, target, t0=t0, t1=t1), window())
         cost = self.cost(answer, usage, api=usage.server)
         cost.wall = config.starts_seconds
+        cost.answered = answer["answered"]
+        if redis is not None and stats is not None:
+            # Over every request of the call, the warm-up's included (no worker runs).
+            after = await commandstats(redis)
+            cost.commands = +Counter(
+                {n: c for n, c in (after.commands - stats.commands).items() if n != "info"}
+            )
+            cost.reads = after.reads - stats.reads - 1
+            cost.logged = self.log_lines() - logged
+            after_s3 = self.s3()
+            cost.s3, cost.s3_cpu = after_s3[0] - s3[0], after_s3[1] - s3[1]
         return cost
 
     # --- the load ----------------------------------------------------------------------
@@ -348,7 +435,13 @@ class StartsCost:
     # --- the table ---------------------------------------------------------------------
 
     def add_rows(
-        self, bare: Cost, flowcast: Cost, bare_rate: Cost, accept: Cost, sample: Sample
+        self,
+        bare: Cost,
+        flowcast: Cost,
+        bare_rate: Cost,
+        accept: Cost,
+        sample: Sample,
+        calls: Calls,
     ) -> None:
         config, report = self.config, self.report
         rounds = config.starts_cost_rounds
@@ -381,12 +474,17 @@ class StartsCost:
                 ),
             )
         )
-        commands = sum(flowcast.commands.values())
+        executions = max(flowcast.count, 1)
+        commands = sum(flowcast.commands.values()) / executions
+        trips = flowcast.reads / executions
+        accepts = max(accept.answered, 1)
+        api_commands = sum(accept.commands.values()) / accepts
+        api_trips = accept.reads / accepts
         report.add(
             Row(
                 "starts: Redis per execution, the same executions (info)",
-                f"{commands / max(flowcast.count, 1):.1f} commands, "
-                f"{flowcast.reads / max(flowcast.count, 1):.1f} round trips; Valkey CPU "
+                f"{trips:.1f} round trips, {commands:.1f} commands with those scripts run "
+                f"(the API's accept: {api_trips:.1f} and {api_commands:.1f}); Valkey CPU "
                 f"{ms(flowcast.per(flowcast.valkey))}",
                 "bare FastAPI: none",
             )
@@ -419,7 +517,8 @@ class StartsCost:
             f"{bare.count:,} requests in {bare.wall:.1f} s ({bare.rate:,.0f}/s), "
             f"{bare.server:.2f} s of CPU, client {bare.client:.2f} s; p50 "
             f"{ms(percentile(bare.durations or [0.0], 50))}. Redis per execution (INFO "
-            f"commandstats, the looks for completion taken off): {top}; round trips = "
+            "commandstats: the commands sent and those run by scripts, the looks for "
+            f"completion taken off): {top}; round trips = "
             "Valkey's total_reads_processed (one read event per request or pipeline)."
         )
         report.notes.append(
@@ -439,6 +538,56 @@ class StartsCost:
             f"{ms(percentile(bare_rate.durations or [0.0], 50))}."
         )
         report.notes.append(sample.note())
+        api_cpu = accept.per(accept.server)
+        worker_cpu = flowcast.per(flowcast.worker)
+        worker_trips = trips - api_trips
+        worker_commands = sample.sent_per("worker")
+        api_sent = sample.sent_per("API replica")
+        report.notes.append(
+            "starts-cost, where a start's CPU goes (no profiler in the venv; by process, "
+            "with Redis counted): the API replica's accept costs "
+            f"{ms(api_cpu)} of CPU ({api_cpu / max(bare_rate.per(bare_rate.server), 1e-9):.1f}x "
+            f"the bare request) for {api_trips:.1f} round trips and {api_sent:.1f} commands "
+            "sent (INFO over the accept windows, warm-up included, no worker running; MONITOR "
+            f"sample); the worker's run {ms(worker_cpu)} for about {worker_trips:.1f} round "
+            f"trips and {worker_commands:.1f} commands sent; of the cost rounds' CPU "
+            f"{flowcast.main / max(flowcast.server, 1e-9):.0%} was the two main processes' "
+            "own (the rest: their helper processes). Measured in the bench process "
+            f"(redis-py with the same parser, uvloop), a command sent alone costs "
+            f"{calls.round_trip * 1e6:.0f} µs of client CPU and one more in a pipeline of "
+            f"{calls.width} {calls.pipelined * 1e6:.0f} µs: at those rates the round trips "
+            f"and commands alone would be about {ms(calls.estimate(api_trips, api_sent))} "
+            f"of the accept and {ms(calls.estimate(worker_trips, worker_commands))} of the "
+            f"run. Log lines written: {accept.logged / accepts:.2f} per accept, "
+            f"{flowcast.logged / executions:.2f} per execution (API + worker). "
+            + self.s3_note(flowcast, accept, executions, accepts, calls)
+        )
+
+    def s3_note(
+        self, flowcast: Cost, accept: Cost, executions: int, accepts: int, calls: Calls
+    ) -> str:
+        if self.moto is None:
+            return "Values in each process's directory (no S3 value store)."
+
+        def per(requests: Counter[str], count: int) -> str:
+            if not requests:
+                return "none"
+            return ", ".join(f"{m} {n / count:.2f}" for m, n in requests.most_common())
+
+        puts = flowcast.s3.get("PUT", 0) / executions
+        measured = (
+            f"; one small PUT made as lib/execution/s3.py makes it (boto3 in a thread) costs "
+            f"{ms(calls.s3_put)} of client CPU in the bench process, so the PUTs alone would "
+            f"be about {ms(puts * calls.s3_put)} of each execution"
+            if calls.s3_put
+            else ""
+        )
+        return (
+            "Requests to the S3 value store (moto's access log; moto's own CPU is not in "
+            f"the server's figure): per execution {per(flowcast.s3, executions)} "
+            f"(moto {ms(flowcast.per(flowcast.s3_cpu))} of CPU each), per accept "
+            f"{per(accept.s3, accepts)}{measured}."
+        )
 
 
 def script_names() -> dict[str, str]:
@@ -452,6 +601,37 @@ def script_names() -> dict[str, str]:
             text = script_source(package, path.name)
             names[hashlib.sha1(text.encode()).hexdigest()] = path.name
     return names
+
+
+@dataclass
+class Calls:
+    """What redis-py costs this process per command: sent alone (a round trip of its
+    own) and one more in a pipeline of ``width``."""
+
+    round_trip: float  # CPU seconds
+    pipelined: float
+    width: int
+    s3_put: float | None = None  # one small PUT to the value store (boto3)
+
+    def estimate(self, trips: float, commands: float) -> float:
+        return trips * self.round_trip + max(commands - trips, 0) * self.pipelined
+
+
+async def client_costs(redis: Redis, count: int = 4_000, width: int = 16) -> Calls:
+    """``Calls`` measured with ``EXISTS`` of a missing key (CPU time of this process)."""
+    key = f"{PREFIX}:probe"
+    began = time.process_time()
+    for _ in range(count):
+        await redis.exists(key)
+    alone = (time.process_time() - began) / count
+    began = time.process_time()
+    for _ in range(count // width):
+        async with redis.pipeline(transaction=False) as pipe:
+            for _ in range(width):
+                pipe.exists(key)
+            await pipe.execute()
+    batch = (time.process_time() - began) / (count // width)
+    return Calls(alone, max(batch - alone, 0.0) / (width - 1), width)
 
 
 @dataclass
@@ -491,6 +671,9 @@ class Sample:
         port = int(entry["client_port"]) if entry["client_port"].isdigit() else -1
         sender = next((who for who, held in ports.items() if port in held), "other")
         self.sent.setdefault(sender, Counter())[name] += 1
+
+    def sent_per(self, sender: str) -> float:
+        return sum(self.sent.get(sender, Counter()).values()) / max(self.count, 1)
 
     def note(self) -> str:
         count = max(self.count, 1)
