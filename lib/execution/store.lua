@@ -4,12 +4,15 @@ that wrote it (a restart from AOF or an older snapshot, a replica promoted), say
 long ownership must wait for owners to re-assert what that server may have lost, and
 whether it lost writes some process saw acknowledged.
 
-KEYS[1]  fc:store  (hash: runId, settleUntil, mark, behindUntil)
+KEYS[1]  fc:store  (hash: runId, settleUntil, mark, behindUntil, nodes)
 ARGV[1]  the identity of the server(s) answering now (run ids)
 ARGV[2]  how long to settle after a change, in milliseconds
 ARGV[3]  the highest mark this store ever gave the caller ("0": none yet)
 ARGV[4]  how long approval deadlines wait after the store was found behind, in
          milliseconds (about a lease: the owners' time to re-assert what it lost)
+ARGV[5]  (optional) on a cluster, the identity of every primary: another one there
+         is a change too (a node restarted), as ARGV[1] is; recorded the first time
+         without one (processes of an earlier version send none)
 
 The mark is the store's own time of its latest call (Redis's clock, never lower than
 the mark before): a process remembers the highest one it was given. A store whose mark
@@ -32,7 +35,9 @@ pause or an ending a process stores again into it is older than they are.
 ]]
 
 local now = now_ms()
-local known = redis.call("HMGET", KEYS[1], "runId", "settleUntil", "mark", "behindUntil")
+local known = redis.call("HMGET", KEYS[1], "runId", "settleUntil", "mark", "behindUntil",
+  "nodes")
+local nodes = ARGV[5] or ""
 local seen = tonumber(ARGV[3]) or 0
 if not known[1] then
   local mark = math.max(now, seen)
@@ -43,14 +48,21 @@ if not known[1] then
   end
   redis.call("HSET", KEYS[1], "runId", ARGV[1], "settleUntil", 0, "mark", mark,
     "behindUntil", behind_until)
+  if nodes ~= "" then
+    redis.call("HSET", KEYS[1], "nodes", nodes)
+  end
   return {0, behind, mark}
 end
 local settle_until = tonumber(known[2]) or 0
 local mark = tonumber(known[3]) or 0
 local behind_until = tonumber(known[4]) or 0
-if known[1] ~= ARGV[1] then
+local nodes_changed = nodes ~= "" and known[5] and known[5] ~= nodes
+if known[1] ~= ARGV[1] or nodes_changed then
   settle_until = now + tonumber(ARGV[2])
   redis.call("HSET", KEYS[1], "runId", ARGV[1], "settleUntil", settle_until)
+end
+if nodes ~= "" and known[5] ~= nodes then
+  redis.call("HSET", KEYS[1], "nodes", nodes)
 end
 if mark < seen then
   behind_until = now + tonumber(ARGV[4])

@@ -17,10 +17,17 @@ BEHIND_MS = 60_000
 
 
 async def store(
-    redis: Redis, keys: Keys, identity: str, settle: int = SETTLE_MS, *, seen: int = 0
+    redis: Redis,
+    keys: Keys,
+    identity: str,
+    settle: int = SETTLE_MS,
+    *,
+    seen: int = 0,
+    nodes: str | None = None,
 ) -> list[int]:
+    args: list[Any] = [identity, settle, seen, BEHIND_MS]
     reply: Any = await script(redis, "store.lua")(
-        keys=[keys.store], args=[identity, settle, seen, BEHIND_MS]
+        keys=[keys.store], args=args if nodes is None else [*args, nodes]
     )
     return [int(value) for value in reply]
 
@@ -53,6 +60,23 @@ async def test_another_server_answering_starts_a_settle_then_what_is_left_of_it(
     left, behind, _mark = await store(redis, keys, "run-b")
     assert 0 < left <= SETTLE_MS and behind == 0
     assert await redis.hget(keys.store, "runId") == b"run-b"
+
+
+async def test_on_a_cluster_another_primary_answering_starts_a_settle_too(
+    redis: Redis, keys: Keys
+) -> None:
+    """The default node unchanged, another node restarted: a change all the same. The
+    first call with the primaries (a process of an earlier version sent none) records
+    them without a settle."""
+    await store(redis, keys, "run-a")
+    assert (await store(redis, keys, "run-a", nodes="run-a,run-b,run-c"))[:2] == [0, 0]
+    assert await redis.hget(keys.store, "nodes") == b"run-a,run-b,run-c"
+    assert (await store(redis, keys, "run-a", nodes="run-a,run-c,run-d"))[:2] == [SETTLE_MS, 0]
+    assert await redis.hget(keys.store, "nodes") == b"run-a,run-c,run-d"
+    # A caller that sends no primaries (an earlier version) changes nothing of them.
+    left, _behind, _mark = await store(redis, keys, "run-a")
+    assert 0 < left <= SETTLE_MS
+    assert await redis.hget(keys.store, "nodes") == b"run-a,run-c,run-d"
 
 
 async def test_a_settle_that_ended_leaves_nothing_to_wait_for(redis: Redis, keys: Keys) -> None:
