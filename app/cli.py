@@ -15,12 +15,14 @@ and ``flowcast run wf --url U``); after it wins.
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import ipaddress
 import json
 import os
 import shlex
 import shutil
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -120,11 +122,16 @@ def _run_server(args: argparse.Namespace, factory: str, *, worker: bool = False)
             file=sys.stderr,
         )
         return 2
+    # Bound before anything starts (the engine, Redis clients, the runner): a port in use
+    # was an Errno 98 traceback once all of it had started (step 18, issue 26).
+    sock = _listening(host, port)
+    if sock is None:
+        return USAGE
     if not settings.api_keys:
         print("flowcast: no FLOWCAST_API_KEYS set; listening on loopback only", file=sys.stderr)
     import uvicorn
 
-    uvicorn.run(
+    config = uvicorn.Config(
         factory,
         factory=True,
         host=host,
@@ -133,7 +140,42 @@ def _run_server(args: argparse.Namespace, factory: str, *, worker: bool = False)
         timeout_graceful_shutdown=int(settings.shutdown_grace_seconds) + 5,
         backlog=BACKLOG,
     )
-    return 0
+    server = uvicorn.Server(config)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass  # as uvicorn.run: Ctrl-C before the server took over its signals
+    finally:
+        sock.close()
+    # As uvicorn.run: a start that failed (its lifespan raised) exits 3.
+    return 0 if server.started else 3
+
+
+def _listening(host: str, port: int) -> socket.socket | None:
+    """A socket bound to ``host:port`` as uvicorn binds one (it listens on it), or None
+    once the reason was said in one line."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    # As uvicorn does: a port left in TIME_WAIT by a server just stopped is free again.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        how = "pick another port with --port N or FLOWCAST_PORT=N"
+        if isinstance(exc, socket.gaierror):
+            _error(f"cannot listen on {host}: {exc.strerror}; set --host or FLOWCAST_HOST")
+        elif exc.errno == errno.EADDRINUSE:
+            _error(f"port {port} on {host} is already in use; {how}")
+        elif exc.errno == errno.EADDRNOTAVAIL:
+            _error(
+                f"cannot listen on {host}: it is no address of this machine; "
+                "set --host or FLOWCAST_HOST"
+            )
+        else:
+            _error(f"cannot listen on {host}:{port}: {exc.strerror or exc}; {how}")
+        return None
+    return sock
 
 
 def _error(text: str) -> None:

@@ -25,6 +25,7 @@ _DESCRIPTIONS = {
     404: "No such workflow, execution or value (for this caller)",
     409: "The target is not in a state that allows this",
     413: "The request body is larger than FLOWCAST_MAX_BODY_BYTES",
+    415: "The body is not sent as Content-Type: application/json",
     422: "The request is well-formed but not valid",
     429: "The tenant already runs as many executions, or keeps as many bytes, as it may",
     503: "The event buffer or the value store cannot be reached, or the server is stopping",

@@ -60,6 +60,13 @@ from lib.workflows.runstate import RunStates
 
 log = logging.getLogger(__name__)
 
+# How long a claim waits for the value store to say what a store back behind forgot
+# (``recall``): past it, a resume or a cancel answers 503 and a janitor tries again on
+# its next pass. An endpoint that answers nothing (black-holed) would hold them for
+# minutes (boto3's own timeouts and retries): the fresh-eyes review of e37bdfa saw a
+# resume unanswered after 170 s, Valkey back empty and S3 stopped.
+RECALL_SECONDS = 5.0
+
 # How far back a recovery looks for the pause a claimed resume answered: the pause, then
 # at most one execution:recovered per takeover since (each bounded by max_recoveries).
 RECENT_EVENTS = 64
@@ -253,9 +260,14 @@ class Takeovers:
         if not self._store.came_back_behind():
             return 0
         try:
-            durable = await read_durable(self._launcher.values, execution_id)
-        except ValueStoreError:
+            async with asyncio.timeout(RECALL_SECONDS):
+                durable = await read_durable(self._launcher.values, execution_id)
+        except (ValueStoreError, TimeoutError) as exc:
             self._store.still_behind()
+            if isinstance(exc, TimeoutError):
+                raise ValueStoreError(
+                    f"the value store did not answer within {RECALL_SECONDS:g} s"
+                ) from exc
             raise
         if await self._ended_before(execution_id, meta, expected, durable):
             return None

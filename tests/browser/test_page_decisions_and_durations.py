@@ -30,7 +30,15 @@ from tests.browser.test_page import (
     screenshot_path,
     start,
 )
-from tests.support.api import all_events, delay_workflow, ms_between, of_type, put, until
+from tests.support.api import (
+    all_events,
+    delay_workflow,
+    ms_between,
+    of_type,
+    put,
+    refund_workflow,
+    until,
+)
 from tests.support.servers import FlowcastServer, ValkeyServer
 
 pytestmark = [
@@ -38,11 +46,6 @@ pytestmark = [
     pytest.mark.timeout(90),
 ]
 
-SCHEMA = {
-    "type": "object",
-    "required": ["approved"],
-    "properties": {"approved": {"type": "boolean"}, "note": {"type": "string"}},
-}
 THINKING_SECONDS = 1.5  # how long the person takes: it must show in every duration
 # A duration shown to the tenth of a second, against the events' ms: rounding, plus the
 # few ms between createdAt and the first event of a run that started at once.
@@ -65,22 +68,6 @@ async def truthful(
     await server.start()
     yield server
     await server.stop()
-
-
-def refund_workflow(workflow_id: str) -> dict[str, Any]:
-    """draft → review (approval with a note) → issue, only when approved."""
-    return {
-        "id": workflow_id,
-        "blocks": [
-            {"id": "draft", "type": "transform", "config": {"value": {"amount": 40}}},
-            {"id": "review", "type": "approval", "config": {"prompt": "Refund?", "schema": SCHEMA}},
-            {"id": "issue", "type": "transform", "config": {"value": "issued"}},
-        ],
-        "edges": [
-            {"from": "draft", "to": "review"},
-            {"from": "review", "to": "issue", "when": "blocks.review.output.approved"},
-        ],
-    }
 
 
 DURATION = r"(\d+(?:\.\d)? m?s)"  # as the page writes one: "850 ms", "7.6 s"

@@ -241,3 +241,28 @@ def ms_between(earlier: str, later: str) -> float:
         return datetime.fromisoformat(ts.replace("Z", "+00:00"))
 
     return (parse(later) - parse(earlier)).total_seconds() * 1000
+
+
+# An approval that carries a decision and an optional note (SPEC §2's approval schema).
+DECISION_SCHEMA = {
+    "type": "object",
+    "required": ["approved"],
+    "properties": {"approved": {"type": "boolean"}, "note": {"type": "string"}},
+}
+
+
+def refund_workflow(workflow_id: str) -> dict[str, Any]:
+    """draft → review (approval with a note) → issue, only when approved."""
+    review = {"prompt": "Refund?", "schema": DECISION_SCHEMA}
+    return {
+        "id": workflow_id,
+        "blocks": [
+            {"id": "draft", "type": "transform", "config": {"value": {"amount": 40}}},
+            {"id": "review", "type": "approval", "config": review},
+            {"id": "issue", "type": "transform", "config": {"value": "issued"}},
+        ],
+        "edges": [
+            {"from": "draft", "to": "review"},
+            {"from": "review", "to": "issue", "when": "blocks.review.output.approved"},
+        ],
+    }

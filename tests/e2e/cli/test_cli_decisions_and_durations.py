@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import Any
 
 import httpx
 import pytest
@@ -21,34 +20,14 @@ from tests.support.api import (
     ms_between,
     of_type,
     put,
+    refund_workflow,
     until,
     wait_finished,
     wait_status,
 )
 
-SCHEMA = {
-    "type": "object",
-    "required": ["approved"],
-    "properties": {"approved": {"type": "boolean"}, "note": {"type": "string"}},
-}
 THINKING_SECONDS = 1.5  # how long the person takes: it must show in every duration
 REJECTED = '{"approved": false, "note": "too much"}'
-
-
-def refund_workflow(workflow_id: str) -> dict[str, Any]:
-    """draft → review (approval) → issue, only when approved."""
-    return {
-        "id": workflow_id,
-        "blocks": [
-            {"id": "draft", "type": "transform", "config": {"value": {"amount": 40}}},
-            {"id": "review", "type": "approval", "config": {"prompt": "Refund?", "schema": SCHEMA}},
-            {"id": "issue", "type": "transform", "config": {"value": "issued"}},
-        ],
-        "edges": [
-            {"from": "draft", "to": "review"},
-            {"from": "review", "to": "issue", "when": "blocks.review.output.approved"},
-        ],
-    }
 
 
 async def figures(client: httpx.AsyncClient, execution_id: str) -> tuple[float, float | None]:

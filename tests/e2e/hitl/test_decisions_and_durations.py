@@ -18,33 +18,13 @@ from tests.support.api import (
     ms_between,
     of_type,
     put,
+    refund_workflow,
     wait_finished,
     wait_status,
 )
 
-SCHEMA = {
-    "type": "object",
-    "required": ["approved"],
-    "properties": {"approved": {"type": "boolean"}, "note": {"type": "string"}},
-}
 # How long the person takes in these runs: the pause must show in the durations.
 THINKING_SECONDS = 1.5
-
-
-def refund_workflow(workflow_id: str) -> dict[str, Any]:
-    """draft → review (approval) → issue, only when approved."""
-    return {
-        "id": workflow_id,
-        "blocks": [
-            {"id": "draft", "type": "transform", "config": {"value": {"amount": 40}}},
-            {"id": "review", "type": "approval", "config": {"prompt": "Refund?", "schema": SCHEMA}},
-            {"id": "issue", "type": "transform", "config": {"value": "issued"}},
-        ],
-        "edges": [
-            {"from": "draft", "to": "review"},
-            {"from": "review", "to": "issue", "when": "blocks.review.output.approved"},
-        ],
-    }
 
 
 async def answered(client: httpx.AsyncClient, workflow_id: str, answer: Any) -> str:
