@@ -80,14 +80,23 @@ def _steps(
     """``_converse``'s loop: the exit code, the steps never reached, what was shown."""
     shown = b""
     pending, since = list(steps), 0
+    interrupted = 0.0  # when Ctrl-C was last pressed (0: not yet)
     while True:
         if pending and pending[0][0].encode() in shown[since:]:
             reply = pending.pop(0)[1]
             if reply == CTRL_C:  # what the terminal does when a person types it
                 process.send_signal(signal.SIGINT)
+                interrupted = time.monotonic()
             else:
                 os.write(main, reply.encode())
             since = len(shown)
+        elif interrupted and time.monotonic() - interrupted > 1.0 and process.poll() is None:
+            # Pressed again, as a person would: a SIGINT that lands between the prompt's
+            # flush and input()'s read is seen only once a line arrives (CPython checks
+            # signals when the read is interrupted, and it was not in it yet). Pressed
+            # the instant the prompt shows, as here, it was lost in 2 full-suite runs.
+            process.send_signal(signal.SIGINT)
+            interrupted = time.monotonic()
         left = deadline - time.monotonic()
         assert left > 0, f"timed out; the terminal shows:\n{shown.decode(errors='replace')}"
         ready, _, _ = select.select([main], [], [], min(left, 0.5))
