@@ -51,6 +51,7 @@ from stress.harness import (
 )
 from stress.hostile import hostile_tenant
 from stress.mass_reconnect import mass_reconnect
+from stress.queue_storm import queue_storm
 from stress.recovery_storm import recovery_storm
 from stress.workflows import approval_workflow, check_work, fan_workflow, streaming_workflow
 from tests.support.sse import Frame
@@ -405,4 +406,5 @@ SCENARIOS: dict[str, Scenario] = {
     "hostile-tenant": hostile_tenant,
     "recovery-storm": recovery_storm,
     "mass-reconnect": mass_reconnect,
+    "queue-storm": queue_storm,
 }
