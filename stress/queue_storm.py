@@ -32,6 +32,7 @@ import os
 import random
 import re
 import signal
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,11 +88,11 @@ class Shape:
 
 
 SHORT = Shape(
-    window=16, flood=60, heavy_level=36, light_interval=0.25, light_level=16,
-    kills=4, term_every=4, seconds=45,
+    window=16, flood=60, heavy_level=48, light_interval=0.25, light_level=16,
+    kills=4, term_every=4, seconds=60,
 )  # fmt: skip
 LONG = Shape(
-    window=360, flood=300, heavy_level=48, light_interval=0.25, light_level=16,
+    window=360, flood=300, heavy_level=60, light_interval=0.25, light_level=16,
     kills=120, term_every=6, seconds=720,
 )  # fmt: skip
 
@@ -175,7 +176,10 @@ class QueueStorm:
         self.samples: list[tuple[float, int, int]] = []  # wall, heavy queued, light queued
         self.refused: list[str] = []
         self.most_used = 0.0  # the most slots in use seen on one worker
+        self.load_max = 0.0  # the machine's highest 1-minute load average seen
         self._cycles_done = False
+        # (wall clock, workers up from then on): the slots the run really had.
+        self.live: list[tuple[float, int]] = []
         self.api: FlowcastServer | None = None
         self.workers: list[WorkerSlot] = []
         self.every_worker: list[FlowcastWorker] = []
@@ -253,21 +257,23 @@ class QueueStorm:
         # The node record names this process first (app/node.py) once it serves.
         record = json.loads((slot.server.data_dir / "node.json").read_text())
         slot.node, slot.state = record["nodes"][0], "up"
+        self.live.append((time.time(), sum(w.state == "up" for w in self.workers)))
 
     async def _close(self) -> None:
         async def stop(server: FlowcastServer) -> None:
+            pid = server.pid
             try:
                 await server.stop(signal.SIGTERM, timeout=GRACE_SECONDS + 10)
-            except Exception as exc:
-                self.report.find(f"process on port {server.port} did not exit: {exc!r}")
-                if server._process is not None:
-                    server._process.kill()
+            except subprocess.TimeoutExpired as exc:
+                self.report.find(f"process on port {server.port} did not exit: {exc}")
+                os.kill(pid, signal.SIGKILL)
 
         for task in self._followers:
             task.cancel()
         await asyncio.gather(*(self._followers), return_exceptions=True)
         await asyncio.gather(*(client.aclose() for client in self.clients.values()))
-        servers = [slot.server for slot in self.workers if slot.state == "up"]
+        # Every worker process still running (a start cut short by the budget included).
+        servers = [w for w in self.every_worker if w._process is not None]
         await asyncio.gather(*(stop(s) for s in [*servers, *([self.api] if self.api else [])]))
         if self.redis is not None:
             await self.redis.aclose()
@@ -306,6 +312,8 @@ class QueueStorm:
                 h, lt = await pipe.execute()
             self.samples.append((time.time(), int(h), int(lt)))
             looks += 1
+            if looks % 10 == 0:  # how busy the machine is (shared with other work)
+                self.load_max = max(self.load_max, os.getloadavg()[0])
             if looks % 5 == 0:  # the workers' slots in use, every half second
                 used = await asyncio.gather(*(self._slots_used(w) for w in self.workers))
                 self.most_used = max(self.most_used, *used)
@@ -401,18 +409,23 @@ class QueueStorm:
     # -- the kill cycles -------------------------------------------------------------
 
     async def _chaos(self) -> None:
-        """Every cycle at its time, or right after the one before when restarts run late
-        (the load goes on until the last one is over)."""
+        """Every cycle at its time, or as soon as two workers are up again when restarts
+        run late (the load goes on until the last cycle and its restart are over)."""
+        restarts: list[asyncio.Task[None]] = []
         try:
             for number, at in enumerate(self.shape.cycle_times()):
                 await asyncio.sleep(max(0.0, self.began + at - clock()))
+                while sum(slot.state == "up" for slot in self.workers) < 2:
+                    await asyncio.sleep(0.05)
                 term = number % self.shape.term_every == self.shape.term_every // 2
-                await self._cycle("term" if term else "kill")
+                restarts.append(await self._cycle("term" if term else "kill"))
+            await asyncio.gather(*restarts)
         finally:
             self._cycles_done = True
 
-    async def _cycle(self, kind: str) -> None:
-        """Lose the busiest worker and start a fresh one on its data directory."""
+    async def _cycle(self, kind: str) -> asyncio.Task[None]:
+        """Lose the busiest worker; returns the start of a fresh one on its data
+        directory (at once, or a lease and a half later after a SIGKILL)."""
         used = await asyncio.gather(*(self._slots_used(slot) for slot in self.workers))
         busiest = max(used)
         index = self.rng.choice([n for n, u in enumerate(used) if u == busiest])
@@ -421,6 +434,7 @@ class QueueStorm:
         self.losses.append(loss)
         server = slot.server
         slot.state = "down"
+        self.live.append((time.time(), sum(w.state == "up" for w in self.workers)))
         if kind == "kill":
             loss.owned = await self._owned(slot.node)  # just before: it may end one meanwhile
             os.kill(server.pid, signal.SIGKILL)
@@ -428,21 +442,23 @@ class QueueStorm:
             # Exactly what it held as it died: none of its leases can run out this soon.
             loss.owned = sorted(set(loss.owned) | set(await self._owned(slot.node)))
             await server.stop(signal.SIGKILL, timeout=10)  # reaps it
-            loss.exited_wall = time.time()
             # At once (the fresh process proves it dead: its node record) or after the
             # others had the time to recover its runs by their leases.
             loss.restart_after = self.rng.choice((0.0, 1.5 * LEASE_SECONDS))
-            await asyncio.sleep(loss.restart_after)
         else:
             loss.owned = await self._owned(slot.node)
-            loss.signalled_wall = time.time()
+            loss.signalled_wall, pid = time.time(), server.pid
             try:
                 await server.stop(signal.SIGTERM, timeout=GRACE_SECONDS + 15)
-            except Exception as exc:
-                self.report.find(f"worker {slot.node} did not exit after SIGTERM: {exc!r}")
-                os.kill(server.pid, signal.SIGKILL)
-            loss.exited_wall = time.time()
-        slot.server = self._worker(server.data_dir)
+            except subprocess.TimeoutExpired as exc:
+                self.report.find(f"worker {slot.node} did not exit after SIGTERM: {exc}")
+                os.kill(pid, signal.SIGKILL)
+        loss.exited_wall = time.time()
+        return asyncio.get_running_loop().create_task(self._restart(slot, loss.restart_after))
+
+    async def _restart(self, slot: WorkerSlot, after: float) -> None:
+        await asyncio.sleep(after)
+        slot.server = self._worker(slot.server.data_dir)
         await self._start(slot)
 
     async def _slots_used(self, slot: WorkerSlot) -> float:

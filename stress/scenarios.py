@@ -19,7 +19,10 @@ load, every execution ending ``completed``; and the mass reconnect storm
 (``stress/mass_client.py``) on 100 streaming executions, all dropped at one instant and
 reconnecting at once with ``Last-Event-ID`` to either replica, three rounds, each
 client's whole view checked against the stored log. It alone takes a size, ``clients``,
-which the CI test sets to 1,000.
+which the CI test sets to 1,000. The queue storm (``stress/queue_storm.py``, checked by
+``stress/queue_checks.py``): a flood and a steady tenant on the fair queue of an API
+replica without slots and three ``flowcast worker`` processes, SIGKILLed and restarted
+(and once SIGTERMed) in cycles.
 
 The random source is seeded, so a failing run can be replayed with the same plan.
 """
