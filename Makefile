@@ -10,10 +10,17 @@ BIN := $(VENV)/bin
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# Serving needs the package alone (about 30 packages); the tests and the tools add the
+# `dev` extra (playwright, moto, mypy, ...), installed by `make test` only.
+$(VENV)/.served: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	touch $@
+	touch $@ $(VENV)/.served
 
 install: $(VENV)/.installed
 
@@ -40,7 +47,7 @@ nginx:
 		fi; \
 	fi
 
-serve: install
+serve: $(VENV)/.served
 	$(BIN)/flowcast serve
 
 lint: install
@@ -64,7 +71,7 @@ TEST_WORKERS ?= 2
 ALONE := tests/e2e/api/test_large_values.py::test_an_execution_producing_1_gib_keeps_its_redis_footprint_within_the_budget
 
 unit: install browser nginx
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --ignore=tests/e2e/limits/test_stress.py \
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 --ignore=tests/e2e/limits/test_stress.py \
 	  --deselect $(ALONE)
 	$(BIN)/pytest $(ALONE)
 	$(BIN)/pytest tests/e2e/limits/test_stress.py

@@ -1,5 +1,6 @@
 """What a workflow may use (block types with plugins, ``llm`` providers) and the
-workflows read from FLOWCAST_WORKFLOWS_DIR, loaded once in the lifespan."""
+workflows read from FLOWCAST_WORKFLOWS_DIR, loaded in the lifespan (and read again when
+they change, in the embedded default: ``app/workflow_files.py``)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,19 @@ def load_catalog(settings: Settings) -> Catalog:
     validate: Any = functools.partial(
         validate_workflow, block_types=block_types, templates=templates
     )
+    return Catalog(
+        block_types=block_types,
+        llm_providers=llm_providers,
+        validate=validate,
+        files=read_workflow_files(settings, validate, llm_providers),
+    )
+
+
+def read_workflow_files(
+    settings: Settings, validate: Validate, llm_providers: dict[str, Provider]
+) -> dict[str, Workflow]:
+    """The workflows in FLOWCAST_WORKFLOWS_DIR, each problem logged (at start, and again
+    whenever the embedded default sees the files change: ``app/workflow_files.py``)."""
     files = _workflow_files(settings, validate)
     for workflow in files.values():
         for missing in unknown_providers(workflow, llm_providers):
@@ -52,9 +66,7 @@ def load_catalog(settings: Settings) -> Catalog:
                 "workflow needs an llm provider",
                 extra={"workflowId": workflow.id, "error": missing.message},
             )
-    return Catalog(
-        block_types=block_types, llm_providers=llm_providers, validate=validate, files=files
-    )
+    return files
 
 
 def _workflow_files(settings: Settings, validate: Validate) -> dict[str, Workflow]:

@@ -1,5 +1,6 @@
 """The ``flowcast`` command line: ``serve``, ``worker``, ``run``, ``attach``, ``resume``,
-``cancel``, ``list``.
+``cancel``, ``list`` here; ``workflows``, ``describe``, ``events``, ``approve``,
+``reject`` and ``secrets`` in ``app.cli_resources``.
 
 Exit codes: 0 completed (or the request was accepted), 1 failed, 2 usage or bad input
 (a 4xx answer; the server's message goes to stderr), 3 cancelled, 4 paused (``run`` and
@@ -14,15 +15,20 @@ and ``flowcast run wf --url U``); after it wins.
 from __future__ import annotations
 
 import argparse
+import errno
+import functools
 import ipaddress
 import json
 import os
 import shlex
 import shutil
+import socket
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from app.cli_answer import decides
 from app.client import (
     DEFAULT_URL,
     Event,
@@ -34,7 +40,14 @@ from app.client import (
     Refused,
     Unreachable,
 )
-from app.progress import Display, LiveDisplay, PlainDisplay, compact, queued_text
+from app.progress import (
+    Display,
+    LiveDisplay,
+    PlainDisplay,
+    compact,
+    created_ms,
+    queued_text,
+)
 
 if TYPE_CHECKING:
     from app.settings import Settings
@@ -109,11 +122,16 @@ def _run_server(args: argparse.Namespace, factory: str, *, worker: bool = False)
             file=sys.stderr,
         )
         return 2
+    # Bound before anything starts (the engine, Redis clients, the runner): a port in use
+    # was an Errno 98 traceback once all of it had started (step 18, issue 26).
+    sock = _listening(host, port)
+    if sock is None:
+        return USAGE
     if not settings.api_keys:
         print("flowcast: no FLOWCAST_API_KEYS set; listening on loopback only", file=sys.stderr)
     import uvicorn
 
-    uvicorn.run(
+    config = uvicorn.Config(
         factory,
         factory=True,
         host=host,
@@ -122,7 +140,42 @@ def _run_server(args: argparse.Namespace, factory: str, *, worker: bool = False)
         timeout_graceful_shutdown=int(settings.shutdown_grace_seconds) + 5,
         backlog=BACKLOG,
     )
-    return 0
+    server = uvicorn.Server(config)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass  # as uvicorn.run: Ctrl-C before the server took over its signals
+    finally:
+        sock.close()
+    # As uvicorn.run: a start that failed (its lifespan raised) exits 3.
+    return 0 if server.started else 3
+
+
+def _listening(host: str, port: int) -> socket.socket | None:
+    """A socket bound to ``host:port`` as uvicorn binds one (it listens on it), or None
+    once the reason was said in one line."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    # As uvicorn does: a port left in TIME_WAIT by a server just stopped is free again.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        how = "pick another port with --port N or FLOWCAST_PORT=N"
+        if isinstance(exc, socket.gaierror):
+            _error(f"cannot listen on {host}: {exc.strerror}; set --host or FLOWCAST_HOST")
+        elif exc.errno == errno.EADDRINUSE:
+            _error(f"port {port} on {host} is already in use; {how}")
+        elif exc.errno == errno.EADDRNOTAVAIL:
+            _error(
+                f"cannot listen on {host}: it is no address of this machine; "
+                "set --host or FLOWCAST_HOST"
+            )
+        else:
+            _error(f"cannot listen on {host}:{port}: {exc.strerror or exc}; {how}")
+        return None
+    return sock
 
 
 def _error(text: str) -> None:
@@ -161,6 +214,8 @@ def _show_pause(execution_id: str, pause: dict[str, Any], after: int) -> None:
     _error(f"paused at block {block!r}: {pause.get('prompt', '')}")
     if pause.get("schema"):
         _error(f"the answer must match: {compact(pause['schema'])}")
+    if decides(pause.get("schema")):
+        _error(f"approve it with: {program} approve {execution_id}  (or reject)")
     _error(f"resume it with: {program} resume {execution_id} --block {block} --input '<JSON>'")
     _error(f"then follow it with: {program} attach {execution_id} --after {after}")
 
@@ -267,7 +322,7 @@ def attach(args: argparse.Namespace) -> int:
             return PAUSED
         display = _display(args)
         if display:
-            display.started(args.execution, snapshot["workflowId"])
+            display.started(args.execution, snapshot["workflowId"], snapshot.get("createdAt"))
             if snapshot["status"] == "queued":
                 display.queued(int(snapshot.get("ahead") or 0))
         return _follow(client, args.execution, after=args.after, wait=args.wait, display=display)
@@ -289,28 +344,61 @@ def cancel(args: argparse.Namespace) -> int:
     return COMPLETED
 
 
-def list_executions(args: argparse.Namespace) -> int:
-    """Recent executions as a table, newest first."""
-    with _client(args) as client:
-        found = client.executions(workflow_id=args.workflow, status=args.status, limit=args.limit)
-    rows = [("ID", "WORKFLOW", "STATUS", "EVENTS", "CREATED", "UPDATED")]
-    rows += [
-        (e["id"], e["workflowId"], _status(e), str(e["lastEventId"]), e["createdAt"],
-         e["updatedAt"])
-        for e in found
-    ]  # fmt: skip
+def _print_json(value: Any) -> None:
+    """``-o json``: indented on a terminal, one line otherwise (for pipes and scripts)."""
+    if sys.stdout.isatty():
+        print(json.dumps(value, indent=2, ensure_ascii=False), flush=True)
+    else:
+        print(compact(value), flush=True)
+
+
+def _table(rows: Sequence[Sequence[str]]) -> None:
+    """Rows in columns as wide as their widest cell."""
+    if not rows:
+        return
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
         print("  ".join(cells).rstrip())
+    sys.stdout.flush()
+
+
+def list_executions(args: argparse.Namespace) -> int:
+    """Recent executions as a table, newest first."""
+    with _client(args) as client:
+        found = client.executions(workflow_id=args.workflow, status=args.status, limit=args.limit)
+    if args.output == "json":
+        _print_json({"executions": found})
+        return COMPLETED
+    rows = [("ID", "WORKFLOW", "STATUS", "EVENTS", "CREATED", "UPDATED", "DURATION")]
+    rows += [
+        (e["id"], e["workflowId"], _status(e), str(e["lastEventId"]), e["createdAt"],
+         e["updatedAt"], _duration(e))
+        for e in found
+    ]  # fmt: skip
+    _table(rows)
     return COMPLETED
 
 
 def _status(execution: dict[str, Any]) -> str:
-    """A listed execution's status; a queued one with its place (``queued, 3 ahead``)."""
+    """A listed execution's status; a queued one with its place (``queued, 3 ahead``),
+    one a person rejected an approval of with it (``completed,rejected``)."""
     if execution["status"] == "queued" and execution.get("ahead") is not None:
         return queued_text(int(execution["ahead"]))
+    if execution.get("decision") == "rejected":
+        return f"{execution['status']},rejected"
     return str(execution["status"])
+
+
+def _duration(execution: dict[str, Any]) -> str:
+    """A finished execution's duration, ``createdAt`` to its end (its ``updatedAt``, the
+    terminal event's time), as every view shows it (``7.6s``); ``-`` while unfinished."""
+    if execution["status"] not in OUTCOMES:
+        return "-"
+    created, ended = created_ms(execution.get("createdAt")), created_ms(execution.get("updatedAt"))
+    if created is None or ended is None:
+        return "?"
+    return f"{max(0.0, ended - created) / 1000:.1f}s"
 
 
 def _client_options(command: argparse.ArgumentParser, *, top: bool) -> None:
@@ -346,7 +434,9 @@ def _json_type(raw: str) -> Any:
 
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="flowcast", description=__doc__.split("\n")[0])
+    top = argparse.ArgumentParser(
+        prog="flowcast", description="Flowcast: its server, and a client for its API."
+    )
     _client_options(top, top=True)
     commands = top.add_subparsers(dest="command", required=True)
     run_server = commands.add_parser("serve", help="run the server")
@@ -395,6 +485,11 @@ def parser() -> argparse.ArgumentParser:
     recent.set_defaults(handler=list_executions)
     for command in (start, follow, answer, stop, recent):
         _client_options(command, top=False)
+    # Here, not at the top: that module reads this one's helpers.
+    from app import cli_resources
+
+    cli_resources.output_option(recent)
+    cli_resources.add_commands(commands, functools.partial(_client_options, top=False))
     return top
 
 

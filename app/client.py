@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from httpx_sse import connect_sse
@@ -161,10 +162,18 @@ class FlowcastClient:
         self._http.close()
 
     def _request(self, method: str, path: str, *, json_body: Any = None, params: Any = None) -> Any:
+        """The answer's JSON (None when it has no body); see ``_send``."""
+        response = self._send(method, path, json_body=json_body, params=params)
+        return response.json() if response.content else None
+
+    def _send(
+        self, method: str, path: str, *, json_body: Any = None, params: Any = None
+    ) -> httpx.Response:
         """Send one request; transport errors and answers that say "try again" (a proxy's
         502 or 504, a 503) are retried (mutations carry an Idempotency-Key, so a retry
         never starts or resumes anything twice; the server keeps no 5xx outcome under a
-        key, and only this client knows the key to retry with)."""
+        key, and only this client knows the key to retry with; PUT and DELETE are
+        idempotent by themselves)."""
         headers = {"Idempotency-Key": uuid.uuid4().hex} if method == "POST" else {}
         for attempt in range(self.retries + 1):
             try:
@@ -179,7 +188,7 @@ class FlowcastClient:
                     break
             time.sleep(backoff(attempt))
         _raise_for_status(response)
-        return response.json() if response.content else None
+        return response
 
     def execute(
         self, workflow_id: str, *, input: Any = None, inline_files: bool = False
@@ -228,6 +237,46 @@ class FlowcastClient:
         """Cancel a running or paused execution."""
         result: dict[str, Any] = self._request("POST", f"/api/executions/{execution_id}/cancel")
         return result
+
+    def events(self, execution_id: str, *, after: int = 0, limit: int = 1000) -> dict[str, Any]:
+        """One page of the execution's stored events after ``after``: ``events``,
+        ``nextAfter``, ``firstRetainedEventId``, ``lastEventId``, ``status``."""
+        page: dict[str, Any] = self._request(
+            "GET", f"/api/executions/{execution_id}/events", params={"after": after, "limit": limit}
+        )
+        return page
+
+    def workflows(self) -> list[dict[str, Any]]:
+        """The workflows this key sees: ``id``, ``name``, ``description``, ``blocks``
+        (how many), ``source`` (``file`` or ``api``)."""
+        found: list[dict[str, Any]] = self._request("GET", "/api/workflows")["workflows"]
+        return found
+
+    def workflow(self, workflow_id: str) -> dict[str, Any]:
+        """One workflow's document, with its ``source``."""
+        document: dict[str, Any] = self._request("GET", f"/api/workflows/{_part(workflow_id)}")
+        return document
+
+    def put_workflow(self, workflow_id: str, document: Any) -> tuple[dict[str, Any], bool]:
+        """Create or replace a workflow: the stored document and whether it was created."""
+        response = self._send("PUT", f"/api/workflows/{_part(workflow_id)}", json_body=document)
+        return response.json(), response.status_code == 201
+
+    def delete_workflow(self, workflow_id: str) -> None:
+        self._send("DELETE", f"/api/workflows/{_part(workflow_id)}")
+
+    def secrets(self) -> list[dict[str, Any]]:
+        """The tenant's secrets: ``name`` and ``updatedAt`` only (no route returns a value)."""
+        found: list[dict[str, Any]] = self._request("GET", "/api/secrets")["secrets"]
+        return found
+
+    def put_secret(self, name: str, value: str) -> tuple[dict[str, Any], bool]:
+        """Store a secret: its ``name`` and ``updatedAt``, and whether it was created."""
+        response = self._send("PUT", f"/api/secrets/{_part(name)}", json_body={"value": value})
+        return response.json(), response.status_code == 201
+
+    def delete_secret(self, name: str) -> None:
+        self._send("DELETE", f"/api/secrets/{_part(name)}")
 
     def follow(self, execution_id: str, *, after: int = 0) -> Iterator[StreamItem]:
         """The execution's events after ``after`` until the terminal one, reconnecting."""
@@ -305,6 +354,12 @@ class FlowcastClient:
                 if event.id > cursor:  # never show an id twice, whatever a server sends
                     cursor = event.id
                     yield event
+
+
+def _part(name: str) -> str:
+    """A name typed by a person as one path segment (a ``/`` in it never reaches
+    another route)."""
+    return quote(name, safe="")
 
 
 def _raise_for_status(response: httpx.Response) -> None:

@@ -17,6 +17,7 @@ from lib.errors import (
     InvalidInput,
     NotFound,
     OverQuota,
+    Problem,
     ShuttingDown,
     TooBusy,
     error_path,
@@ -82,13 +83,45 @@ async def _flowcast_error(request: Request, exc: Exception) -> JSON:
     return JSON(body, status_code=status, headers=headers)
 
 
+class InvalidRequest(InvalidInput):
+    """A request body that cannot be read as the route's: not JSON, or not its shape."""
+
+    code = "invalid_request"
+
+
 async def _validation_error(request: Request, exc: Exception) -> JSON:
     assert isinstance(exc, RequestValidationError)
-    problems = []
-    for error in exc.errors():
-        path = "$" + error_path(tuple(part for part in error.get("loc", ()) if part != "body"))
-        problems.append({"path": path, "message": str(error.get("msg", "invalid"))})
-    return error_response(422, "invalid_request", "the request is not valid", problems=problems)
+    # The fields the route's body takes (app/requests.py JsonRoute), to say how to fix it.
+    keys: tuple[str, ...] = getattr(request.scope.get("route"), "body_keys", ())
+    problems = [_worded(error, keys) for error in exc.errors()]
+    if len(problems) == 1:
+        message = problems[0].message
+    else:
+        shown = "; ".join(problem.message for problem in problems[:3])
+        message = f"the request has {len(problems)} problems: {shown}"
+    return error_response(
+        422, "invalid_request", message, problems=[problem.as_dict() for problem in problems]
+    )
+
+
+def _worded(error: Any, keys: tuple[str, ...]) -> Problem:
+    """One of pydantic's errors in Flowcast's words: what to send instead."""
+    loc = tuple(error.get("loc", ()))
+    inside = loc[1:] if loc[:1] == ("body",) else tuple(part for part in loc if part != "body")
+    path = "$" + error_path(inside)
+    kind = error.get("type", "")
+    shape = "{" + ", ".join(f'"{key}": …' for key in keys) + "}"
+    wrap = '; wrap the input in {"input": …}' if "input" in keys else ""
+    if keys and loc[:1] == ("body",):
+        if not inside and kind == "missing":
+            return Problem(path, f"a body is required: send {shape}")
+        if not inside and kind in ("model_attributes_type", "model_type", "dict_type"):
+            return Problem(path, f"the body must be a JSON object like {shape}{wrap}")
+        if len(inside) == 1 and kind == "extra_forbidden":
+            return Problem(path, f'unknown field "{inside[0]}": the body is {shape}{wrap}')
+        if len(inside) == 1 and kind == "missing":
+            return Problem(path, f'"{inside[0]}" is required: the body is {shape}')
+    return Problem(path, str(error.get("msg", "invalid")))
 
 
 async def _http_error(request: Request, exc: Exception) -> JSON:

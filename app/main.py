@@ -27,6 +27,7 @@ from app.runtime import start_runtime
 from app.services import build_services
 from app.settings import NO_SLOTS, Settings, warn_about_defaults
 from app.stores import open_stores
+from app.workflow_files import WorkflowFilesWatch
 
 log = logging.getLogger("flowcast")
 
@@ -91,6 +92,9 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
         blocks = await open_executor(stack, settings, stores, catalog)
         runtime = await start_runtime(stack, settings, stores, blocks)
         app.state.services = build_services(settings, stores, catalog, blocks, runtime)
+        await stack.enter_async_context(
+            WorkflowFilesWatch(settings, catalog, app.state.services.workflows)
+        )
         warn_about_defaults(settings)
         memory.settle_gc()
         yield

@@ -2,15 +2,18 @@
 
 ``PlainDisplay`` prints one stable line per event (for pipes, logs and scripts):
 
-    <id> <type> [fields…]        e.g. ``4 block:completed story 1203ms``
+    <id> <type> [fields…]        e.g. ``4 block:completed story 1203ms``,
+                                 ``6 execution:resumed review rejected: "too much" waited=5.02s``
     gap after=<n> resumeAt=<m> reason=<why>
 
 and says on stderr where a queued execution stands (``flowcast: queued, 12 ahead``)
 whenever that changes, until it starts.
 
 ``LiveDisplay`` (stdout is a terminal) is a ``rich`` live view redrawn in place: a header
-(execution, workflow, status -- ``queued, 12 ahead`` while it waits -- and time) and one
-line per block with its status, duration and the tail of the text it streams; a block
+(execution, workflow, status -- ``queued, 12 ahead`` while it waits, ``completed ·
+rejected`` after a person said no -- and its duration from ``createdAt``, as every view
+shows it) and one line per block with its status, duration (an approval: how long it
+waited for a person, and the answer) and the tail of the text it streams; a block
 that runs again (a retry, a re-run after ``execution:recovered``) shows only its latest
 run's text. Notices (reconnects, gaps, recoveries) go to stderr in both, so stdout stays
 the execution's own record.
@@ -24,6 +27,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Protocol, TextIO
 
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
@@ -46,6 +50,7 @@ MARKS = {
     "failed": "✗",
     "skipped": "-",
     "paused": "‖",
+    "cancelled": "⊘",
 }
 STYLES = {
     "running": "yellow",
@@ -67,8 +72,42 @@ def seconds(ms: Any) -> str:
     return f"{float(ms) / 1000:.2f}s" if isinstance(ms, int | float) else "?"
 
 
+def event_ms(event: Event) -> float | None:
+    """The event's ``ts`` in ms since the epoch (None if it has none that parses)."""
+    ts = event.envelope.get("ts")
+    if not isinstance(ts, str):
+        return None
+    try:
+        return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp() * 1000
+    except ValueError:
+        return None
+
+
+def created_ms(created_at: str | None) -> float | None:
+    """An execution's ``createdAt`` in ms since the epoch (None if absent or unreadable)."""
+    if not created_at:
+        return None
+    try:
+        return datetime.fromisoformat(created_at.replace("Z", "+00:00")).timestamp() * 1000
+    except ValueError:
+        return None
+
+
+def decision(answer: Any) -> str:
+    """What a pause's answer (``execution:resumed``'s ``input``) decided: ``approved`` or
+    ``rejected`` for an answer with a boolean ``approved`` (the approval schema's
+    convention, SPEC §2), with its ``note`` when it gave one; ``answered`` otherwise."""
+    given = answer if isinstance(answer, dict) else {}
+    approved = given.get("approved")
+    said = "approved" if approved is True else "rejected" if approved is False else "answered"
+    note = given.get("note")
+    return f"{said}: {compact(note)}" if isinstance(note, str) and note else said
+
+
 class Display(Protocol):
-    def started(self, execution_id: str, workflow_id: str) -> None: ...
+    def started(
+        self, execution_id: str, workflow_id: str, created_at: str | None = None
+    ) -> None: ...
     def event(self, event: Event) -> None: ...
     def gap(self, gap: Gap) -> None: ...
     def queued(self, ahead: int) -> None: ...
@@ -124,7 +163,7 @@ def describe(event: Event) -> str:
         case "execution:paused":
             return f"{block} {compact(data.get('prompt'))}"
         case "execution:resumed":
-            return str(block)
+            return f"{block} {decision(data.get('input'))}"
         case "execution:recovered":
             rerun = ",".join(data.get("rerun") or []) or "-"
             kept = ",".join(data.get("completed") or []) or "-"
@@ -148,12 +187,20 @@ class PlainDisplay:
     def __init__(self, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> None:
         self.out, self.err = out, err
         self._ahead: int | None = None  # the place last said, while queued
+        self._paused: dict[str, float] = {}  # blockId -> when it paused (ms), until answered
 
-    def started(self, execution_id: str, workflow_id: str) -> None:
+    def started(self, execution_id: str, workflow_id: str, created_at: str | None = None) -> None:
         print(f"execution {execution_id} workflow={workflow_id}", file=self.out, flush=True)
 
     def event(self, event: Event) -> None:
-        print(f"{event.id} {event.type} {describe(event)}".rstrip(), file=self.out, flush=True)
+        line = f"{event.id} {event.type} {describe(event)}".rstrip()
+        block, at = str(event.data.get("blockId", "")), event_ms(event)
+        if event.type == "execution:paused" and at is not None:
+            self._paused[block] = at
+        elif event.type == "execution:resumed" and at is not None and block in self._paused:
+            # How long the person took: ``5 execution:resumed review approved waited=5.02s``.
+            line += f" waited={seconds(max(0.0, at - self._paused.pop(block)))}"
+        print(line, file=self.out, flush=True)
         if event.type == "execution:recovered":
             self.notice(recovery_notice(event.data))
 
@@ -176,6 +223,9 @@ class PlainDisplay:
 
 @dataclass
 class _Block:
+    """One block as the live view shows it; times are ms since the epoch, from the
+    events' own ``ts`` (so a replayed run shows what happened, not when it was read)."""
+
     type: str = "?"
     status: str = "running"
     detail: str = ""
@@ -183,6 +233,8 @@ class _Block:
     ended: float | None = None
     duration_ms: float | None = None
     text: str = ""
+    paused_at: float | None = None  # when it paused for a person
+    waited_ms: float | None = None  # how long a person took to answer (or until the end)
 
     def run(self, now: float, detail: str) -> None:
         """A (new) run of the block: its own clock, and its text afresh."""
@@ -228,8 +280,12 @@ class LiveDisplay:
         self.header = ""
         self.status = "running"
         self.ahead: int | None = None  # while queued: about how many start first
-        self.began = time.monotonic()
+        # The run's creation and end, ms since the epoch: its duration is one for every
+        # view, createdAt to the terminal event (SPEC §9), whenever it is watched.
+        self.created: float | None = None
         self.ended: float | None = None
+        self._guessed = False  # ``created`` is when the view opened, not known yet
+        self.rejected = False  # a person answered an approval with approved false
         self.blocks: dict[str, _Block] = {}
         # Events arrive on this thread while rich redraws from its own: the view is
         # built from the state under this lock.
@@ -247,14 +303,21 @@ class LiveDisplay:
             redirect_stderr=self._notices_on_console,
         )
 
-    def started(self, execution_id: str, workflow_id: str) -> None:
+    def started(self, execution_id: str, workflow_id: str, created_at: str | None = None) -> None:
         with self._lock:
             self.header = f"{execution_id}  {workflow_id}"
+            self.created = created_ms(created_at)
+            # Not given (``run`` has only just started it): now, until its first event
+            # says when it was created.
+            self._guessed = self.created is None
+            if self.created is None:
+                self.created = time.time() * 1000
         self._live.start(refresh=True)
 
     def event(self, event: Event) -> None:
         with self._lock:
-            self._apply(event, time.monotonic())
+            at = event_ms(event)
+            self._apply(event, at if at is not None else time.time() * 1000)
         if event.type == "execution:recovered":
             self.notice(recovery_notice(event.data))
         if event.type != "block:chunk":  # chunks wait for the next periodic redraw
@@ -283,9 +346,22 @@ class LiveDisplay:
             block.status, block.detail = "skipped", str(data.get("reason", ""))
         elif block is not None and event.type == "execution:paused":
             block.status, block.detail = "paused", str(data.get("prompt", ""))
+            block.paused_at, block.waited_ms = now, None
             self.status = "paused"
-        elif event.type in ("execution:started", "execution:resumed"):
+        elif block is not None and event.type == "execution:resumed":
+            # The person's answer: how long it took them, and what they said.
+            said = decision(data.get("input"))
+            self.rejected = self.rejected or said.startswith("rejected")
+            if block.paused_at is not None:
+                block.waited_ms = max(0.0, now - block.paused_at)
+            block.status, block.detail = "running", said
             self.status, self.ahead = "running", None
+        elif event.type == "execution:started":
+            self.status, self.ahead = "running", None
+            if self.created is None or self._guessed:  # a snapshot's createdAt is exact
+                self._guessed = False
+                queued = data.get("queuedMs")
+                self.created = now - (queued if isinstance(queued, int | float) else 0)
         elif event.type == "execution:recovered":
             # Not an ending: the execution goes on under a new owner.
             self.status = "running"
@@ -293,6 +369,19 @@ class LiveDisplay:
                 self.blocks.setdefault(str(rerun), _Block()).run(now, "re-run")
         elif event.terminal_status:
             self.status, self.ended = event.terminal_status, now
+            if event.terminal_status != "completed":
+                self._stop_blocks(now)
+
+    def _stop_blocks(self, now: float) -> None:
+        """The run ended failed or cancelled: blocks still under way were stopped with
+        it (no event of their own says so), as the page shows them too."""
+        for block in self.blocks.values():
+            if block.status not in ("running", "retrying", "paused"):
+                continue
+            if block.paused_at is not None and block.waited_ms is None:
+                block.waited_ms = max(0.0, now - block.paused_at)
+                block.detail = "no answer"
+            block.status, block.ended = "cancelled", now
 
     def gap(self, gap: Gap) -> None:
         self.notice(gap_notice(gap))
@@ -317,15 +406,16 @@ class LiveDisplay:
     def view(self) -> RenderableType:
         """What the terminal shows now: the header, then one row per block."""
         with self._lock:
-            now = time.monotonic()
-            took = (self.ended or now) - self.began
-            status = self.status
+            now = time.time() * 1000
+            took = ""
+            if self.created is not None:
+                took = f"  {max(0.0, (self.ended or now) - self.created) / 1000:.1f}s"
+            status, style = self.status, STYLES.get(self.status, "")
             if status == "queued" and self.ahead is not None:
                 status = queued_text(self.ahead)
-            header = Text.assemble(
-                (self.header, "bold"), "  ", (status, STYLES.get(self.status, "")),
-                f"  {took:.1f}s",
-            )  # fmt: skip
+            if status == "completed" and self.rejected:
+                status, style = "completed · rejected", "red"
+            header = Text.assemble((self.header, "bold"), "  ", (status, style), took)
             rows = Table.grid(padding=(0, 1))
             for _ in range(5):
                 rows.add_column(no_wrap=True)
@@ -348,13 +438,18 @@ class LiveDisplay:
 
 
 def _took(block: _Block, now: float) -> str:
-    """A finished block's duration (the server's, when it gave one), a running one's time."""
+    """A finished block's duration (the server's, when it gave one), a running one's
+    time; a block that paused, how long it waited for a person (times in ms)."""
+    if block.waited_ms is not None:
+        return f"waited {block.waited_ms / 1000:.1f}s"
+    if block.status == "paused" and block.paused_at is not None:
+        return f"waiting {max(0.0, now - block.paused_at) / 1000:.0f}s"
     if block.status == "completed" and block.duration_ms is not None:
         return seconds(block.duration_ms)
     if block.status in ("running", "retrying"):
-        return f"{now - block.began:.1f}s"
+        return f"{max(0.0, now - block.began) / 1000:.1f}s"
     if block.ended is not None:
-        return f"{block.ended - block.began:.2f}s"
+        return seconds(block.ended - block.began)
     return ""
 
 
@@ -362,7 +457,9 @@ def _note(block: _Block) -> _Tail:
     text = " ".join(block.text.split())
     if block.status in ("failed", "retrying"):
         return _Tail("", block.detail, "red" if block.status == "failed" else "yellow")
-    if block.status in ("skipped", "paused"):
+    if block.status in ("skipped", "paused", "cancelled"):
         return _Tail("", block.detail)
+    if block.detail.startswith("rejected"):
+        return _Tail("", block.detail, "red")
     prefix = f"{block.detail} · " if block.detail and text else block.detail
     return _Tail(prefix, text)

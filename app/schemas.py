@@ -25,6 +25,7 @@ _DESCRIPTIONS = {
     404: "No such workflow, execution or value (for this caller)",
     409: "The target is not in a state that allows this",
     413: "The request body is larger than FLOWCAST_MAX_BODY_BYTES",
+    415: "The body is not sent as Content-Type: application/json",
     422: "The request is well-formed but not valid",
     429: "The tenant already runs as many executions, or keeps as many bytes, as it may",
     503: "The event buffer or the value store cannot be reached, or the server is stopping",
@@ -107,6 +108,9 @@ class Snapshot(_Camel):
     error: Any = None
     pause: Any = None
     ahead: int | None = None  # queued: about how many executions start before it
+    # "rejected" once a person answered an approval with approved false (the run may
+    # still complete: the workflow decides what a rejection leads to).
+    decision: Literal["rejected"] | None = None
 
 
 class ExecutionList(BaseModel):

@@ -24,6 +24,7 @@ from bench.report import Report, Row, ms, percentile, rate, ratio, verdict
 from bench.rss import peak_rss, status_bytes
 from bench.scale import Scale
 from bench.stack import OWN_SERVER, SSE, Config, GiB, MiB, Stack, words, workflows
+from bench.starts_cost import StartsCost
 from tests.support.servers import FlowcastServer
 
 # --- the bench ---------------------------------------------------------------------
@@ -370,6 +371,9 @@ class Bench:
             await scale.starts()
         finally:
             await scale.close()
+
+    async def starts_cost(self) -> None:
+        await StartsCost(self.stack, self.config, self.report).run()
 
     async def streams(self) -> None:
         scale = Scale(self.stack, self.config, self.report)

@@ -117,7 +117,8 @@ def render(report: Report, *, mode: str, host: list[str], seconds: float) -> str
         "Baselines: latency and throughput rows compare with the plain sse-starlette "
         "endpoint in bench/baseline_sse.py (no buffer, same frames, its own uvicorn "
         "process); the store row compares with redis-benchmark's XADD rate on the same "
-        "Valkey. Ratios are Flowcast ÷ baseline.",
+        "Valkey; the starts-cost rows with the bare FastAPI POST of bench/baseline_api.py "
+        "(its own uvicorn process, no Redis). Ratios are Flowcast ÷ baseline.",
         "",
     ]
     if report.notes:

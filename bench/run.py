@@ -43,6 +43,7 @@ METRICS = (
     "memory",
     "recovery",
     "starts",
+    "starts-cost",
     "streams",
     "queue",
 )
@@ -83,6 +84,7 @@ async def main(args: argparse.Namespace) -> int:
                     "memory": bench.memory,
                     "recovery": bench.recovery,
                     "starts": bench.starts,
+                    "starts-cost": bench.starts_cost,
                     "streams": bench.streams,
                     "queue": bench.queue,
                 }

@@ -15,6 +15,10 @@ Commands:
   SSE response to its end, again, until the wall time ``t1``. Answers with the
   executions completed in ``[t0, t1]``, the errors, the CPU time spent in ``[t0, t1]``
   and each completed execution's request → terminal event time.
+- ``posts``: ``loops`` loops on keep-alive connections, each ``POST path`` with a JSON
+  body read to its end (``Content-Length``), again, until ``t1`` or until ``count``
+  requests were answered; answers with the statuses, the CPU time spent and each
+  request's time (the ``starts-cost`` metric, ``bench/starts_cost.py``).
 - ``open``: open one SSE stream per target (``[path, cursor]``) at once, all
   concurrently; answers when every one got its response headers or failed (or
   ``timeout`` passed), with the first and last header times.
@@ -27,6 +31,8 @@ Commands:
 from __future__ import annotations
 
 import asyncio
+import math
+import re
 import resource
 import sys
 import time
@@ -203,6 +209,140 @@ async def starts(command: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# --- posts: plain requests on keep-alive connections ------------------------------------
+
+
+_LENGTH = re.compile(rb"content-length:\s*(\d+)", re.IGNORECASE)
+
+
+class Plain(asyncio.Protocol):
+    """Requests answered with a ``Content-Length`` body, one after another on one
+    keep-alive connection; ``send`` resolves to the answer's status once its body is in
+    (the body is not parsed). A connection the server closes is given up."""
+
+    def __init__(self) -> None:
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self.done: asyncio.Future[int] | None = None
+        self.lost = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)
+
+    def send(self, request: bytes) -> asyncio.Future[int]:
+        self._buffer.clear()
+        self.done = asyncio.get_running_loop().create_future()
+        assert self._transport is not None
+        self._transport.write(request)
+        return self.done
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        end = self._buffer.find(b"\r\n\r\n")
+        if end < 0:
+            return
+        head = bytes(self._buffer[:end])
+        length = _LENGTH.search(head)
+        if len(self._buffer) < end + 4 + (int(length.group(1)) if length else 0):
+            return
+        if b"connection: close" in head.lower():
+            self.close()
+        if self.done is not None and not self.done.done():
+            self.done.set_result(int(head.split(b" ", 2)[1]))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        if self.done is not None and not self.done.done():
+            self.done.set_exception(exc or ConnectionResetError("closed by the server"))
+
+    def close(self) -> None:
+        self.lost = True
+        if self._transport is not None:
+            self._transport.close()
+
+
+async def posts(command: dict[str, Any]) -> dict[str, Any]:
+    """``loops`` loops, each on its own keep-alive connection to one of ``ports`` (round
+    robin), each sending ``POST path`` with the JSON ``body`` (and the loop's entry of
+    ``headers``, round robin, if given) as soon as the previous answer is in. Either
+    until the wall time ``t1``, counting the answers that arrive in ``[t0, t1]`` (and
+    the CPU spent in that window), or, with ``count``, until that many requests were
+    answered in all (the CPU spent from the first request to the last answer)."""
+    path: str = command["path"]
+    body = command.get("body", {"input": {}})
+    ports: list[int] = command["ports"]
+    headers: list[dict[str, str]] = command.get("headers") or [{}]
+    timeout: float = command.get("timeout", 30.0)
+    count: int | None = command.get("count")
+    t0: float = command.get("t0", 0.0)
+    t1: float = command.get("t1", math.inf)
+    loop = asyncio.get_running_loop()
+    statuses: Counter[int] = Counter()  # answers in the window (all of them with count)
+    answered = 0  # answers in all, the warm-up's included
+    errors: Counter[str] = Counter()  # not answered: the whole run
+    durations: list[float] = []  # request sent → answer in, in the window
+    connections = 0
+    left = count if count is not None else -1
+    cpu: dict[str, float] = {}
+    began = time.time()
+
+    async def one_loop(index: int) -> None:
+        nonlocal connections, left, answered
+        port = ports[index % len(ports)]
+        request = http_request(
+            "POST", path, port=port, headers=headers[index % len(headers)], json=body,
+            keep_alive=True,
+        )  # fmt: skip
+        client: Plain | None = None
+        while left > 0 if count is not None else time.time() < t1:
+            left -= 1
+            try:
+                if client is None or client.lost:
+                    async with asyncio.timeout(timeout):
+                        _, client = await loop.create_connection(Plain, HOST, port)
+                    connections += 1
+                sent = time.time()
+                async with asyncio.timeout(timeout):
+                    status = await client.send(request)
+            except (OSError, TimeoutError) as exc:
+                errors[type(exc).__name__] += 1
+                if client is not None:
+                    client.close()
+                client = None
+                await asyncio.sleep(0.05)
+                continue
+            answered += 1
+            now = time.time()
+            if count is not None or t0 <= now <= t1:
+                statuses[status] += 1
+                durations.append(now - sent)
+        if client is not None:
+            client.close()
+
+    async def cpu_at(name: str, at: float) -> None:
+        await asyncio.sleep(max(at - time.time(), 0))
+        cpu[name] = cpu_seconds()
+
+    cpu["t0"] = cpu_seconds()
+    async with asyncio.TaskGroup() as group:
+        if count is None:
+            group.create_task(cpu_at("t0", t0))
+            group.create_task(cpu_at("t1", t1))
+        for index in range(command["loops"]):
+            group.create_task(one_loop(index))
+    cpu.setdefault("t1", cpu_seconds())
+    return {
+        "statuses": {str(status): n for status, n in statuses.items()},
+        "answered": answered,
+        "errors": dict(errors),
+        "connections": connections,
+        "cpu": cpu["t1"] - cpu["t0"],
+        "began": began,
+        "ended": time.time(),
+        "durations": durations,
+    }
+
+
 # --- streams: many SSE streams held open -----------------------------------------------
 
 
@@ -372,6 +512,7 @@ async def main() -> None:
 
     commands: dict[str, Command] = {
         "starts": starts,
+        "posts": posts,
         "open": streams.open,
         "record": record,
         "stats": stats,

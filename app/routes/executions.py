@@ -58,6 +58,8 @@ def snapshot(meta: ExecutionMeta) -> dict[str, Any]:
         value = getattr(meta, name)
         if value is not None:
             view[name] = value
+    if meta.decision:
+        view["decision"] = meta.decision
     return view
 
 
@@ -185,7 +187,7 @@ def _answer(outcome: Outcome) -> JSON:
     status_code=202,
     responses={
         202: {"model": Accepted, "description": "Resumed"},
-        **errors(400, 404, 409, 413, 422, 429, *API_ERRORS),
+        **errors(400, 404, 409, 413, 415, 422, 429, *API_ERRORS),
     },
     openapi_extra={
         "parameters": [IDEMPOTENCY_KEY],

@@ -49,7 +49,7 @@ async def list_secrets(svc: ServicesDep, tenant_id: TenantDep) -> JSON:
     responses={
         200: {"model": SecretName, "description": "Replaced"},
         201: {"model": SecretName, "description": "Created"},
-        **errors(400, 413, 422, 429, *API_ERRORS),
+        **errors(413, 415, 422, 429, *API_ERRORS),
     },
     openapi_extra=json_example({"value": "sk-live-…"}),
 )

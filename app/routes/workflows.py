@@ -77,7 +77,7 @@ async def list_workflows(svc: ServicesDep, tenant_id: TenantDep) -> JSON:
     responses={
         200: {"model": WorkflowDocument, "description": "Replaced"},
         201: {"model": WorkflowDocument, "description": "Created"},
-        **errors(400, 413, 422, 429, *API_ERRORS),
+        **errors(413, 415, 422, 429, *API_ERRORS),
     },
     openapi_extra=workflow_body(),
 )
@@ -172,7 +172,7 @@ def _starter(
             "description": "The execution's SSE stream (Accept: text/event-stream)",
         },
         202: {"model": Started, "description": "Started"},
-        **errors(400, 404, 413, 422, 429, *API_ERRORS),
+        **errors(400, 404, 413, 415, 422, 429, *API_ERRORS),
     },
     openapi_extra={
         "parameters": [IDEMPOTENCY_KEY],

@@ -1,12 +1,12 @@
 // What each event of a run does to the page (the timeline, the status, the pause panel);
 // the graph follows the same events by itself (graph.js).
 
-import { $, show } from "./dom.js";
-import { formatMs } from "./format.js";
+import { $, el, show } from "./dom.js";
+import { decisionOf, decisionText, formatDuration, formatMs } from "./format.js";
 import { chooseWorkflow } from "./launch.js";
 import { notice, setStatus, showResult } from "./panel.js";
 import { hidePause, showPause } from "./pause.js";
-import { blockRow, setBlockStatus } from "./timeline.js";
+import { blockRow, setBlockStatus, stopBlocks } from "./timeline.js";
 import { renderValue } from "./values.js";
 
 export const TERMINAL = new Set(["execution:completed", "execution:failed", "execution:cancelled"]);
@@ -18,8 +18,10 @@ export function apply(run, event) {
 }
 
 const HANDLERS = {
-  "execution:started": (run, event) => {
+  "execution:started": (run, event, data) => {
     run.startedAt = Date.parse(event.ts);
+    // Its creation: every view's duration counts from there (SPEC §9), time in line too.
+    if (!run.createdExact) run.createdAt = run.startedAt - (Number(data.queuedMs) || 0);
     run.workflowId = event.workflowId;
     $("run-workflow").textContent = `workflow ${event.workflowId}`;
     chooseWorkflow(event.workflowId);
@@ -47,7 +49,10 @@ const HANDLERS = {
   "block:completed": (run, event, data) => {
     const row = blockRow(run, data.blockId, event.ts);
     setBlockStatus(row, "completed");
-    row.duration.textContent = formatMs(data.durationMs);
+    // A block that waited for a person says how long; its own durationMs is only the
+    // work after the answer.
+    row.duration.textContent =
+      row.waitedMs !== null ? waitedText(row.waitedMs) : formatMs(data.durationMs);
     row.output.replaceChildren(renderValue(run, data.output));
     show(row.output, true);
   },
@@ -70,6 +75,9 @@ const HANDLERS = {
   "execution:paused": (run, event, data) => {
     const row = blockRow(run, data.blockId, event.ts);
     setBlockStatus(row, "waiting");
+    row.pausedTs = Date.parse(event.ts);
+    row.waitedMs = null;
+    row.duration.textContent = "waiting for a person";
     if (run.answerWaits) {
       // Replayed, but answered already: the answer waits in line for a worker (the
       // resume follows once one takes it), so the form is not offered again.
@@ -81,7 +89,18 @@ const HANDLERS = {
   },
   "execution:resumed": (run, event, data) => {
     const row = run.blocks.get(data.blockId);
-    if (row) setBlockStatus(row, "resumed");
+    const answer = decisionOf(data.input);
+    if (answer.decision === "rejected") run.rejections.push({ blockId: data.blockId, ...answer });
+    if (row) {
+      setBlockStatus(row, "resumed");
+      if (row.pausedTs !== null) {
+        row.waitedMs = Math.max(0, Date.parse(event.ts) - row.pausedTs);
+        row.duration.textContent = waitedText(row.waitedMs);
+      }
+      row.decision.textContent = decisionText(answer);
+      row.decision.dataset.decision = answer.decision;
+      show(row.decision, true);
+    }
     hidePause(run);
     run.answerWaits = false;
     setStatus(run, "running");
@@ -102,20 +121,53 @@ const HANDLERS = {
     setStatus(run, "running");
   },
   "execution:completed": (run, event, data) => {
+    ended(run, event, "finished in");
     setStatus(run, "completed");
-    $("run-duration").textContent = `· finished in ${formatMs(data.durationMs)}`;
     showResult(run, "completed", data.output, null);
+    if (run.rejections.length) showRejected(run);
   },
   "execution:failed": (run, event, data) => {
+    stopBlocks(run, event.ts);
+    ended(run, event, "failed after");
     setStatus(run, "failed");
     showResult(run, "failed", null, data.error);
   },
   "execution:cancelled": (run, event, data) => {
+    stopBlocks(run, event.ts);
+    ended(run, event, "cancelled after");
     setStatus(run, "cancelled");
     hidePause(run);
     showResult(run, "cancelled", null, { message: data.reason || "cancelled" });
   },
 };
+
+function waitedText(ms) {
+  return `waited ${formatDuration(ms)} for a person`;
+}
+
+// The run's one duration: from its createdAt to `event`, its terminal event (as the
+// list counts it, and execution:completed's durationMs); none while createdAt is unknown
+// (watch.js shows it once the snapshot tells).
+function ended(run, event, what) {
+  run.ending = { what, ts: Date.parse(event.ts) };
+  if (run.createdAt !== null) showDuration(what, Math.max(0, run.ending.ts - run.createdAt));
+}
+
+/** "· finished in 7.6 s" beside the run's workflow. */
+export function showDuration(what, ms) {
+  $("run-duration").textContent = `· ${what} ${formatDuration(ms)}`;
+}
+
+// A run that completed after a person said no: the badge and the outcome say so first.
+function showRejected(run) {
+  const badge = $("run-status");
+  badge.textContent = "completed · rejected";
+  badge.dataset.decision = "rejected";
+  $("result-title").textContent = "Rejected";
+  // "Rejected at review: “too much”."
+  const said = run.rejections.map((r) => (r.note ? `${r.blockId}: “${r.note}”` : r.blockId)).join("; ");
+  $("result-body").prepend(el("p", { class: "rejected", text: `Rejected at ${said}.` }));
+}
 
 /** Every event type the stream sends for a run (EventSource listens by name). */
 export const EVENT_TYPES = Object.keys(HANDLERS);

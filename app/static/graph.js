@@ -9,12 +9,13 @@
 // workflow's definition by itself (through the `load` it is given) and calls
 // `select(blockId)` on a click.
 
+import { decisionOf } from "./format.js";
 import { LAYOUT, cutText, layoutWorkflow } from "./graph-layout.js";
 
 export class FlowGraph {
   static PAD = 16;
   static FAR = 0.5; // below this zoom the text goes and only shapes and icons stay
-  static PENDING = Object.freeze({ status: "pending", attempt: 0, type: "", rerun: false });
+  static PENDING = Object.freeze({ status: "pending", attempt: 0, type: "", rerun: false, decision: "" });
   static STATES = ["pending", "running", "retrying", "paused", "completed", "failed", "skipped", "cancelled"];
 
   constructor(root, { load, select }) {
@@ -87,7 +88,8 @@ export class FlowGraph {
         this.set(data.blockId, "paused");
         break;
       case "execution:resumed":
-        this.set(data.blockId, "running");
+        // What the person answered stays on the node: "approved", "rejected".
+        this.set(data.blockId, "running", { decision: decisionOf(data.input).decision });
         break;
       case "execution:recovered":
         // The blocks it names run again at once; the kept ones are done, even if the
@@ -343,9 +345,15 @@ export class FlowGraph {
       for (const edge of this.incoming.get(blockId) || []) edge.dataset.state = state.status;
     }
     const tries = state.attempt > 1 ? ` · try ${state.attempt}` : state.rerun ? " · re-run" : "";
-    line.textContent = `${state.status} · ${type}${tries}`;
-    title.textContent = `${blockId} (${type}): ${state.status}${state.attempt > 1 ? `, attempt ${state.attempt}` : ""}`;
-    group.setAttribute("aria-label", `${blockId}, ${state.status}`);
+    // An answered approval that completed says the answer instead ("rejected · approval").
+    const decided = state.status === "completed" && ["approved", "rejected"].includes(state.decision);
+    const word = decided ? state.decision : state.status;
+    line.textContent = `${word} · ${type}${tries}`;
+    if (decided) group.dataset.decision = state.decision;
+    else delete group.dataset.decision;
+    const said = decided ? ` (${state.decision})` : "";
+    title.textContent = `${blockId} (${type}): ${state.status}${said}${state.attempt > 1 ? `, attempt ${state.attempt}` : ""}`;
+    group.setAttribute("aria-label", `${blockId}, ${state.status}${said}`);
   }
 
   strangerNote() {

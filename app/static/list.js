@@ -10,7 +10,7 @@
 
 import { headers } from "./api.js";
 import { $ } from "./dom.js";
-import { queuedLabel } from "./format.js";
+import { formatDuration, queuedLabel } from "./format.js";
 import { apiKey } from "./keys.js";
 import { hashOf } from "./routing.js";
 
@@ -38,20 +38,6 @@ function formatStart(iso) {
   const time = `${pad(date.getHours())}:${pad(date.getMinutes())}:${pad(date.getSeconds())}`;
   if (date.toDateString() === new Date().toDateString()) return time;
   return `${date.toLocaleDateString(undefined, { month: "short", day: "numeric" })} ${time}`;
-}
-
-// Finished runs to the tenth of a second; running ones in whole seconds, as they tick.
-function formatDuration(ms, ticking) {
-  const span = Math.max(0, ms);
-  if (span < 1000 && !ticking) return `${Math.round(span)} ms`;
-  const seconds = Math.floor(span / 1000);
-  if (seconds < 60) return ticking ? `${seconds} s` : `${(span / 1000).toFixed(1)} s`;
-  const days = Math.floor(seconds / 86400);
-  const hours = Math.floor((seconds % 86400) / 3600);
-  const minutes = Math.floor((seconds % 3600) / 60);
-  if (days) return `${days} d ${hours} h`;
-  if (hours) return `${hours} h ${pad(minutes)} min`;
-  return `${minutes} min ${pad(seconds % 60)} s`;
 }
 
 function duration(row) {
@@ -88,6 +74,12 @@ function rowNode(row) {
   badge.textContent = row.status === "queued" ? queuedLabel(row.ahead) : row.status;
   const status = cell("");
   status.append(badge);
+  if (row.decision === "rejected") {
+    // An approval answered no: the run may still complete, as its workflow says.
+    badge.dataset.decision = "rejected";
+    badge.textContent = `${row.status} · rejected`;
+    badge.title = "a person rejected an approval of this run";
+  }
   if (row.errorCode) {
     // Why it failed (quarantined, worker_lost, a block's code), beside the status.
     const why = document.createElement("span");

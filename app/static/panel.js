@@ -9,6 +9,7 @@ export function setStatus(run, status, label = status) {
   const badge = $("run-status");
   badge.textContent = label;
   badge.dataset.status = status;
+  delete badge.dataset.decision;
   show($("cancel"), status === "queued" || status === "running" || status === "paused");
   $("cancel").disabled = false;
 }

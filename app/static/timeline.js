@@ -1,7 +1,7 @@
 // The run's timeline, a row per block, and its log of every event received.
 
 import { $, el } from "./dom.js";
-import { formatMs } from "./format.js";
+import { formatDuration, formatMs } from "./format.js";
 
 export function logEvent(event) {
   const data = event.data || {};
@@ -32,18 +32,43 @@ export function blockRow(run, blockId, ts) {
   const at = el("span", { class: "at", text: offsetOf(run, ts) });
   const attempt = el("span", { class: "attempt" });
   const duration = el("span", { class: "duration" });
+  // A pause's answer: "approved", "rejected: “note”" (with the person's wait in duration).
+  const decision = el("span", { class: "decision", hidden: true });
   const chunks = el("pre", { class: "chunks", hidden: true });
   const output = el("div", { class: "output", hidden: true });
   const error = el("p", { class: "error", hidden: true });
   node.append(
-    el("div", { class: "row-head" }, status, name, kind, attempt, el("span", { class: "spacer" }),
-      at, duration),
+    el("div", { class: "row-head" }, status, name, kind, attempt, decision,
+      el("span", { class: "spacer" }), at, duration),
     chunks, output, error,
   );
-  row = { node, status, kind, attempt, duration, chunks, output, error, startedTs: null };
+  row = {
+    node, status, kind, attempt, duration, decision, chunks, output, error,
+    startedTs: null,
+    pausedTs: null, // when it paused for a person, until answered
+    waitedMs: null, // how long it waited for a person, once answered (or the run ended)
+  };
   run.blocks.set(blockId, row);
   $("timeline").append(node);
   return row;
+}
+
+// Row states of a block still under way; when the run ends, such a block was stopped
+// with it (no event of its own says so), as the graph shows it too.
+const UNDER_WAY = new Set(["started", "running", "retrying", "waiting", "resumed", "re-run"]);
+
+/** The run ended (failed or cancelled): blocks still under way read "cancelled". */
+export function stopBlocks(run, ts) {
+  for (const row of run.blocks.values()) {
+    if (!UNDER_WAY.has(row.status.dataset.status)) continue;
+    if (row.pausedTs !== null && row.waitedMs === null) {
+      row.waitedMs = Math.max(0, Date.parse(ts) - row.pausedTs);
+      row.duration.textContent = `waited ${formatDuration(row.waitedMs)}, no answer`;
+    } else if (row.startedTs !== null && row.waitedMs === null) {
+      row.duration.textContent = formatMs(Date.parse(ts) - row.startedTs);
+    }
+    setBlockStatus(row, "cancelled");
+  }
 }
 
 export function setBlockStatus(row, status) {

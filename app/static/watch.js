@@ -4,7 +4,7 @@
 
 import { api, errorText, withToken } from "./api.js";
 import { $, show } from "./dom.js";
-import { apply, EVENT_TYPES, TERMINAL } from "./events.js";
+import { apply, EVENT_TYPES, showDuration, TERMINAL } from "./events.js";
 import { queuedLabel } from "./format.js";
 import { notice, setDuplicates, setStatus, showResult } from "./panel.js";
 import { hidePause } from "./pause.js";
@@ -33,6 +33,10 @@ export function attach(executionId, token) {
     duplicates: 0,
     blocks: new Map(),
     startedAt: null,
+    createdAt: null, // ms: its snapshot's createdAt, or else execution:started's ts less queuedMs
+    createdExact: false, // createdAt is the snapshot's
+    ending: null, // once ended: {what, ts} of its duration ("cancelled after", the event's ts)
+    rejections: [], // {blockId, decision, note} of the approvals answered no
     status: "connecting",
     finished: false,
     workflowId: null,
@@ -44,6 +48,20 @@ export function attach(executionId, token) {
   watching = run;
   clearPanel(run);
   run.source = listen(run);
+  readCreated(run);
+}
+
+// The run's createdAt, which every view's duration counts from (SPEC §9): its first
+// event tells it only to within the moments its start took, so the snapshot says it.
+// Unreadable with a stream token alone: the first event's estimate stays.
+async function readCreated(run) {
+  const response = await api(`/api/executions/${run.id}`).catch(() => null);
+  const snapshot = response && response.ok ? await response.json().catch(() => null) : null;
+  const created = snapshot ? Date.parse(snapshot.createdAt) : NaN;
+  if (watching !== run || Number.isNaN(created)) return;
+  run.createdAt = created;
+  run.createdExact = true;
+  if (run.ending) showDuration(run.ending.what, Math.max(0, run.ending.ts - created));
 }
 
 function clearPanel(run) {
@@ -106,6 +124,13 @@ async function explainClosed(run) {
   else setStatus(run, snapshot.status);
   if (["completed", "failed", "cancelled"].includes(snapshot.status)) {
     showResult(run, snapshot.status, snapshot.output, snapshot.error);
+    // Its one duration, createdAt to its end (updatedAt is its terminal event's time).
+    const ms = Date.parse(snapshot.updatedAt) - Date.parse(snapshot.createdAt);
+    if (!Number.isNaN(ms)) showDuration(snapshot.status === "completed" ? "finished in" : `${snapshot.status} after`, ms);
+    if (snapshot.decision === "rejected") {
+      $("run-status").textContent = `${snapshot.status} · rejected`;
+      $("run-status").dataset.decision = "rejected";
+    }
     detach(run);
   }
 }

@@ -459,6 +459,20 @@ class EventBuffer:
         return found
 
     @translated
+    async def ending(self, execution_id: str) -> tuple[bool, int] | None:
+        """Whether the execution finished, and its last stored id (None when the store
+        does not have it): the fields an idle tail looks at every few seconds, read
+        alone (the whole hash copies a pause, or an outcome, of up to 16 KiB)."""
+        fields = [Field.STATUS, Field.LAST_ID, Field.WORKFLOW_ID]
+        status, last_id, workflow = cast(
+            list[bytes | None], await self.redis.hmget(self.keys.meta(execution_id), fields)
+        )
+        if status is None and last_id is None and workflow is None:
+            return None
+        finished = status is not None and status.decode() in TERMINAL_STATUSES
+        return finished, int(last_id or 0)
+
+    @translated
     async def exists(self, execution_id: str) -> bool:
         """True while the execution's metadata exists (it expires with retention)."""
         return bool(await self.redis.exists(self.keys.meta(execution_id)))

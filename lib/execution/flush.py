@@ -64,8 +64,10 @@ from lib.execution.events import (
     EXECUTION_FAILED,
     EXECUTION_PAUSED,
     EXECUTION_RECOVERED,
+    EXECUTION_RESUMED,
     FINAL_TYPES,
     STATUS_AFTER,
+    TERMINAL_TYPES,
     Event,
     utc_timestamp,
 )
@@ -88,13 +90,21 @@ Publish = Callable[[Event], None]
 
 
 def batch_meta(batch: list[Event]) -> dict[str, str]:
-    """Metadata fields that storing this batch changes, written in the same script."""
+    """Metadata fields that storing this batch changes, written in the same script.
+
+    A batch that ends the execution dates it by its terminal event, so the lists'
+    duration (``createdAt`` to ``updatedAt``) is the one every view shows (SPEC §9).
+    """
     meta: dict[str, str] = {"updatedAt": utc_timestamp()}
     for event in batch:
         status = STATUS_AFTER.get(event.type)
         if status is None:
             continue
         meta["status"] = status
+        if event.type in TERMINAL_TYPES:
+            meta["updatedAt"] = event.ts
+        if event.type == EXECUTION_RESUMED and rejected(event.data.get("input")):
+            meta["decision"] = "rejected"
         if event.type == EXECUTION_COMPLETED:
             _outcome(meta, "output", event.data.get("output"), event.id)
         elif event.type == EXECUTION_FAILED:
@@ -105,6 +115,11 @@ def batch_meta(batch: list[Event]) -> dict[str, str]:
         elif event.type == EXECUTION_RECOVERED:
             meta["recoveries"] = str(event.data.get("recovery", 0))
     return meta
+
+
+def rejected(answer: object) -> bool:
+    """An approval's answer that says no: ``approved: false`` (SPEC §2's approval schema)."""
+    return isinstance(answer, dict) and answer.get("approved") is False
 
 
 def _outcome(meta: dict[str, str], field: str, value: object, event_id: int) -> None:

@@ -5,7 +5,8 @@ append.lua (a batch that carries ``execution:paused``, ``resumed``, ``recovered`
 terminal event; batches of chunks never do). Each then publishes the execution's list
 row on ``<prefix>:status``: ``{"id", "tenant", "workflowId", "status", "createdAt",
 "updatedAt", "lastEventId"}``, with ``"errorCode"`` once failed (``quarantined``,
-``worker_lost``, a block's code, …). One channel for every tenant: a handful of
+``worker_lost``, a block's code, …) and ``"decision": "rejected"`` once a person
+answered an approval with ``approved: false``. One channel for every tenant: a handful of
 messages per execution, against the ``notify`` message every stored batch already sends
 to every process; and the readers' pub/sub connection (stream.py) subscribes to it
 once, beside ``notify``, instead of subscribing and unsubscribing tenants on a
@@ -79,6 +80,7 @@ class Row:
     updated_at: str
     last_id: int  # orders the changes of one execution
     error_code: str = ""  # why it failed ("quarantined", "worker_lost", …), once failed
+    decision: str = ""  # "rejected": a person answered an approval with approved false
 
     @classmethod
     def of(cls, meta: ExecutionMeta) -> Row:
@@ -92,6 +94,7 @@ class Row:
             meta.updated_at,
             meta.last_id,
             code if isinstance(code, str) else "",
+            meta.decision,
         )
 
     def view(self) -> dict[str, Any]:
@@ -103,6 +106,7 @@ class Row:
             "updatedAt": self.updated_at,
             "lastEventId": self.last_id,
             **({"errorCode": self.error_code} if self.error_code else {}),
+            **({"decision": self.decision} if self.decision else {}),
         }
 
 
@@ -118,6 +122,7 @@ def parse_change(data: bytes | str) -> tuple[str, Row] | None:
             str(fields["updatedAt"]),
             int(fields["lastEventId"]),
             str(fields.get("errorCode") or ""),
+            str(fields.get("decision") or ""),
         )
         return str(fields["tenant"]), row
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:

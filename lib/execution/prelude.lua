@@ -30,13 +30,13 @@ end
 -- Publish an execution's list row on `channel` as JSON {"id", "tenant", "workflowId",
 -- "status", "createdAt", "updatedAt", "lastEventId"} (the live lists, listing.py), read
 -- from its metadata hash `meta`, with "errorCode" when it failed (its error's code, such
--- as "quarantined"); nothing when the hash names no tenant. With pcall: the
+-- as "quarantined"), and "decision" once an approval was rejected; nothing when the hash names no tenant. With pcall: the
 -- caller has written by now and a script stopped by an error keeps its writes, so a
 -- refused PUBLISH (an ACL without the channel) must not turn what was stored into an
 -- error reply. The lists read the store again whenever they may have missed a row.
 local function publish_row(meta, channel, execution_id, status, last_id)
   local row = redis.call("HMGET", meta, "tenant", "workflowId", "createdAt", "updatedAt",
-    "error")
+    "error", "decision")
   if row[1] then
     local message = {id = execution_id, tenant = row[1], workflowId = row[2] or "",
       status = status, createdAt = row[3] or "", updatedAt = row[4] or "",
@@ -47,6 +47,7 @@ local function publish_row(meta, channel, execution_id, status, last_id)
         message.errorCode = err.code
       end
     end
+    if row[6] then message.decision = row[6] end
     redis.pcall("PUBLISH", channel, cjson.encode(message))
   end
 end

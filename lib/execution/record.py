@@ -107,6 +107,9 @@ class Field(StrEnum):
     OUTPUT = "output"
     ERROR = "error"
     PAUSE = "pause"
+    # "rejected" once a person answered an approval with ``approved: false`` (flush.py):
+    # the lists say so beside a run that then completed.
+    DECISION = "decision"
 
 
 class Status(StrEnum):
@@ -362,6 +365,7 @@ class ExecutionMeta:
     output: Any = None
     error: Any = None
     pause: Any = None
+    decision: str = ""  # "rejected": an approval was answered with approved false
 
     @property
     def finished(self) -> bool:
@@ -404,6 +408,7 @@ class ExecutionMeta:
             output=loaded(Field.OUTPUT),
             error=loaded(Field.ERROR),
             pause=loaded(Field.PAUSE),
+            decision=text(Field.DECISION),
         )
 
 

@@ -4,58 +4,95 @@ that wrote it (a restart from AOF or an older snapshot, a replica promoted), say
 long ownership must wait for owners to re-assert what that server may have lost, and
 whether it lost writes some process saw acknowledged.
 
-KEYS[1]  fc:store  (hash: runId, settleUntil, mark, behindUntil)
+KEYS[1]  fc:store  (hash: runId, settleUntil, mark, behindUntil, nodes, born)
 ARGV[1]  the identity of the server(s) answering now (run ids)
 ARGV[2]  how long to settle after a change, in milliseconds
 ARGV[3]  the highest mark this store ever gave the caller ("0": none yet)
 ARGV[4]  how long approval deadlines wait after the store was found behind, in
          milliseconds (about a lease: the owners' time to re-assert what it lost)
+ARGV[5]  (optional) on a cluster, the identity of every primary: another one there
+         is a change too (a node restarted), as ARGV[1] is; recorded the first time
+         without one (processes of an earlier version send none)
 
-The mark is the store's own time of its latest call (Redis's clock, never lower than
-the mark before): a process remembers the highest one it was given. A store whose mark
-is below a caller's came back without writes that process saw acknowledged (an older
-snapshot, a lagging replica promoted): it is behind, and for ARGV[4] from then on the
-approval deadlines it holds may not expire, for a pause it brought back may have been
-resumed and its owner, stalled for a moment, not yet told it so (the janitors read the
-wait and hold the deadlines listed when they first see it).
+The mark is the store's own time of its latest call (of a caller that saw one; Redis's
+clock, never lower than the mark before): a process remembers the highest one it was
+given. A store whose mark is below a caller's came back without writes that process
+saw acknowledged (an older snapshot, a lagging replica promoted): it is behind, and
+for ARGV[4] from then on the approval deadlines it holds may not expire, for a pause
+it brought back may have been resumed and its owner, stalled for a moment, not yet
+told it so (the janitors read the wait and hold the deadlines listed when they first
+see it).
 A restart that lost nothing keeps its mark: deadlines fire at once after it.
 
 Returns {settle, behind, mark}: the milliseconds left to settle (0: claims and
 janitors may go on; ARGV[2] when the identity just changed, what is left of that
 settle while it has not), the milliseconds left for deadlines to wait (0: none), and
 the mark to remember. No error reply of its own. A store without the key is new or
-came back empty: it has nothing to settle (an execution it lost is gone, and only what
-a process kept of it brings it back). A new one (the caller saw no mark) is not behind:
-(0, 0, and the identity is recorded). One that came back empty (the caller saw a mark)
-is behind for ARGV[4] like an older snapshot: ids owners showed are forgotten, and a
-pause or an ending a process stores again into it is older than they are.
+came back empty. A new one (the caller saw no mark) has nothing to settle and is not
+behind: (0, 0, and the identity is recorded). One that came back empty (the caller saw
+a mark) settles, as a restart that kept its data does, and is behind for ARGV[4] like
+an older snapshot: what a process kept is stored again into it (a pause, an ending:
+finals.py) and may be older than what another did since (resumed that pause, on a run
+that re-asserts itself within the settle; a resume claimed before that was a second
+one accepted: the fresh-eyes review of e37bdfa), and ids owners showed are forgotten.
+
+A caller that saw no mark (a process just started) cannot tell, so it hides nothing
+from those that can: it is given the store's mark as it is, without raising it to now
+(raised, it would stand above every mark the others saw before an older snapshot was
+restored), and a key it creates records when ("born"): the first caller whose mark is
+older than that saw the store before it came back empty, and finds it behind.
 ]]
 
 local now = now_ms()
-local known = redis.call("HMGET", KEYS[1], "runId", "settleUntil", "mark", "behindUntil")
+local known = redis.call("HMGET", KEYS[1], "runId", "settleUntil", "mark", "behindUntil",
+  "nodes", "born")
+local nodes = ARGV[5] or ""
 local seen = tonumber(ARGV[3]) or 0
 if not known[1] then
   local mark = math.max(now, seen)
-  local behind, behind_until = 0, 0
+  local settle, behind, settle_until, behind_until = 0, 0, 0, 0
   if seen > 0 then
-    behind = tonumber(ARGV[4])
-    behind_until = now + behind
+    settle, behind = tonumber(ARGV[2]), tonumber(ARGV[4])
+    settle_until, behind_until = now + settle, now + behind
   end
-  redis.call("HSET", KEYS[1], "runId", ARGV[1], "settleUntil", 0, "mark", mark,
+  redis.call("HSET", KEYS[1], "runId", ARGV[1], "settleUntil", settle_until, "mark", mark,
     "behindUntil", behind_until)
-  return {0, behind, mark}
+  if nodes ~= "" then
+    redis.call("HSET", KEYS[1], "nodes", nodes)
+  end
+  if seen == 0 then
+    redis.call("HSET", KEYS[1], "born", now)
+  end
+  return {settle, behind, mark}
 end
 local settle_until = tonumber(known[2]) or 0
 local mark = tonumber(known[3]) or 0
 local behind_until = tonumber(known[4]) or 0
-if known[1] ~= ARGV[1] then
+local nodes_changed = nodes ~= "" and known[5] and known[5] ~= nodes
+if known[1] ~= ARGV[1] or nodes_changed then
   settle_until = now + tonumber(ARGV[2])
   redis.call("HSET", KEYS[1], "runId", ARGV[1], "settleUntil", settle_until)
 end
-if mark < seen then
+if nodes ~= "" and known[5] ~= nodes then
+  redis.call("HSET", KEYS[1], "nodes", nodes)
+end
+local born = tonumber(known[6])
+local emptied = born and seen > 0 and seen < born
+if mark < seen or emptied then
   behind_until = now + tonumber(ARGV[4])
   redis.call("HSET", KEYS[1], "behindUntil", behind_until)
 end
-mark = math.max(mark, seen, now)
-redis.call("HSET", KEYS[1], "mark", mark)
+if emptied then
+  -- Found: the others are told what is left; it settles from now (the process that
+  -- made the key could not tell).
+  redis.call("HDEL", KEYS[1], "born")
+  if settle_until < now + tonumber(ARGV[2]) then
+    settle_until = now + tonumber(ARGV[2])
+    redis.call("HSET", KEYS[1], "settleUntil", settle_until)
+  end
+end
+if seen > 0 then
+  mark = math.max(mark, seen, now)
+  redis.call("HSET", KEYS[1], "mark", mark)
+end
 return {math.max(settle_until - now, 0), math.max(behind_until - now, 0), mark}

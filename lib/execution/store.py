@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from redis.asyncio.cluster import RedisCluster
+
 from lib.backend import register, translated
 from lib.errors import BufferUnavailable
 from lib.execution.buffer import EventBuffer
@@ -78,18 +80,30 @@ class StoreIdentity:
         """Which Redis server answers, how long ownership must still wait after its
         data changed servers, and how long deadlines must wait after it was found
         behind (store.lua)."""
-        info: Any = await self.redis.info("server")
-        nodes = [info] if "run_id" in info else list(info.values())
-        identity = ",".join(sorted(str(node.get("run_id", "")) for node in nodes))
+        identity, nodes = await self._identities()
         settle_ms = int(self.settle_seconds * 1000)
         behind_ms = int(self.behind_seconds * 1000)
         settle, behind, mark = await self._store(
-            keys=[self.keys.store], args=[identity, settle_ms, self._mark, behind_ms]
+            keys=[self.keys.store], args=[identity, settle_ms, self._mark, behind_ms, nodes]
         )
         self._mark = max(self._mark, int(mark))
         if int(behind) > 0:
             self._behind_seen = time.monotonic()
-        return Store(identity, int(settle) / 1000, int(behind) / 1000)
+        return Store(f"{identity} {nodes}".strip(), int(settle) / 1000, int(behind) / 1000)
+
+    async def _identities(self) -> tuple[str, str]:
+        """The run id of the server that answers (on a cluster, the client's default
+        node, as processes of earlier versions read it: a rolling deploy must not see
+        it change back and forth), and on a cluster the run ids of every primary, so
+        that a restart of any node is noticed ("" on a single server)."""
+        if not isinstance(self.redis, RedisCluster):
+            info: Any = await self.redis.info("server")
+            return str(info.get("run_id", "")), ""
+        default = self.redis.get_default_node()
+        every: Any = await self.redis.info("server", target_nodes=RedisCluster.PRIMARIES)
+        ids = {name: str(node.get("run_id", "")) for name, node in every.items()}
+        identity = ids.get(default.name, "") if default is not None else ""
+        return identity, ",".join(sorted(ids.values()))
 
     def came_back_behind(self) -> bool:
         """True while the store was seen behind less than ``restored_seconds`` ago: the

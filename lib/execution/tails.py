@@ -294,11 +294,11 @@ class Tails:
         store lost what this process stored, so ``stored_last`` says nothing of it: a
         store that came back empty, the pause re-asserted there and ended by another
         process)."""
-        try:
-            meta = await self.buffer.meta(channel.execution_id)
-        except NotFound:
+        ending = await self.buffer.ending(channel.execution_id)
+        if ending is None:
             return self._gone(channel, missing_since)
-        if meta.finished and meta.last_id < channel.last_published:
+        finished, last_id = ending
+        if finished and last_id < channel.last_published:
             await self._terminal_below(channel)
         return None
 

@@ -17,15 +17,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
+
+from redis.asyncio.cluster import RedisCluster
 
 from lib.backoff import Backoff
 from lib.errors import FlowcastError, NotFound, WrongStatus
 from lib.execution.indexes import created_ms
 from lib.execution.ownership import Claim
 from lib.execution.queue import CONTINUATION_OFFSET_MS, Backlog, Queue, Taken
-from lib.execution.record import ExecutionMeta, Mode
+from lib.execution.record import ExecutionMeta, Mode, Status
 from lib.metrics import Metrics
 from lib.workflows.executor import RunState
 from lib.workflows.leases import LocalRuns
@@ -298,30 +300,43 @@ class Dispatcher:
     async def reconcile(self) -> int:
         """Put back in line every queued execution no line holds: after the store came
         back from another server (a restart, a failover, a restore), the line and the
-        record, in other hash slots, may disagree. Reads each tenant's unfinished index
-        once; returns how many it put back."""
-        keys = self._buffer.keys
-        redis = self._buffer.redis
-        head, tail = f"{keys.prefix}:{{t:", "}:executions:open"
+        record, in other hash slots, may disagree. On one server, the lines and the
+        tenants' unfinished indexes come back from the same moment, so each index is
+        read once; on a cluster the node of the lines may have lost an index as well
+        (the records, on other nodes, say queued and nothing names them), so every
+        execution record is looked at (a SCAN of each primary; only after a node
+        changed). Returns how many it put back."""
         found = 0
-        async for raw in redis.scan_iter(match=f"{head}*{tail}", count=1000):
-            name = raw.decode() if isinstance(raw, bytes) else str(raw)
-            tenant = name[len(head) : -len(tail)]
-            members: Any = await redis.zrange(name, 0, -1)
-            for eid in [member.decode() for member in members]:
-                try:
-                    meta = await self._buffer.meta(eid)
-                except NotFound:
-                    continue
-                if meta.status != "queued":
-                    continue
-                if await self._queue.again(tenant, eid, score=line_score(meta)):
-                    found += 1
+        async for eid in self._unfinished():
+            try:
+                meta = await self._buffer.meta(eid)
+            except NotFound:
+                continue
+            if meta.status != Status.QUEUED:
+                continue
+            if await self._queue.again(meta.tenant, eid, score=line_score(meta)):
+                found += 1
         if found:
             log.warning("queued executions no line held were queued again", extra={"count": found})
             await self.announce()
             self.nudge()
         return found
+
+    async def _unfinished(self) -> AsyncIterator[str]:
+        """The executions a queued one may be among (see ``reconcile``)."""
+        keys = self._buffer.keys
+        redis = self._buffer.redis
+        if isinstance(redis, RedisCluster):
+            head, tail = f"{keys.prefix}:{{", "}:meta"
+            async for raw in redis.scan_iter(match=f"{head}*{tail}", count=1000):
+                name = raw.decode() if isinstance(raw, bytes) else str(raw)
+                yield name[len(head) : -len(tail)]
+            return
+        head, tail = f"{keys.prefix}:{{t:", "}:executions:open"
+        async for raw in redis.scan_iter(match=f"{head}*{tail}", count=1000):
+            members: Any = await redis.zrange(raw, 0, -1)
+            for member in members:
+                yield member.decode()
 
 
 def line_score(meta: ExecutionMeta) -> int:

@@ -23,8 +23,8 @@ from typing import Any
 
 import orjson
 
-from lib.errors import WriteRefused
-from lib.execution.admission import Admission
+from lib.errors import BufferUnavailable, WriteRefused
+from lib.execution.admission import Admission, paused_member
 from lib.execution.buffer import EventBuffer
 from lib.execution.ceiling import record_name
 from lib.execution.events import EXECUTION_PAUSED, Event
@@ -201,6 +201,19 @@ class Finals:
                 extra={"executionId": execution_id, "reason": exc.reason},
             )
             return False
+        if final.pause is None:
+            # Ended: it no longer counts as paused for its tenant, should a pause of it
+            # have been stored again first (by the process that paused it, when the
+            # store came back empty) and counted; for 30 days (the fresh-eyes review
+            # of e37bdfa: the tenant's cap one lower after each).
+            tenant = final.identity[Field.TENANT]
+            try:
+                await self._admission.leave(tenant, paused_member(execution_id))
+            except BufferUnavailable as exc:
+                log.warning(
+                    "a restored end still counts as paused for its tenant",
+                    extra={"executionId": execution_id, "error": str(exc)},
+                )
         if last_id is None:
             await self._buffer.index_again(execution_id, final.identity)
         return True

@@ -15,6 +15,7 @@ over) when nothing could be stored.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -33,6 +34,7 @@ from lib.execution.events import (
     Event,
 )
 from lib.execution.hub import Hub
+from lib.execution.indexes import created_ms
 from lib.execution.log import ExecutionLog
 from lib.execution.offload import OffloadPolicy
 from lib.execution.outage import LiveGate
@@ -416,7 +418,7 @@ class Launcher:
                 data = {"blockId": outcome.block_id, "prompt": outcome.prompt}
                 emitter.emit(EXECUTION_PAUSED, {**data, "schema": outcome.schema})
                 return
-            duration_ms = round((time.monotonic() - started) * 1000)
+            duration_ms = run_duration_ms(local, started)
             emitter.emit(EXECUTION_COMPLETED, {"output": outcome.output, "durationMs": duration_ms})
             log.info("execution completed", extra={**extra, "durationMs": duration_ms})
 
@@ -470,6 +472,18 @@ class Launcher:
                     message = f"the pause could not be saved: {exc}"
                     raise BlockFailed(pause.block_id, "pause_not_saved", message) from exc
                 await backoff.wait()
+
+
+def run_duration_ms(local: LocalRun, started: float) -> int:
+    """The execution's duration as every view shows it (SPEC §9): from its
+    ``createdAt`` to now, its terminal event -- its time in line, its pauses and its
+    recoveries included, not only this process's part. From ``started`` (monotonic)
+    only when the creation time is unknown."""
+    created = local.identity.get(Field.CREATED_AT.value, "")
+    if created:
+        with contextlib.suppress(ValueError):
+            return max(0, int(time.time() * 1000) - created_ms(created))
+    return round((time.monotonic() - started) * 1000)
 
 
 def ending_body(ending: Ending) -> Body:

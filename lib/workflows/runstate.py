@@ -11,6 +11,7 @@ block beside the events.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, cast
 
 import orjson
@@ -26,6 +27,8 @@ from lib.workflows.executor import RunState
 from lib.workflows.model import Workflow
 
 INLINE_BYTES = 8 * 1024
+# The workflow versions one process keeps parsed, by the bytes they were read from.
+VERSION_CACHE_BYTES = 16 * 1024 * 1024
 
 
 class RunStates:
@@ -39,6 +42,10 @@ class RunStates:
         self._values = values
         self._inline_bytes = inline_bytes
         self._ttl = buffer.active_ttl_seconds
+        # The versions read lately, newest last, with their stored size: bounded by
+        # VERSION_CACHE_BYTES of what they were read from.
+        self._versions: OrderedDict[str, tuple[Workflow, int]] = OrderedDict()
+        self._version_bytes = 0
 
     @staticmethod
     def version(workflow: Workflow) -> str:
@@ -70,10 +77,23 @@ class RunStates:
 
     @translated
     async def load_version(self, digest: str) -> Workflow:
+        """The workflow version ``digest`` names. Versions are content-addressed (the
+        digest of their canonical JSON) and never change, so one read and validated
+        here serves every later run of it in this process (``_versions``)."""
+        cached = self._versions.get(digest)
+        if cached is not None:
+            self._versions.move_to_end(digest)
+            return cached[0]
         raw = await self._redis.get(self._keys.workflow_version(digest))
         if raw is None:
             raise NotFound("workflow version", digest)
-        return Workflow.model_validate(orjson.loads(raw))
+        workflow = Workflow.model_validate(orjson.loads(raw))
+        self._versions[digest] = (workflow, len(raw))
+        self._version_bytes += len(raw)
+        while self._version_bytes > VERSION_CACHE_BYTES and len(self._versions) > 1:
+            _digest, (_workflow, size) = self._versions.popitem(last=False)
+            self._version_bytes -= size
+        return workflow
 
     async def save(
         self, execution_id: str, fields: dict[str, Any], *, deadline_ms: int | None = None

@@ -126,6 +126,14 @@ class WorkflowStore:
     def _key(self, tenant: str) -> str:
         return self._keys.workflows(tenant)
 
+    def replace_files(self, files: dict[str, Workflow]) -> None:
+        """The workflow files as read again: executions started from now on run these
+        (running ones keep the version they started with)."""
+        self._files = dict(files)
+        # A file's workflow remembered here is confirmed by the store holding nothing
+        # under its id, so an old copy would outlive its file: forget them all.
+        self._known = {key: known for key, known in self._known.items() if known.raw is not None}
+
     async def _parse(self, raw: bytes, tenant: str) -> Workflow:
         workflow = self._parsed.get(raw)
         if workflow is None:

@@ -31,7 +31,12 @@ from lib.errors import (
 from lib.execution.admission import paused_member
 from lib.execution.blame import DEATHS_PER_RECOVERY, SUSPECT_DEATHS, Suspicion, Verdict
 from lib.execution.ceiling import Durable, read_durable
-from lib.execution.events import EXECUTION_RECOVERED, EXECUTION_STARTED
+from lib.execution.events import (
+    EXECUTION_PAUSED,
+    EXECUTION_RECOVERED,
+    EXECUTION_RESUMED,
+    EXECUTION_STARTED,
+)
 from lib.execution.log import ExecutionLog
 from lib.execution.ownership import Claim, node_of
 from lib.execution.record import (
@@ -54,6 +59,17 @@ from lib.workflows.parts import Parts
 from lib.workflows.runstate import RunStates
 
 log = logging.getLogger(__name__)
+
+# How long a claim waits for the value store to say what a store back behind forgot
+# (``recall``): past it, a resume or a cancel answers 503 and a janitor tries again on
+# its next pass. An endpoint that answers nothing (black-holed) would hold them for
+# minutes (boto3's own timeouts and retries): the fresh-eyes review of e37bdfa saw a
+# resume unanswered after 170 s, Valkey back empty and S3 stopped.
+RECALL_SECONDS = 5.0
+
+# How far back a recovery looks for the pause a claimed resume answered: the pause, then
+# at most one execution:recovered per takeover since (each bounded by max_recoveries).
+RECENT_EVENTS = 64
 
 
 class Claimed(Enum):
@@ -244,9 +260,14 @@ class Takeovers:
         if not self._store.came_back_behind():
             return 0
         try:
-            durable = await read_durable(self._launcher.values, execution_id)
-        except ValueStoreError:
+            async with asyncio.timeout(RECALL_SECONDS):
+                durable = await read_durable(self._launcher.values, execution_id)
+        except (ValueStoreError, TimeoutError) as exc:
             self._store.still_behind()
+            if isinstance(exc, TimeoutError):
+                raise ValueStoreError(
+                    f"the value store did not answer within {RECALL_SECONDS:g} s"
+                ) from exc
             raise
         if await self._ended_before(execution_id, meta, expected, durable):
             return None
@@ -347,12 +368,33 @@ class Takeovers:
                 workflow, given, run = await load_run(self._launcher, self._states, local, emitter)
                 run.recovered = True
                 rerun = [b.id for b in workflow.blocks if b.id in run.unfinished()]
+                unresumed = await self._unresumed(execution_id, claim.last_id, run)
                 _announce_recovery(emitter, claim, workflow, given, run, rerun)
+                for block_id in unresumed:
+                    # Its resume took effect (the claim stored the answer) and its owner
+                    # died before the event was stored: the log says so now.
+                    answer = {"blockId": block_id, "input": run.answers[block_id]}
+                    emitter.emit(EXECUTION_RESUMED, answer)
                 return await self._launcher.run_workflow(local, emitter, workflow, given, run)
 
             await self._launcher.execute(local, emitter, work)
 
         return body, True
+
+    async def _unresumed(self, execution_id: str, last_id: int, run: RunState) -> list[str]:
+        """The answered pauses whose ``execution:resumed`` was never stored: the resume's
+        claim stored the answer in the checkpoint, and its owner died before the event
+        (the blocks answered, not completed, whose latest pause or resume event among
+        the last stored ones is the pause)."""
+        waiting = [block_id for block_id in run.answers if block_id not in run.outputs]
+        if not waiting:
+            return []
+        recent = await self._buffer.after(execution_id, after=max(0, last_id - RECENT_EVENTS))
+        latest: dict[str, str] = {}
+        for event in recent:
+            if event.type in (EXECUTION_PAUSED, EXECUTION_RESUMED):
+                latest[str(event.data.get("blockId", ""))] = event.type
+        return [block_id for block_id in waiting if latest.get(block_id) == EXECUTION_PAUSED]
 
     def _cancelled(self, claim: Claim) -> Body:
         """A takeover of an execution whose cancel was accepted: ``execution:recovered``

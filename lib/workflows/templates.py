@@ -22,7 +22,7 @@ import contextlib
 import functools
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import jinja2
@@ -143,6 +143,30 @@ def _key_path(key: str) -> str:
 _FORMAT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\d*)(?:\.(\d*))?")
 
 
+class _Missing(jinja2.ChainableUndefined):
+    """A name or key that is not there: null as a whole value, empty inside text, false
+    as a condition; computing with it or comparing it fails, and says how to fix that
+    (Jinja's own words were "'dict object' has no attribute 'amount'", issue 26)."""
+
+    __slots__ = ()
+
+    @property
+    def _undefined_message(self) -> str:
+        name = self._undefined_name
+        if self._undefined_hint:
+            return self._undefined_hint
+        if self._undefined_obj is jinja2.utils.missing:
+            what = f"{name!r} is undefined"
+        elif isinstance(self._undefined_obj, dict):
+            what = f"the key {name!r} is missing"
+        else:
+            what = f"{jinja2.utils.object_type_repr(self._undefined_obj)} has no {name!r}"
+        return (
+            f"{what}: a missing value cannot be computed with or compared; "
+            "give it a fallback with default(…), or test it with `is defined`"
+        )
+
+
 class _Sandbox(ImmutableSandboxedEnvironment):
     """The sandbox with explicit refusals and bounded ``*`` and ``**``."""
 
@@ -151,7 +175,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
     def __init__(self, *, max_output_bytes: int) -> None:
         # No optimizer: it folds constant expressions while compiling, so storing a
         # workflow would evaluate tenant data ("{{ '%0200000000d' % 1 }}" built 200 MB).
-        super().__init__(autoescape=False, undefined=jinja2.ChainableUndefined, optimized=False)
+        super().__init__(autoescape=False, undefined=_Missing, optimized=False)
         self.max_output_bytes = max_output_bytes
         self.deadline = float("inf")
 
@@ -243,24 +267,26 @@ class Templates:
         result = self._evaluate(expr, context)
         return result is not None and bool(result)
 
-    def check(self, value: Any) -> list[tuple[str, str]]:
-        """Every unparsable template inside a JSON value, as (path suffix, message)."""
+    def check(self, value: Any, blocks: Collection[str] | None = None) -> list[tuple[str, str]]:
+        """Every unparsable template inside a JSON value, and every read of a block not
+        in ``blocks`` (when given), as (path suffix, message)."""
         problems: list[tuple[str, str]] = []
         if isinstance(value, str):
             if is_template(value):
-                message = self._syntax_problem(value)
+                message = self._syntax_problem(value, blocks)
                 if message:
                     problems.append(("", message))
         elif isinstance(value, dict):
             for key, item in value.items():
-                problems += [(_key_path(str(key)) + p, m) for p, m in self.check(item)]
+                problems += [(_key_path(str(key)) + p, m) for p, m in self.check(item, blocks)]
         elif isinstance(value, list):
             for index, item in enumerate(value):
-                problems += [(f"[{index}]{p}", m) for p, m in self.check(item)]
+                problems += [(f"[{index}]{p}", m) for p, m in self.check(item, blocks)]
         return problems
 
-    def check_expression(self, expr: str) -> str | None:
-        """Why a bare expression (an edge's ``when``) cannot be parsed, or None."""
+    def check_expression(self, expr: str, blocks: Collection[str] | None = None) -> str | None:
+        """Why a bare expression (an edge's ``when``) cannot be parsed, or reads a block
+        not in ``blocks`` (when given); None when it is fine."""
         try:
             with _bounded_nesting():
                 parser = Parser(self._env, expr, state="variable")
@@ -270,7 +296,7 @@ class Templates:
                 self._check_names(tree)
         except TemplateSyntaxError as exc:
             return f"unparsable expression: {exc.message}"
-        return None
+        return None if blocks is None else _unknown_block(tree, blocks)
 
     def secret_reads(self, value: Any) -> tuple[set[str], list[tuple[str, str]]]:
         """The secret names a config's templates read, and any read not by plain name.
@@ -301,17 +327,18 @@ class Templates:
         except TemplateSyntaxError:
             return False
 
-    def _syntax_problem(self, source: str) -> str | None:
+    def _syntax_problem(self, source: str, blocks: Collection[str] | None) -> str | None:
         # Parsed, never compiled: Jinja's code generator evaluates constant output
         # while compiling ("{{ '%200000002s'|format(1) }}" built 200 MB), and storing a
         # workflow evaluates nothing (SPEC §8). What compiling would also refuse, an
         # unknown filter or test, is looked up here.
         try:
             with _bounded_nesting():
-                self._check_names(self._env.parse(source))
+                tree = self._env.parse(source)
+                self._check_names(tree)
         except TemplateSyntaxError as exc:
             return f"unparsable template: {exc.message}"
-        return None
+        return None if blocks is None else _unknown_block(tree, blocks)
 
     def _check_names(self, tree: nodes.Node) -> None:
         for node in (tree, *tree.find_all((nodes.Filter, nodes.Test))):
@@ -399,6 +426,36 @@ def _bounded_nesting() -> Iterator[None]:
         yield
     except RecursionError:
         raise TemplateSyntaxError("nested too deeply", 1) from None
+
+
+def _unknown_block(tree: nodes.Node, blocks: Collection[str]) -> str | None:
+    """The first ``blocks.<id>`` (``blocks['<id>']``) in a parsed template whose id is
+    no block of the workflow, as a problem; None when there is none.
+
+    A static walk of the parsed tree (storing a workflow evaluates nothing, SPEC §8),
+    as long as the tree: templates are at most 64 KiB. Such a read is always null at
+    run time, so ``when: "blocks.zzz.output"`` skipped its block without a word (issue
+    26). A template that assigns ``blocks`` itself is left alone; so is a dict method
+    (``blocks.items()``), which Jinja finds before a block of that name."""
+    stores = (node for node in tree.find_all(nodes.Name) if node.ctx != "load")
+    if any(node.name == "blocks" for node in stores):
+        return None
+    for node in tree.find_all((nodes.Getattr, nodes.Getitem)):
+        target = getattr(node, "node", None)
+        if not (isinstance(target, nodes.Name) and target.name == "blocks"):
+            continue
+        if isinstance(node, nodes.Getattr):
+            key: Any = node.attr
+        else:
+            arg = getattr(node, "arg", None)
+            key = arg.value if isinstance(arg, nodes.Const) else None
+        if not isinstance(key, str) or key in blocks:
+            continue
+        if isinstance(node, nodes.Getattr) and hasattr(dict, key):
+            continue
+        known = ", ".join(sorted(blocks)[:20]) + (", …" if len(blocks) > 20 else "")
+        return f"unknown block {key!r} in blocks.{key} (blocks: {known})"
+    return None
 
 
 # `blocks.<id>` and `blocks['<id>']` in a template; any other use of `blocks` reads all.

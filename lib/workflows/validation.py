@@ -75,6 +75,12 @@ def _check_blocks(
     """Check types, configs, templates and ids; return the index of each block id."""
     ids: dict[str, int] = {}
     read: set[str] = set()
+    # Every id up front: a template may read a block defined further down.
+    block_ids = {
+        block["id"]
+        for block in blocks
+        if isinstance(block, dict) and isinstance(block.get("id"), str)
+    }
     for index, block in enumerate(blocks):
         if not isinstance(block, dict):
             continue
@@ -106,7 +112,7 @@ def _check_blocks(
             else:
                 for suffix, message in block_type.check_config(config):
                     problems.append(Problem(f"{where}.config{suffix}", message))
-        for suffix, message in templates.check(config):
+        for suffix, message in templates.check(config, block_ids):
             problems.append(Problem(f"{where}.config{suffix}", message))
     if len(read) > MAX_SECRETS_PER_WORKFLOW:
         message = f"a workflow may read at most {MAX_SECRETS_PER_WORKFLOW} secrets"
@@ -132,7 +138,7 @@ def _check_edges(
                 known = False
         when = edge.get("when")
         if isinstance(when, str):
-            message = templates.check_expression(when)
+            message = templates.check_expression(when, ids)
             if message:
                 problems.append(Problem(f"{where}.when", message))
             elif templates.expression_reads_secrets(when):

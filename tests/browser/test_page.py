@@ -546,6 +546,9 @@ async def test_a_recovery_keeps_the_run_going_and_restarts_the_rerun_blocks_text
         release.set()
     await finished(page)
     await expect(block(page, "talk").locator(".chunks")).to_have_text("fresh words")
+    # The run's one duration is its creation (event 1, one second per event here) to its
+    # end, the recovery included: not a figure counted from the recovery (SPEC §9).
+    await expect(page.locator("#run-duration")).to_have_text("· finished in 10.0 s")
     await expect(page.locator("#cancel")).to_be_hidden()
     assert await event_ids(page) == list(range(1, len(before) + len(after) + 1))
     assert len(connections) == 2, "the page reconnected once and finished"

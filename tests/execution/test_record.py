@@ -18,8 +18,10 @@ from lib.errors import BufferUnavailable, FlowcastError
 from lib.execution import ownership, record
 from lib.execution import stream as reader
 from lib.execution.events import (
+    EXECUTION_COMPLETED,
     EXECUTION_PAUSED,
     EXECUTION_RECOVERED,
+    EXECUTION_RESUMED,
     STATUS_AFTER,
     TERMINAL_STATUSES,
     TERMINAL_TYPES,
@@ -174,12 +176,31 @@ def test_every_field_python_writes_on_the_record_is_a_field() -> None:
 
     batch = [
         event(EXECUTION_PAUSED, {"blockId": "ask"}),
+        event(EXECUTION_RESUMED, {"blockId": "ask", "input": {"approved": False}}),
         event(EXECUTION_RECOVERED, {"recovery": 1}),
         *(event(kind, {}) for kind in TERMINAL_TYPES),
     ]
     written = set(batch_meta(batch)) | set(identity_of(ExecutionMeta.from_hash("ex_1", {})))
     assert written - {field.value for field in Field} == set()
-    assert {"status", "pauseBlock", "recoveries", "tenant", "crashes"} <= written
+    assert {"status", "pauseBlock", "recoveries", "tenant", "crashes", "decision"} <= written
+
+
+def test_a_batch_that_ends_the_run_dates_it_by_its_terminal_event() -> None:
+    """``createdAt`` to ``updatedAt`` is the run's one duration (SPEC §9); a rejection is
+    a decision the lists show, an approval is not."""
+    ts = "2026-12-02T17:00:07.600Z"
+    ending = Event(
+        id=9, type=EXECUTION_COMPLETED, execution_id="ex_1", workflow_id="wf", data={}, ts=ts
+    )
+    assert batch_meta([ending])["updatedAt"] == ts
+
+    def answer(given: object) -> Event:
+        data = {"blockId": "ask", "input": given}
+        return Event(id=5, type=EXECUTION_RESUMED, execution_id="ex_1", workflow_id="wf", data=data)
+
+    assert batch_meta([answer({"approved": False, "note": "no"})])["decision"] == "rejected"
+    for given in ({"approved": True}, {"approved": 0}, {}, [False], None):
+        assert "decision" not in batch_meta([answer(given)]), given
 
 
 def test_the_readme_shows_the_same_state_table() -> None:

@@ -302,3 +302,39 @@ async def test_a_run_here_that_lost_its_lease_and_the_store_ends_its_streams(
         publisher.detach()
     assert [e["id"] for e in ended] == [1]
     assert reader.finished is False
+
+
+async def test_an_idle_tail_reads_two_fields_of_the_metadata_not_the_whole_hash(
+    buffer: EventBuffer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tail on another process, idle (a paused run, followed for minutes), looks at
+    the execution every ``tail_block_ms``: whether it finished below what its readers
+    saw, whether it is gone. It read the whole metadata hash for that (e37bdfa), which
+    copies a pause of up to 16 KiB, once per idle period and per followed execution;
+    it reads the status and the last id. Found by the fresh-eyes review of e37bdfa."""
+    execution_id = await create(buffer)
+    started = Event(
+        id=1, type="execution:started", execution_id=execution_id, workflow_id="wf", data={}
+    )
+    await buffer.append(execution_id, [started], fence="me")
+    # Each idle period is one read of the log (``after``), then a look at the execution.
+    calls = {"meta": 0, "after": 0}
+    for name in calls:
+        real = getattr(buffer, name)
+
+        async def counted(
+            *args: object, name: str = name, real: object = real, **kw: object
+        ) -> object:
+            calls[name] += 1
+            return await real(*args, **kw)  # type: ignore[operator]
+
+        monkeypatch.setattr(buffer, name, counted)
+    async with Readers(buffer=buffer, tail_block_ms=100) as live:
+        reader = StreamReader(readers=live, execution_id=execution_id, cursor=0)
+        reading = asyncio.create_task(read_all(reader))
+        await until(lambda: calls["after"] >= 2, "the tail idle", 10, every=0.01)
+        before, reads = calls["meta"], calls["after"]
+        await until(lambda: calls["after"] >= reads + 5, "five idle periods", 10, every=0.01)
+        assert calls["meta"] == before, calls
+        reading.cancel()
+        await asyncio.gather(reading, return_exceptions=True)

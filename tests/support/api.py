@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import inspect
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -231,3 +232,37 @@ async def has_stored(client: httpx.AsyncClient, execution_id: str, event_type: s
 def of_type(log: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     """The envelopes of one type in a log."""
     return [envelope for envelope in log if envelope["type"] == kind]
+
+
+def ms_between(earlier: str, later: str) -> float:
+    """The ms from one ISO 8601 timestamp (``createdAt``, an event's ``ts``) to another."""
+
+    def parse(ts: str) -> datetime:
+        return datetime.fromisoformat(ts.replace("Z", "+00:00"))
+
+    return (parse(later) - parse(earlier)).total_seconds() * 1000
+
+
+# An approval that carries a decision and an optional note (SPEC §2's approval schema).
+DECISION_SCHEMA = {
+    "type": "object",
+    "required": ["approved"],
+    "properties": {"approved": {"type": "boolean"}, "note": {"type": "string"}},
+}
+
+
+def refund_workflow(workflow_id: str) -> dict[str, Any]:
+    """draft → review (approval with a note) → issue, only when approved."""
+    review = {"prompt": "Refund?", "schema": DECISION_SCHEMA}
+    return {
+        "id": workflow_id,
+        "blocks": [
+            {"id": "draft", "type": "transform", "config": {"value": {"amount": 40}}},
+            {"id": "review", "type": "approval", "config": review},
+            {"id": "issue", "type": "transform", "config": {"value": "issued"}},
+        ],
+        "edges": [
+            {"from": "draft", "to": "review"},
+            {"from": "review", "to": "issue", "when": "blocks.review.output.approved"},
+        ],
+    }

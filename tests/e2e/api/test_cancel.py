@@ -138,13 +138,14 @@ async def test_cancel_of_a_running_execution_ends_it_with_cancelled_on_every_str
     assert response.status_code == 202, response.text
     assert response.json() == {"executionId": execution_id, "status": "cancelling"}
 
+    # The 202 says the cancel was accepted, not that its event is stored yet.
+    snapshot = await wait_finished(on_b, execution_id)
+    assert snapshot["status"] == "cancelled"
     stored = await all_events(on_b, execution_id)
     for follower in followers:
         # The server closes each stream right after the terminal event.
         assert await follower.finish() == stored
     assert_cancelled(stored, never_completed="think")
-    snapshot = await wait_finished(on_b, execution_id)
-    assert snapshot["status"] == "cancelled"
     assert snapshot["lastEventId"] == stored[-1]["id"]
 
 

@@ -186,6 +186,7 @@ async def test_run_stops_at_a_pause_and_attach_finishes_after_resume(
     found = shutil.which("flowcast")
     started = "flowcast" if found and Path(found).resolve() == FLOWCAST.resolve() else FLOWCAST
     assert f"{started} resume {execution_id} --block ask --input" in paused.err
+    assert f"{started} approve {execution_id}  (or reject)" in paused.err
     assert f"{started} attach {execution_id} --after" in paused.err
     assert "Ship it?" in paused.err
     last = paused.event_ids[-1]
@@ -317,7 +318,9 @@ async def test_list_shows_recent_executions_as_a_table(
     )
     assert listed.code == 0, listed.err
     header, *rows = listed.out.splitlines()
-    assert header.split() == ["ID", "WORKFLOW", "STATUS", "EVENTS", "CREATED", "UPDATED"]
+    assert header.split() == [
+        "ID", "WORKFLOW", "STATUS", "EVENTS", "CREATED", "UPDATED", "DURATION"
+    ]  # fmt: skip
     assert [row.split()[0] for row in rows] == ids[::-1], "newest first"
     assert all(row.split()[1:3] == [f"cli-list-{unique}", "completed"] for row in rows)
     limited = await flowcast("list", "--workflow", f"cli-list-{unique}", "--limit", "1", url=url)

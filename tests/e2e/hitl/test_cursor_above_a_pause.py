@@ -34,7 +34,9 @@ async def test_a_cursor_above_a_paused_log_gets_the_rest_and_the_terminal_event(
     async with running(a, b), httpx.AsyncClient(timeout=30) as http:
         wf = approval_workflow(f"above{above}{ending}")
         if ending == "deadline":
-            wf["blocks"][0]["config"]["timeoutSeconds"] = 1
+            # Long enough for both streams to open and idle (on a busy machine a 1 s
+            # deadline passed first, and the run ended before the pause was looked at).
+            wf["blocks"][0]["config"]["timeoutSeconds"] = 3
         await put(http_for(http, a), wf)
         started = await http_for(http, a).post(
             f"/api/workflows/{wf['id']}/execute", json={"input": {}}

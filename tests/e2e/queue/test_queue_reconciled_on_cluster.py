@@ -2,7 +2,9 @@
 survives every process dying ... It all works on Redis Cluster"): the node that holds
 the lines (the ``{queue}`` hash tag) restarts empty while the records, in their own
 slots on the other nodes, still say ``queued``; the worker notices another server
-answers and puts them back in line, and each runs once."""
+answers (store.py asks every primary) and puts them back in line, also those whose
+tenant's unfinished index was lost with the lines (it looks at every record), and each
+runs once."""
 
 from __future__ import annotations
 
@@ -18,15 +20,6 @@ from tests.support.servers import FlowcastServer, prefix
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(
-    # Not strict: redis-py's default node may happen to be the restarted one, and the
-    # tenant's index may live elsewhere; then it passes.
-    strict=False,
-    reason="open: store.py asks INFO of one node only on a cluster (redis-py's default "
-    "node), so another node restarted empty goes unnoticed; asked of every primary it is "
-    "noticed, but the reconciler still finds nothing when the tenant's open index lived "
-    "on that node too (the surviving queued executions stay queued, 30 s seen)",
-)
 async def test_queued_executions_survive_the_restart_of_the_node_of_the_lines(
     tmp_path: Path,
 ) -> None:

@@ -29,15 +29,9 @@ MOMENTS: dict[str, Moment] = {
     # Claimed: its execution:resumed on the way to the store is held.
     "resumed": lambda eid: lambda data: b"execution:resumed" in data,
 }
-# Not the queue's own: a resume answered at once whose owner dies in the same window is
-# recovered the same way (takeovers.py): the answer is in the checkpoint (claim.lua
-# ARGV[6]) and the run carries on from it once, but no execution:resumed is ever stored.
-UNRESUMED = pytest.mark.xfail(
-    strict=True, reason="a recovery of a claimed resume never stores execution:resumed"
-)
 
 
-@pytest.mark.parametrize("moment", ["take", pytest.param("resumed", marks=UNRESUMED)])
+@pytest.mark.parametrize("moment", ["take", "resumed"])
 async def test_a_resume_in_line_whose_worker_dies_runs_once_on_a_new_worker(
     own_valkey: ValkeyServer, tmp_path: Path, moment: str
 ) -> None:

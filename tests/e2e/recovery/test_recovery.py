@@ -29,7 +29,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from tests.support.api import all_events, delay_workflow, has_stored, put, stored_types, until
+from tests.support.api import (
+    all_events,
+    delay_workflow,
+    has_stored,
+    ms_between,
+    put,
+    stored_types,
+    until,
+)
 from tests.support.faults import (
     fresh_replica,
     kill_replica,
@@ -245,6 +253,11 @@ async def test_a_single_replica_killed_and_started_again_recovers_its_own_work(
             recovered = next(e for e in stored if e["type"] == "execution:recovered")
             assert recovered["data"]["reason"] == "worker_lost"
             assert recovered["data"]["completed"] == ["hello"]
+            # Its duration counts from its creation, not from the recovery (SPEC §9).
+            snapshot = (await client.get(f"/api/executions/{execution_id}")).json()
+            took = stored[-1]["data"]["durationMs"]
+            assert abs(took - ms_between(snapshot["createdAt"], stored[-1]["ts"])) <= 2, took
+            assert took > ms_between(stored[0]["ts"], recovered["ts"]), took
     finally:
         await only.stop(signal.SIGKILL)
         if again is not None:

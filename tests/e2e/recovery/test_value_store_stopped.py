@@ -1,6 +1,7 @@
 """A value store that answers nothing (moto's S3 stopped with SIGSTOP: an endpoint
 black-holed) holds up neither a start, nor a run's end, nor a replica's shutdown
-(SPEC §5: "Buffer outages never fail, stall or slow the workflow's work"; §7 shutdown).
+(SPEC §5: "Buffer outages never fail, stall or slow the workflow's work"; §7 shutdown),
+nor leaves a resume or a cancel unanswered after Valkey came back empty.
 
 Since the durable records (ceiling.py, finals.py) an owner writes one to the value store
 as its run ends; the replica's own moto server here, so stopping it touches no other test.
@@ -13,14 +14,34 @@ import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from tests.support.api import execute, put
-from tests.support.faults import LEASE_SECONDS, FaultyValkey, replica, terminate_replica
-from tests.support.recovery import chain, finished, http_for, running, settled, valkey
+from lib.execution.store import SETTLE_GRACE_SECONDS, SETTLE_SECONDS
+from lib.workflows.takeovers import RECALL_SECONDS
+from tests.support.api import execute, put, until
+from tests.support.faults import (
+    LEASE_SECONDS,
+    FaultyValkey,
+    crash_and_wipe,
+    replica,
+    terminate_replica,
+)
+from tests.support.recovery import (
+    approval_flow,
+    chain,
+    finished,
+    has_event,
+    http_for,
+    running,
+    settled,
+    settled_store,
+    valkey,
+)
 from tests.support.s3 import MotoServer, shared_bucket
+from tests.support.timing import assert_below_timer
 
 __all__ = ["settled", "valkey"]  # the module's FaultyValkey (tests/support/recovery.py)
 
@@ -69,3 +90,58 @@ async def test_a_stopped_value_store_does_not_hold_a_shutdown_after_the_runs_end
     assert status == "completed"  # the run's end does not wait on the value store
     print(f"\nSIGTERM to exit: {probe:.2f} s (probe), {stopped:.2f} s (value store stopped)")
     assert stopped < 3 * probe + 4 * LEASE_SECONDS, (probe, stopped)
+
+
+async def _answered(client: httpx.AsyncClient, url: str, body: Any) -> tuple[int, float]:
+    began = time.monotonic()
+    response = await client.post(url, json=body)
+    return response.status_code, time.monotonic() - began
+
+
+@pytest.mark.timeout(180)
+async def test_a_resume_and_a_cancel_after_redis_came_back_empty_are_answered_s3_stopped(
+    valkey: FaultyValkey, tmp_path: Path, own_moto: MotoServer
+) -> None:
+    """Valkey came back empty (a pause and a running execution stored again by their
+    process), and the value store answers nothing. The store is behind (store.lua), so
+    a claim first reads the owners' durable ceilings there; it read them unbounded, and
+    a resume stayed unanswered for over 170 s (boto3's timeouts and retries; before
+    e37bdfa an emptied store was not behind, and both answered 202 at once). Each is
+    answered within RECALL_SECONDS (503: what the store forgot cannot be told yet),
+    and once the value store is back, both are accepted and both executions end.
+    Found by the fresh-eyes review of e37bdfa."""
+    one = replica(valkey, tmp_path, "one", **await shared_bucket(own_moto))
+    async with running(one), httpx.AsyncClient(timeout=120) as http:
+        client = http_for(http, one)
+        await put(client, approval_flow("ask"))
+        await put(client, chain("steps", blocks=60, ms=300))
+        paused = await execute(client, "ask")
+        await until(lambda: has_event(client, paused, "execution:paused"), "paused")
+        busy = await execute(client, "steps")
+        await until(lambda: has_event(client, busy, "block:completed"), "running")
+        os.kill(own_moto.pid, signal.SIGSTOP)
+        try:
+            await crash_and_wipe(valkey)
+            await until(lambda: has_event(client, paused, "execution:paused"), "pause restored")
+            await until(lambda: has_event(client, busy, "block:completed"), "run recreated")
+            await until(lambda: settled_store(valkey), "the store settled", timeout=20)
+            resume = (f"/api/executions/{paused}/resume", {"input": {"ok": True}})
+            cancel = (f"/api/executions/{busy}/cancel", None)
+            answers = [await _answered(client, *request) for request in (resume, cancel)]
+        finally:
+            os.kill(own_moto.pid, signal.SIGCONT)
+        print(f"\nresume, cancel with the value store stopped: {answers}")
+        bound = RECALL_SECONDS + SETTLE_SECONDS + SETTLE_GRACE_SECONDS + 5.0
+        for (status, took), what in zip(answers, ("resume", "cancel"), strict=True):
+            assert status in (202, 503), (what, status)
+            assert_below_timer(took, bound=bound, timer="RECALL_SECONDS", what=what)
+        # The value store back, each is accepted (or meets the state that won).
+        for (status, _took), (url, body) in zip(answers, (resume, cancel), strict=True):
+            if status == 503:
+
+                async def accepted(url: str = url, body: Any = body) -> bool:
+                    return (await client.post(url, json=body)).status_code != 503
+
+                await until(accepted, f"{url} answered", timeout=60, every=0.5)
+        outcomes = [(await finished(client, eid))["status"] for eid in (paused, busy)]
+    assert outcomes == ["completed", "cancelled"], outcomes
