@@ -35,25 +35,18 @@ import json
 import statistics
 from bisect import bisect_right
 from collections import Counter
-from dataclasses import dataclass, field
 from datetime import datetime
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
-from redis.asyncio import Redis
-
-from lib.backend import Keys
 from stress.harness import View, server_errors, verify
+from stress.queue_plan import GRACE_SECONDS, LEASE_SECONDS, SLOTS, Execution, Loss
 from stress.recoveries import recoveries, recovery_problems, work_problems
 from tests.support.logcheck import TERMINAL, check_log
 
 if TYPE_CHECKING:
-    from stress.queue_storm import Execution, Loss, QueueStorm
+    from stress.queue_storm import QueueStorm
 
-# The storm's settings the rules depend on (queue_storm.py starts its processes so).
-SLOTS = 6  # each worker's
-LEASE_SECONDS = 1.0
-GRACE_SECONDS = 1.0
 MOVED_SECONDS = LEASE_SECONDS + GRACE_SECONDS + 3.0  # a signal to execution:recovered
 # The same for a run whose owner had died before (a suspect, blame.py): processes take
 # suspects one at a time each, a lease apart, so under a kill every second or two they
@@ -63,52 +56,6 @@ RECOVERED_EVENT = "execution:recovered"
 WAIT_TURNOVERS = 3.0
 FENCED = '"message":"buffer refused the writer; its events stay unstored"'
 SHARE_BOUNDS = (0.8, 1.25)
-
-
-@dataclass
-class Leftovers:
-    """What the queue's keys held once every execution had ended."""
-
-    lines: dict[str, int] = field(default_factory=dict)  # queued:<tenant> -> members
-    waiting: int = 0
-    taken: int = 0
-    running: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
-    now_ms: float = 0.0
-    # stream -> (length, consumers, pending entries, seconds to live or -1)
-    streams: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
-    other: list[str] = field(default_factory=list)
-
-
-async def queue_keys(redis: Redis | None, keys: Keys) -> Leftovers:
-    """Read every key of the queue and the control streams."""
-    found = Leftovers()
-    if redis is None:
-        return found
-    seconds, micros = await redis.time()
-    found.now_ms = seconds * 1000 + micros / 1000
-    async for raw in redis.scan_iter(match=f"{keys.prefix}:{{*", count=1000):
-        key = raw.decode()
-        if key.startswith(f"{keys.prefix}:{{ex_"):
-            continue  # an execution's own keys
-        kind = (await redis.type(key)).decode()
-        if key.startswith(f"{keys.prefix}:{{queue}}:queued:"):
-            found.lines[key] = int(await redis.zcard(key))
-        elif key == keys.waiting:
-            found.waiting = int(await redis.zcard(key))
-        elif key == keys.taken:
-            found.taken = int(await redis.zcard(key))
-        elif key.startswith(f"{keys.prefix}:{{queue}}:running:"):
-            members = await redis.zrange(key, 0, -1, withscores=True)
-            found.running[key] = [(m.decode(), float(s)) for m, s in members]
-        elif kind == "stream":
-            groups = await redis.xinfo_groups(key)
-            consumers = sum(int(g["consumers"]) for g in groups)
-            pending = sum(int(g["pending"]) for g in groups)
-            length, ttl = int(await redis.xlen(key)), int(await redis.ttl(key))
-            found.streams[key] = (length, consumers, pending, ttl)
-        elif key != keys.fair and ":{t:" not in key:
-            found.other.append(f"{key} ({kind})")
-    return found
 
 
 def stalled_owners(logs: str) -> tuple[str, int]:
