@@ -18,6 +18,7 @@ import httpx
 from redis.asyncio import Redis
 
 from bench.clients import LatencyRecorder, SSEClient, http_request, open_stream
+from bench.floor import Floor
 from bench.queue import QueueBench
 from bench.recovery import Recovery
 from bench.report import Report, Row, ms, percentile, rate, ratio, verdict
@@ -384,6 +385,9 @@ class Bench:
 
     async def queue(self) -> None:
         await QueueBench(self.stack, self.config, self.report).run()
+
+    async def floor(self) -> None:
+        await Floor(self).run()
 
     async def resume(self, execution_id: str) -> httpx.Response:
         response = await self.http.post(

@@ -118,7 +118,14 @@ def render(report: Report, *, mode: str, host: list[str], seconds: float) -> str
         "endpoint in bench/baseline_sse.py (no buffer, same frames, its own uvicorn "
         "process); the store row compares with redis-benchmark's XADD rate on the same "
         "Valkey; the starts-cost rows with the bare FastAPI POST of bench/baseline_api.py "
-        "(its own uvicorn process, no Redis). Ratios are Flowcast ÷ baseline.",
+        "(its own uvicorn process, no Redis). Ratios are Flowcast ÷ baseline."
+        + (
+            " The `floor` rows name what they divide: the relays of bench/relay_sse.py "
+            "(the same frames made in another process and delivered through Valkey) and "
+            "the plain endpoint after one Redis round trip are baselines there too."
+            if any(row.metric.startswith("floor:") for row in report.rows)
+            else ""
+        ),
         "",
     ]
     if report.notes:

@@ -46,6 +46,7 @@ METRICS = (
     "starts-cost",
     "streams",
     "queue",
+    "floor",
 )
 
 
@@ -87,6 +88,7 @@ async def main(args: argparse.Namespace) -> int:
                     "starts-cost": bench.starts_cost,
                     "streams": bench.streams,
                     "queue": bench.queue,
+                    "floor": bench.floor,
                 }
                 for name in METRICS:
                     if name not in chosen:

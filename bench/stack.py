@@ -69,6 +69,7 @@ class Config:
     queue_chain_blocks: int = 20  # `delay` blocks (recovery_block_ms) of each of them
     queue_lease_seconds: float = 15.0  # FLOWCAST_LEASE_SECONDS of the start, light, share
     queue_start_timeout: float = 5.0  # a start with no execution:started by then is stuck
+    floor_rounds: int = 3  # the floor's SL cases alternate in this many rounds of sl_events
 
 
 FULL = Config()
@@ -98,6 +99,7 @@ QUICK = Config(
     queue_light_runs=50,
     queue_share_seconds=15.0,
     queue_kill_runs=1,
+    floor_rounds=1,
 )
 
 # Registered on the servers their metric starts, not on A.
@@ -113,6 +115,16 @@ class BaselineServer(FlowcastServer):
     def command(self) -> list[str]:
         return [
             sys.executable, "-m", "uvicorn", "--factory", "bench.baseline_sse:create_app",
+            "--host", "127.0.0.1", "--port", str(self.port), "--no-access-log",
+        ]  # fmt: skip
+
+
+class RelayServer(FlowcastServer):
+    """``bench/relay_sse.py`` under uvicorn, in its own process (on ``FLOWCAST_REDIS_URL``)."""
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "uvicorn", "--factory", "bench.relay_sse:create_app",
             "--host", "127.0.0.1", "--port", str(self.port), "--no-access-log",
         ]  # fmt: skip
 

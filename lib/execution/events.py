@@ -137,11 +137,11 @@ class Event:
         "_data",
         "_frame",
         "_json",
+        "_ts",
         "checkpoint",
         "created",
         "execution_id",
         "id",
-        "ts",
         "type",
         "workflow_id",
     )
@@ -162,7 +162,7 @@ class Event:
         self.execution_id = execution_id
         self.workflow_id = workflow_id
         self._data: dict[str, Any] | None = data
-        self.ts = ts or utc_timestamp()
+        self._ts: str | None = ts or utc_timestamp()
         self._json: bytes | None = None
         self._frame: bytes | None = None
         # When it was emitted (monotonic), for the stream latency metric; 0 if read back.
@@ -179,6 +179,7 @@ class Event:
         event._json = raw
         event._frame = None
         event._data = None
+        event._ts = None
         event.created = 0.0
         event.checkpoint = ()
         return event
@@ -188,7 +189,7 @@ class Event:
         self._data = envelope["data"]
         self.execution_id = envelope["executionId"]
         self.workflow_id = envelope["workflowId"]
-        self.ts = envelope["ts"]
+        self._ts = envelope["ts"]
 
     @property
     def data(self) -> dict[str, Any]:
@@ -196,6 +197,14 @@ class Event:
             self._decode()
         assert self._data is not None
         return self._data
+
+    @property
+    def ts(self) -> str:
+        """When it was emitted (UTC, as in its envelope)."""
+        if self._ts is None:
+            self._decode()
+        assert self._ts is not None
+        return self._ts
 
     @property
     def terminal(self) -> bool:

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from lib.execution.events import EXECUTION_CANCELLED, EXECUTION_RESUMED, EXECUTION_STARTED
+from lib.execution.events import (
+    EXECUTION_CANCELLED,
+    EXECUTION_FAILED,
+    EXECUTION_RESUMED,
+    EXECUTION_STARTED,
+)
 from lib.execution.log import ExecutionLog
 from lib.workflows.checkpoint import answer_field
 from lib.workflows.launcher import Body, Launcher, Opening, Outcome
@@ -68,5 +73,28 @@ def cancelled_in_line(given: Any, queued_ms: int) -> Body:
     async def body(local: LocalRun, emitter: ExecutionLog) -> None:
         emitter.emit(EXECUTION_STARTED, {"input": given, "queuedMs": queued_ms})
         emitter.emit(EXECUTION_CANCELLED, {"reason": "cancelled"})
+
+    return body
+
+
+# ``workflow_lost``'s input for a run whose log has begun already (a resume in line).
+NOT_STARTED: Any = object()
+
+
+def workflow_lost(given: Any, queued_ms: int) -> Body:
+    """A queued execution whose workflow the store lost, and the tenant's stored one
+    changed or went too: it cannot run, and ends failed (``workflow_lost``) instead of
+    waiting for good. A start's log begins as every log does (``given``: its input);
+    a resume in line has begun already (``NOT_STARTED``)."""
+
+    async def body(local: LocalRun, emitter: ExecutionLog) -> None:
+        if given is not NOT_STARTED:
+            emitter.emit(EXECUTION_STARTED, {"input": given, "queuedMs": queued_ms})
+        error = {
+            "code": "workflow_lost",
+            "message": "the store lost this execution's workflow version and the workflow "
+            "was changed or deleted since; start it again",
+        }
+        emitter.emit(EXECUTION_FAILED, {"error": error})
 
     return body

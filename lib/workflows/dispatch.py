@@ -29,7 +29,9 @@ from lib.execution.ownership import Claim
 from lib.execution.queue import CONTINUATION_OFFSET_MS, Backlog, Queue, Taken
 from lib.execution.record import ExecutionMeta, Mode, Status
 from lib.metrics import Metrics
+from lib.workflows.bodies import NOT_STARTED, workflow_lost
 from lib.workflows.executor import RunState
+from lib.workflows.launcher import identity_of
 from lib.workflows.leases import LocalRuns
 from lib.workflows.model import Workflow
 from lib.workflows.parts import Parts
@@ -199,10 +201,19 @@ class Dispatcher:
             log.info("queued execution taken before it exists", extra={"executionId": eid})
             await self._parts.launcher.quietly(eid, self._admission.leave(taken.tenant, fence))
             return
+        workflow: Workflow | None = None
         try:
             # Read while it is still queued: once claimed, its run must start.
             version, given, run, saved = await self._states.load(eid)
-            workflow = await self._states.load_version(version)
+            try:
+                workflow = await self._states.load_version(
+                    version, tenant=meta.tenant, workflow_id=meta.workflow_id
+                )
+            except NotFound:
+                # The store lost its workflow (a cluster node restarted empty) and the
+                # tenant's stored one changed or went too: claimed all the same, to end
+                # it (``_lost``) rather than leave it queued for good.
+                log.warning("a queued execution's workflow is lost", extra={"executionId": eid})
             # As every claim does: what a store back behind forgot (the id to number above).
             ceiling = await self._recall(eid, meta) if self._recall is not None else 0
             await self._watch.hold(eid, fence)
@@ -223,7 +234,17 @@ class Dispatcher:
         # Launched before anything else is awaited: a shutdown that cancels this task
         # now finds the run here to hand off (else it would wait for its lease to end,
         # charged as a crash), and a cancel sent here finds the run to stop.
-        self._start(meta, claim, workflow, given, run, saved, queued_ms(meta))
+        if workflow is None:
+            first = not meta.continues and claim.base == 0
+            self._parts.launcher.launch(
+                eid,
+                claim,
+                identity=identity_of(meta),
+                body=workflow_lost(given if first else NOT_STARTED, queued_ms(meta)),
+                meta=meta,
+            )
+        else:
+            self._start(meta, claim, workflow, given, run, saved, queued_ms(meta))
         # A failure of the store here (or before the claim answered) leaves the delivery
         # in ``taken``: past a lease ``reclaim`` queues it again if still queued. A claim
         # slower than that won all the same, after ``requeue`` took the admission back:

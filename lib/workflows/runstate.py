@@ -76,17 +76,22 @@ class RunStates:
         batch.call("EXPIRE", key, self._ttl, then=translated(sent))
 
     @translated
-    async def load_version(self, digest: str) -> Workflow:
+    async def load_version(
+        self, digest: str, *, tenant: str = "", workflow_id: str = ""
+    ) -> Workflow:
         """The workflow version ``digest`` names. Versions are content-addressed (the
         digest of their canonical JSON) and never change, so one read and validated
-        here serves every later run of it in this process (``_versions``)."""
+        here serves every later run of it in this process (``_versions``). A version
+        the store lost (on a cluster, a node restarted empty) is found again in the
+        tenant's stored workflow ``workflow_id`` when that still has the same digest,
+        and saved again; NotFound otherwise."""
         cached = self._versions.get(digest)
         if cached is not None:
             self._versions.move_to_end(digest)
             return cached[0]
         raw = await self._redis.get(self._keys.workflow_version(digest))
         if raw is None:
-            raise NotFound("workflow version", digest)
+            raw = await self._stored_as(digest, tenant, workflow_id)
         workflow = Workflow.model_validate(orjson.loads(raw))
         self._versions[digest] = (workflow, len(raw))
         self._version_bytes += len(raw)
@@ -94,6 +99,18 @@ class RunStates:
             _digest, (_workflow, size) = self._versions.popitem(last=False)
             self._version_bytes -= size
         return workflow
+
+    async def _stored_as(self, digest: str, tenant: str, workflow_id: str) -> bytes:
+        """The canonical JSON of ``digest`` from the tenant's stored workflow, saved as
+        that version again; NotFound when the workflow is gone or changed since."""
+        if tenant and workflow_id:
+            stored = await self._redis.hget(self._keys.workflows(tenant), workflow_id)
+            if stored is not None:
+                raw, found = Workflow.model_validate(orjson.loads(stored)).canonical()
+                if found == digest:
+                    await self._redis.set(self._keys.workflow_version(digest), raw, ex=self._ttl)
+                    return raw
+        raise NotFound("workflow version", digest)
 
     async def save(
         self, execution_id: str, fields: dict[str, Any], *, deadline_ms: int | None = None

@@ -88,7 +88,11 @@ async def load_run(
     execution_id = local.execution_id
     version, given, run, saved = await launcher.retrying(local, lambda: states.load(execution_id))
     emitter.remember(saved)
-    workflow: Workflow = await launcher.retrying(local, lambda: states.load_version(version))
+    workflow_id = local.identity.get(Field.WORKFLOW_ID, "")
+    workflow: Workflow = await launcher.retrying(
+        local,
+        lambda: states.load_version(version, tenant=local.tenant, workflow_id=workflow_id),
+    )
     local.workflow = workflow
     return workflow, given, run
 

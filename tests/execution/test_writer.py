@@ -26,7 +26,7 @@ from lib.errors import BufferUnavailable
 from lib.execution.buffer import EventBuffer
 from lib.execution.ceiling import Ceiling
 from lib.execution.events import Event
-from lib.execution.flush import EventWriter
+from lib.execution.flush import EventWriter, batch_meta
 from lib.execution.hub import Hub
 from lib.execution.outage import TRANSITIONS, LiveGate, Transition, WriterState
 from lib.execution.record import AppendResult, Page
@@ -635,3 +635,21 @@ def test_the_writer_state_table_covers_every_move_and_never_steps_a_repair_down(
                 assert after is WriterState.IN_STEP
             else:
                 assert strength.index(after) >= strength.index(state), (state, move, after)
+
+
+def test_the_metadata_of_a_terminal_event_read_back_is_dated_by_its_envelope() -> None:
+    """A run's end stored again (finals.py) is an event read back from the store: its
+    batch dates ``updatedAt`` by the envelope's ``ts``, as a batch of a live run does
+    (found by the fault tests: an ended run restored after a store loss got a 500)."""
+    raw = orjson.dumps(
+        {
+            "id": 7,
+            "type": "execution:completed",
+            "executionId": "ex_1",
+            "workflowId": "wf",
+            "ts": "2026-12-02T10:00:00.000Z",
+            "data": {"output": 1, "durationMs": 5},
+        }
+    )
+    read_back = Event.stored(id=7, type="execution:completed", raw=raw)
+    assert batch_meta([read_back])["updatedAt"] == "2026-12-02T10:00:00.000Z"

@@ -8,10 +8,12 @@ import json
 import os
 import pty
 import re
+import select
 import shutil
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -270,16 +272,24 @@ def _run_on_a_terminal(
         stderr=child if stderr_too else subprocess.DEVNULL,
     ) as process:
         os.close(child)
-        while True:
-            try:
-                chunk = os.read(main, 65536)  # EIO once the child's side is closed
-            except OSError:
-                break
-            if not chunk:
-                break
-            stream.feed(chunk)
-        code = process.wait(timeout)
-    os.close(main)
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                if not select.select([main], [], [], 0.5)[0]:
+                    continue
+                try:
+                    chunk = os.read(main, 65536)  # EIO once the child's side is closed
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                stream.feed(chunk)
+            code = process.wait(max(deadline - time.monotonic(), 1.0))
+        finally:
+            # Never left running: Popen's exit would wait for it for good.
+            if process.poll() is None:
+                process.kill()
+            os.close(main)
     return code, [line.rstrip() for line in screen.display]
 
 

@@ -57,37 +57,50 @@ def _converse(args: list[str], steps: list[tuple[str, str]], timeout: float) -> 
     until the screen shows its text, then type its reply. The exit code and every byte
     the terminal showed (what was typed is echoed, unless the CLI turned echo off)."""
     main, child = pty.openpty()
-    shown = b""
     deadline = time.monotonic() + timeout
     with subprocess.Popen(
         args, env=cli_env(TERM="dumb"), stdin=child, stdout=child, stderr=child
     ) as process:
         os.close(child)
-        pending, since = list(steps), 0
-        while True:
-            if pending and pending[0][0].encode() in shown[since:]:
-                reply = pending.pop(0)[1]
-                if reply == CTRL_C:  # what the terminal does when a person types it
-                    process.send_signal(signal.SIGINT)
-                else:
-                    os.write(main, reply.encode())
-                since = len(shown)
-            left = deadline - time.monotonic()
-            assert left > 0, f"timed out; the terminal shows:\n{shown.decode(errors='replace')}"
-            ready, _, _ = select.select([main], [], [], min(left, 0.5))
-            if not ready:
-                continue
-            try:
-                chunk = os.read(main, 65536)
-            except OSError:  # EIO: the child's side is closed
-                break
-            if not chunk:
-                break
-            shown += chunk
-        code = process.wait(timeout)
-    os.close(main)
+        try:
+            code, pending, shown = _steps(process, main, steps, deadline)
+        finally:
+            # A failed step must not leave the CLI running: Popen's exit would wait for
+            # it for good, and so would the thread and the test worker's shutdown.
+            if process.poll() is None:
+                process.kill()
+            os.close(main)
     assert not pending, f"never asked {pending[0][0]!r}:\n{shown.decode(errors='replace')}"
     return code, shown.decode(errors="replace")
+
+
+def _steps(
+    process: subprocess.Popen[bytes], main: int, steps: list[tuple[str, str]], deadline: float
+) -> tuple[int, list[tuple[str, str]], bytes]:
+    """``_converse``'s loop: the exit code, the steps never reached, what was shown."""
+    shown = b""
+    pending, since = list(steps), 0
+    while True:
+        if pending and pending[0][0].encode() in shown[since:]:
+            reply = pending.pop(0)[1]
+            if reply == CTRL_C:  # what the terminal does when a person types it
+                process.send_signal(signal.SIGINT)
+            else:
+                os.write(main, reply.encode())
+            since = len(shown)
+        left = deadline - time.monotonic()
+        assert left > 0, f"timed out; the terminal shows:\n{shown.decode(errors='replace')}"
+        ready, _, _ = select.select([main], [], [], min(left, 0.5))
+        if not ready:
+            continue
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:  # EIO: the child's side is closed
+            break
+        if not chunk:
+            break
+        shown += chunk
+    return process.wait(max(deadline - time.monotonic(), 1.0)), pending, shown
 
 
 async def on_a_terminal(
