@@ -19,7 +19,10 @@ load, every execution ending ``completed``; and the mass reconnect storm
 (``stress/mass_client.py``) on 100 streaming executions, all dropped at one instant and
 reconnecting at once with ``Last-Event-ID`` to either replica, three rounds, each
 client's whole view checked against the stored log. It alone takes a size, ``clients``,
-which the CI test sets to 1,000.
+which the CI test sets to 1,000. The queue storm (``stress/queue_storm.py``, checked by
+``stress/queue_checks.py``): a flood and a steady tenant on the fair queue of an API
+replica without slots and three ``flowcast worker`` processes, SIGKILLed and restarted
+(and once SIGTERMed) in cycles.
 
 The random source is seeded, so a failing run can be replayed with the same plan.
 """
@@ -51,6 +54,7 @@ from stress.harness import (
 )
 from stress.hostile import hostile_tenant
 from stress.mass_reconnect import mass_reconnect
+from stress.queue_storm import queue_storm
 from stress.recovery_storm import recovery_storm
 from stress.workflows import approval_workflow, check_work, fan_workflow, streaming_workflow
 from tests.support.sse import Frame
@@ -405,4 +409,5 @@ SCENARIOS: dict[str, Scenario] = {
     "hostile-tenant": hostile_tenant,
     "recovery-storm": recovery_storm,
     "mass-reconnect": mass_reconnect,
+    "queue-storm": queue_storm,
 }

@@ -288,8 +288,9 @@ elseif mode == "take" then
   local won = own(false)
   redis.call("HDEL", meta, "continues")
   if (not continues or continues == "") and base == 0 then
-    -- A start: its first event's id is the taker's already (as start.lua reserves it);
-    -- above a durable ceiling (a store back behind), it numbers from there instead.
+    -- A start: the ids ARGV[4] reserves for the taker's first events (the dispatcher
+    -- reserves none: dispatch.py says why); above a durable ceiling (a store back
+    -- behind), it numbers from there instead.
     redis.call("HSET", meta, "reserved", tonumber(ARGV[4]) or 0)
   end
   if ARGV[10] and ARGV[10] ~= "" then

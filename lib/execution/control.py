@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from redis.typing import EncodableT, FieldT
+
 from lib.backend import translated
 from lib.execution.buffer import EventBuffer
 
@@ -18,6 +20,14 @@ from lib.execution.buffer import EventBuffer
 CONTROL_MAXLEN = 1000
 HANDOFFS_MAXLEN = 10_000
 QUEUE_MAXLEN = 1000
+# How long a process's control stream outlives its last message. Node ids are new with
+# every process, so the stream of one that stopped (its last message is the ``wake`` of
+# its own shutdown) or died (a cancel sent to it) would otherwise stay for good: one
+# key for every process ever started (found by the queue storm, stress/queue_storm.py).
+# A live process reads its stream within a blocking read; should it be behind by more
+# than this, the cancel still reaches the run with its owner's next renewal, and its
+# read goes on across the stream's end (a recreated stream's ids come after the cursor).
+CONTROL_SECONDS = 600
 
 
 class ControlStreams:
@@ -33,12 +43,7 @@ class ControlStreams:
     @translated
     async def send_cancel(self, node: str, execution_id: str) -> None:
         """Ask the process ``node`` to cancel an execution it runs."""
-        await self.redis.xadd(
-            self.keys.control(node),
-            {"cancel": execution_id},
-            maxlen=CONTROL_MAXLEN,
-            approximate=True,
-        )
+        await self._to_node(node, {"cancel": execution_id})
 
     @translated
     async def announce_handoff(self, execution_id: str, fence: str) -> None:
@@ -95,6 +100,12 @@ class ControlStreams:
     @translated
     async def wake(self, node: str) -> None:
         """End ``node``'s blocking control read now (it is stopping)."""
-        await self.redis.xadd(
-            self.keys.control(node), {"wake": "1"}, maxlen=CONTROL_MAXLEN, approximate=True
-        )
+        await self._to_node(node, {"wake": "1"})
+
+    async def _to_node(self, node: str, message: dict[FieldT, EncodableT]) -> None:
+        """A message on ``node``'s control stream, which ends CONTROL_SECONDS after it."""
+        key = self.keys.control(node)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xadd(key, message, maxlen=CONTROL_MAXLEN, approximate=True)
+            pipe.expire(key, CONTROL_SECONDS)
+            await pipe.execute()

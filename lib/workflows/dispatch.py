@@ -18,7 +18,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import replace
 from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
@@ -26,7 +25,7 @@ from redis.asyncio.cluster import RedisCluster
 from lib.backoff import Backoff
 from lib.errors import FlowcastError, NotFound, WrongStatus
 from lib.execution.indexes import created_ms
-from lib.execution.ownership import START_RESERVED, Claim
+from lib.execution.ownership import Claim
 from lib.execution.queue import CONTINUATION_OFFSET_MS, Backlog, Queue, Taken
 from lib.execution.record import ExecutionMeta, Mode, Status
 from lib.metrics import Metrics
@@ -218,8 +217,14 @@ class Dispatcher:
             # As every claim does: what a store back behind forgot (the id to number above).
             ceiling = await self._recall(eid, meta) if self._recall is not None else 0
             await self._watch.hold(eid, fence)
+            # No id is reserved for its first event (start.lua reserves id 1 so that a
+            # start is shown live at once): it waited in line, and is shown once stored,
+            # a round trip later. Reserved, a worker dead between this claim and its
+            # first write left id 1 to a dropped gap, the log starting at
+            # execution:recovered; reserving none, the next owner starts the log itself
+            # (takeovers.py). Found by the queue storm (stress/queue_storm.py).
             claim = await self._ownership.claim(
-                eid, Mode.TAKE, fence, expected=str(START_RESERVED), base_at_least=ceiling
+                eid, Mode.TAKE, fence, expected="0", base_at_least=ceiling
             )
         except (WrongStatus, NotFound) as exc:
             # A stale delivery: cancelled, claimed by another, or gone. Dropped.
@@ -229,8 +234,6 @@ class Dispatcher:
         # Launched before anything else is awaited: a shutdown that cancels this task
         # now finds the run here to hand off (else it would wait for its lease to end,
         # charged as a crash), and a cancel sent here finds the run to stop.
-        if not meta.continues and claim.base == 0:
-            claim = replace(claim, reserved=START_RESERVED)  # its first event is its own
         if workflow is None:
             first = not meta.continues and claim.base == 0
             self._parts.launcher.launch(

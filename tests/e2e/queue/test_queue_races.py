@@ -127,6 +127,53 @@ async def test_a_worker_killed_between_take_and_claim_gives_the_execution_back(
             await asyncio.gather(api.stop(), other.stop(), taker.stop())
 
 
+async def test_a_worker_killed_between_its_claim_and_its_first_write_leaves_a_whole_log(
+    own_valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """SPEC §4 "Ids": id 1 is ``execution:started``, no gaps. A worker that claimed a
+    queued start (claim.lua "take") and died before its first batch (which stores
+    ``execution:started``) was stored: its claim had reserved id 1 for it, as start.lua
+    does for a start shown live, so the next owner numbered above it and the log began
+    at id 2 ``execution:recovered`` with id 1 recorded as dropped (a ``replay:gap`` for
+    every client). A take now reserves nothing: the next owner starts the log itself.
+
+    Found by the queue storm (stress/queue_storm.py, ``--long``: 1 of 61 kills)."""
+    api = replica(own_valkey, tmp_path, "api", FLOWCAST_WORKER_SLOTS="0")
+    async with Tap(own_valkey.port) as tap:
+        taker = replica(own_valkey, tmp_path, "taker", FLOWCAST_REDIS_URL=tap.url)
+        other = replica(own_valkey, tmp_path, "other")
+        await api.start()
+        try:
+            async with httpx.AsyncClient(base_url=api.url, timeout=60) as client:
+                await put(client, quick_workflow("quick"))
+                accepted = await client.post("/api/workflows/quick/execute", json={"input": {}})
+                assert accepted.status_code == 202, accepted.text
+                assert accepted.json()["status"] == "queued"
+                execution_id = accepted.json()["executionId"]
+                # The taker claims it, then its first batch never reaches Redis: it dies.
+                tap.hold(lambda data: b"}:events" in data and b"execution:started" in data)
+                await taker.start()
+                await asyncio.wait_for(tap.held.wait(), 20)
+                await wait_status(client, execution_id, "running")
+                await kill_replica(taker)
+                await other.start()
+                ended = await wait_finished(client, execution_id, timeout=20 * LEASE_SECONDS)
+                assert ended["status"] == "completed", ended
+                events = (await client.get(f"/api/executions/{execution_id}/events")).json()
+                check_log(events["events"])
+                kinds = [e["type"] for e in events["events"]]
+                assert kinds[:2] == ["execution:started", "execution:recovered"], kinds
+                async with client.stream(
+                    "GET",
+                    f"/api/executions/{execution_id}/stream",
+                    headers={"Accept": "text/event-stream"},
+                ) as stream:
+                    text = (await stream.aread()).decode()
+                assert "replay:gap" not in text, text
+        finally:
+            await asyncio.gather(api.stop(), other.stop(), taker.stop())
+
+
 async def test_a_keyed_repeat_racing_its_first_request_leaves_the_execution_in_line(
     own_valkey: ValkeyServer, tmp_path: Path
 ) -> None:
