@@ -14,6 +14,7 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,7 @@ from tests.support.recovery import (
     settled_store,
     valkey,
 )
+from tests.support.servers import FlowcastServer
 from tests.support.sse import follow
 from tests.support.timing import assert_below_timer, hold_for
 
@@ -509,17 +511,9 @@ async def test_a_pause_resumed_elsewhere_then_redis_came_back_empty_is_not_expir
                 lambda: has_event(http_for(http, b), eid, "block:started", "after"), "B runs on"
             )
             await until(_async(lambda: time.time() * 1000 > deadline_ms + 100), "past deadline")
-            os.kill(b.pid, signal.SIGSTOP)
-            try:
-                await crash_and_wipe(valkey)
-                await until(
-                    lambda: has_event(http_for(http, a), eid, "execution:paused"),
-                    "A restored the pause it kept",
-                )
+            async with wiped_with_b_stalled(valkey, http, a, b, eid):
                 # Longer than A's janitor takes to see a due deadline (half a lease).
                 await hold_for(stall, "B stalled while A's janitor looks at the pause")
-            finally:
-                os.kill(b.pid, signal.SIGCONT)
             snapshot = await finished(http_for(http, a), eid)
             stored = await all_events(http_for(http, a), eid)
             await until(_async(lambda: reader.done), "B's stream ended")
@@ -556,15 +550,8 @@ async def test_a_pause_stored_again_then_ended_by_its_resumer_stops_counting_for
         )
         assert resumed.status_code == 202, resumed.text
         assert (await finished(http_for(http, b), eid))["status"] == "completed"
-        os.kill(b.pid, signal.SIGSTOP)
-        try:
-            await crash_and_wipe(valkey)
-            await until(
-                lambda: has_event(http_for(http, a), eid, "execution:paused"),
-                "A stored again the pause it kept",
-            )
-        finally:
-            os.kill(b.pid, signal.SIGCONT)
+        async with wiped_with_b_stalled(valkey, http, a, b, eid):
+            pass  # B goes on as soon as A stored the pause again
         await until(
             lambda: has_event(http_for(http, a), eid, "execution:completed"),
             "B stored again the end it kept",
@@ -601,15 +588,8 @@ async def test_a_second_resume_right_after_redis_came_back_empty_meets_the_first
             await until(
                 lambda: has_event(http_for(http, b), eid, "block:started", "after"), "B runs on"
             )
-            os.kill(b.pid, signal.SIGSTOP)
-            try:
-                await crash_and_wipe(valkey)
-                await until(
-                    lambda: has_event(http_for(http, a), eid, "execution:paused"),
-                    "A restored the pause it kept",
-                )
-            finally:
-                os.kill(b.pid, signal.SIGCONT)
+            async with wiped_with_b_stalled(valkey, http, a, b, eid):
+                pass  # B goes on as soon as A stored the pause again
             second = await http_for(http, a).post(
                 f"/api/executions/{eid}/resume", json={"input": {"ok": False}}
             )
@@ -656,18 +636,28 @@ async def test_a_second_resume_after_the_settle_meets_a_resumer_stalled_less_tha
         await until(
             lambda: has_event(http_for(http, b), eid, "block:started", "after"), "B runs on"
         )
-        os.kill(b.pid, signal.SIGSTOP)
-        try:
-            await crash_and_wipe(valkey)
-            await until(
-                lambda: has_event(http_for(http, a), eid, "execution:paused"),
-                "A restored the pause it kept",
-            )
+        async with wiped_with_b_stalled(valkey, http, a, b, eid):
             second = await http_for(http, a).post(
                 f"/api/executions/{eid}/resume", json={"input": {"ok": False}}
             )
-        finally:
-            os.kill(b.pid, signal.SIGCONT)
         snapshot = await finished(http_for(http, a), eid)
     assert second.status_code != 202, second.text
     assert snapshot["output"] == {"echo": {"ok": True}}, snapshot
+
+
+@contextlib.asynccontextmanager
+async def wiped_with_b_stalled(
+    valkey: FaultyValkey, http: httpx.AsyncClient, a: FlowcastServer, b: FlowcastServer, eid: str
+) -> AsyncIterator[None]:
+    """B stopped (SIGSTOP), Valkey restarted empty, and A stored again the pause of
+    ``eid`` it kept (finals.py); B goes on (SIGCONT) when the block ends."""
+    os.kill(b.pid, signal.SIGSTOP)
+    try:
+        await crash_and_wipe(valkey)
+        await until(
+            lambda: has_event(http_for(http, a), eid, "execution:paused"),
+            "A stored again the pause it kept",
+        )
+        yield
+    finally:
+        os.kill(b.pid, signal.SIGCONT)
