@@ -428,6 +428,20 @@ def _bounded_nesting() -> Iterator[None]:
         raise TemplateSyntaxError("nested too deeply", 1) from None
 
 
+def _reads_of(tree: nodes.Node, name: str) -> Iterator[tuple[nodes.Node, Any]]:
+    """Each ``<name>.key`` and ``<name>['key']`` in a parsed template, with its key (a
+    constant subscript's value; None for any other subscript)."""
+    for node in tree.find_all((nodes.Getattr, nodes.Getitem)):
+        target = getattr(node, "node", None)
+        if not (isinstance(target, nodes.Name) and target.name == name):
+            continue
+        if isinstance(node, nodes.Getattr):
+            yield node, node.attr
+        else:
+            arg = getattr(node, "arg", None)
+            yield node, arg.value if isinstance(arg, nodes.Const) else None
+
+
 def _unknown_block(tree: nodes.Node, blocks: Collection[str]) -> str | None:
     """The first ``blocks.<id>`` (``blocks['<id>']``) in a parsed template whose id is
     no block of the workflow, as a problem; None when there is none.
@@ -440,15 +454,7 @@ def _unknown_block(tree: nodes.Node, blocks: Collection[str]) -> str | None:
     stores = (node for node in tree.find_all(nodes.Name) if node.ctx != "load")
     if any(node.name == "blocks" for node in stores):
         return None
-    for node in tree.find_all((nodes.Getattr, nodes.Getitem)):
-        target = getattr(node, "node", None)
-        if not (isinstance(target, nodes.Name) and target.name == "blocks"):
-            continue
-        if isinstance(node, nodes.Getattr):
-            key: Any = node.attr
-        else:
-            arg = getattr(node, "arg", None)
-            key = arg.value if isinstance(arg, nodes.Const) else None
+    for node, key in _reads_of(tree, "blocks"):
         if not isinstance(key, str) or key in blocks:
             continue
         if isinstance(node, nodes.Getattr) and hasattr(dict, key):
@@ -513,15 +519,7 @@ def _secret_names(tree: nodes.Template) -> tuple[set[str], bool]:
     """Names read as ``secrets.NAME``/``secrets['NAME']``, and whether any other use exists."""
     names: set[str] = set()
     plain = 0
-    for node in tree.find_all((nodes.Getattr, nodes.Getitem)):
-        target = getattr(node, "node", None)
-        if not (isinstance(target, nodes.Name) and target.name == "secrets"):
-            continue
-        if isinstance(node, nodes.Getattr):
-            key: Any = node.attr
-        else:
-            arg = getattr(node, "arg", None)
-            key = arg.value if isinstance(arg, nodes.Const) else None
+    for _node, key in _reads_of(tree, "secrets"):
         if isinstance(key, str) and _IDENTIFIER.match(key) and len(key) <= 64:
             names.add(key)
             plain += 1
