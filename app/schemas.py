@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from lib.workflows.model import Workflow
@@ -91,6 +91,14 @@ class WorkflowDocument(BaseModel):
     description: str
     blocks: list[dict[str, Any]]
     edges: list[dict[str, Any]]
+    input_schema: dict[str, Any] | None = Field(
+        None,
+        alias="inputSchema",
+        description="A JSON Schema an execution's input must match (else 422 at execute)",
+    )
+    example_input: Any = Field(
+        None, alias="exampleInput", description="An input to start with; matches inputSchema"
+    )
     source: Literal["api", "file"] | None = None
 
 
