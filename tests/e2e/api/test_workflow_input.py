@@ -10,6 +10,7 @@ the session's Valkey, plain HTTP clients.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from tests.support.loopwatch import loop_watch, worst
 from tests.support.servers import ALPHA, BETA, ValkeyServer, authed, flowcast_on, prefix, serving
 from tests.support.timing import assert_within, latencies, probing
 
+ROOT = Path(__file__).resolve().parents[3]
 SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["amount", "customer"],
@@ -68,8 +70,6 @@ async def test_a_workflow_keeps_its_input_schema_and_example_as_stored(
         1,
         "two",
     ]
-    plain = (await client.get(f"/api/workflows/{workflow_id}-x")).status_code
-    assert plain == 404
     await put(client, declared(f"plain-{unique}"))
     read_plain = (await client.get(f"/api/workflows/plain-{unique}")).json()
     assert "inputSchema" not in read_plain and "exampleInput" not in read_plain
@@ -233,3 +233,25 @@ async def test_a_large_input_checked_against_a_schema_does_not_hold_the_event_lo
         )
     finally:
         await server.stop(signal.SIGKILL)
+
+
+@pytest.mark.timeout(30)
+async def test_workflow_files_carry_them_and_the_openapi_schema_shows_them(
+    client: httpx.AsyncClient,
+) -> None:
+    """The shipped examples declare both (read from FLOWCAST_WORKFLOWS_DIR); the API's
+    schema documents them on the stored document and on the PUT body."""
+    shipped = json.loads((ROOT / "examples" / "approve-refund.json").read_text())
+    read = (await client.get("/api/workflows/approve-refund")).json()
+    assert read["source"] == "file"
+    assert read["inputSchema"] == shipped["inputSchema"]
+    assert read["exampleInput"] == shipped["exampleInput"]
+    for path in sorted((ROOT / "examples").glob("*.json")):
+        assert "exampleInput" in json.loads(path.read_text()), path.name
+    document = (await client.get("/openapi.json")).json()
+    stored = document["components"]["schemas"]["WorkflowDocument"]["properties"]
+    put_body = document["paths"]["/api/workflows/{workflow_id}"]["put"]["requestBody"]
+    body = put_body["content"]["application/json"]["schema"]["properties"]
+    for name in ("inputSchema", "exampleInput"):
+        assert name in stored and name in body, name
+        assert "description" in body[name], body[name]
