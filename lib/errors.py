@@ -130,6 +130,15 @@ class SuspectHeld(Conflict):
         self.execution_id = execution_id
 
 
+class DeliveryRevoked(Conflict):
+    """A worker's claim of a queued execution it took, after a janitor found the
+    delivery unclaimed for a lease and gave it back to the line (claim.lua "revoke")."""
+
+    def __init__(self, execution_id: str) -> None:
+        super().__init__("revoked", f"the delivery of {execution_id} was given back to the line")
+        self.execution_id = execution_id
+
+
 class NotDue(Conflict):
     """An expiry asked before the pause's approval deadline passed."""
 

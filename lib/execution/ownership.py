@@ -14,7 +14,12 @@ against a real server, and checks that this drawing is the table):
                                                tenant's line (queue.py)
     queued   take        claim.lua   running   a worker that took it from the queue
                                                (a stale delivery is refused: dropped)
-                                               refused: NOEXEC STATUS
+                                               refused: NOEXEC STATUS REVOKED
+    queued   revoke      claim.lua   queued    any janitor, a lease after a worker took
+                                               it and did not claim it: that worker's
+                                               take is refused from then on, however
+                                               late; then it is queued again (queue.py)
+                                               refused: STATUS
     queued   cancel      claim.lua   running   any process; it takes it out of line,
                                                then writes execution:started and the
                                                cancel (it never ran)
@@ -149,7 +154,13 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition(
         Status.QUEUED, "take", Script.CLAIM, Mode.TAKE, (Status.RUNNING,),
         "a worker that took it from the queue\n(a stale delivery is refused: dropped)",
-        (Reply.NOEXEC, Reply.STATUS),
+        (Reply.NOEXEC, Reply.STATUS, Reply.REVOKED),
+    ),
+    Transition(
+        Status.QUEUED, "revoke", Script.CLAIM, Mode.REVOKE, (Status.QUEUED,),
+        "any janitor, a lease after a worker took\nit and did not claim it: that worker's\n"
+        "take is refused from then on, however\nlate; then it is queued again (queue.py)",
+        (Reply.STATUS,),
     ),
     Transition(
         Status.QUEUED, "cancel", Script.CLAIM, Mode.CANCEL, (Status.RUNNING,),
@@ -492,7 +503,7 @@ class Ownership:
                 cancel,
                 deaths,
             ) = await self._claim(
-                keys=[self.keys.meta(execution_id), self.keys.state(execution_id)],
+                keys=self._claim_keys(execution_id),
                 args=[
                     mode,
                     fence,
@@ -521,6 +532,26 @@ class Ownership:
             cancel == b"1",
             deaths=int(deaths),
         )
+
+    def _claim_keys(self, execution_id: str) -> list[str]:
+        keys = self.keys
+        return [keys.meta(execution_id), keys.state(execution_id), keys.revoked(execution_id)]
+
+    @translated
+    async def revoke(self, execution_id: str, taker: str) -> bool:
+        """Fence the worker whose token is ``taker`` out of its take of a queued
+        execution it never claimed (its delivery goes back to the line): its claim is
+        refused from now on (``DeliveryRevoked``). True when the record is there, False
+        when it is not yet (the mark waits for it); ``WrongStatus`` when the execution
+        is no longer queued (the take was claimed, or a cancel won)."""
+        try:
+            found = await self._claim(
+                keys=self._claim_keys(execution_id),
+                args=[Mode.REVOKE, taker, self.buffer.active_ttl_seconds * 1000],
+            )
+        except ResponseError as exc:
+            raise refused(Script.CLAIM, exc, Asked(execution_id)) from None
+        return bool(found)
 
     @translated
     async def hand_off(self, execution_id: str, fence: str, *, shown_id: int) -> None:

@@ -28,6 +28,7 @@ of its refusals is not in the map.
     claim.lua   NOTDUE            NotDue             the approval deadline has not passed
     claim.lua   MODE <mode>       UnknownTransition  no such transition (a bug)
     claim.lua   SUSPECT           SuspectHeld        the caller runs a suspect already
+    claim.lua   REVOKED           DeliveryRevoked    the delivery was given back
     queue.lua   MODE <op>         UnknownTransition  no such operation (a bug)
     renew.lua   GONE              RecordLost         no metadata: the writer recreates it
     renew.lua   FENCED            Fenced             another owner, same or later epoch
@@ -47,6 +48,7 @@ from redis.exceptions import ResponseError
 from lib.errors import (
     BufferUnavailable,
     CancelWins,
+    DeliveryRevoked,
     Fenced,
     FlowcastError,
     LeaseHeld,
@@ -135,6 +137,7 @@ class Mode(StrEnum):
     HANDOFF = "handoff"
     EXPIRE = "expire"
     TAKE = "take"  # queued -> running, by a worker that took it from the queue
+    REVOKE = "revoke"  # queued: a taker that never claimed is fenced out (a janitor)
 
 
 class Takeover(StrEnum):
@@ -196,6 +199,7 @@ class Reply(StrEnum):
     GONE = "GONE"
     BEHIND = "BEHIND"
     SUSPECT = "SUSPECT"
+    REVOKED = "REVOKED"
 
 
 @dataclass(frozen=True)
@@ -284,6 +288,10 @@ REFUSALS: Final[tuple[Refusal, ...]] = (
     Refusal(
         Script.CLAIM, Reply.SUSPECT, SuspectHeld, "the caller runs a suspect already",
         lambda asked, _detail: SuspectHeld(asked.execution_id),
+    ),
+    Refusal(
+        Script.CLAIM, Reply.REVOKED, DeliveryRevoked, "the delivery was given back",
+        lambda asked, _detail: DeliveryRevoked(asked.execution_id),
     ),
     Refusal(
         Script.QUEUE, Reply.MODE, UnknownTransition, "no such operation (a bug)",

@@ -251,6 +251,42 @@ async def test_a_worker_takes_a_queued_execution_once(machine: Machine) -> None:
         Reply.NOEXEC, machine.ownership.claim(missing(), Mode.TAKE, "node-x:1", expected="1")
     )
     assert (await machine.record(execution_id))[Field.OWNER] == "node-w:1"
+    # A taker whose delivery a janitor revoked (it was slower than a lease) is dropped.
+    given_back = await machine.queued()
+    assert await machine.ownership.revoke(given_back, "node-y:1") is True
+    await check.refused(
+        Reply.REVOKED, machine.ownership.claim(given_back, Mode.TAKE, "node-y:1", expected="1")
+    )
+    check.every_refusal_tried()
+
+
+@row_test(Status.QUEUED, "revoke")
+async def test_a_delivery_revoked_fences_its_late_taker_out(machine: Machine) -> None:
+    """A taker slower than a lease: the janitor revokes its delivery and queues it
+    again; its claim, when it comes, is refused and the next taker's wins, so the two
+    never run it (nor its tenant past its cap: the revoked one's admission went back)."""
+    check = RowCheck(row_of(Status.QUEUED, "revoke"))
+    execution_id = await machine.queued()
+    queue = machine.ownership.queue
+    slow = await queue.take("node-w:1")
+    assert slow is not None and slow.fence == "node-w:1"
+    assert await machine.ownership.revoke(execution_id, slow.fence) is True
+    assert await queue.requeue(slow) is True
+    assert not await machine.redis.zscore(queue.keys.running("t"), "node-w:1")
+    next_taker = await queue.take("node-w:2")
+    assert next_taker is not None and next_taker.execution_id == execution_id
+    take_row = RowCheck(row_of(Status.QUEUED, "take"))
+    await take_row.refused(
+        Reply.REVOKED, machine.ownership.claim(execution_id, Mode.TAKE, "node-w:1", expected="1")
+    )
+    won = await machine.ownership.claim(execution_id, Mode.TAKE, "node-w:2", expected="1")
+    assert won.status_before is Status.QUEUED
+    assert (await machine.record(execution_id))[Field.OWNER] == "node-w:2"
+    # Claimed: too late to revoke (the janitor then only closes the delivery).
+    await check.refused(Reply.STATUS, machine.ownership.revoke(execution_id, next_taker.fence))
+    # Revoked before its record exists (a start's record comes a round trip after its
+    # line's entry): False, and the mark waits for it.
+    assert await machine.ownership.revoke(missing(), "node-w:3") is False
     check.every_refusal_tried()
 
 
