@@ -284,6 +284,23 @@ class BufferUnavailable(FlowcastError):
     code = "buffer_unavailable"
 
 
+class PauseHeld(BufferUnavailable):
+    """A resume or cancel of a pause that a replica stored again after the store came
+    back empty, within a lease of that: the store may have lost a resume of it, whose
+    owner takes the run back if it lives. Answered 503 with ``Retry-After``."""
+
+    code = "pause_held"
+
+    def __init__(self, execution_id: str, *, held_ms: int) -> None:
+        self.retry_after = max(1, -(-held_ms // 1000))
+        super().__init__(
+            f"the store came back empty and the pause of {execution_id} was stored again "
+            f"from a replica's memory; it takes no answer for {self.retry_after} s, so "
+            "that a resume the store lost is never answered twice: try again then"
+        )
+        self.execution_id = execution_id
+
+
 class WriteRefused(FlowcastError):
     """The buffer refused a batch on purpose; retrying the same batch cannot help.
 

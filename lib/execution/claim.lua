@@ -98,6 +98,11 @@ the claim and a first write that would tell it too late. Error replies:
   "SUSPECT"         takeover: the caller runs a suspect already (ARGV[9]) and this run's
                     owners died twice: left for a process without one
   "REVOKED"         take: the delivery was revoked (given back to the line): dropped
+  "HELD <ms>"       resume or cancel of a pause stored again from a process's memory
+                    after the store came back empty (finals.py; `held` says until when,
+                    while its last id is that pause's): the store may have lost a resume
+                    of it whose owner, stalled, takes the run back within a lease; the
+                    caller is told to try again in <ms>
 A new owner token in `owner` fences the previous owner out of append.lua.
 ]]
 
@@ -130,6 +135,19 @@ if not status then
 end
 local last = tonumber(state[2]) or 0
 local base = math.max(last, tonumber(state[8]) or 0)
+
+-- A pause stored again is held (HELD) while it is the last event, until `held`'s time.
+local function held_for()
+  local held = redis.call("HGET", meta, "held")
+  if status ~= "paused" or not held then
+    return nil
+  end
+  local at, until_ms = string.match(held, "^(%d+) (%d+)$")
+  if tonumber(at) ~= last or tonumber(until_ms) <= now then
+    return nil
+  end
+  return tonumber(until_ms) - now
+end
 
 local recoveries = tonumber(state[10]) or 0
 local crashes = tonumber(state[12]) or 0
@@ -185,6 +203,10 @@ local function own(keep_cancel, reason)
     return {last, base, status, token, epoch, recoveries + 1, reason, crashes, cancel, deaths}
   end
   return {last, base, status, token, epoch, recoveries, "", crashes, cancel, deaths}
+end
+
+if (mode == "resume" or mode == "cancel") and held_for() then
+  return redis.error_reply("HELD " .. held_for())
 end
 
 if mode == "resume" then

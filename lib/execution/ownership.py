@@ -31,15 +31,19 @@ against a real server, and checks that this drawing is the table):
                                                refused: NOEXEC FENCED ORDER CANCEL
     running  renew       renew.lua   running   the owner, every third of a lease
                                                refused: GONE FENCED BEHIND
-    paused   resume      claim.lua   running   any process, for a valid answer (once)
-                                               refused: NOEXEC STATUS BLOCK
+    paused   resume      claim.lua   running   any process, for a valid answer (once);
+                                               not for a lease after a replica stored
+                                               the pause again (the store came back
+                                               empty: finals.py): HELD
+                                               refused: NOEXEC STATUS BLOCK HELD
     paused   resume later  claim.lua   queued    any process, for a valid answer (once),
                                                when it may not run it now (its tenant
                                                runs its cap, or no free slot here): in
                                                line before its tenant's starts
-                                               refused: NOEXEC STATUS BLOCK
+                                               refused: NOEXEC STATUS BLOCK HELD
     paused   cancel      claim.lua   running   any process; it then writes the cancel
-                                               refused: NOEXEC STATUS
+                                               (HELD as a resume is)
+                                               refused: NOEXEC STATUS HELD
     running  cancel      claim.lua   running   any process: flags cancelRequested; the
                                                owner's next final event becomes the cancel
                                                refused: NOEXEC STATUS
@@ -184,17 +188,20 @@ TRANSITIONS: tuple[Transition, ...] = (
     ),
     Transition(
         Status.PAUSED, "resume", Script.CLAIM, Mode.RESUME, (Status.RUNNING,),
-        "any process, for a valid answer (once)", (Reply.NOEXEC, Reply.STATUS, Reply.BLOCK),
+        "any process, for a valid answer (once);\nnot for a lease after a replica stored\n"
+        "the pause again (the store came back\nempty: finals.py): HELD",
+        (Reply.NOEXEC, Reply.STATUS, Reply.BLOCK, Reply.HELD),
     ),
     Transition(
         Status.PAUSED, "resume later", Script.CLAIM, Mode.RESUME, (Status.QUEUED,),
         "any process, for a valid answer (once),\nwhen it may not run it now (its tenant\n"
         "runs its cap, or no free slot here): in\nline before its tenant's starts",
-        (Reply.NOEXEC, Reply.STATUS, Reply.BLOCK),
+        (Reply.NOEXEC, Reply.STATUS, Reply.BLOCK, Reply.HELD),
     ),
     Transition(
         Status.PAUSED, "cancel", Script.CLAIM, Mode.CANCEL, (Status.RUNNING,),
-        "any process; it then writes the cancel", (Reply.NOEXEC, Reply.STATUS),
+        "any process; it then writes the cancel\n(HELD as a resume is)",
+        (Reply.NOEXEC, Reply.STATUS, Reply.HELD),
     ),
     Transition(
         Status.RUNNING, "cancel", Script.CLAIM, Mode.CANCEL, (Status.RUNNING,),

@@ -150,6 +150,14 @@ class Machine:
         await self.states.save(execution_id, {}, deadline_ms=deadline_ms)
         return execution_id
 
+    async def held(self, *, for_ms: int = 30_000, at: int = 2) -> str:
+        """A pause a replica stored again after the store came back empty (finals.py):
+        held ``for_ms`` from now while its last id is ``at`` (the pause's is 2)."""
+        execution_id = await self.paused("node-a:1")
+        until_ms = await self.watch.now_ms() + for_ms
+        await self.redis.hset(self.buffer.keys.meta(execution_id), Field.HELD, f"{at} {until_ms}")
+        return execution_id
+
     async def finished(self, fence: str = "node-a:1") -> str:
         execution_id = await self.start(fence)
         await self.append(execution_id, [EXECUTION_STARTED, EXECUTION_COMPLETED], fence=fence)
@@ -423,6 +431,16 @@ async def test_any_process_resumes_a_pause_once_with_its_answer_checkpointed(
         Reply.BLOCK, claim(machine, other, Mode.RESUME, "node-c:1", block_id="elsewhere")
     )
     assert block.paused_at == "ask" and block.asked == "elsewhere"  # type: ignore[attr-defined]
+    # Stored again after the store came back empty: held a lease, then answered as ever
+    # (and not held once a later event follows the pause).
+    held = await machine.held()
+    refused = await check.refused(Reply.HELD, claim(machine, held, Mode.RESUME, "node-c:1"))
+    assert 1 <= refused.retry_after <= 30  # type: ignore[attr-defined]
+    assert (await machine.record(held))[Field.STATUS] == Status.PAUSED
+    over = await machine.held(for_ms=-1)
+    assert (await claim(machine, over, Mode.RESUME, "node-c:1")).owner == "node-c:1"
+    moved_on = await machine.held(at=1)
+    assert (await claim(machine, moved_on, Mode.RESUME, "node-c:1")).owner == "node-c:1"
     check.every_refusal_tried()
 
 
@@ -467,6 +485,9 @@ async def test_a_resume_that_may_not_run_now_waits_in_line_with_its_answer(
         claim(machine, other, Mode.RESUME, "node-c:1", block_id="elsewhere", later=True),
     )
     assert (await machine.record(other))[Field.STATUS] == Status.PAUSED
+    held = await machine.held()
+    await check.refused(Reply.HELD, claim(machine, held, Mode.RESUME, "node-c:1", later=True))
+    assert (await machine.record(held))[Field.STATUS] == Status.PAUSED
     check.every_refusal_tried()
 
 
@@ -486,6 +507,9 @@ async def test_any_process_cancelling_a_pause_owns_it_to_write_the_cancel(
     finished = await machine.finished()
     status = await check.refused(Reply.STATUS, claim(machine, finished, Mode.CANCEL, "node-c:1"))
     assert isinstance(status, WrongStatus) and status.code == "execution_completed"
+    held = await machine.held()
+    await check.refused(Reply.HELD, claim(machine, held, Mode.CANCEL, "node-c:1"))
+    assert Field.CANCEL_REQUESTED not in await machine.record(held)
     check.every_refusal_tried()
 
 
