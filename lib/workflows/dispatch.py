@@ -86,6 +86,9 @@ class Dispatcher:
         self._next_reclaim = 0.0
         # A run ended here while this process takes nothing: the others are told.
         self._tell = False
+        # Runs due for a takeover found no free slot here (tending.py): the next slot
+        # that frees is theirs, not the queue's.
+        self._recoveries_waiting = False
 
     def free(self) -> int:
         """Slots free here now (what runs here, taken or not from the queue, fills them,
@@ -105,6 +108,11 @@ class Dispatcher:
             yield True
         finally:
             self._holding -= 1
+
+    def recoveries_wait(self, waiting: bool) -> None:
+        """Whether runs due for a takeover wait for a slot here (a janitor pass says,
+        each time): meanwhile nothing is taken from the queue."""
+        self._recoveries_waiting = waiting
 
     def stop(self) -> None:
         """End ``run`` at its next turn (a shutdown, once the runs here let go): it need
@@ -169,7 +177,7 @@ class Dispatcher:
                     await self.reclaim()
                 except FlowcastError as exc:
                     log.warning("giving back stale deliveries failed", extra={"error": str(exc)})
-            while self._runs.accepting and self.free() > 0:
+            while self._runs.accepting and self.free() > 0 and not self._recoveries_waiting:
                 try:
                     with self.slot():
                         took = await self.take_one()
