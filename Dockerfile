@@ -30,7 +30,8 @@ FROM python:3.11.16-slim-bookworm
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin flowcast
 COPY --from=build /wheels /wheels
 # Exactly the wheels built above, nothing resolved again; `pip check` fails the build if
-# the lock lacks a dependency of Flowcast's or pins one it does not accept.
+# the lock lacks a dependency of Flowcast's or pins one it does not accept (extras, such
+# as uvicorn[standard]'s, it does not follow: tests/e2e/deploy/test_deploy.py does).
 RUN pip install --no-cache-dir --no-index --no-deps /wheels/*.whl && pip check && rm -rf /wheels
 WORKDIR /srv/flowcast
 # The examples are the demo workflows: mount your own directory over this one

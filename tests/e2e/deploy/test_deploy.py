@@ -263,6 +263,10 @@ def test_the_image_is_built_once_and_every_replica_and_worker_runs_it() -> None:
     assert builders == {"flowcast-1": "."}
     assert services["flowcast-1"]["image"] == BUILT
     assert set(flowcast_services()) == {"flowcast-1", "flowcast-2", "worker"}
+    # The others never look for it in a registry (an older compose would fail the `up`
+    # on that pull): `up` builds it before it creates their containers.
+    for name in ("flowcast-2", "worker"):
+        assert services[name]["pull_policy"] == "never", name
 
 
 def test_the_image_installs_exactly_the_locked_dependencies() -> None:
