@@ -18,9 +18,10 @@
 # together), and the dependencies to the versions in requirements.lock (`make lock`).
 FROM python:3.11.16-slim-bookworm AS build
 WORKDIR /src
-# The locked dependencies first: this layer is built again only when the lock changes.
+# The locked dependencies first, each alone (--no-deps: nothing the lock does not name
+# comes in); this layer is built again only when the lock changes.
 COPY requirements.lock ./
-RUN pip wheel --no-cache-dir --wheel-dir /wheels -r requirements.lock
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels -r requirements.lock
 COPY pyproject.toml README.md ./
 COPY app ./app
 COPY lib ./lib

@@ -272,9 +272,12 @@ def test_the_image_is_built_once_and_every_replica_and_worker_runs_it() -> None:
 def test_the_image_installs_exactly_the_locked_dependencies() -> None:
     lines = dockerfile()
     assert "COPY requirements.lock ./" in lines
-    assert "RUN pip wheel --no-cache-dir --wheel-dir /wheels -r requirements.lock" in lines
-    # Flowcast's own wheel adds no dependency, and the final stage resolves nothing:
-    # it installs the wheels built from the lock, and `pip check` proves them complete.
+    assert (
+        "RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels -r requirements.lock" in lines
+    )
+    # Nothing the lock does not name comes in, nor with Flowcast's own wheel, and the
+    # final stage resolves nothing: it installs those wheels, and `pip check` proves
+    # them complete.
     assert "RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels ." in lines
     [install] = [line for line in lines if line.startswith("RUN pip install")]
     assert "--no-index --no-deps /wheels/*.whl" in install and "pip check" in install
