@@ -113,8 +113,12 @@ class Snapshot(_Camel):
     decision: Literal["rejected"] | None = None
 
 
-class ExecutionList(BaseModel):
+class ExecutionList(_Camel):
+    """A page of the list, newest first; ``nextBefore`` asks for the page after it
+    (``?before=``), null when this page is the last."""
+
     executions: list[Snapshot]
+    next_before: str | None
 
 
 class LiveToken(_Camel):
