@@ -111,6 +111,8 @@ class Snapshot(_Camel):
     # "rejected" once a person answered an approval with approved false (the run may
     # still complete: the workflow decides what a rejection leads to).
     decision: Literal["rejected"] | None = None
+    # With API keys: a token for this execution's stream (?token=), for an EventSource.
+    stream_token: str | None = None
 
 
 class ExecutionList(_Camel):

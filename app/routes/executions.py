@@ -148,10 +148,19 @@ async def list_executions(request: Request, svc: ServicesDep, tenant_id: TenantD
         before=before,
     )
     resolved = await asyncio.gather(*(svc.buffer.resolved(meta) for meta in found))
-    views = [snapshot(meta) for meta in resolved]
+    views = [with_token(svc, snapshot(meta)) for meta in resolved]
     for view, meta in zip(views, resolved, strict=True):
         await place_in_line(svc, view, meta)
     return JSON({"executions": views, "nextBefore": next_before(found, wanted.limit)})
+
+
+def with_token(svc: Services, view: dict[str, Any]) -> dict[str, Any]:
+    """With API keys, the view carries a ``streamToken`` for the execution's stream, as
+    the live list's rows do: the page opens a run found in a list page or by its id with
+    an EventSource, which cannot send the key."""
+    if svc.keys.enabled:
+        view["streamToken"] = svc.tokens.issue(view["id"])
+    return view
 
 
 @router.get(
@@ -160,7 +169,7 @@ async def list_executions(request: Request, svc: ServicesDep, tenant_id: TenantD
 )
 async def get_execution(execution_id: str, svc: ServicesDep, tenant_id: TenantDep) -> JSON:
     meta = await owned_meta(svc, tenant_id, execution_id)
-    return JSON(await place_in_line(svc, snapshot(meta), meta))
+    return JSON(await place_in_line(svc, with_token(svc, snapshot(meta)), meta))
 
 
 async def place_in_line(svc: Services, view: dict[str, Any], meta: ExecutionMeta) -> dict[str, Any]:

@@ -12,6 +12,14 @@ export function formatMs(ms) {
 
 const pad = (number) => String(number).padStart(2, "0");
 
+/** "2026-12-02 21:35:15", in local time: the list's and the run's start, always dated. */
+export function formatDateTime(iso) {
+  const date = new Date(iso);
+  if (Number.isNaN(date.getTime())) return "";
+  const day = `${date.getFullYear()}-${pad(date.getMonth() + 1)}-${pad(date.getDate())}`;
+  return `${day} ${pad(date.getHours())}:${pad(date.getMinutes())}:${pad(date.getSeconds())}`;
+}
+
 /**
  * A run's duration, written the same in the list and the run panel: finished runs to the
  * tenth of a second ("7.6 s"), running ones (`ticking`) in whole seconds as they tick.

@@ -42,6 +42,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 SETTLE_MS = 30_000  # how long expect() waits for a run to reach a state
+DATE_TIME = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d$")  # as the page dates a run
 API_KEY = "page-key-" + "p" * 24
 LLM_KEY = "sk-page-model-key"
 
@@ -567,7 +568,7 @@ STATUS_RECORDER = """(() => {
   new MutationObserver((records) => {
     const touched = new Set();
     for (const record of records) {
-      if (record.type === "attributes" && record.target.classList.contains("graph-node")) {
+      if (record.type === "attributes" && record.target.matches("#graph .graph-node")) {
         push(record.target.dataset.blockId, record.oldValue);
         touched.add(record.target);
       }
@@ -577,7 +578,10 @@ STATUS_RECORDER = """(() => {
         for (const node of added.querySelectorAll(".graph-node")) touched.add(node);
       }
     }
-    for (const node of touched) push(node.dataset.blockId, node.dataset.status);
+    // The run's graph only: the launch panel's preview of a workflow is never run.
+    for (const node of touched) {
+      if (node.closest("#graph")) push(node.dataset.blockId, node.dataset.status);
+    }
   }).observe(document, {
     subtree: true, childList: true, attributes: true,
     attributeFilter: ["data-status"], attributeOldValue: true,
@@ -1098,7 +1102,8 @@ async def test_the_list_shows_runs_started_elsewhere_live_and_a_click_attaches(
         row = list_row(page, first)
         await expect(row.locator(".status")).to_have_text("paused", timeout=SETTLE_MS)
         await expect(row.locator(".workflow")).to_have_text(waiting)
-        await expect(row.locator(".at")).to_have_text(re.compile(r"^\d\d:\d\d:\d\d$"))
+        # Dated, whatever the day (issue 26: times alone did not say which day).
+        await expect(row.locator(".at")).to_have_text(DATE_TIME)
         done = await execute(client, quick)
         await expect(list_row(page, done).locator(".status")).to_have_text(
             "completed", timeout=SETTLE_MS
