@@ -13,7 +13,7 @@
 // an execution id reads its snapshot and attaches to it.
 
 import { api, errorText, headers } from "./api.js";
-import { $, show } from "./dom.js";
+import { $, el, show } from "./dom.js";
 import { formatDateTime, formatDuration, queuedLabel } from "./format.js";
 import { apiKey } from "./keys.js";
 import { hashOf, parseHash } from "./routing.js";
@@ -101,11 +101,15 @@ function rowNode(row) {
   link.href = `#${hashOf(row.id, row.streamToken || null)}`;
   link.textContent = row.id;
   link.title = `Watch ${row.id}`;
-  const id = cell("", "id");
-  id.append(link);
+  // The workflow, and the execution's id under it: the table fits a side column.
+  const which = cell("", "which");
+  which.append(
+    el("div", { class: "workflow", text: row.workflowId, title: row.workflowId }),
+    el("div", { class: "id" }, link),
+  );
   const started = cell(formatDateTime(row.createdAt), "at");
   started.title = row.createdAt;
-  tr.append(status, cell(row.workflowId, "workflow"), id, started, cell(duration(row), "num duration"));
+  tr.append(status, which, started, cell(duration(row), "num duration"));
   link.addEventListener("click", () => {
     list.scrollToRun = true;
   });

@@ -5,7 +5,8 @@ and output, after a reload too, and "Run again with this input", which fills the
 form with the run's workflow and input.
 
 In a real Chromium against a server with the test plugins (``flaky`` fails its first
-attempts, retryably)."""
+attempts, retryably). With ``FLOWCAST_UPDATE_SCREENSHOT=1`` the retried run writes the
+README's ``docs/history.png``."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ import json
 import re
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from playwright.async_api import Page, expect
 
-from tests.browser.test_page import CHROMIUM, block, finished, start
+from tests.browser.test_page import CHROMIUM, block, finished, screenshot_path, start
 from tests.support.api import all_events, put, quick_workflow, streaming_workflow
 from tests.support.servers import FlowcastServer, ValkeyServer
 
@@ -64,12 +66,12 @@ def twice_failing_workflow(workflow_id: str) -> dict[str, Any]:
 
 
 async def test_a_retried_block_shows_every_failed_attempt_with_its_error(
-    plugged: FlowcastServer, page: Page, unique: str
+    plugged: FlowcastServer, page: Page, unique: str, tmp_path: Path
 ) -> None:
     async with httpx.AsyncClient(base_url=plugged.url, timeout=20) as client:
         await put(client, twice_failing_workflow(f"flaky-{unique}"))
         await page.goto(plugged.url)
-        execution_id = await start(page, f"flaky-{unique}", {})
+        execution_id = await start(page, f"flaky-{unique}", {"ticket": 4521})
         await finished(page)
         events = await all_events(client, execution_id)
     failures = [e["data"] for e in events if e["type"] == "block:failed"]
@@ -86,6 +88,18 @@ async def test_a_retried_block_shows_every_failed_attempt_with_its_error(
     assert "attempt 1 with key" in failures[0]["error"]["message"]
     await expect(talk.locator(".error")).to_be_hidden()
     await expect(talk.locator(".chunks")).to_have_text("try3-w0 ")
+
+    # The README's picture: the attempts, the input, and the history with attempt 1's
+    # failure opened.
+    await page.set_viewport_size({"width": 1360, "height": 1500})
+    await page.click("#run-input-box > summary")
+    await page.click("#log > summary")
+    failed = page.locator('#events > li[data-type="block:failed"]').first
+    await failed.locator(".payload summary").click()
+    await expect(failed.locator(".payload pre")).to_be_visible()
+    await page.locator("#run").screenshot(
+        path=str(screenshot_path(tmp_path, "history.png")), animations="disabled"
+    )
 
 
 async def test_the_history_lists_every_event_with_its_time_and_its_payload_on_a_click(

@@ -42,6 +42,7 @@ pytestmark = [
     pytest.mark.timeout(90),
 ]
 
+MONTHS = "Jan Feb Mar Apr May Jun Jul Aug Sep Oct Nov Dec".split()
 OLDER_RUNS = 45  # the live list's 20, then two pages of 20 and one of 5
 
 
@@ -100,8 +101,11 @@ async def open_with_key(page: Page, keyed: Keyed) -> None:
 
 
 def local_date_time(ms: int) -> str:
-    """How the page dates a run created at ``ms``: its local date and time."""
-    return datetime.fromtimestamp(ms / 1000).strftime("%Y-%m-%d %H:%M:%S")
+    """How the page dates a run created at ``ms``: its local date and time, the year
+    only when it is not this year's ("Dec 2 21:35:15")."""
+    moment = datetime.fromtimestamp(ms / 1000)
+    year = "" if moment.year == datetime.now().year else f" {moment.year}"
+    return f"{MONTHS[moment.month - 1]} {moment.day}{year} {moment:%H:%M:%S}"
 
 
 async def test_load_older_pages_back_to_the_oldest_run_each_once_and_dated(
