@@ -183,7 +183,10 @@ async function loadOlder() {
 
 async function search(event) {
   event.preventDefault();
-  const wanted = $("search-id").value.trim().replace(/^#/, "");
+  // An id, or a page link with one in it (".../#ex_…&token=…").
+  const typed = $("search-id").value.trim();
+  const found = typed.match(/ex_[A-Za-z0-9_-]+/);
+  const wanted = found ? found[0] : typed;
   const problem = $("search-error");
   show(problem, false);
   if (!wanted) return;

@@ -20,11 +20,22 @@ export function logEvent(event) {
         at,
         el("span", { class: "type", text: event.type }),
         el("span", { class: "detail", text: detail })),
-      el("details", { class: "payload" },
-        el("summary", { text: payload.length > 160 ? `${payload.slice(0, 160)}…` : payload }),
-        el("pre", { class: "json", text: JSON.stringify(data, null, 2) }))),
+      payloadOf(data, payload)),
   );
   $("log-count").textContent = String($("events").childElementCount);
+}
+
+// The payload as one line, laid out in full on the first click only: a run of thousands
+// of chunks keeps one element per event until someone looks.
+function payloadOf(data, compact) {
+  const details = el("details", { class: "payload" },
+    el("summary", { text: compact.length > 160 ? `${compact.slice(0, 160)}…` : compact }));
+  details.addEventListener("toggle", () => {
+    if (details.open && !details.querySelector("pre")) {
+      details.append(el("pre", { class: "json", text: JSON.stringify(data, null, 2) }));
+    }
+  });
+  return details;
 }
 
 const pad = (number, size = 2) => String(number).padStart(size, "0");

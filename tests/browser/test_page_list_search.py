@@ -161,6 +161,13 @@ async def test_search_by_id_attaches_and_an_unknown_id_says_so(
     )
     await expect(page.locator("#run-id")).to_have_text(wanted)
 
+    # A page link pasted whole finds the id in it.
+    linked = keyed.older[40]
+    await page.fill("#search-id", f"{keyed.server.url}/#{linked}")
+    await page.press("#search-id", "Enter")
+    await expect(page.locator("#run-id")).to_have_text(linked)
+    await expect(page.locator("#search-error")).to_be_hidden()
+
 
 async def test_the_list_says_loading_until_its_first_frame(keyed: Keyed, page: Page) -> None:
     held = asyncio.Event()
