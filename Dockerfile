@@ -1,4 +1,4 @@
-# Flowcast: build a wheel in one stage, run it as a non-root user in a slim one.
+# Flowcast: build the wheels in one stage, run them as a non-root user in a slim one.
 #   docker build -t flowcast .
 #   docker run --rm -p 8000:8000 -e FLOWCAST_API_KEYS=change-me flowcast
 # API keys are required: a published port reaches the server through the container's
@@ -14,25 +14,36 @@
 # image that only runs queued work (health and metrics on port 8000, no API):
 #   docker run --rm -e FLOWCAST_API_KEYS=… -e FLOWCAST_SECRET_KEY=… -e FLOWCAST_REDIS_URL=… flowcast flowcast worker
 
-FROM python:3.11-slim AS build
+# The base image is pinned to one Python and one Debian release (bump both FROM lines
+# together), and the dependencies to the versions in requirements.lock (`make lock`).
+FROM python:3.11.16-slim-bookworm AS build
 WORKDIR /src
+# The locked dependencies first, each alone (--no-deps: nothing the lock does not name
+# comes in); this layer is built again only when the lock changes.
+COPY requirements.lock ./
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels -r requirements.lock
 COPY pyproject.toml README.md ./
 COPY app ./app
 COPY lib ./lib
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
-FROM python:3.11-slim
+FROM python:3.11.16-slim-bookworm
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin flowcast
 COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
+# Exactly the wheels built above, nothing resolved again; `pip check` fails the build if
+# the lock lacks a dependency of Flowcast's or pins one it does not accept (extras, such
+# as uvicorn[standard]'s, it does not follow: tests/e2e/deploy/test_deploy.py does).
+RUN pip install --no-cache-dir --no-index --no-deps /wheels/*.whl && pip check && rm -rf /wheels
 WORKDIR /srv/flowcast
-COPY --chown=flowcast:flowcast examples ./examples
+# The examples are the demo workflows: mount your own directory over this one
+# (-v "$PWD/workflows:/srv/flowcast/workflows:ro") and yours replace them.
+COPY --chown=flowcast:flowcast examples ./workflows
 RUN mkdir data && chown flowcast:flowcast data
 USER flowcast
 ENV FLOWCAST_HOST=0.0.0.0 \
     FLOWCAST_PORT=8000 \
     FLOWCAST_DATA_DIR=/srv/flowcast/data \
-    FLOWCAST_WORKFLOWS_DIR=/srv/flowcast/examples \
+    FLOWCAST_WORKFLOWS_DIR=/srv/flowcast/workflows \
     PYTHONUNBUFFERED=1
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \

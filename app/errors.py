@@ -17,6 +17,7 @@ from lib.errors import (
     InvalidInput,
     NotFound,
     OverQuota,
+    PauseHeld,
     Problem,
     ShuttingDown,
     TooBusy,
@@ -75,10 +76,13 @@ def error_payload(exc: FlowcastError) -> tuple[int, dict[str, Any]]:
 async def _flowcast_error(request: Request, exc: Exception) -> JSON:
     assert isinstance(exc, FlowcastError)
     status, body = error_payload(exc)
-    if status >= 500:
+    if isinstance(exc, PauseHeld):
+        # Not a failure: a hold after the store came back empty, said as such.
+        log.warning("request held", extra={"path": request.url.path, "error": exc.message})
+    elif status >= 500:
         log.error("request failed", extra={"path": request.url.path, "error": exc.message})
     headers = exc.headers if isinstance(exc, ApiError) else None
-    if isinstance(exc, TooBusy):
+    if isinstance(exc, TooBusy | PauseHeld):
         headers = {"Retry-After": str(exc.retry_after)}
     return JSON(body, status_code=status, headers=headers)
 

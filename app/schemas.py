@@ -119,10 +119,16 @@ class Snapshot(_Camel):
     # "rejected" once a person answered an approval with approved false (the run may
     # still complete: the workflow decides what a rejection leads to).
     decision: Literal["rejected"] | None = None
+    # With API keys: a token for this execution's stream (?token=), for an EventSource.
+    stream_token: str | None = None
 
 
-class ExecutionList(BaseModel):
+class ExecutionList(_Camel):
+    """A page of the list, newest first; ``nextBefore`` asks for the page after it
+    (``?before=``), null when this page is the last."""
+
     executions: list[Snapshot]
+    next_before: str | None
 
 
 class LiveToken(_Camel):

@@ -71,6 +71,11 @@ class Keys:
     def state(self, execution_id: str) -> str:
         return f"{self.prefix}:{{{execution_id}}}:state"
 
+    def revoked(self, execution_id: str) -> str:
+        """The fencing tokens of the execution's revoked deliveries (claim.lua
+        "revoke"): a set that expires by itself, never listed with its other keys."""
+        return f"{self.prefix}:{{{execution_id}}}:revoked"
+
     def execution(self, execution_id: str) -> list[str]:
         """The keys of one execution, in the order its scripts take them."""
         return [

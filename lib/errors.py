@@ -130,6 +130,15 @@ class SuspectHeld(Conflict):
         self.execution_id = execution_id
 
 
+class DeliveryRevoked(Conflict):
+    """A worker's claim of a queued execution it took, after a janitor found the
+    delivery unclaimed for a lease and gave it back to the line (claim.lua "revoke")."""
+
+    def __init__(self, execution_id: str) -> None:
+        super().__init__("revoked", f"the delivery of {execution_id} was given back to the line")
+        self.execution_id = execution_id
+
+
 class NotDue(Conflict):
     """An expiry asked before the pause's approval deadline passed."""
 
@@ -273,6 +282,23 @@ class BufferUnavailable(FlowcastError):
     """The event buffer could not be reached (or answered with an error)."""
 
     code = "buffer_unavailable"
+
+
+class PauseHeld(BufferUnavailable):
+    """A resume or cancel of a pause that a replica stored again after the store came
+    back empty, within a lease of that: the store may have lost a resume of it, whose
+    owner takes the run back if it lives. Answered 503 with ``Retry-After``."""
+
+    code = "pause_held"
+
+    def __init__(self, execution_id: str, *, held_ms: int) -> None:
+        self.retry_after = max(1, -(-held_ms // 1000))
+        super().__init__(
+            f"the store came back empty and the pause of {execution_id} was stored again "
+            f"from a replica's memory; it takes no answer for {self.retry_after} s, so "
+            "that a resume the store lost is never answered twice: try again then"
+        )
+        self.execution_id = execution_id
 
 
 class WriteRefused(FlowcastError):

@@ -3,6 +3,7 @@ claim.lua: one transition of an execution's ownership, atomic with the status ch
 
 KEYS[1]  the execution's metadata hash  fc:{<eid>}:meta
 KEYS[2]  its run state hash (the checkpoint)  fc:{<eid>}:state
+KEYS[3]  the fencing tokens of its revoked deliveries (a set)  fc:{<eid>}:revoked
 
 ARGV[1]  transition:
            "resume"   paused -> running, owned by the caller (a human answered)
@@ -17,9 +18,15 @@ ARGV[1]  transition:
            "expire"   paused past its approval deadline -> running, owned by the caller
            "take"     queued -> running, owned by the caller (a worker that took it
                       from the queue: queue.lua); its first ARGV[4] ids are reserved
-                      for it, as start.lua reserves them
-ARGV[2]  the caller's new fencing token
-ARGV[3]  lease length in milliseconds
+                      for it, as start.lua reserves them. Refused REVOKED when its
+                      delivery was revoked
+           "revoke"   queued (or not created yet) -> queued: the delivery whose taker's
+                      token is ARGV[2] is revoked (a janitor found it not claimed a
+                      lease after it was taken, and queues it again): that taker's
+                      "take" is refused from now on, however late it comes. Returns 1
+                      (0 when the record is not there yet: the mark waits for it)
+ARGV[2]  the caller's new fencing token (revoke: the token of the taker revoked)
+ARGV[3]  lease length in milliseconds (revoke: how long the mark is kept)
 ARGV[4]  resume: the paused block the caller answers ("" = whichever it is);
          takeover: the owner whose lease the caller found expired (or who handed off);
          handoff: the highest id the caller showed live (its reservation above that
@@ -90,6 +97,12 @@ the claim and a first write that would tell it too late. Error replies:
   "MODE <mode>"     ARGV[1] names no transition
   "SUSPECT"         takeover: the caller runs a suspect already (ARGV[9]) and this run's
                     owners died twice: left for a process without one
+  "REVOKED"         take: the delivery was revoked (given back to the line): dropped
+  "HELD <ms>"       resume or cancel of a pause stored again from a process's memory
+                    after the store came back empty (finals.py; `held` says until when,
+                    while its last id is that pause's): the store may have lost a resume
+                    of it whose owner, stalled, takes the run back within a lease; the
+                    caller is told to try again in <ms>
 A new owner token in `owner` fences the previous owner out of append.lua.
 ]]
 
@@ -97,6 +110,21 @@ local meta = KEYS[1]
 local mode, token = ARGV[1], ARGV[2]
 local lease = tonumber(ARGV[3])
 local now = now_ms()
+
+if mode == "revoke" then
+  -- Before anything else: a start's record may not be written yet (queue.lua "enter"
+  -- comes a round trip before start.lua), and its taker must be fenced out all the same.
+  local now_status = redis.call("HGET", meta, "status")
+  if now_status and now_status ~= "queued" then
+    return redis.error_reply("STATUS " .. now_status)
+  end
+  redis.call("SADD", KEYS[3], token)
+  redis.call("PEXPIRE", KEYS[3], lease)
+  if now_status then
+    return 1
+  end
+  return 0
+end
 
 local state = redis.call("HMGET", meta, "status", "lastId", "owner", "leaseUntil",
   "pauseBlock", "pauseDeadline", "epoch", "reserved", "handoff", "recoveries",
@@ -107,6 +135,19 @@ if not status then
 end
 local last = tonumber(state[2]) or 0
 local base = math.max(last, tonumber(state[8]) or 0)
+
+-- A pause stored again is held (HELD) while it is the last event, until `held`'s time.
+local function held_for()
+  local held = redis.call("HGET", meta, "held")
+  if status ~= "paused" or not held then
+    return nil
+  end
+  local at, until_ms = string.match(held, "^(%d+) (%d+)$")
+  if tonumber(at) ~= last or tonumber(until_ms) <= now then
+    return nil
+  end
+  return tonumber(until_ms) - now
+end
 
 local recoveries = tonumber(state[10]) or 0
 local crashes = tonumber(state[12]) or 0
@@ -162,6 +203,10 @@ local function own(keep_cancel, reason)
     return {last, base, status, token, epoch, recoveries + 1, reason, crashes, cancel, deaths}
   end
   return {last, base, status, token, epoch, recoveries, "", crashes, cancel, deaths}
+end
+
+if (mode == "resume" or mode == "cancel") and held_for() then
+  return redis.error_reply("HELD " .. held_for())
 end
 
 if mode == "resume" then
@@ -283,6 +328,9 @@ elseif mode == "expire" then
 elseif mode == "take" then
   if status ~= "queued" then
     return redis.error_reply("STATUS " .. status)
+  end
+  if redis.call("SISMEMBER", KEYS[3], token) == 1 then
+    return redis.error_reply("REVOKED")
   end
   local continues = redis.call("HGET", meta, "continues")
   local won = own(false)

@@ -14,7 +14,12 @@ against a real server, and checks that this drawing is the table):
                                                tenant's line (queue.py)
     queued   take        claim.lua   running   a worker that took it from the queue
                                                (a stale delivery is refused: dropped)
-                                               refused: NOEXEC STATUS
+                                               refused: NOEXEC STATUS REVOKED
+    queued   revoke      claim.lua   queued    any janitor, a lease after a worker took
+                                               it and did not claim it: that worker's
+                                               take is refused from then on, however
+                                               late; then it is queued again (queue.py)
+                                               refused: STATUS
     queued   cancel      claim.lua   running   any process; it takes it out of line,
                                                then writes execution:started and the
                                                cancel (it never ran)
@@ -26,15 +31,19 @@ against a real server, and checks that this drawing is the table):
                                                refused: NOEXEC FENCED ORDER CANCEL
     running  renew       renew.lua   running   the owner, every third of a lease
                                                refused: GONE FENCED BEHIND
-    paused   resume      claim.lua   running   any process, for a valid answer (once)
-                                               refused: NOEXEC STATUS BLOCK
+    paused   resume      claim.lua   running   any process, for a valid answer (once);
+                                               not for a lease after a replica stored
+                                               the pause again (the store came back
+                                               empty: finals.py): HELD
+                                               refused: NOEXEC STATUS BLOCK HELD
     paused   resume later  claim.lua   queued    any process, for a valid answer (once),
                                                when it may not run it now (its tenant
                                                runs its cap, or no free slot here): in
                                                line before its tenant's starts
-                                               refused: NOEXEC STATUS BLOCK
+                                               refused: NOEXEC STATUS BLOCK HELD
     paused   cancel      claim.lua   running   any process; it then writes the cancel
-                                               refused: NOEXEC STATUS
+                                               (HELD as a resume is)
+                                               refused: NOEXEC STATUS HELD
     running  cancel      claim.lua   running   any process: flags cancelRequested; the
                                                owner's next final event becomes the cancel
                                                refused: NOEXEC STATUS
@@ -149,7 +158,13 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition(
         Status.QUEUED, "take", Script.CLAIM, Mode.TAKE, (Status.RUNNING,),
         "a worker that took it from the queue\n(a stale delivery is refused: dropped)",
-        (Reply.NOEXEC, Reply.STATUS),
+        (Reply.NOEXEC, Reply.STATUS, Reply.REVOKED),
+    ),
+    Transition(
+        Status.QUEUED, "revoke", Script.CLAIM, Mode.REVOKE, (Status.QUEUED,),
+        "any janitor, a lease after a worker took\nit and did not claim it: that worker's\n"
+        "take is refused from then on, however\nlate; then it is queued again (queue.py)",
+        (Reply.STATUS,),
     ),
     Transition(
         Status.QUEUED, "cancel", Script.CLAIM, Mode.CANCEL, (Status.RUNNING,),
@@ -173,17 +188,20 @@ TRANSITIONS: tuple[Transition, ...] = (
     ),
     Transition(
         Status.PAUSED, "resume", Script.CLAIM, Mode.RESUME, (Status.RUNNING,),
-        "any process, for a valid answer (once)", (Reply.NOEXEC, Reply.STATUS, Reply.BLOCK),
+        "any process, for a valid answer (once);\nnot for a lease after a replica stored\n"
+        "the pause again (the store came back\nempty: finals.py): HELD",
+        (Reply.NOEXEC, Reply.STATUS, Reply.BLOCK, Reply.HELD),
     ),
     Transition(
         Status.PAUSED, "resume later", Script.CLAIM, Mode.RESUME, (Status.QUEUED,),
         "any process, for a valid answer (once),\nwhen it may not run it now (its tenant\n"
         "runs its cap, or no free slot here): in\nline before its tenant's starts",
-        (Reply.NOEXEC, Reply.STATUS, Reply.BLOCK),
+        (Reply.NOEXEC, Reply.STATUS, Reply.BLOCK, Reply.HELD),
     ),
     Transition(
         Status.PAUSED, "cancel", Script.CLAIM, Mode.CANCEL, (Status.RUNNING,),
-        "any process; it then writes the cancel", (Reply.NOEXEC, Reply.STATUS),
+        "any process; it then writes the cancel\n(HELD as a resume is)",
+        (Reply.NOEXEC, Reply.STATUS, Reply.HELD),
     ),
     Transition(
         Status.RUNNING, "cancel", Script.CLAIM, Mode.CANCEL, (Status.RUNNING,),
@@ -492,7 +510,7 @@ class Ownership:
                 cancel,
                 deaths,
             ) = await self._claim(
-                keys=[self.keys.meta(execution_id), self.keys.state(execution_id)],
+                keys=self._claim_keys(execution_id),
                 args=[
                     mode,
                     fence,
@@ -521,6 +539,26 @@ class Ownership:
             cancel == b"1",
             deaths=int(deaths),
         )
+
+    def _claim_keys(self, execution_id: str) -> list[str]:
+        keys = self.keys
+        return [keys.meta(execution_id), keys.state(execution_id), keys.revoked(execution_id)]
+
+    @translated
+    async def revoke(self, execution_id: str, taker: str) -> bool:
+        """Fence the worker whose token is ``taker`` out of its take of a queued
+        execution it never claimed (its delivery goes back to the line): its claim is
+        refused from now on (``DeliveryRevoked``). True when the record is there, False
+        when it is not yet (the mark waits for it); ``WrongStatus`` when the execution
+        is no longer queued (the take was claimed, or a cancel won)."""
+        try:
+            found = await self._claim(
+                keys=self._claim_keys(execution_id),
+                args=[Mode.REVOKE, taker, self.buffer.active_ttl_seconds * 1000],
+            )
+        except ResponseError as exc:
+            raise refused(Script.CLAIM, exc, Asked(execution_id)) from None
+        return bool(found)
 
     @translated
     async def hand_off(self, execution_id: str, fence: str, *, shown_id: int) -> None:

@@ -13,7 +13,8 @@ Taking is a hint, the claim is the truth: a worker that took an execution then c
 it (claim.lua "take", queued -> running). A claim refused (a cancel won, or another
 worker claimed it) drops the delivery. Each delivery stays in ``taken`` until its claim
 answered; a taker dead before that is presumed so after a lease, and a janitor
-queues the execution again if it is still queued (``stale``, ``requeue``).
+revokes that taker's claim and queues the execution again if it is still queued
+(``stale``, ownership.py ``revoke``, ``requeue``).
 
 Redis keeps, for the queue, only what waits: a tenant's line while it has one, the
 tenants waiting, the deliveries in flight, the clock and the weights.
@@ -69,7 +70,12 @@ class Taken:
     # Its score in its line: when it was queued (Redis's clock), less
     # CONTINUATION_OFFSET_MS for a continuation.
     queued_ms: int
-    member: str  # its delivery, in ``taken``
+    member: str  # its delivery, in ``taken``: "<eid> <taker's fence> <score> <tenant>"
+
+    @property
+    def fence(self) -> str:
+        """The fencing token its taker admitted (and claims with)."""
+        return self.member.split(" ", 3)[1]
 
 
 class Queue:
@@ -208,10 +214,16 @@ class Queue:
     async def requeue(self, taken: Taken) -> bool:
         """Queue a delivery whose taker died again, at its place (its score), once,
         whoever asks first."""
-        _eid, fence, _score, _tenant = taken.member.split(" ", 3)
         keys = [*self._tenant_keys(taken.tenant), self.keys.waiting, self.keys.fair]
         keys.append(self.keys.taken)
-        args = ["requeue", taken.execution_id, fence, taken.member, taken.queued_ms, taken.tenant]
+        args = [
+            "requeue",
+            taken.execution_id,
+            taken.fence,
+            taken.member,
+            taken.queued_ms,
+            taken.tenant,
+        ]
         return bool(await self._call(keys, args))
 
     @translated

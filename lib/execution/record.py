@@ -28,6 +28,8 @@ of its refusals is not in the map.
     claim.lua   NOTDUE            NotDue             the approval deadline has not passed
     claim.lua   MODE <mode>       UnknownTransition  no such transition (a bug)
     claim.lua   SUSPECT           SuspectHeld        the caller runs a suspect already
+    claim.lua   REVOKED           DeliveryRevoked    the delivery was given back
+    claim.lua   HELD <ms>         PauseHeld          a pause stored again is held a lease
     queue.lua   MODE <op>         UnknownTransition  no such operation (a bug)
     renew.lua   GONE              RecordLost         no metadata: the writer recreates it
     renew.lua   FENCED            Fenced             another owner, same or later epoch
@@ -47,6 +49,7 @@ from redis.exceptions import ResponseError
 from lib.errors import (
     BufferUnavailable,
     CancelWins,
+    DeliveryRevoked,
     Fenced,
     FlowcastError,
     LeaseHeld,
@@ -54,6 +57,7 @@ from lib.errors import (
     NotFound,
     NotPausedThere,
     OwnerMoved,
+    PauseHeld,
     RecordLost,
     SuspectHeld,
     UnknownTransition,
@@ -91,6 +95,11 @@ class Field(StrEnum):
     # A resume waiting in line (claim.lua "resume" to queued): the block it answered,
     # until a worker takes it and runs it on from there.
     CONTINUES = "continues"
+    # "<lastId> <ms, Redis's clock>": a pause stored again from a process's memory after
+    # the store came back empty (finals.py) takes no resume or cancel until then, while
+    # its last id is still that pause's: the store may have lost a resume of it whose
+    # owner, stalled, takes the run back within a lease (claim.lua HELD).
+    HELD = "held"
     # The replay buffer (append.lua).
     LAST_ID = "lastId"
     FIRST_ID = "firstId"  # the oldest id retained
@@ -135,6 +144,7 @@ class Mode(StrEnum):
     HANDOFF = "handoff"
     EXPIRE = "expire"
     TAKE = "take"  # queued -> running, by a worker that took it from the queue
+    REVOKE = "revoke"  # queued: a taker that never claimed is fenced out (a janitor)
 
 
 class Takeover(StrEnum):
@@ -196,6 +206,8 @@ class Reply(StrEnum):
     GONE = "GONE"
     BEHIND = "BEHIND"
     SUSPECT = "SUSPECT"
+    REVOKED = "REVOKED"
+    HELD = "HELD"
 
 
 @dataclass(frozen=True)
@@ -284,6 +296,15 @@ REFUSALS: Final[tuple[Refusal, ...]] = (
     Refusal(
         Script.CLAIM, Reply.SUSPECT, SuspectHeld, "the caller runs a suspect already",
         lambda asked, _detail: SuspectHeld(asked.execution_id),
+    ),
+    Refusal(
+        Script.CLAIM, Reply.REVOKED, DeliveryRevoked, "the delivery was given back",
+        lambda asked, _detail: DeliveryRevoked(asked.execution_id),
+    ),
+    Refusal(
+        Script.CLAIM, Reply.HELD, PauseHeld, "a pause stored again is held a lease",
+        lambda asked, detail: PauseHeld(asked.execution_id, held_ms=int(detail)),
+        detail="<ms>",
     ),
     Refusal(
         Script.QUEUE, Reply.MODE, UnknownTransition, "no such operation (a bug)",

@@ -23,7 +23,7 @@ from typing import Any
 from redis.asyncio.cluster import RedisCluster
 
 from lib.backoff import Backoff
-from lib.errors import FlowcastError, NotFound, WrongStatus
+from lib.errors import DeliveryRevoked, FlowcastError, NotFound, WrongStatus
 from lib.execution.indexes import created_ms
 from lib.execution.ownership import Claim
 from lib.execution.queue import CONTINUATION_OFFSET_MS, Backlog, Queue, Taken
@@ -86,6 +86,9 @@ class Dispatcher:
         self._next_reclaim = 0.0
         # A run ended here while this process takes nothing: the others are told.
         self._tell = False
+        # Runs due for a takeover found no free slot here (tending.py): the next slot
+        # that frees is theirs, not the queue's.
+        self._recoveries_waiting = False
 
     def free(self) -> int:
         """Slots free here now (what runs here, taken or not from the queue, fills them,
@@ -105,6 +108,11 @@ class Dispatcher:
             yield True
         finally:
             self._holding -= 1
+
+    def recoveries_wait(self, waiting: bool) -> None:
+        """Whether runs due for a takeover wait for a slot here (a janitor pass says,
+        each time): meanwhile nothing is taken from the queue."""
+        self._recoveries_waiting = waiting
 
     def stop(self) -> None:
         """End ``run`` at its next turn (a shutdown, once the runs here let go): it need
@@ -169,7 +177,7 @@ class Dispatcher:
                     await self.reclaim()
                 except FlowcastError as exc:
                     log.warning("giving back stale deliveries failed", extra={"error": str(exc)})
-            while self._runs.accepting and self.free() > 0:
+            while self._runs.accepting and self.free() > 0 and not self._recoveries_waiting:
                 try:
                     with self.slot():
                         took = await self.take_one()
@@ -226,8 +234,8 @@ class Dispatcher:
             claim = await self._ownership.claim(
                 eid, Mode.TAKE, fence, expected="0", base_at_least=ceiling
             )
-        except (WrongStatus, NotFound) as exc:
-            # A stale delivery: cancelled, claimed by another, or gone. Dropped.
+        except (WrongStatus, NotFound, DeliveryRevoked) as exc:
+            # A stale delivery: cancelled, claimed by another, given back, or gone.
             log.info("queued execution not taken", extra={"executionId": eid, "why": str(exc)})
             await self._drop(taken, fence)
             return
@@ -246,12 +254,10 @@ class Dispatcher:
         else:
             self._start(meta, claim, workflow, given, run, saved, queued_ms(meta))
         # A failure of the store here (or before the claim answered) leaves the delivery
-        # in ``taken``: past a lease ``reclaim`` queues it again if still queued. A claim
-        # slower than that won all the same, after ``requeue`` took the admission back:
-        # counted again (a no-op otherwise), or its tenant would run past its cap.
-        await self._parts.launcher.quietly(
-            eid, self._admission.count(taken.tenant, fence), self._queue.claimed(taken)
-        )
+        # in ``taken``: past a lease ``reclaim`` revokes it and queues it again if still
+        # queued; a claim slower than that is refused (it never runs beside the next
+        # taker's, nor past its tenant's cap).
+        await self._parts.launcher.quietly(eid, self._queue.claimed(taken))
 
     async def _record_of(self, execution_id: str) -> ExecutionMeta:
         """The record of a taken execution; a start is taken as soon as it is queued,
@@ -281,13 +287,15 @@ class Dispatcher:
     async def reclaim(self) -> None:
         """Queue again what a dead taker took and never claimed (a janitor pass)."""
         for taken in await self._queue.stale():
+            # Its taker is fenced out first, atomically with the status: a claim it
+            # makes from now on is refused, so its admission can go back to the line.
             try:
-                meta = await self._buffer.meta(taken.execution_id)
-            except NotFound:
-                await self._no_record(taken)
+                found = await self._ownership.revoke(taken.execution_id, taken.fence)
+            except WrongStatus:
+                await self._queue.claimed(taken)  # claimed after all (or cancelled)
                 continue
-            if meta.status != "queued":
-                await self._queue.claimed(taken)  # claimed after all
+            if not found:
+                await self._no_record(taken)
                 continue
             # Back at its place: the delivery carries its score (a resume's is before
             # every start's).

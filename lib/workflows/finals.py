@@ -181,16 +181,21 @@ class Finals:
         """Store ``final`` again (the store has the run up to ``last_id``; None: not at
         all), under the run's own fence and epoch; False when the store refused it
         (another owner holds the run)."""
+        meta = {**final.identity, **batch_meta([final.event])}
         try:
             if final.pause is not None:
                 tenant = final.identity[Field.TENANT]
                 await self._restore_pause(execution_id, tenant, final.pause)
+                # No resume or cancel for a lease (claim.lua HELD): the store may have
+                # lost a resume of it, whose owner, if it lives, takes the run back.
+                until_ms = await self._watch.now_ms() + self._hold_ms
+                meta[Field.HELD] = f"{final.event.id} {until_ms}"
             await self._buffer.append(
                 execution_id,
                 [final.event],
                 fence=final.fence,
                 epoch=final.epoch,
-                meta={**final.identity, **batch_meta([final.event])},
+                meta=meta,
                 after_drop=True,
                 reserve=final.event.id,
                 recreate=True,

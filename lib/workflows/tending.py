@@ -17,7 +17,7 @@ import logging
 from lib.errors import FlowcastError
 from lib.execution.record import StopReason, Takeover
 from lib.workflows.dispatch import Dispatcher
-from lib.workflows.janitor import Janitor
+from lib.workflows.janitor import Due, Janitor
 from lib.workflows.leases import LeaseKeeper
 from lib.workflows.listener import ControlListener
 from lib.workflows.parts import Parts
@@ -131,15 +131,7 @@ class Tending:
                 self.dispatcher.nudge()
                 if due.restarted:
                     await self._reassert()
-                # Only a process that runs work takes runs over (an API replica with no
-                # worker slots leaves them to the workers). A recovery continues a run
-                # its tenant counted already (it replaces the dead owner's entry), and
-                # goes before any start: it may take this process past its slots.
-                runs_work = self.dispatcher.slots > 0
-                for execution_id, fence in due.dead if runs_work else ():
-                    await self._takeovers.take_over(execution_id, fence, how=Takeover.DEAD)
-                for execution_id, fence in due.leases if runs_work else ():
-                    await self._takeovers.take_over(execution_id, fence, how=due.takeover)
+                await self._recover(due)
                 for execution_id in due.deadlines:
                     await self._takeovers.expire(execution_id)
             except FlowcastError as exc:
@@ -148,14 +140,35 @@ class Tending:
                 self._janitor.distrust()
                 log.warning("janitor pass failed", extra={"error": str(exc)})
 
+    async def _recover(self, due: Due) -> None:
+        """Take over what is due, into this process's free slots only (an API replica,
+        with none, leaves it all to the workers). A recovery continues a run its tenant
+        counted already (it replaces the dead owner's entry) and goes before any start:
+        while some wait for a slot here, the dispatcher takes nothing from the queue, so
+        the next slot that frees is theirs at the next pass (another process with a free
+        slot may take them first)."""
+        waiting = False
+        found = [(eid, fence, Takeover.DEAD) for eid, fence in due.dead]
+        found += [(eid, fence, due.takeover) for eid, fence in due.leases]
+        for execution_id, fence, how in found if self.dispatcher.slots > 0 else ():
+            with self.dispatcher.slot() as here:
+                if not here:
+                    waiting = True
+                    break
+                await self._takeovers.take_over(execution_id, fence, how=how)
+        self.dispatcher.recoveries_wait(waiting)
+
     async def _listen(self) -> None:
         """Take over each execution handed off by another process, as it is announced
         (the janitors would find its lease due anyway, should this fail)."""
         async for execution_id, fence in self._listener.handoffs():
-            if self.dispatcher.slots == 0:
-                continue  # a worker takes it over (this process runs no work)
             try:
-                await self._takeovers.take_over(execution_id, fence, how=Takeover.HANDOFF)
+                with self.dispatcher.slot() as here:
+                    if not here:
+                        # No slot here (or none at all: an API replica): a process with
+                        # one takes it over, or this one at a janitor pass (it is due).
+                        continue
+                    await self._takeovers.take_over(execution_id, fence, how=Takeover.HANDOFF)
             except FlowcastError as exc:
                 log.warning(
                     "taking over a hand-off failed",

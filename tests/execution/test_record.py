@@ -88,7 +88,7 @@ def test_every_refusal_a_script_replies_with_is_mapped(path: Path) -> None:
 def test_every_refusal_builds_its_exception_with_its_fields() -> None:
     asked = Asked("ex_1", block_id="asked")
     for refusal in REFUSALS:
-        detail = "7" if refusal.reply is Reply.ORDER else "detail"
+        detail = "7" if refusal.reply in (Reply.ORDER, Reply.HELD) else "detail"
         reply = f"{refusal.reply} {detail}" if refusal.detail else str(refusal.reply)
         error = refused(refusal.script, ResponseError(reply), asked)
         assert type(error) is refusal.error, refusal

@@ -150,6 +150,14 @@ class Machine:
         await self.states.save(execution_id, {}, deadline_ms=deadline_ms)
         return execution_id
 
+    async def held(self, *, for_ms: int = 30_000, at: int = 2) -> str:
+        """A pause a replica stored again after the store came back empty (finals.py):
+        held ``for_ms`` from now while its last id is ``at`` (the pause's is 2)."""
+        execution_id = await self.paused("node-a:1")
+        until_ms = await self.watch.now_ms() + for_ms
+        await self.redis.hset(self.buffer.keys.meta(execution_id), Field.HELD, f"{at} {until_ms}")
+        return execution_id
+
     async def finished(self, fence: str = "node-a:1") -> str:
         execution_id = await self.start(fence)
         await self.append(execution_id, [EXECUTION_STARTED, EXECUTION_COMPLETED], fence=fence)
@@ -251,6 +259,42 @@ async def test_a_worker_takes_a_queued_execution_once(machine: Machine) -> None:
         Reply.NOEXEC, machine.ownership.claim(missing(), Mode.TAKE, "node-x:1", expected="1")
     )
     assert (await machine.record(execution_id))[Field.OWNER] == "node-w:1"
+    # A taker whose delivery a janitor revoked (it was slower than a lease) is dropped.
+    given_back = await machine.queued()
+    assert await machine.ownership.revoke(given_back, "node-y:1") is True
+    await check.refused(
+        Reply.REVOKED, machine.ownership.claim(given_back, Mode.TAKE, "node-y:1", expected="1")
+    )
+    check.every_refusal_tried()
+
+
+@row_test(Status.QUEUED, "revoke")
+async def test_a_delivery_revoked_fences_its_late_taker_out(machine: Machine) -> None:
+    """A taker slower than a lease: the janitor revokes its delivery and queues it
+    again; its claim, when it comes, is refused and the next taker's wins, so the two
+    never run it (nor its tenant past its cap: the revoked one's admission went back)."""
+    check = RowCheck(row_of(Status.QUEUED, "revoke"))
+    execution_id = await machine.queued()
+    queue = machine.ownership.queue
+    slow = await queue.take("node-w:1")
+    assert slow is not None and slow.fence == "node-w:1"
+    assert await machine.ownership.revoke(execution_id, slow.fence) is True
+    assert await queue.requeue(slow) is True
+    assert not await machine.redis.zscore(queue.keys.running("t"), "node-w:1")
+    next_taker = await queue.take("node-w:2")
+    assert next_taker is not None and next_taker.execution_id == execution_id
+    take_row = RowCheck(row_of(Status.QUEUED, "take"))
+    await take_row.refused(
+        Reply.REVOKED, machine.ownership.claim(execution_id, Mode.TAKE, "node-w:1", expected="1")
+    )
+    won = await machine.ownership.claim(execution_id, Mode.TAKE, "node-w:2", expected="1")
+    assert won.status_before is Status.QUEUED
+    assert (await machine.record(execution_id))[Field.OWNER] == "node-w:2"
+    # Claimed: too late to revoke (the janitor then only closes the delivery).
+    await check.refused(Reply.STATUS, machine.ownership.revoke(execution_id, next_taker.fence))
+    # Revoked before its record exists (a start's record comes a round trip after its
+    # line's entry): False, and the mark waits for it.
+    assert await machine.ownership.revoke(missing(), "node-w:3") is False
     check.every_refusal_tried()
 
 
@@ -387,6 +431,16 @@ async def test_any_process_resumes_a_pause_once_with_its_answer_checkpointed(
         Reply.BLOCK, claim(machine, other, Mode.RESUME, "node-c:1", block_id="elsewhere")
     )
     assert block.paused_at == "ask" and block.asked == "elsewhere"  # type: ignore[attr-defined]
+    # Stored again after the store came back empty: held a lease, then answered as ever
+    # (and not held once a later event follows the pause).
+    held = await machine.held()
+    refused = await check.refused(Reply.HELD, claim(machine, held, Mode.RESUME, "node-c:1"))
+    assert 1 <= refused.retry_after <= 30  # type: ignore[attr-defined]
+    assert (await machine.record(held))[Field.STATUS] == Status.PAUSED
+    over = await machine.held(for_ms=-1)
+    assert (await claim(machine, over, Mode.RESUME, "node-c:1")).owner == "node-c:1"
+    moved_on = await machine.held(at=1)
+    assert (await claim(machine, moved_on, Mode.RESUME, "node-c:1")).owner == "node-c:1"
     check.every_refusal_tried()
 
 
@@ -431,6 +485,9 @@ async def test_a_resume_that_may_not_run_now_waits_in_line_with_its_answer(
         claim(machine, other, Mode.RESUME, "node-c:1", block_id="elsewhere", later=True),
     )
     assert (await machine.record(other))[Field.STATUS] == Status.PAUSED
+    held = await machine.held()
+    await check.refused(Reply.HELD, claim(machine, held, Mode.RESUME, "node-c:1", later=True))
+    assert (await machine.record(held))[Field.STATUS] == Status.PAUSED
     check.every_refusal_tried()
 
 
@@ -450,6 +507,9 @@ async def test_any_process_cancelling_a_pause_owns_it_to_write_the_cancel(
     finished = await machine.finished()
     status = await check.refused(Reply.STATUS, claim(machine, finished, Mode.CANCEL, "node-c:1"))
     assert isinstance(status, WrongStatus) and status.code == "execution_completed"
+    held = await machine.held()
+    await check.refused(Reply.HELD, claim(machine, held, Mode.CANCEL, "node-c:1"))
+    assert Field.CANCEL_REQUESTED not in await machine.record(held)
     check.every_refusal_tried()
 
 

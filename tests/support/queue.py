@@ -23,21 +23,42 @@ async def run_log(client: httpx.AsyncClient, execution_id: str) -> list[dict[str
 
 
 def most_at_once(logs: list[list[dict[str, Any]]]) -> int:
-    """The most runs doing work at one instant: each from its first block:started to
-    its last block event. (Not from execution:started to its terminal event: a run stops
-    counting for its tenant just before its end is emitted, so that a client that saw it
-    end may start another at once; the next run's first event may come a little before
-    that end, by design.)"""
+    """The most runs doing work at one instant. A run works from its first block event
+    to its last, less the time it waited for a person: from ``execution:paused`` to
+    ``execution:resumed`` it holds no slot (a resumed run works again from its resumed
+    event). (Not from execution:started to its terminal event: a run stops counting for
+    its tenant just before its end is emitted, so that a client that saw it end may
+    start another at once; the next run's first event may come a little before that end,
+    by design.)"""
     edges: list[tuple[datetime, int]] = []
     for events in logs:
-        work = [event for event in events if event["type"].startswith("block:")]
-        if not work:
-            continue
-        edges.append((datetime.fromisoformat(work[0]["ts"]), 1))
-        edges.append((datetime.fromisoformat(work[-1]["ts"]), -1))
+        for first, last in _working_spans(events):
+            edges.append((datetime.fromisoformat(first["ts"]), 1))
+            edges.append((datetime.fromisoformat(last["ts"]), -1))
     edges.sort(key=lambda edge: (edge[0], edge[1]))  # an end before a start at one instant
     now = most = 0
     for _, step in edges:
         now += step
         most = max(most, now)
     return most
+
+
+def _working_spans(events: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """A run's spans of work: (its first event, its last block event), split at pauses."""
+    spans: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    first: dict[str, Any] | None = None
+    last: dict[str, Any] | None = None
+    for event in events:
+        kind = event["type"]
+        if kind == "execution:resumed":
+            first, last = event, None
+        elif kind.startswith("block:"):
+            first = first or event
+            last = event
+        elif kind == "execution:paused":
+            if first is not None and last is not None:
+                spans.append((first, last))
+            first = last = None
+    if first is not None and last is not None:
+        spans.append((first, last))
+    return spans

@@ -607,21 +607,15 @@ async def test_a_second_resume_right_after_redis_came_back_empty_meets_the_first
     assert answers == [{"ok": True}], answers
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the hold of a restored pause (a lease, finals.py) only delays its expiry; a "
-    "resume or a cancel claims it once the settle is over, ahead of a resumer stalled "
-    "longer than the settle but less than a lease. Left to the lead (fresh-eyes review "
-    "of e37bdfa): e.g. a restored pause holds every claim until a lease has passed",
-)
 @pytest.mark.timeout(120)
 async def test_a_second_resume_after_the_settle_meets_a_resumer_stalled_less_than_a_lease(
     valkey: FaultyValkey, tmp_path: Path
 ) -> None:
     """As the test above, but B is held across the restart until the second resume
     (sent to A at once) is answered: past the settle (1 s), well within B's lease (4 s
-    here). The resume waits the settle and is accepted (202), and the run completes
-    with its answer, though an expiry would have waited a lease for B."""
+    here). A restored pause takes no resume for a lease (claim.lua HELD): the second
+    is a 503 with Retry-After, and the run completes with B's answer. (Before the hold,
+    it waited the settle only and was accepted: two 202s for one pause.)"""
     lease = {"FLOWCAST_LEASE_SECONDS": "4"}
     a, b = replica(valkey, tmp_path, "a", **lease), replica(valkey, tmp_path, "b", **lease)
     wf = approval_flow("resumed-twice-late", after_ms=6_000)
@@ -641,7 +635,9 @@ async def test_a_second_resume_after_the_settle_meets_a_resumer_stalled_less_tha
                 f"/api/executions/{eid}/resume", json={"input": {"ok": False}}
             )
         snapshot = await finished(http_for(http, a), eid)
-    assert second.status_code != 202, second.text
+    assert second.status_code == 503, second.text
+    assert second.json()["error"]["code"] == "pause_held", second.text
+    assert 1 <= int(second.headers["Retry-After"]) <= 4, second.headers
     assert snapshot["output"] == {"echo": {"ok": True}}, snapshot
 
 

@@ -1,6 +1,7 @@
 """claim.lua's contract on a real Valkey: each transition's reply and every refusal
-(NOEXEC, STATUS, BLOCK, LEASE, MOVED, NOTDUE, MODE, SUSPECT), each refusal writing
-nothing; a takeover's charge for each verdict on its owner's death (blame.py)."""
+(NOEXEC, STATUS, BLOCK, LEASE, MOVED, NOTDUE, MODE, SUSPECT, REVOKED), each refusal
+writing nothing; a revoked delivery's take refused however late it comes; a takeover's
+charge for each verdict on its owner's death (blame.py)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def claim(
         mode, token, LEASE_MS, argument, "handoff" if handoff_only else "", answer, base_at_least,
         verdict, "busy" if busy else "",
     ]  # fmt: skip
-    return script(redis, "claim.lua")(keys=[keys.meta(eid), keys.state(eid)], args=args)
+    keys_of = [keys.meta(eid), keys.state(eid), keys.revoked(eid)]
+    return script(redis, "claim.lua")(keys=keys_of, args=args)
 
 
 async def meta(redis: Redis, keys: Keys, eid: str) -> dict[str, str]:
@@ -409,3 +411,27 @@ async def test_a_busy_caller_takes_over_a_hand_off_of_a_run_that_never_died(
     await execution(redis, keys, eid, owner="", handoff=OWNER, leaseUntil=0)
     reply = await claim(redis, keys, eid, "takeover", argument=OWNER, busy=True)
     assert reply[6:] == [b"handoff", 0, b"0", 0]
+
+
+@pytest.mark.timeout(30)
+async def test_a_revoked_takers_take_is_refused_however_late_and_only_its(
+    redis: Redis, keys: Keys
+) -> None:
+    """ "revoke" fences a taker out before its record exists too (a start's record comes
+    a round trip after its line's entry): its take, when it comes, is refused REVOKED,
+    writing nothing, while another taker's take wins; a revoke once it runs is STATUS."""
+    eid = "ex-revoked"
+    assert await claim(redis, keys, eid, "revoke", token="node-w:1") == 0  # no record yet
+    assert not await redis.exists(keys.meta(eid)), "a revoke creates no record"
+    ttl = await redis.pttl(keys.revoked(eid))
+    assert 0 < ttl <= LEASE_MS
+    await redis.hset(keys.meta(eid), mapping={"status": "queued", "owner": "", "epoch": 0})
+    assert await claim(redis, keys, eid, "revoke", token="node-w:2") == 1
+    before = await meta(redis, keys, eid)
+    for late in ("node-w:1", "node-w:2"):
+        assert await refusal(claim(redis, keys, eid, "take", token=late)) == "REVOKED"
+    assert await meta(redis, keys, eid) == before
+    await claim(redis, keys, eid, "take", token="node-w:3")
+    assert (await meta(redis, keys, eid))["owner"] == "node-w:3"
+    revoked = await refusal(claim(redis, keys, eid, "revoke", token="node-w:3"))
+    assert revoked == "STATUS running"
