@@ -34,7 +34,8 @@ from jsonschema import ValidationError
 from jsonschema.exceptions import SchemaError
 from jsonschema.validators import extend, validator_for
 from referencing import Registry, Resource
-from referencing.exceptions import NoSuchResource
+from referencing.exceptions import NoSuchResource, Unresolvable
+from referencing.jsonschema import DRAFT202012
 
 from lib.errors import Problem, error_path
 from lib.slices import PIECE
@@ -95,9 +96,18 @@ def check_schema(schema: dict[str, Any]) -> None:
     """Refuse (SchemaError) a schema that is invalid, refers outside itself, or has a
     pattern RE2 cannot run."""
     validator_for(schema).check_schema(schema)
-    for ref in _refs(schema):
+    refs = list(_refs(schema))
+    for ref in refs:
         if not ref.startswith("#"):
             raise SchemaError(f"$ref {ref!r} points outside the schema; only '#…' refs are allowed")
+    if refs and not _has_inner_id(schema):  # with an inner $id, a '#…' ref may be its
+        resource = Resource.from_contents(schema, default_specification=DRAFT202012)
+        resolver = _REGISTRY.with_resource("", resource).resolver()
+        for ref in refs:
+            try:
+                resolver.lookup(ref)
+            except Unresolvable:
+                raise SchemaError(f"$ref {ref!r} points to nothing in the schema") from None
     for pattern in _patterns(schema):
         _compiled(pattern)
 
@@ -133,12 +143,8 @@ def value_problems(
         return [Problem(where, message)]
     except RecursionError:
         return [Problem(where, f"{whose} cannot be used: its $refs never end")]
-    except (SchemaError, NoSuchResource) as exc:
+    except (SchemaError, NoSuchResource, Unresolvable) as exc:  # a $ref to nothing
         return [Problem(where, _cut(f"{whose} cannot be used: {exc}"))]
-    except Exception as exc:  # an unresolvable $ref, reported by referencing
-        if type(exc).__module__.startswith("referencing"):
-            return [Problem(where, _cut(f"{whose} cannot be used: {exc}"))]
-        raise
     finally:
         clock.deadline = None
         clock.shown = {}
@@ -317,6 +323,10 @@ def _walk(value: Any) -> Iterator[dict[str, Any]]:
             stack.extend(current.values())
         elif isinstance(current, list):
             stack.extend(current)
+
+
+def _has_inner_id(schema: dict[str, Any]) -> bool:
+    return any("$id" in node or "id" in node for node in _walk(schema) if node is not schema)
 
 
 def _refs(schema: dict[str, Any]) -> Iterator[str]:

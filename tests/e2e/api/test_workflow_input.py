@@ -84,6 +84,7 @@ async def test_a_schema_flowcast_cannot_run_is_refused_with_its_path(
         ({"properties": {"n": {"type": "nope"}}}, "$.inputSchema.properties.n.type", "nope"),
         ({"$ref": "https://example.com/s.json"}, "$.inputSchema", "points outside"),
         ({"type": "string", "pattern": "(a)\\1"}, "$.inputSchema", "not supported"),
+        ({"items": {"$ref": "#/$defs/item"}}, "$.inputSchema", "points to nothing"),
         ("a string", "$.inputSchema", "object"),
     ]
     for schema, path, words in cases:
