@@ -48,10 +48,10 @@ def reply_text(messages: list[dict[str, Any]]) -> str:
     digest = hashlib.sha256(orjson.dumps(messages, option=orjson.OPT_SORT_KEYS)).hexdigest()
     words = asked.split()
     shown = " ".join(words[:40]) + (" …" if len(words) > 40 else "")
-    told = f" I was told: “{_clip(system, 30)}”." if system else ""
+    told = f" Its instructions: “{_clip(system, 30)}”" if system else ""
     return (
-        f"This is Flowcast's demo model, with no real model behind it.{told} "
-        f"You asked: “{shown}” ({len(words)} word{'' if len(words) == 1 else 's'}). "
+        "This is Flowcast's demo model, with no real model behind it. "
+        f"You asked: “{shown}” ({len(words)} word{'' if len(words) == 1 else 's'}).{told} "
         "A real model would answer here; "
         f"this reply is the same every time for the same messages (digest {digest[:8]})."
     )
