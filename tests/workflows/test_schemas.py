@@ -73,3 +73,18 @@ def test_a_ref_to_nothing_is_refused_when_the_schema_is_checked() -> None:
         check_schema({"properties": {"a": {"$ref": "#/$defs/missing"}}})
     check_schema({"$defs": {"n": {"type": "integer"}}, "items": {"$ref": "#/$defs/n"}})
     check_schema({"anyOf": [{"$ref": "#"}]})  # refers to itself: checked when used
+
+
+@pytest.mark.timeout(30)
+def test_a_schema_that_splits_at_every_level_of_a_deep_value_stops_at_the_bound() -> None:
+    splitting = {
+        "anyOf": [
+            {"type": "array", "items": {"$ref": "#"}, "minItems": 2},
+            {"type": "array", "items": {"$ref": "#"}},
+        ]
+    }
+    deep: object = 0
+    for _ in range(40):
+        deep = [deep]
+    (problem,) = value_problems(splitting, deep, cpu_seconds=0.1)
+    assert "took too long (over 100 ms)" in problem.message

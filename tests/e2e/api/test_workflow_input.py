@@ -165,6 +165,15 @@ async def test_an_input_the_schema_refuses_is_422_with_its_path_and_creates_noth
 
 # A ten-megabyte input: five million zeros.
 ZEROS = 5_000_000
+# Against a 40-deep input, both array branches descend at every level: 2**40 steps,
+# cut at the CPU bound.
+SPLITTING: dict[str, Any] = {
+    "anyOf": [
+        {"type": "array", "items": {"$ref": "#"}, "minItems": 2},
+        {"type": "array", "items": {"$ref": "#"}},
+        {"type": "string"},
+    ]
+}
 # Measured beside three such checks: another tenant's worst GET 0.1-0.3 s over a
 # 5-20 ms probe; the loop's worst hold of its CPU within one bucket of the quiet one.
 STALL_RATIO, STALL_FLOOR = 10.0, 1.5
@@ -175,9 +184,10 @@ HOLD_RATIO, HOLD_FLOOR = 2.0, 0.09
 async def test_a_large_input_checked_against_a_schema_does_not_hold_the_event_loop(
     valkey: ValkeyServer, tmp_path: Path
 ) -> None:
-    """Three 10 MB inputs at once, each against a schema that costs what the input
-    does (every item's type: stopped at the CPU bound; a whole-array keyword; the array
-    in the message): each is 422 with a short message, while another tenant's GETs
+    """Four 10 MB inputs at once, each against a schema that costs what the input does
+    (every item's type: stopped at the CPU bound; whole-array keywords; the array in the
+    message), and a 40-deep one against a schema that splits at every level (stopped at
+    the CPU bound): each is 422 with a short message, while another tenant's GETs
     stay within a small ratio of their quiet probe and the loop's worst hold of its CPU
     within one bucket of the quiet one (SPEC §8: "no tenant's data holds the event
     loop")."""
@@ -189,8 +199,10 @@ async def test_a_large_input_checked_against_a_schema_does_not_hold_the_event_lo
         "items": {"type": "array", "items": {"type": "integer", "maximum": 0}},
         "whole": {"type": "object"},
         "unique": {"type": "array", "uniqueItems": True},
+        "deep": SPLITTING,
     }
     body = b'{"input":[' + b",".join([b"0"] * ZEROS) + b"]}"
+    deep = b'{"input":' + b"[" * 40 + b"0" + b"]" * 40 + b"}"
     try:
         async with authed(server, ALPHA) as alpha, authed(server, BETA) as beta:
             for name, schema in schemas.items():
@@ -203,7 +215,7 @@ async def test_a_large_input_checked_against_a_schema_does_not_hold_the_event_lo
             async def send(name: str) -> httpx.Response:
                 return await alpha.post(
                     f"/api/workflows/{name}/execute",
-                    content=body,
+                    content=deep if name == "deep" else body,
                     headers={"content-type": "application/json"},
                     timeout=120,
                 )
@@ -218,19 +230,20 @@ async def test_a_large_input_checked_against_a_schema_does_not_hold_the_event_lo
         assert "took too long" in problems(answers[1])["$.input"]
         assert "5000000 items" in problems(answers[2])["$.input"]
         assert "non-unique" in problems(answers[3])["$.input"]
+        assert "took too long" in problems(answers[4])["$.input"]
         assert_within(
             max(loaded),
             probe=max(quiet),
             ratio=STALL_RATIO,
             floor=STALL_FLOOR,
-            what=f"another tenant's worst GET of {len(loaded)} beside four 10 MB inputs checked",
+            what=f"another tenant's worst GET of {len(loaded)} beside five large inputs checked",
         )
         assert_within(
             worst(before, after, "held"),
             probe=worst(started, before, "held"),
             ratio=HOLD_RATIO,
             floor=HOLD_FLOOR,
-            what="the loop's worst hold of its CPU beside four 10 MB inputs checked",
+            what="the loop's worst hold of its CPU beside five large inputs checked",
         )
     finally:
         await server.stop(signal.SIGKILL)
