@@ -72,7 +72,6 @@ async def test_picking_a_workflow_draws_its_graph_and_fills_an_empty_input(
     assert await input_box(page) == {"mine": True}
 
 
-@pytest.mark.xfail(strict=False, reason="needs exampleInput")
 async def test_a_workflows_example_input_fills_the_input_box(
     server: FlowcastServer, page: Page, unique: str
 ) -> None:
