@@ -22,7 +22,17 @@ from app.auth import ApiKeys, Callers, KeysFirst, LoopbackOnly
 from app.catalog import load_catalog
 from app.executor import open_executor
 from app.limits import BodyLimit, Turns
-from app.routes import executions, health, live, page, secrets, streams, values, workflows
+from app.routes import (
+    executions,
+    health,
+    live,
+    page,
+    secrets,
+    streams,
+    values,
+    webhooks,
+    workflows,
+)
 from app.runtime import start_runtime
 from app.services import build_services
 from app.settings import NO_SLOTS, Settings, warn_about_defaults
@@ -63,7 +73,7 @@ def create_app(settings: Settings | None = None, *, api: bool = True) -> FastAPI
     else:
         app.add_middleware(LoopbackOnly)
     # live before executions: /api/executions/{eid} would take "live" for an id.
-    routers = (health, workflows, live, executions, streams, values, secrets, page)
+    routers = (health, workflows, live, executions, streams, values, secrets, webhooks, page)
     for module in routers if api else (health,):
         app.include_router(module.router)
     return app

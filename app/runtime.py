@@ -20,6 +20,9 @@ from lib.execution.hub import Hub
 from lib.execution.offload import OffloadPolicy
 from lib.execution.stream import Readers
 from lib.metrics import Metrics
+from lib.webhooks.deliver import Deliverer
+from lib.webhooks.outbox import Outbox
+from lib.webhooks.signing import WebhookSecrets
 from lib.workflows.finals import Finals
 from lib.workflows.janitor import Janitor
 from lib.workflows.launcher import Launcher
@@ -42,6 +45,8 @@ class Runtime:
     readers: Readers
     runner: Runner
     open_streams: OpenStreams
+    outbox: Outbox
+    webhook_secrets: WebhookSecrets
 
 
 async def start_runtime(
@@ -83,9 +88,44 @@ async def start_runtime(
         slots=runner.dispatcher.slots,
         used=runner.running_here,
     )
+    outbox, webhook_secrets = await start_webhooks(stack, settings, stores, blocks, metrics)
     return Runtime(
-        metrics=metrics, hub=hub, readers=readers, runner=runner, open_streams=open_streams
+        metrics=metrics,
+        hub=hub,
+        readers=readers,
+        runner=runner,
+        open_streams=open_streams,
+        outbox=outbox,
+        webhook_secrets=webhook_secrets,
     )
+
+
+async def start_webhooks(
+    stack: AsyncExitStack, settings: Settings, stores: Stores, blocks: Blocks, metrics: Metrics
+) -> tuple[Outbox, WebhookSecrets]:
+    """The webhook outbox and secrets; a process that runs work also delivers (its own
+    tasks and client, never a worker slot)."""
+    redis, prefix = stores.buffer.redis, settings.redis_prefix
+    retries = settings.webhook_retries
+    keep = settings.retention_seconds + int(sum(retries)) + 3600
+    outbox = Outbox(redis=redis, prefix=prefix, keep_seconds=keep)
+    secrets = WebhookSecrets(redis=redis, key=blocks.secret_key, prefix=prefix)
+    metrics.watch_webhooks(outbox.oldest_pending_ms)
+    if settings.worker_slots > 0:
+        await stack.enter_async_context(
+            Deliverer(
+                redis=redis,
+                outbox=outbox,
+                secrets=secrets,
+                retry_seconds=retries,
+                allow_private=settings.http_allow_private,
+                concurrency=settings.webhook_concurrency,
+                timeout_seconds=settings.webhook_timeout_seconds,
+                metrics=metrics,
+                prefix=prefix,
+            )
+        )
+    return outbox, secrets
 
 
 def tenant_weights(settings: Settings) -> dict[str, float]:

@@ -31,6 +31,9 @@ from lib.execution.stream import Readers
 from lib.execution.values import ValueStore
 from lib.metrics import Metrics
 from lib.tenancy import CURRENT_TENANT
+from lib.webhooks.outbox import Outbox
+from lib.webhooks.signing import WebhookSecrets
+from lib.webhooks.spec import address_problems
 from lib.workflows.providers import Providers
 from lib.workflows.runner import Runner
 from lib.workflows.secrets import SecretStore
@@ -54,6 +57,8 @@ class Services:
     open_streams: OpenStreams
     secrets: SecretStore
     providers: Providers
+    outbox: Outbox
+    webhook_secrets: WebhookSecrets
 
 
 # The dependencies are ``async`` so FastAPI calls them on the loop: a plain ``def`` one
@@ -105,7 +110,14 @@ def build_services(
             validate=catalog.validate,
             files=catalog.files,
             prefix=settings.redis_prefix,
-            admit=blocks.providers.problems,
+            admit=lambda workflow: [
+                *blocks.providers.problems(workflow),
+                *address_problems(
+                    workflow.webhooks or [],
+                    "$.webhooks",
+                    allow_private=settings.http_allow_private,
+                ),
+            ],
             quota=stores.quota,
         ),
         tokens=StreamTokens(
@@ -113,6 +125,8 @@ def build_services(
         ),
         secrets=blocks.secrets,
         providers=blocks.providers,
+        outbox=runtime.outbox,
+        webhook_secrets=runtime.webhook_secrets,
         values=stores.values,
         metrics=runtime.metrics,
         keys=ApiKeys(settings.api_keys),

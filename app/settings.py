@@ -69,6 +69,12 @@ class Settings(BaseSettings):
     loop_watch_ms: int = Field(100, ge=0)
     http_allow_private: bool = False
     http_max_concurrency: int = Field(64, ge=1)
+    # Webhooks (SPEC §15): the delays before each retry of a delivery (the Standard
+    # Webhooks schedule: about a day), and how many attempts one process makes at once.
+    webhook_retry_seconds: str = "5,300,1800,7200,18000,36000,36000"
+    webhook_concurrency: int = Field(16, ge=1, le=1024)
+    # How long one attempt waits for a 2xx (the Standard Webhooks receivers' budget).
+    webhook_timeout_seconds: float = Field(10.0, gt=0, le=300)
     plugins: str | None = None
     llm_base_url: str | None = None
     llm_api_key: str | None = None
@@ -114,6 +120,16 @@ class Settings(BaseSettings):
             weights_of(value)  # raises ValueError with what is wrong
         return value
 
+    @field_validator("webhook_retry_seconds")
+    @classmethod
+    def _retry_delays(cls, value: str) -> str:
+        retry_delays(value)  # raises ValueError with what is wrong
+        return value
+
+    @property
+    def webhook_retries(self) -> list[float]:
+        return retry_delays(self.webhook_retry_seconds)
+
     @property
     def weights(self) -> dict[str, float]:
         return weights_of(self.tenant_weights) if self.tenant_weights else {}
@@ -157,3 +173,19 @@ def data_dir_in_use(settings: Settings) -> bool:
     """Whether anything is kept under FLOWCAST_DATA_DIR: the embedded engine, the local
     value store, or this process's own secret key."""
     return not settings.redis_url or not settings.s3_bucket or not settings.secret_key
+
+
+def retry_delays(text: str) -> list[float]:
+    """``FLOWCAST_WEBHOOK_RETRY_SECONDS``: comma-separated delays, each >= 0 ("" for none)."""
+    delays = []
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        try:
+            delay = float(part)
+        except ValueError:
+            raise ValueError(f"FLOWCAST_WEBHOOK_RETRY_SECONDS: {part!r} is not a number") from None
+        if not delay >= 0:
+            raise ValueError(f"FLOWCAST_WEBHOOK_RETRY_SECONDS: {part!r} is negative")
+        delays.append(delay)
+    return delays

@@ -157,7 +157,25 @@ class Metrics:
             " another worker, or gone",
             registry=registry,
         )
+        self.webhook_attempts = Counter(
+            "flowcast_webhook_attempts_total",
+            "Webhook delivery attempts made here, by outcome (ok: answered 2xx; error)",
+            ["outcome"],
+            registry=registry,
+        )
+        self.webhook_deliveries = Counter(
+            "flowcast_webhook_deliveries_total",
+            "Webhook deliveries settled here, by outcome (delivered; failed: 410 or retries spent)",
+            ["outcome"],
+            registry=registry,
+        )
+        self.webhook_oldest_pending = Gauge(
+            "flowcast_webhook_oldest_pending_seconds",
+            "Age of the oldest webhook delivery not yet delivered nor failed (0: none)",
+            registry=registry,
+        )
         self._backlog: Callable[[], Awaitable[Backlog]] | None = None
+        self._oldest_webhook: Callable[[], Awaitable[int | None]] | None = None
 
     def watch(
         self,
@@ -185,9 +203,22 @@ class Metrics:
         self.worker_slots_used.set_function(used)
         self.queue_depth.labels("running").set_function(used)
 
+    def watch_webhooks(self, oldest_pending_ms: Callable[[], Awaitable[int | None]]) -> None:
+        """Read the oldest pending webhook delivery at scrape time (``refresh``)."""
+        self._oldest_webhook = oldest_pending_ms
+
     async def refresh(self) -> None:
         """Read what lives in Redis before a scrape (a failed read keeps the last
         figures: a scrape never fails because the queue could not be read)."""
+        if self._oldest_webhook is not None:
+            try:
+                async with asyncio.timeout(REFRESH_SECONDS):
+                    oldest = await self._oldest_webhook()
+                age = 0.0 if oldest is None else max(0.0, time.time() - oldest / 1000)
+                self.webhook_oldest_pending.set(age)
+            except (FlowcastError, TimeoutError) as exc:
+                error = str(exc) or type(exc).__name__
+                log.warning("could not read the webhooks for /metrics", extra={"error": error})
         if self._backlog is None:
             return
         try:

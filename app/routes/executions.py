@@ -169,7 +169,18 @@ def with_token(svc: Services, view: dict[str, Any]) -> dict[str, Any]:
 )
 async def get_execution(execution_id: str, svc: ServicesDep, tenant_id: TenantDep) -> JSON:
     meta = await owned_meta(svc, tenant_id, execution_id)
-    return JSON(await place_in_line(svc, with_token(svc, snapshot(meta)), meta))
+    view = await place_in_line(svc, with_token(svc, snapshot(meta)), meta)
+    if meta.webhooks:
+        view["webhooks"] = [
+            {name: value for name, value in state.items() if name not in HIDDEN_STATE}
+            for state in await svc.outbox.states(execution_id)
+        ]
+    return JSON(view)
+
+
+# What a delivery's state keeps for the deliverer alone: the URL as given (it may carry
+# credentials; ``url`` shows it without them), when it was owed.
+HIDDEN_STATE = frozenset({"hook", "owedAt"})
 
 
 async def place_in_line(svc: Services, view: dict[str, Any], meta: ExecutionMeta) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from app.schemas import (
 from app.services import Services, services, tenant
 from lib.backend import Batch
 from lib.errors import InvalidInput, Problem, WorkflowChanged
+from lib.webhooks.spec import Webhook, address_problems
 from lib.workflows.model import Workflow
 from lib.workflows.runner import Started as Run
 
@@ -45,6 +46,7 @@ class ExecuteRequest(BaseModel):
 
     input: Any = None
     inline_files: bool = Field(False, alias="inlineFiles")
+    webhook: Webhook | None = None
 
     @field_validator("input")
     @classmethod
@@ -128,6 +130,17 @@ def _starter(
         write_back: WriteBack | None,
         confirm: Callable[[Batch], None] | None,
     ) -> Run:
+        if request_body.webhook is not None:
+            hook_problems = [
+                Problem(problem.path.replace("[0]", ""), problem.message)
+                for problem in address_problems(
+                    [request_body.webhook],
+                    "$.webhook",
+                    allow_private=svc.settings.http_allow_private,
+                )
+            ]
+            if hook_problems:
+                raise InvalidInput("the webhook's address is refused", hook_problems)
         missing = svc.providers.problems(workflow)
         if missing:
             refused = InvalidInput("the workflow needs an llm provider this server lacks", missing)
@@ -138,6 +151,7 @@ def _starter(
             input=request_body.input,
             tenant=tenant_id,
             inline_files=request_body.inline_files,
+            webhook=request_body.webhook,
             execution_id=execution_id,
             write_back=write_back,
             first_stored=first_stored,

@@ -54,6 +54,7 @@ from collections.abc import Awaitable, Callable, Mapping
 
 import orjson
 
+from lib.backend import translating
 from lib.backoff import Backoff
 from lib.errors import BufferUnavailable, CancelWins, WriteGone, WriteOutOfOrder, WriteRefused
 from lib.execution.buffer import EventBuffer
@@ -75,6 +76,8 @@ from lib.execution.hub import LocalPublisher
 from lib.execution.outage import TRANSITIONS, LiveGate, Transition, WriterState
 from lib.metrics import Metrics
 from lib.tasks import stop
+from lib.webhooks.outbox import hint
+from lib.webhooks.spec import decoded
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +178,14 @@ class EventWriter:
         # Fields to recreate the metadata with if the store comes back empty, written
         # again whenever it lost writes (recovery counts among them).
         self._identity = dict(identity or {})
+        # An execution with webhooks: the events to leave a hint for before storing them
+        # (lib/webhooks/outbox.py): the ones its webhooks want, and every final one (a
+        # cancel that wins replaces a final event under its id).
+        hooks = decoded(self._identity.get("webhooks"))
+        self._hinted_types = (
+            frozenset(FINAL_TYPES.union(*(hook.events for hook in hooks))) if hooks else None
+        )
+        self._hinted_id = 0
         self._max_pending = max_pending
         self._metrics = metrics
         self._retry_base = retry_base_seconds
@@ -358,6 +369,7 @@ class EventWriter:
             if self.writing_back:
                 meta = {**self._identity, **meta}
             try:
+                await self._hint(batch)
                 result = await self._buffer.append(
                     self._execution_id,
                     batch,
@@ -410,6 +422,23 @@ class EventWriter:
             # next batch is built and sent: a first frame does not wait for a second
             # append's work (under load the next batch only grows meanwhile).
             await asyncio.sleep(0)
+
+    async def _hint(self, batch: list[Event]) -> None:
+        """Leave the outbox a hint of the events of ``batch`` a webhook may be owed,
+        before the batch is stored: if this process dies right after storing it, the
+        hint is still there (BufferUnavailable when it cannot be written: retried)."""
+        if self._hinted_types is None:
+            return
+        wanted = [
+            event.id
+            for event in batch
+            if event.type in self._hinted_types and event.id > self._hinted_id
+        ]
+        if not wanted:
+            return
+        with translating("leave a webhook hint"):
+            await hint(self._buffer.redis, self._buffer.prefix, self._execution_id, wanted)
+        self._hinted_id = max(wanted)
 
     def _refused_but_handled(self, exc: WriteRefused, batch: list[Event], first: int) -> bool:
         """Act on a refusal that the writer can answer; False when it must stop."""

@@ -78,6 +78,7 @@ class Field(StrEnum):
     CREATED_AT = "createdAt"
     UPDATED_AT = "updatedAt"
     INLINE_FILES = "inlineFiles"  # "1": file values kept inline up to their own cap
+    WEBHOOKS = "webhooks"  # JSON: the webhooks its events go to (lib/webhooks), or ""
     # Ownership (claim.lua, renew.lua; append.lua lets a newer epoch take it back).
     STATUS = "status"
     OWNER = "owner"  # the owner's fencing token; "" once handed off
@@ -381,6 +382,7 @@ class ExecutionMeta:
     deaths: int = 0  # every death of an owner while it ran: a suspect once above 0
     reserved: int = 0
     inline_files: bool = False
+    webhooks: str = ""  # JSON: the webhooks its events go to (lib/webhooks/spec.py)
     cancel_requested: bool = False
     continues: str = ""  # queued: the block a resume answered (a continuation)
     output: Any = None
@@ -424,6 +426,7 @@ class ExecutionMeta:
             deaths=number(Field.DEATHS),
             reserved=number(Field.RESERVED),
             inline_files=text(Field.INLINE_FILES) == "1",
+            webhooks=text(Field.WEBHOOKS),
             cancel_requested=text(Field.CANCEL_REQUESTED) == "1",
             continues=text(Field.CONTINUES),
             output=loaded(Field.OUTPUT),

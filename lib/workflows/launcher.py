@@ -500,6 +500,7 @@ def identity_of(meta: ExecutionMeta) -> dict[str, str]:
         Field.TENANT.value: meta.tenant,
         Field.CREATED_AT.value: meta.created_at,
         Field.INLINE_FILES.value: "1" if meta.inline_files else "",
+        Field.WEBHOOKS.value: meta.webhooks,
         Field.RECOVERIES.value: str(meta.recoveries),
         Field.CRASHES.value: str(meta.crashes),
         Field.DEATHS.value: str(meta.deaths),

@@ -8,6 +8,8 @@ from typing import Annotated, Any
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints
 
+from lib.webhooks.spec import MAX_WEBHOOKS, Webhook
+
 SLUG_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
 
 Slug = Annotated[str, StringConstraints(pattern=SLUG_PATTERN)]
@@ -62,6 +64,11 @@ class Workflow(_Model):
         None,
         alias="exampleInput",
         description="An input to start with (the page prefills it); matches inputSchema",
+    )
+    webhooks: list[Webhook] | None = Field(
+        None,
+        max_length=MAX_WEBHOOKS,
+        description="Where to POST this workflow's executions' events (SPEC §15)",
     )
     _canonical: tuple[bytes, str] | None = PrivateAttr(default=None)
 

@@ -47,6 +47,8 @@ from lib.execution.queue import Entered
 from lib.execution.record import ExecutionMeta, Field, Mode, Status, StopReason
 from lib.metrics import Metrics
 from lib.slices import encode
+from lib.webhooks import spec as webhooks
+from lib.webhooks.spec import Webhook
 from lib.workflows.bodies import cancelled_in_line, new_run, resumed
 from lib.workflows.dispatch import Dispatcher, queued_ms
 from lib.workflows.executor import RunState
@@ -180,6 +182,7 @@ class Runner:
         input: Any,
         tenant: str,
         inline_files: bool = False,
+        webhook: Webhook | None = None,
         execution_id: str | None = None,
         write_back: Callable[[], Awaitable[None]] | None = None,
         first_stored: bool = False,
@@ -189,7 +192,8 @@ class Runner:
 
         ``first_stored``: return once its first event is stored too (a 202 answer).
         ``inline_files`` keeps file values' content inline up to their own cap, exempt
-        from the pressure threshold (SPEC §5). An ``execution_id`` named in advance (an
+        from the pressure threshold (SPEC §5). ``webhook`` is this execution's own, added
+        to the workflow's (SPEC §15). An ``execution_id`` named in advance (an
         Idempotency-Key's record names it before it exists) may be created by another
         request first: then that one runs it, and this one starts nothing.
         ``write_back`` writes that record back, should the store lose writes of the run
@@ -216,6 +220,9 @@ class Runner:
             Field.TENANT.value: tenant,
             Field.CREATED_AT.value: utc_timestamp(now),
             Field.INLINE_FILES.value: "1" if inline_files else "",
+            Field.WEBHOOKS.value: webhooks.encoded(
+                [*(workflow.webhooks or []), *([webhook] if webhook else [])]
+            ),
         }
         with self.dispatcher.slot() as here:
             created = await self._create(
@@ -351,6 +358,7 @@ class Runner:
                 created_ms=int(now.timestamp() * 1000),
                 extra={
                     Field.INLINE_FILES.value: identity[Field.INLINE_FILES],
+                    Field.WEBHOOKS.value: identity[Field.WEBHOOKS],
                     Field.QUOTA_BASE.value: str(size),
                     Field.QUOTA_RECORDED.value: str(size),
                 },

@@ -151,7 +151,7 @@ def _same_origin(a: httpx.URL, b: httpx.URL) -> bool:
     return (a.scheme, a.raw_host, _default_port(a)) == (b.scheme, b.raw_host, _default_port(b))
 
 
-async def _allowed_addresses(url: httpx.URL, resolve: Resolver, timeout: float) -> list[IPAddress]:
+async def allowed_addresses(url: httpx.URL, resolve: Resolver, timeout: float) -> list[IPAddress]:
     """The addresses to connect to for ``url``; refuses if any of them is not public."""
     host = url.raw_host.decode("ascii")
     try:
@@ -268,7 +268,7 @@ async def _send(services: BlockServices, hop: _Hop, timeout: float) -> tuple[htt
     if services.http_allow_private:
         return await _exchange(services, hop, timeout, {})
     resolve = services.resolve or system_resolver
-    addresses = await _allowed_addresses(hop.url, resolve, timeout)
+    addresses = await allowed_addresses(hop.url, resolve, timeout)
     headers = httpx.Headers(hop.headers)
     headers.setdefault("Host", hop.url.netloc.decode("ascii"))
     extensions: dict[str, Any] = {}

@@ -1,0 +1,90 @@
+--[[
+outbox.lua: the webhook deliveries owed, and who attempts which (SPEC §15). Every key
+is under the hash tag {webhooks}, so each operation is one atomic step, also on a
+cluster.
+
+Keys (passed in KEYS, as each operation lists them):
+  owed     fc:{webhooks}:owed          sorted set: "<eid> <eventId>" for each final event
+           (paused or terminal) of an execution with webhooks, written *before* the
+           batch that stores it; scored by when to look at it (ms, Redis's clock)
+  tenants  fc:{webhooks}:tenants       sorted set: each tenant with deliveries, scored
+           by its earliest due one
+  due      fc:{webhooks}:due:<tenant>  sorted set: "<eid> <eventId> <n>" (n: which of
+           the execution's webhooks), scored by when it is due; an attempt in flight is
+           leased by pushing its score past the attempt's timeout
+  pending  fc:{webhooks}:pending       sorted set: the same members, scored by when
+           they were owed (the age of the oldest, for /metrics)
+
+ARGV[1] is the operation:
+
+"look"   KEYS owed; ARGV[2] lease ms, ARGV[3] most to return
+         The hints due now, each pushed ARGV[2] ms ahead (a looker that dies leaves
+         them to the next one). Returns the members.
+"owe"    KEYS owed, tenants, due, pending; ARGV[2] the hint ("" for none), ARGV[3 ..]
+         the deliveries to owe: member, member, …
+         Adds each delivery due now (NX: owed once, however many look), drops the hint.
+"take"   KEYS tenants, due; ARGV[2] lease ms
+         Leases the tenant's earliest delivery due now. Returns it, or false.
+"settle" KEYS tenants, due, pending; ARGV[2] member, ARGV[3] "" when it is over (else
+         the delay in ms before its next attempt)
+Returns nil unless said otherwise.
+]]
+
+local op = ARGV[1]
+local now = now_ms()
+
+-- The tenant's score in `tenants`: its earliest due delivery, or gone with the last.
+local function rescore(tenants, due, tenant)
+  local head = redis.call("ZRANGE", due, 0, 0, "WITHSCORES")
+  if head[1] then
+    redis.call("ZADD", tenants, head[2], tenant)
+  else
+    redis.call("ZREM", tenants, tenant)
+  end
+end
+
+local function tenant_of(due)
+  return string.match(due, ":due:(.*)$")
+end
+
+if op == "look" then
+  local found = redis.call("ZRANGEBYSCORE", KEYS[1], "-inf", now, "LIMIT", 0, tonumber(ARGV[3]))
+  for _, member in ipairs(found) do
+    redis.call("ZADD", KEYS[1], now + tonumber(ARGV[2]), member)
+  end
+  return found
+elseif op == "owe" then
+  local owed, tenants, due, pending = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+  for i = 3, #ARGV do
+    redis.call("ZADD", due, "NX", now, ARGV[i])
+    redis.call("ZADD", pending, "NX", now, ARGV[i])
+  end
+  if #ARGV >= 3 then
+    rescore(tenants, due, tenant_of(due))
+  end
+  if ARGV[2] ~= "" then
+    redis.call("ZREM", owed, ARGV[2])
+  end
+  return nil
+elseif op == "take" then
+  local tenants, due = KEYS[1], KEYS[2]
+  local head = redis.call("ZRANGEBYSCORE", due, "-inf", now, "LIMIT", 0, 1)
+  if not head[1] then
+    rescore(tenants, due, tenant_of(due))
+    return false
+  end
+  redis.call("ZADD", due, now + tonumber(ARGV[2]), head[1])
+  rescore(tenants, due, tenant_of(due))
+  return head[1]
+elseif op == "settle" then
+  local tenants, due, pending = KEYS[1], KEYS[2], KEYS[3]
+  if ARGV[3] == "" then
+    redis.call("ZREM", due, ARGV[2])
+    redis.call("ZREM", pending, ARGV[2])
+  else
+    redis.call("ZADD", due, now + tonumber(ARGV[3]), ARGV[2])
+  end
+  rescore(tenants, due, tenant_of(due))
+  return nil
+end
+return redis.error_reply("UNKNOWN " .. tostring(op))
