@@ -189,6 +189,7 @@ class Script(StrEnum):
     SLOTS = "slots.lua"
     QUOTA = "quota.lua"  # a tenant's storage ledger (lib/quota.py), no execution key
     QUEUE = "queue.lua"  # the admission and the fair queue (queue.py), no execution key
+    OUTBOX = "outbox.lua"  # the webhook deliveries owed (lib/webhooks), no execution key
 
 
 class Reply(StrEnum):

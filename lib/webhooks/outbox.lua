@@ -17,6 +17,8 @@ Keys (passed in KEYS, as each operation lists them):
 
 ARGV[1] is the operation:
 
+"hint"   KEYS owed; ARGV[2] delay ms, ARGV[3 ..] the hints ("<eid> <eventId>")
+         Adds each hint (NX: one already there keeps its time), due after the delay.
 "look"   KEYS owed; ARGV[2] lease ms, ARGV[3] most to return
          The hints due now, each pushed ARGV[2] ms ahead (a looker that dies leaves
          them to the next one). Returns the members.
@@ -27,7 +29,7 @@ ARGV[1] is the operation:
          Leases the tenant's earliest delivery due now. Returns it, or false.
 "settle" KEYS tenants, due, pending; ARGV[2] member, ARGV[3] "" when it is over (else
          the delay in ms before its next attempt)
-Returns nil unless said otherwise.
+Returns nil unless said otherwise (also for an operation it does not know).
 ]]
 
 local op = ARGV[1]
@@ -47,7 +49,12 @@ local function tenant_of(due)
   return string.match(due, ":due:(.*)$")
 end
 
-if op == "look" then
+if op == "hint" then
+  for i = 3, #ARGV do
+    redis.call("ZADD", KEYS[1], "NX", now + tonumber(ARGV[2]), ARGV[i])
+  end
+  return nil
+elseif op == "look" then
   local found = redis.call("ZRANGEBYSCORE", KEYS[1], "-inf", now, "LIMIT", 0, tonumber(ARGV[3]))
   for _, member in ipairs(found) do
     redis.call("ZADD", KEYS[1], now + tonumber(ARGV[2]), member)
@@ -87,4 +94,4 @@ elseif op == "settle" then
   rescore(tenants, due, tenant_of(due))
   return nil
 end
-return redis.error_reply("UNKNOWN " .. tostring(op))
+return nil

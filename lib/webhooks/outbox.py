@@ -22,11 +22,13 @@ state; ``"b:<eventId>"``: the body sent), kept for the retries' span plus retent
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, cast
 
 import orjson
 from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
 
 from lib.backend import register, translated
 
@@ -81,17 +83,18 @@ class OutboxKeys:
 async def hint(redis: Redis, prefix: str, execution_id: str, event_ids: list[int]) -> None:
     """Say that these events of an execution with webhooks may be owed, before storing
     them (the caller translates errors: it is the event writer, which retries)."""
-    owed = OutboxKeys(prefix).owed
-    # A first look after a moment, once the batch is stored; a hint seen too early is
-    # looked at again.
-    await redis.eval(
-        "local t = redis.call('TIME') "
-        "local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) "
-        "for i = 1, #ARGV do redis.call('ZADD', KEYS[1], 'NX', now + 200, ARGV[i]) end",
-        1,
-        owed,
-        *(f"{execution_id} {event_id}" for event_id in event_ids),
-    )
+    script = _scripts.get(redis)
+    if script is None:
+        script = _scripts[redis] = register(redis, __package__, "outbox.lua")
+    hints = [f"{execution_id} {event_id}" for event_id in event_ids]
+    await script(keys=[OutboxKeys(prefix).owed], args=["hint", HINT_DELAY_MS, *hints])
+
+
+# The outbox script as registered on each client the event writers use (once per client).
+_scripts: weakref.WeakKeyDictionary[Redis, AsyncScript] = weakref.WeakKeyDictionary()
+# A hint is first looked at after this: by then the batch it precedes is usually stored
+# (one seen too early is looked at again).
+HINT_DELAY_MS = 200
 
 
 class Outbox:
