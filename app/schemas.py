@@ -99,7 +99,23 @@ class WorkflowDocument(BaseModel):
     example_input: Any = Field(
         None, alias="exampleInput", description="An input to start with; matches inputSchema"
     )
+    webhooks: list[dict[str, Any]] | None = Field(
+        None, description="Where its executions' events are POSTed (docs/webhooks.md)"
+    )
     source: Literal["api", "file"] | None = None
+
+
+class WebhookDelivery(_Camel):
+    """One webhook delivery of an execution (docs/webhooks.md)."""
+
+    url: str
+    event: str
+    event_id: int
+    webhook_id: str
+    state: Literal["pending", "delivered", "failed"]
+    attempts: int
+    last_answer: dict[str, Any] | None = None
+    next_attempt_in_seconds: float | None = None
 
 
 class Snapshot(_Camel):
@@ -121,6 +137,8 @@ class Snapshot(_Camel):
     decision: Literal["rejected"] | None = None
     # With API keys: a token for this execution's stream (?token=), for an EventSource.
     stream_token: str | None = None
+    # Its webhook deliveries (SPEC §15), when it has webhooks: the snapshot alone.
+    webhooks: list[WebhookDelivery] | None = None
 
 
 class ExecutionList(_Camel):

@@ -9,10 +9,19 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from standardwebhooks import Webhook
 
-from tests.support.api import put, quick_workflow, until, wait_finished, within
+from tests.support.api import (
+    approval_workflow,
+    execute,
+    put,
+    quick_workflow,
+    until,
+    wait_finished,
+    within,
+)
 from tests.support.receiver import HANG, Received, receiving
 from tests.support.servers import FlowcastServer, ValkeyServer, serving
 
@@ -220,3 +229,31 @@ async def test_a_private_url_is_refused_at_store_and_execute_unless_allowed(
         assert "webhook" in bad.text
         listed = (await client.get("/api/executions", params={"workflowId": workflow_id})).json()
         assert listed["executions"] == []
+
+
+@pytest.mark.timeout(60)
+async def test_a_pause_and_the_end_are_each_delivered_in_event_order(
+    client: httpx.AsyncClient, unique: str
+) -> None:
+    workflow_id = f"hook-pause-{unique}"
+    async with receiving() as receiver:
+        await put(client, {**approval_workflow(workflow_id), "webhooks": [{"url": receiver.url}]})
+        stored = (await client.get(f"/api/workflows/{workflow_id}")).json()
+        assert stored["webhooks"][0]["url"] == receiver.url
+        eid = await execute(client, workflow_id)
+        [paused] = await receiver.wait_for(1)
+        assert orjson.loads(paused.body)["type"] == "execution:paused"
+        assert orjson.loads(paused.body)["execution"]["status"] == "paused"
+        resumed = await client.post(f"/api/executions/{eid}/resume", json={"input": {}})
+        assert resumed.status_code == 202, resumed.text
+        requests = await receiver.wait_for(2)
+        hooks = await deliveries_settled(client, eid)
+    assert [orjson.loads(r.body)["type"] for r in requests] == [
+        "execution:paused",
+        "execution:completed",
+    ]
+    assert [(h["event"], h["state"]) for h in hooks] == [
+        ("execution:paused", "delivered"),
+        ("execution:completed", "delivered"),
+    ]
+    assert len({r.headers["webhook-id"] for r in requests}) == 2
