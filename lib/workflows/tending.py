@@ -147,10 +147,14 @@ class Tending:
         while some wait for a slot here, the dispatcher takes nothing from the queue, so
         the next slot that frees is theirs at the next pass (another process with a free
         slot may take them first)."""
-        waiting = False
         found = [(eid, fence, Takeover.DEAD) for eid, fence in due.dead]
         found += [(eid, fence, due.takeover) for eid, fence in due.leases]
-        for execution_id, fence, how in found if self.dispatcher.slots > 0 else ():
+        if not found or self.dispatcher.slots == 0:
+            # Between sweeps the leases are not looked at: a wait noted stands (it
+            # lapses by itself once no sweep finds them due: ``recoveries_wait``).
+            return
+        waiting = False
+        for execution_id, fence, how in found:
             with self.dispatcher.slot() as here:
                 if not here:
                     waiting = True
