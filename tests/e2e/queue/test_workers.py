@@ -4,6 +4,7 @@ a lease, to a process that runs work."""
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -264,4 +265,51 @@ async def test_a_worker_takes_queued_work_again_once_the_recovery_it_waited_for_
     finally:
         await redis.aclose()
         await first.stop()
+        await second.stop(signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
+async def test_a_cancel_of_a_dead_workers_run_ends_it_while_every_slot_is_busy(
+    valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """A worker of 1 slot runs a 40 s run; another worker's run is cancelled (202) and
+    that worker is SIGKILLed. Ending the cancelled run runs none of its blocks: it needs
+    no free slot, and must not wait for one (a takeover only into a free slot, 60a78ad,
+    left it running, its stream open, until the 40 s run ended)."""
+    env = {**env_on(valkey, lease_seconds=LEASE), "FLOWCAST_WORKER_SLOTS": "1"}
+    first = FlowcastServer(data_dir=tmp_path / "w1", env=env)
+    second = FlowcastServer(data_dir=tmp_path / "w2", env=env)
+    await second.start()
+    try:
+        async with authed(second) as on_second:
+            await put(on_second, delay_workflow("long", ms=40_000))
+            lost = await execute(on_second, "long")
+            await wait_status(on_second, lost, "running")
+            await first.start()
+            async with authed(first) as on_first:
+                busy = await execute(on_first, "long")
+                await wait_status(on_first, busy, "running")
+                # Stopped first (SIGSTOP), so the cancel is flagged and never written by
+                # its owner, then killed: only a takeover can end it.
+                os.kill(second.pid, signal.SIGSTOP)
+                cancelled = await on_first.post(f"/api/executions/{lost}/cancel")
+                assert cancelled.status_code == 202, cancelled.text
+                await second.stop(signal.SIGKILL)
+
+                async def status_of(eid: str) -> str:
+                    return str((await on_first.get(f"/api/executions/{eid}")).json()["status"])
+
+                async def lost_ended_or_busy_ended() -> str | None:
+                    if await status_of(lost) == "cancelled":
+                        return "cancelled"
+                    return "busy ended" if await status_of(busy) == "completed" else None
+
+                # Ordering, not a time: the busy run ends about 40 s in.
+                first_done = await until(lost_ended_or_busy_ended, "the cancel ended it", 90)
+                assert first_done == "cancelled", "the cancel waited for a free slot"
+                assert (await on_first.get(f"/api/executions/{busy}")).json()["status"] == (
+                    "running"
+                )
+    finally:
+        await first.stop(signal.SIGKILL)  # its 40 s run is no part of the test
         await second.stop(signal.SIGKILL)
