@@ -97,11 +97,17 @@ class Dispatcher:
         return max(0, self.slots - len(self._runs) - self._holding)
 
     @contextlib.contextmanager
-    def slot(self) -> Iterator[bool]:
+    def slot(self, *, recovery: bool = False) -> Iterator[bool]:
         """Hold a free slot, if there is one (True), while a start or a take is on its
         way to launching here: concurrent starts each saw the same free slot before any
-        had launched, and ran past ``slots``. The launch fills it once made."""
-        if not (self._runs.accepting and self.free() > 0):
+        had launched, and ran past ``slots``. The launch fills it once made. While
+        recoveries wait for a slot here, only a ``recovery`` gets one: a start or a
+        resume sent here goes in line instead (it took the slot that freed before the
+        next janitor pass, and the recovery waited again, as long as they kept coming:
+        the fresh-eyes review of 60a78ad)."""
+        if not (self._runs.accepting and self.free() > 0) or (
+            self._recoveries_waiting() and not recovery
+        ):
             yield False
             return
         self._holding += 1

@@ -156,7 +156,7 @@ class Tending:
             return
         waiting = False
         for execution_id, fence, how in found:
-            with self.dispatcher.slot() as here:
+            with self.dispatcher.slot(recovery=True) as here:
                 if here or await self._takeovers.only_ends(execution_id):
                     # A run a cancel was accepted for only ends (no block runs again):
                     # it needs no slot, and must not wait for one (its 202 said it
@@ -172,7 +172,7 @@ class Tending:
         (the janitors would find its lease due anyway, should this fail)."""
         async for execution_id, fence in self._listener.handoffs():
             try:
-                with self.dispatcher.slot() as here:
+                with self.dispatcher.slot(recovery=True) as here:
                     if not here:
                         # No slot here (or none at all: an API replica): a process with
                         # one takes it over, or this one at a janitor pass (it is due).

@@ -313,3 +313,59 @@ async def test_a_cancel_of_a_dead_workers_run_ends_it_while_every_slot_is_busy(
     finally:
         await first.stop(signal.SIGKILL)  # its 40 s run is no part of the test
         await second.stop(signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
+async def test_a_start_sent_to_a_worker_whose_recovery_waits_for_a_slot_goes_in_line(
+    valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """A worker of 1 slot, full, finds a dead worker's run due: it waits for the slot.
+    As the worker's own run ends, a start is sent to it, before its next janitor pass
+    (a sweep every half lease, 4 s here): the start took the freed slot at once and
+    the recovery waited again, as long as starts kept coming (recoveries go first
+    only over the queue's takes). It goes in line now, and the recovery runs first."""
+    env = {**env_on(valkey, lease_seconds="4"), "FLOWCAST_WORKER_SLOTS": "1"}
+    first = FlowcastServer(data_dir=tmp_path / "w1", env=env)
+    second = FlowcastServer(data_dir=tmp_path / "w2", env=env)
+    await second.start()
+    redis = Redis.from_url(valkey.url)
+    try:
+        async with authed(second) as on_second:
+            await put(on_second, delay_workflow("lost", ms=3000))
+            await put(on_second, delay_workflow("own", ms=12_000))
+            await put(on_second, delay_workflow("next", ms=500))
+            lost = await execute(on_second, "lost")
+            await wait_status(on_second, lost, "running")
+            await first.start()
+            async with authed(first) as on_first:
+                own = await execute(on_first, "own")
+                await wait_status(on_first, own, "running")
+                await second.stop(signal.SIGKILL)
+                meta = Keys(env["FLOWCAST_REDIS_PREFIX"]).meta(lost)
+                until_ms = int(await redis.hget(meta, "leaseUntil") or 0)
+
+                async def lease_passed() -> bool:
+                    seconds, micros = await redis.time()
+                    return bool(seconds * 1000 + micros // 1000 > until_ms + 3000)
+
+                # Past the lease and more than half another: the worker, full, swept
+                # and found the dead worker's run due.
+                await until(lease_passed, "the dead owner's lease passed", 20)
+                assert not await has_stored(on_first, lost, "execution:recovered")
+                await wait_status(on_first, own, "completed", timeout=30)
+                started = await on_first.post("/api/workflows/next/execute", json={"input": {}})
+                assert started.status_code == 202, started.text
+                recovered = await run_log(on_first, lost)
+                after = await run_log(on_first, started.json()["executionId"])
+        kinds = [event["type"] for event in recovered]
+        tail = recovered[kinds.index("execution:recovered") :]  # what ran on the first
+        assert most_at_once([tail, after]) <= 1, [
+            [(e["type"], e["ts"]) for e in log if e["type"] != "block:chunk"]
+            for log in (tail, after)
+        ]
+        assert tail[0]["ts"] < after[0]["ts"], (tail[0], after[0])
+        assert started.json()["status"] == "queued", started.text
+    finally:
+        await redis.aclose()
+        await first.stop()
+        await second.stop(signal.SIGKILL)
