@@ -1,6 +1,6 @@
-"""The ``flowcast`` command line: ``serve``, ``worker``, ``run``, ``attach``, ``resume``,
-``cancel``, ``list`` here; ``workflows``, ``describe``, ``events``, ``approve``,
-``reject`` and ``secrets`` in ``app.cli_resources``.
+"""The ``flowcast`` command line: ``serve``, ``worker``, ``demo-model``, ``run``,
+``attach``, ``resume``, ``cancel``, ``list`` here; ``workflows``, ``describe``,
+``events``, ``approve``, ``reject`` and ``secrets`` in ``app.cli_resources``.
 
 Exit codes: 0 completed (or the request was accepted), 1 failed, 2 usage or bad input
 (a 4xx answer; the server's message goes to stderr), 3 cancelled, 4 paused (``run`` and
@@ -83,6 +83,34 @@ def worker(args: argparse.Namespace) -> int:
     return _run_server(args, "app.main:create_worker", worker=True)
 
 
+def demo_model(args: argparse.Namespace) -> int:
+    """Serve the offline demo model (app/demo_model.py) until Ctrl-C."""
+    sock = _listening(args.host, args.port, how="pick another port with --port N")
+    if sock is None:
+        return USAGE
+    import uvicorn
+
+    from app.demo_model import create_demo_app
+
+    shown = f"[{args.host}]" if ":" in args.host else args.host
+    url = f"http://{shown}:{args.port}/v1"
+    print(
+        f"flowcast: an offline demo model (no real model behind it) at {url}\n"
+        f"flowcast: point a server at it with FLOWCAST_LLM_BASE_URL={url}",
+        file=sys.stderr,
+        flush=True,
+    )
+    app = create_demo_app(words_per_second=args.words_per_second)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=None))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sock.close()
+    return 0 if server.started else 3
+
+
 def _settings() -> Settings | None:
     """The settings from the environment, or None once each problem was said."""
     # The server's imports here, not at the top: the client commands (run, list, ...)
@@ -151,9 +179,11 @@ def _run_server(args: argparse.Namespace, factory: str, *, worker: bool = False)
     return 0 if server.started else 3
 
 
-def _listening(host: str, port: int) -> socket.socket | None:
+def _listening(
+    host: str, port: int, *, how: str = "pick another port with --port N or FLOWCAST_PORT=N"
+) -> socket.socket | None:
     """A socket bound to ``host:port`` as uvicorn binds one (it listens on it), or None
-    once the reason was said in one line."""
+    once the reason was said in one line (``how`` says how to pick another port)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     # As uvicorn does: a port left in TIME_WAIT by a server just stopped is free again.
@@ -162,7 +192,6 @@ def _listening(host: str, port: int) -> socket.socket | None:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        how = "pick another port with --port N or FLOWCAST_PORT=N"
         if isinstance(exc, socket.gaierror):
             _error(f"cannot listen on {host}: {exc.strerror}; set --host or FLOWCAST_HOST")
         elif exc.errno == errno.EADDRINUSE:
@@ -452,6 +481,20 @@ def parser() -> argparse.ArgumentParser:
     )
     run_worker.add_argument("--port", type=int, help="their port (default FLOWCAST_PORT or 8000)")
     run_worker.set_defaults(handler=worker)
+
+    demo = commands.add_parser(
+        "demo-model",
+        help="serve an offline OpenAI-compatible demo model for the llm examples",
+    )
+    demo.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    demo.add_argument("--port", type=int, default=11435, help="listen port (default 11435)")
+    demo.add_argument(
+        "--words-per-second",
+        type=float,
+        default=20.0,
+        help="pace of streamed replies (default 20; 0 sends them at once)",
+    )
+    demo.set_defaults(handler=demo_model)
 
     start = commands.add_parser("run", help="start an execution and follow it")
     start.add_argument("workflow", help="workflow id")

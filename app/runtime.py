@@ -28,6 +28,7 @@ from lib.workflows.listener import ControlListener
 from lib.workflows.parts import Parts, Transitions
 from lib.workflows.runner import Runner
 from lib.workflows.runstate import RunStates
+from lib.workflows.schemas import SchemaChecks
 from lib.workflows.takeovers import Takeovers
 
 
@@ -173,4 +174,5 @@ def build_runner(
         shutdown_grace_seconds=settings.shutdown_grace_seconds,
         worker_slots=settings.worker_slots,
         metrics=metrics,
+        schemas=SchemaChecks(cpu_seconds=settings.template_timeout_ms / 1000),
     )

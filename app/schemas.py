@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from lib.workflows.model import Workflow
@@ -91,6 +91,14 @@ class WorkflowDocument(BaseModel):
     description: str
     blocks: list[dict[str, Any]]
     edges: list[dict[str, Any]]
+    input_schema: dict[str, Any] | None = Field(
+        None,
+        alias="inputSchema",
+        description="A JSON Schema an execution's input must match (else 422 at execute)",
+    )
+    example_input: Any = Field(
+        None, alias="exampleInput", description="An input to start with; matches inputSchema"
+    )
     source: Literal["api", "file"] | None = None
 
 
@@ -111,10 +119,16 @@ class Snapshot(_Camel):
     # "rejected" once a person answered an approval with approved false (the run may
     # still complete: the workflow decides what a rejection leads to).
     decision: Literal["rejected"] | None = None
+    # With API keys: a token for this execution's stream (?token=), for an EventSource.
+    stream_token: str | None = None
 
 
-class ExecutionList(BaseModel):
+class ExecutionList(_Camel):
+    """A page of the list, newest first; ``nextBefore`` asks for the page after it
+    (``?before=``), null when this page is the last."""
+
     executions: list[Snapshot]
+    next_before: str | None
 
 
 class LiveToken(_Camel):

@@ -46,13 +46,12 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from datetime import datetime
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 from stress.fault_plan import BUDGET_BYTES, LEASE_SECONDS, VALKEY_FAULTS
 from stress.fault_records import Answer, Fault, Reader, Run
-from stress.recoveries import recoveries, recovery_problems
+from stress.recoveries import recoveries, recovery_problems, stamp
 from tests.support.logcheck import TERMINAL, check_lossy_log, check_view
 
 if TYPE_CHECKING:
@@ -486,10 +485,6 @@ def check_logs(server: FlowcastServer, found: Findings) -> None:
 
 def envelopes_of(reader: Reader) -> list[dict[str, Any]]:
     return [frame.json for frame in reader.frames if frame.id is not None]
-
-
-def stamp(envelope: dict[str, Any]) -> float:
-    return datetime.fromisoformat(envelope["ts"]).timestamp()
 
 
 def terminal_stamp(run: Run) -> float | None:

@@ -35,13 +35,12 @@ import json
 import statistics
 from bisect import bisect_right
 from collections import Counter
-from datetime import datetime
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 from stress.harness import View, server_errors, verify
 from stress.queue_plan import GRACE_SECONDS, LEASE_SECONDS, SLOTS, Execution, Loss
-from stress.recoveries import recoveries, recovery_problems, work_problems
+from stress.recoveries import move_problem, recoveries, recovery_problems, stamp, work_problems
 from tests.support.logcheck import TERMINAL, check_log
 
 if TYPE_CHECKING:
@@ -71,10 +70,6 @@ def stalled_owners(logs: str) -> tuple[str, int]:
         else:
             kept.append(line)
     return "\n".join(kept), fenced
-
-
-def stamp(envelope: dict[str, Any]) -> float:
-    return datetime.fromisoformat(envelope["ts"]).timestamp()
 
 
 def percentile(values: list[float], pct: float) -> float:
@@ -218,24 +213,18 @@ class QueueVerdict:
     # -- each lost worker ------------------------------------------------------------
 
     def _loss(self, loss: Loss, by_id: dict[str, Execution]) -> None:
-        reason = "worker_lost" if loss.kind == "kill" else "handoff"
         for execution_id in loss.owned:
             log = by_id[execution_id].log
-            if not log or log[-1]["type"] != "execution:completed":
-                continue  # reported as not completed
-            if stamp(log[-1]) <= loss.signalled_wall:
-                continue
-            where = f"{execution_id}, running on {loss.node} at its {loss.kind}@{loss.at:.1f}"
-            moved = [e for e in recoveries(log) if stamp(e) > loss.signalled_wall]
-            if not moved:
-                if loss.kind == "term" and stamp(log[-1]) <= loss.exited_wall:
-                    continue  # it ended on the worker while that drained
-                self.report.find(f"{where}: no execution:recovered after the signal")
-            elif moved[0]["data"]["reason"] != reason:
-                self.report.find(f"{where}: recovered {moved[0]['data']}, expected {reason}")
-            elif stamp(moved[0]) - loss.signalled_wall > self._bound(log, loss):
-                late = stamp(moved[0]) - loss.signalled_wall
-                self.report.find(f"{where}: recovered {late:.1f} s after the signal")
+            problem = move_problem(
+                log,
+                kind=loss.kind,
+                signalled_wall=loss.signalled_wall,
+                exited_wall=loss.exited_wall,
+                within=self._bound(log, loss),
+            )
+            if problem:
+                where = f"{execution_id}, running on {loss.node} at its {loss.kind}@{loss.at:.1f}"
+                self.report.find(f"{where}: {problem}")
 
     @staticmethod
     def _died_before(log: list[dict[str, Any]], loss: Loss) -> bool:

@@ -16,6 +16,7 @@ check that each of those executions was carried on elsewhere.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
 from redis.asyncio import Redis
@@ -63,6 +64,38 @@ def recovery_problems(log: Sequence[dict[str, Any]]) -> list[str]:
 def recoveries(log: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The ``execution:recovered`` events of a log."""
     return [event for event in log if event["type"] == RECOVERED]
+
+
+def stamp(envelope: dict[str, Any]) -> float:
+    """When an event was emitted (wall clock, seconds)."""
+    return datetime.fromisoformat(envelope["ts"]).timestamp()
+
+
+def move_problem(
+    log: Sequence[dict[str, Any]],
+    *,
+    kind: str,
+    signalled_wall: float,
+    exited_wall: float,
+    within: float,
+) -> str | None:
+    """How a run of a process lost by ``kind`` (kill: SIGKILL, term: SIGTERM) at
+    ``signalled_wall`` failed to move, or None: it ended first (or is reported as not
+    completed elsewhere), ended on the process while that drained, or was recovered
+    after the signal (``worker_lost`` after a kill, ``handoff`` after a term) within
+    ``within`` seconds."""
+    reason = "worker_lost" if kind == "kill" else "handoff"
+    if not log or log[-1]["type"] != "execution:completed" or stamp(log[-1]) <= signalled_wall:
+        return None
+    moved = [e for e in recoveries(log) if stamp(e) > signalled_wall]
+    if not moved:
+        if kind == "term" and stamp(log[-1]) <= exited_wall:
+            return None
+        return "no execution:recovered after the signal"
+    if moved[0]["data"]["reason"] != reason:
+        return f"recovered {moved[0]['data']}, expected {reason}"
+    late = stamp(moved[0]) - signalled_wall
+    return f"recovered {late:.1f} s after the signal" if late > within else None
 
 
 async def running_owners(redis: Redis, accepted: Mapping[str, int]) -> dict[int, list[str]]:

@@ -37,7 +37,6 @@ import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import datetime
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -59,7 +58,14 @@ from stress.harness import (
     verify,
     wait_terminal,
 )
-from stress.recoveries import recoveries, recovery_problems, running_owners, work_problems
+from stress.recoveries import (
+    move_problem,
+    recoveries,
+    recovery_problems,
+    running_owners,
+    stamp,
+    work_problems,
+)
 from stress.workflows import words
 from tests.support.logcheck import check_log
 from tests.support.servers import ValkeyServer
@@ -575,24 +581,17 @@ class RecoveryStorm:
         """Each execution the lost replica ran ended first, or moved: a ``worker_lost``
         recovery after a SIGKILL, a ``handoff`` after a SIGTERM (or it ended on the
         draining replica), within ``MOVED_SECONDS`` of the signal."""
-        reason = "worker_lost" if loss.kind == "kill" else "handoff"
         for execution_id in loss.owned:
-            log = by_id[execution_id].log
-            if not log or log[-1]["type"] != "execution:completed":
-                continue  # reported as not completed
-            if stamp(log[-1]) <= loss.signalled_wall:
-                continue
-            where = f"{execution_id}, running on port {loss.port} at its {loss.kind}"
-            moved = [e for e in recoveries(log) if stamp(e) > loss.signalled_wall]
-            if not moved:
-                if loss.kind == "term" and stamp(log[-1]) <= loss.exited_wall:
-                    continue  # it ended on the replica while that drained
-                self.report.find(f"{where}: no execution:recovered after the signal")
-            elif moved[0]["data"]["reason"] != reason:
-                self.report.find(f"{where}: recovered {moved[0]['data']}, expected {reason}")
-            elif stamp(moved[0]) - loss.signalled_wall > MOVED_SECONDS:
-                late = stamp(moved[0]) - loss.signalled_wall
-                self.report.find(f"{where}: recovered {late:.1f} s after the signal")
+            problem = move_problem(
+                by_id[execution_id].log,
+                kind=loss.kind,
+                signalled_wall=loss.signalled_wall,
+                exited_wall=loss.exited_wall,
+                within=MOVED_SECONDS,
+            )
+            if problem:
+                where = f"{execution_id}, running on port {loss.port} at its {loss.kind}"
+                self.report.find(f"{where}: {problem}")
 
     def _latencies(self, started: list[Execution]) -> dict[str, float]:
         """From each signal to the execution:recovered of each execution it moved."""
@@ -613,10 +612,6 @@ class RecoveryStorm:
                 figures[f"{name}_p50_s"] = round(statistics.median(seconds[kind]), 2)
                 figures[f"{name}_max_s"] = round(max(seconds[kind]), 2)
         return figures
-
-
-def stamp(envelope: dict[str, Any]) -> float:
-    return datetime.fromisoformat(envelope["ts"]).timestamp()
 
 
 async def recovery_storm(root: Path, *, long: bool = False, seed: int = 20261129) -> Report:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Mapping
 from typing import Annotated, Any
 
@@ -30,6 +31,7 @@ from app.schemas import (
 from app.services import Services, services, tenant
 from lib.errors import NotFound
 from lib.execution.events import TERMINAL_STATUSES
+from lib.execution.indexes import Before, created_ms
 from lib.execution.listing import ListFilter
 from lib.execution.record import ExecutionMeta
 from lib.workflows.runner import Started as Run
@@ -97,21 +99,68 @@ def list_filter(params: Mapping[str, str]) -> ListFilter:
     return ListFilter(limit=limit, workflow_id=params.get("workflowId"), status=status)
 
 
+# A page further back: a creation ms, or a page's ``nextBefore`` (``<ms>:<execution id>``).
+_BEFORE = re.compile(r"(\d{1,15})(?::(ex_[A-Za-z0-9_-]{1,64}))?")
+BEFORE = query(
+    "before",
+    {"type": "string", "pattern": f"^{_BEFORE.pattern}$", "example": "1764712800000"},
+    "Only executions listed after this cursor: a creation time in ms since the epoch "
+    "(those created before it), or the nextBefore of the previous page",
+)
+
+
+def parse_before(value: str | None) -> Before | None:
+    """The ``before`` cursor of a list page; a 400 that says what was wrong."""
+    if value is None:
+        return None
+    found = _BEFORE.fullmatch(value)
+    if found is None:
+        raise ApiError(
+            400,
+            "invalid_parameter",
+            "before must be a time in ms since the epoch or a previous page's nextBefore "
+            f"(<ms>:<execution id>), got {value[:80]!r}",
+        )
+    return Before(int(found.group(1)), found.group(2))
+
+
+def next_before(metas: list[ExecutionMeta], limit: int) -> str | None:
+    """The cursor of the page after ``metas``; None when this page was the last."""
+    if len(metas) < limit:
+        return None
+    last = metas[-1]
+    return f"{created_ms(last.created_at)}:{last.id}"
+
+
 @router.get(
     "",
     responses={200: {"model": ExecutionList}, **errors(400, *API_ERRORS)},
-    openapi_extra={"parameters": LIST_PARAMETERS},
+    openapi_extra={"parameters": [*LIST_PARAMETERS, BEFORE]},
 )
 async def list_executions(request: Request, svc: ServicesDep, tenant_id: TenantDep) -> JSON:
     wanted = list_filter(request.query_params)
+    before = parse_before(request.query_params.get("before"))
     found = await svc.buffer.recent_metas(
-        tenant_id, limit=wanted.limit, workflow_id=wanted.workflow_id, status=wanted.status
+        tenant_id,
+        limit=wanted.limit,
+        workflow_id=wanted.workflow_id,
+        status=wanted.status,
+        before=before,
     )
     resolved = await asyncio.gather(*(svc.buffer.resolved(meta) for meta in found))
-    views = [snapshot(meta) for meta in resolved]
+    views = [with_token(svc, snapshot(meta)) for meta in resolved]
     for view, meta in zip(views, resolved, strict=True):
         await place_in_line(svc, view, meta)
-    return JSON({"executions": views})
+    return JSON({"executions": views, "nextBefore": next_before(found, wanted.limit)})
+
+
+def with_token(svc: Services, view: dict[str, Any]) -> dict[str, Any]:
+    """With API keys, the view carries a ``streamToken`` for the execution's stream, as
+    the live list's rows do: the page opens a run found in a list page or by its id with
+    an EventSource, which cannot send the key."""
+    if svc.keys.enabled:
+        view["streamToken"] = svc.tokens.issue(view["id"])
+    return view
 
 
 @router.get(
@@ -120,7 +169,7 @@ async def list_executions(request: Request, svc: ServicesDep, tenant_id: TenantD
 )
 async def get_execution(execution_id: str, svc: ServicesDep, tenant_id: TenantDep) -> JSON:
     meta = await owned_meta(svc, tenant_id, execution_id)
-    return JSON(await place_in_line(svc, snapshot(meta), meta))
+    return JSON(await place_in_line(svc, with_token(svc, snapshot(meta)), meta))
 
 
 async def place_in_line(svc: Services, view: dict[str, Any], meta: ExecutionMeta) -> dict[str, Any]:

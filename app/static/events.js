@@ -4,9 +4,9 @@
 import { $, el, show } from "./dom.js";
 import { decisionOf, decisionText, formatDuration, formatMs } from "./format.js";
 import { chooseWorkflow } from "./launch.js";
-import { notice, setStatus, showResult } from "./panel.js";
+import { notice, setStatus, showInput, showResult } from "./panel.js";
 import { hidePause, showPause } from "./pause.js";
-import { blockRow, setBlockStatus, stopBlocks } from "./timeline.js";
+import { addFailedTry, blockRow, setBlockStatus, stopBlocks } from "./timeline.js";
 import { renderValue } from "./values.js";
 
 export const TERMINAL = new Set(["execution:completed", "execution:failed", "execution:cancelled"]);
@@ -20,6 +20,7 @@ export function apply(run, event) {
 const HANDLERS = {
   "execution:started": (run, event, data) => {
     run.startedAt = Date.parse(event.ts);
+    showInput(run, data.input);
     // Its creation: every view's duration counts from there (SPEC §9), time in line too.
     if (!run.createdExact) run.createdAt = run.startedAt - (Number(data.queuedMs) || 0);
     run.workflowId = event.workflowId;
@@ -60,10 +61,17 @@ const HANDLERS = {
     const row = blockRow(run, data.blockId, event.ts);
     setBlockStatus(row, data.willRetry ? "retrying" : "failed");
     row.attempt.textContent = `attempt ${data.attempt}`;
-    if (row.startedTs !== null) row.duration.textContent = formatMs(Date.parse(event.ts) - row.startedTs);
+    const took = row.startedTs !== null ? formatMs(Date.parse(event.ts) - row.startedTs) : "";
+    if (took) row.duration.textContent = took;
     const error = data.error || {};
-    row.error.textContent = `${error.code || "error"}: ${error.message || ""}`;
-    show(row.error, true);
+    if (data.willRetry) {
+      // An attempt that will be retried keeps its error in the row's list of failed
+      // attempts: the retry starts the row's text afresh, not its history.
+      addFailedTry(row, data.attempt, took, error);
+    } else {
+      row.error.textContent = `${error.code || "error"}: ${error.message || ""}`;
+      show(row.error, true);
+    }
   },
   "block:skipped": (run, event, data) => {
     const row = blockRow(run, data.blockId, event.ts);

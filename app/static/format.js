@@ -12,6 +12,18 @@ export function formatMs(ms) {
 
 const pad = (number) => String(number).padStart(2, "0");
 
+const MONTHS = ["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"];
+
+/** "Dec 2 21:35:15" (with the year when it is not this year's: "Dec 31 2025 23:59:01"),
+in local time: the list's and the run's start, always dated. */
+export function formatDateTime(iso) {
+  const date = new Date(iso);
+  if (Number.isNaN(date.getTime())) return "";
+  const year = date.getFullYear() === new Date().getFullYear() ? "" : ` ${date.getFullYear()}`;
+  const day = `${MONTHS[date.getMonth()]} ${date.getDate()}${year}`;
+  return `${day} ${pad(date.getHours())}:${pad(date.getMinutes())}:${pad(date.getSeconds())}`;
+}
+
 /**
  * A run's duration, written the same in the list and the run panel: finished runs to the
  * tenth of a second ("7.6 s"), running ones (`ticking`) in whole seconds as they tick.

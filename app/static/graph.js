@@ -18,8 +18,11 @@ export class FlowGraph {
   static PENDING = Object.freeze({ status: "pending", attempt: 0, type: "", rerun: false, decision: "" });
   static STATES = ["pending", "running", "retrying", "paused", "completed", "failed", "skipped", "cancelled"];
 
-  constructor(root, { load, select }) {
+  constructor(root, { load, select, prefix = "graph" }) {
     this.root = root;
+    // The ids of its buttons and SVG symbols start with it: a second graph on the page
+    // (the launch panel's preview) has ids of its own.
+    this.prefix = prefix;
     this.load = load; // workflowId -> Promise of the workflow's JSON (throws an Error with a message)
     this.select = select; // blockId -> true if the page showed it
     this.generation = 0;
@@ -109,6 +112,16 @@ export class FlowGraph {
     }
   }
 
+  /** Draw `workflowId` with every block pending, before any run (the launch panel's
+  preview of the workflow picked). */
+  preview(workflowId) {
+    if (workflowId === this.workflowId && !this.failedLoad) return;
+    this.reset();
+    if (!workflowId) return;
+    this.workflowId = workflowId;
+    this.fetch();
+  }
+
   /** The API key changed: a definition refused before may be readable now. */
   reload() {
     if (this.failedLoad && this.workflowId) this.fetch();
@@ -155,9 +168,9 @@ export class FlowGraph {
     this.count.className = "hint";
     const spacer = document.createElement("span");
     spacer.className = "spacer";
-    const zoomOut = button("graph-zoom-out", "−", "Zoom out");
-    const zoomIn = button("graph-zoom-in", "+", "Zoom in");
-    const fit = button("graph-fit", "Fit", "Fit the whole graph in view");
+    const zoomOut = button(`${this.prefix}-zoom-out`, "−", "Zoom out");
+    const zoomIn = button(`${this.prefix}-zoom-in`, "+", "Zoom in");
+    const fit = button(`${this.prefix}-fit`, "Fit", "Fit the whole graph in view");
     const bar = document.createElement("div");
     bar.className = "graph-bar";
     bar.append(title, this.count, spacer, zoomOut, zoomIn, fit);
@@ -215,10 +228,10 @@ export class FlowGraph {
     };
     const defs = this.el("defs");
     for (const [status, parts] of Object.entries(icons)) {
-      defs.append(this.el("symbol", { id: `graph-icon-${status}`, viewBox: "0 0 16 16" }, ...parts));
+      defs.append(this.el("symbol", { id: `${this.prefix}-icon-${status}`, viewBox: "0 0 16 16" }, ...parts));
     }
     defs.append(
-      this.el("marker", { id: "graph-arrow", viewBox: "0 0 10 10", refX: 9, refY: 5, markerWidth: 7, markerHeight: 7, orient: "auto-start-reverse", markerUnits: "userSpaceOnUse" },
+      this.el("marker", { id: `${this.prefix}-arrow`, viewBox: "0 0 10 10", refX: 9, refY: 5, markerWidth: 7, markerHeight: 7, orient: "auto-start-reverse", markerUnits: "userSpaceOnUse" },
         this.el("path", { d: "M0 0 L10 5 L0 10 Z", class: "graph-arrowhead" })),
     );
     return defs;
@@ -231,7 +244,7 @@ export class FlowGraph {
     for (const status of FlowGraph.STATES) {
       const item = document.createElement("li");
       const icon = this.el("svg", { viewBox: "0 0 16 16", width: 14, height: 14, "aria-hidden": "true" },
-        this.el("use", { href: `#graph-icon-${status}` }));
+        this.el("use", { href: `#${this.prefix}-icon-${status}` }));
       item.append(icon, status);
       list.append(item);
     }
@@ -275,7 +288,7 @@ export class FlowGraph {
 
   /** An edge's path into `edges`, and its condition's label (if any) into `labels`. */
   drawEdge(edge, edges, labels) {
-    const path = this.el("path", { d: edge.d, class: "graph-edge", "marker-end": "url(#graph-arrow)", "data-from": edge.from, "data-to": edge.to });
+    const path = this.el("path", { d: edge.d, class: "graph-edge", "marker-end": `url(#${this.prefix}-arrow)`, "data-from": edge.from, "data-to": edge.to });
     edges.append(path);
     if (!this.incoming.has(edge.to)) this.incoming.set(edge.to, []);
     this.incoming.get(edge.to).push(path);
@@ -301,7 +314,7 @@ export class FlowGraph {
     });
     const title = this.el("title");
     const box = this.el("rect", { width: NODE_W, height: NODE_H, rx: 8, class: "graph-box" });
-    const icon = this.el("use", { href: "#graph-icon-pending", x: 10, y: 8, width: 16, height: 16, class: "graph-icon" });
+    const icon = this.el("use", { href: `#${this.prefix}-icon-pending`, x: 10, y: 8, width: 16, height: 16, class: "graph-icon" });
     const name = this.text(34, 20, cutText(node.id, 19), "graph-name");
     const line = this.text(34, 36, "", "graph-state");
     group.append(title, box, icon, name, line);
@@ -340,7 +353,7 @@ export class FlowGraph {
     const type = state.type || node.type;
     if (group.dataset.status !== state.status) {
       group.dataset.status = state.status;
-      icon.setAttribute("href", `#graph-icon-${state.status}`);
+      icon.setAttribute("href", `#${this.prefix}-icon-${state.status}`);
       // A skipped block's edges were not taken: they fade with it.
       for (const edge of this.incoming.get(blockId) || []) edge.dataset.state = state.status;
     }

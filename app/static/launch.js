@@ -1,8 +1,21 @@
 // The launch panel: the server's workflows to choose from, and the form that starts one.
+// Picking a workflow draws its graph (a preview, before it runs) and fills the input
+// with the workflow's `exampleInput` (else `{}`), unless the person typed their own.
 
 import { api, errorText } from "./api.js";
 import { $, el, show } from "./dom.js";
 import { apiKey } from "./keys.js";
+
+const form = {
+  preview: null, // the FlowGraph of the workflow picked (page.js gives it)
+  filled: "{}", // the input text this panel wrote last: anything else was typed
+  generation: 0, // bumped by every pick, so a late definition fills nothing
+};
+
+/** Draw the workflow picked on `graph` from now on. */
+export function previewOn(graph) {
+  form.preview = graph;
+}
 
 /** Fill the workflow list; keeps the choice, else picks `fallback` (the watched run's). */
 export async function loadWorkflows(fallback) {
@@ -47,15 +60,66 @@ export function describeWorkflow() {
   $("workflow-description").textContent = wf
     ? `${wf.description || ""} ${wf.blocks} blocks, from ${wf.source}.`.trim()
     : "";
+  if (form.preview) form.preview.preview(wf ? wf.id : null);
+  prefill(wf ? wf.id : null);
+}
+
+// The workflow's example input in the box, unless the box holds what the person typed
+// (then it stays: picking another workflow does not throw their input away).
+async function prefill(workflowId) {
+  const generation = ++form.generation;
+  const hint = $("input-hint");
+  show(hint, false);
+  if (!workflowId) return;
+  let definition;
+  try {
+    definition = await loadDefinition(workflowId);
+  } catch {
+    return; // the graph says why it cannot be read
+  }
+  if (generation !== form.generation) return;
+  if (definition.inputSchema !== undefined) {
+    hint.textContent = `Input schema: ${JSON.stringify(definition.inputSchema)}`;
+    show(hint, true);
+  }
+  if ($("input").value.trim() !== form.filled.trim() && $("input").value.trim() !== "{}") return;
+  const example = definition.exampleInput !== undefined ? definition.exampleInput : {};
+  setInput(example);
+}
+
+function setInput(value) {
+  form.filled = JSON.stringify(value, null, 2);
+  $("input").value = form.filled;
 }
 
 /** Show `workflowId` as the chosen one, if the list has it (a run of it was attached). */
 export function chooseWorkflow(workflowId) {
   const select = $("workflow");
-  if (select._workflows && select._workflows.has(workflowId)) {
+  if (select._workflows && select._workflows.has(workflowId) && select.value !== workflowId) {
     select.value = workflowId;
     describeWorkflow();
   }
+}
+
+/** "Run again with this input": the form holds the run's workflow and input, ready to
+start; false when the server no longer has that workflow. */
+export function fillForm(workflowId, input) {
+  const select = $("workflow");
+  const problem = $("launch-error");
+  if (!select._workflows || !select._workflows.has(workflowId)) {
+    problem.textContent = `The workflow ${workflowId} is not on the server any more.`;
+    show(problem, true);
+    return false;
+  }
+  show(problem, false);
+  form.generation += 1; // a definition still on its way fills nothing now
+  if (select.value !== workflowId) {
+    select.value = workflowId;
+    describeWorkflow();
+    form.generation += 1;
+  }
+  setInput(input === undefined ? null : input);
+  return true;
 }
 
 /** The start form's submit: starts the chosen workflow, then `opened(executionId, token)`. */

@@ -7,19 +7,29 @@
 // update), `execution:unlisted` (a row left the status filter: drop it). With an API
 // key, the stream is opened with a list token (EventSource cannot send headers), and
 // each row carries a token for its own execution's stream.
+//
+// The live list is the newest LIMIT rows; "Load older" pages further back with
+// GET /api/executions?before= (its nextBefore), rows shown as they were read. Searching
+// an execution id reads its snapshot and attaches to it.
 
-import { headers } from "./api.js";
-import { $ } from "./dom.js";
-import { formatDuration, queuedLabel } from "./format.js";
+import { api, errorText, headers } from "./api.js";
+import { $, el, show } from "./dom.js";
+import { formatDateTime, formatDuration, queuedLabel } from "./format.js";
 import { apiKey } from "./keys.js";
-import { hashOf } from "./routing.js";
+import { hashOf, parseHash } from "./routing.js";
+import { reveal } from "./watch.js";
 
 const LIMIT = 20;
 const FINISHED = new Set(["completed", "failed", "cancelled"]);
 const RETRY_MS = [1000, 2000, 5000, 10000, 30000];
 
 const list = {
-  rows: new Map(), // id -> row as the server sent it
+  rows: new Map(), // id -> row as the server sent it: the live list
+  older: new Map(), // id -> row of the pages read further back (not live)
+  paged: false, // "Load older" was pressed (for these filters)
+  nextBefore: null, // the cursor of the next older page, once a page said it
+  exhausted: false, // the last older page said there is none after it
+  loaded: false, // the live list's first frame arrived (for these filters)
   source: null,
   attempt: 0, // connections that failed in a row, for the retry delay
   retry: null,
@@ -27,18 +37,6 @@ const list = {
   ticker: null,
   scrollToRun: false, // a row was clicked: show the run it attached to
 };
-
-// ---------------------------------------------------------------- formatting
-
-const pad = (number) => String(number).padStart(2, "0");
-
-function formatStart(iso) {
-  const date = new Date(iso);
-  if (Number.isNaN(date.getTime())) return "";
-  const time = `${pad(date.getHours())}:${pad(date.getMinutes())}:${pad(date.getSeconds())}`;
-  if (date.toDateString() === new Date().toDateString()) return time;
-  return `${date.toLocaleDateString(undefined, { month: "short", day: "numeric" })} ${time}`;
-}
 
 function duration(row) {
   const start = Date.parse(row.createdAt);
@@ -50,10 +48,21 @@ function duration(row) {
 
 // ---------------------------------------------------------------- rendering
 
+// Newest first, as the server lists them (ties in one ms by id, the larger first).
+function newestFirst(a, b) {
+  if (a.createdAt !== b.createdAt) return a.createdAt < b.createdAt ? 1 : -1;
+  return a.id < b.id ? 1 : a.id > b.id ? -1 : 0;
+}
+
+// The live rows, at most LIMIT: a row that leaves the live window, once older pages
+// are shown, stays among them (it is still the next one back in time).
 function ordered() {
-  return [...list.rows.values()]
-    .sort((a, b) => (a.createdAt < b.createdAt ? 1 : a.createdAt > b.createdAt ? -1 : 0))
-    .slice(0, LIMIT);
+  const live = [...list.rows.values()].sort(newestFirst);
+  if (list.paged) for (const row of live.slice(LIMIT)) list.older.set(row.id, row);
+  const shown = live.slice(0, LIMIT);
+  const ids = new Set(shown.map((row) => row.id));
+  const older = [...list.older.values()].filter((row) => !ids.has(row.id)).sort(newestFirst);
+  return { live: shown, all: [...shown, ...older] };
 }
 
 function cell(text, className) {
@@ -92,11 +101,15 @@ function rowNode(row) {
   link.href = `#${hashOf(row.id, row.streamToken || null)}`;
   link.textContent = row.id;
   link.title = `Watch ${row.id}`;
-  const id = cell("", "id");
-  id.append(link);
-  const started = cell(formatStart(row.createdAt), "at");
+  // The workflow, and the execution's id under it: the table fits a side column.
+  const which = cell("", "which");
+  which.append(
+    el("div", { class: "workflow", text: row.workflowId, title: row.workflowId }),
+    el("div", { class: "id" }, link),
+  );
+  const started = cell(formatDateTime(row.createdAt), "at");
   started.title = row.createdAt;
-  tr.append(status, cell(row.workflowId, "workflow"), id, started, cell(duration(row), "num duration"));
+  tr.append(status, which, started, cell(duration(row), "num duration"));
   link.addEventListener("click", () => {
     list.scrollToRun = true;
   });
@@ -108,12 +121,99 @@ function rowNode(row) {
 }
 
 function render() {
-  const rows = ordered();
-  list.rows = new Map(rows.map((row) => [row.id, row]));
-  $("list-rows").replaceChildren(...rows.map(rowNode));
-  $("list-empty").hidden = rows.length > 0;
+  const { live, all } = ordered();
+  list.rows = new Map(live.map((row) => [row.id, row]));
+  $("list-rows").replaceChildren(...all.map(rowNode));
+  // Before the first frame the list is not known to be empty: it is loading.
+  $("list-empty").textContent = list.loaded ? "No executions yet." : "Loading…";
+  show($("list-empty"), all.length === 0);
+  // Older pages: once the live list is full (there may be more), until none is left.
+  show($("list-older"), list.loaded && !list.exhausted && (list.paged || live.length >= LIMIT));
+  show($("list-end"), list.paged && list.exhausted);
   markCurrent();
   tick();
+}
+
+// ---------------------------------------------------------------- older pages
+
+function filters() {
+  const params = new URLSearchParams({ limit: String(LIMIT) });
+  if ($("list-status").value) params.set("status", $("list-status").value);
+  if ($("list-workflow").value) params.set("workflowId", $("list-workflow").value);
+  return params;
+}
+
+// The page after the oldest row shown: the server's cursor, or the row's own.
+function olderCursor() {
+  if (list.nextBefore) return list.nextBefore;
+  const { all } = ordered();
+  const oldest = all[all.length - 1];
+  return oldest ? `${Date.parse(oldest.createdAt)}:${oldest.id}` : null;
+}
+
+async function loadOlder() {
+  const generation = list.generation;
+  const cursor = olderCursor();
+  if (!cursor) return;
+  const button = $("list-older");
+  button.disabled = true;
+  button.textContent = "Loading…";
+  const params = filters();
+  params.set("before", cursor);
+  try {
+    const response = await api(`/api/executions?${params}`);
+    if (generation !== list.generation) return;
+    if (!response.ok) throw new Error(await errorText(response));
+    const page = await response.json();
+    list.paged = true;
+    for (const row of page.executions) if (!list.rows.has(row.id)) list.older.set(row.id, row);
+    list.nextBefore = page.nextBefore;
+    list.exhausted = !page.nextBefore;
+    showError("");
+  } catch (error) {
+    if (generation === list.generation) showError(`Cannot read older executions: ${error.message}`);
+  } finally {
+    button.disabled = false;
+    button.textContent = "Load older";
+  }
+  if (generation === list.generation) render();
+}
+
+// ---------------------------------------------------------------- search by id
+
+async function search(event) {
+  event.preventDefault();
+  // An id, or a page link with one in it (".../#ex_…&token=…").
+  const typed = $("search-id").value.trim();
+  const found = typed.match(/ex_[A-Za-z0-9_-]+/);
+  const wanted = found ? found[0] : typed;
+  const problem = $("search-error");
+  show(problem, false);
+  if (!wanted) return;
+  const response = await api(`/api/executions/${encodeURIComponent(wanted)}`).catch((error) => {
+    problem.textContent = `Cannot reach the server: ${error.message}`;
+    show(problem, true);
+    return null;
+  });
+  if (!response) return;
+  if (response.status === 404) {
+    problem.textContent = `No execution ${wanted} here: it may have expired, or belong to another API key.`;
+    show(problem, true);
+    return;
+  }
+  if (!response.ok) {
+    problem.textContent = await errorText(response);
+    show(problem, true);
+    return;
+  }
+  const snapshot = await response.json();
+  const current = parseHash();
+  if (current && current.executionId === snapshot.id) {
+    reveal();
+    return;
+  }
+  list.scrollToRun = true;
+  location.hash = hashOf(snapshot.id, apiKey() ? snapshot.streamToken || null : null);
 }
 
 function markCurrent() {
@@ -182,6 +282,18 @@ async function loadWorkflows() {
   select.value = chosen;
 }
 
+// A new list: new filters (or a new key) start from the newest rows again.
+function restart() {
+  list.rows.clear();
+  list.older.clear();
+  list.paged = false;
+  list.nextBefore = null;
+  list.exhausted = false;
+  list.loaded = false;
+  render();
+  connect();
+}
+
 async function connect() {
   const generation = ++list.generation;
   stop();
@@ -200,6 +312,7 @@ async function connect() {
       showError("Enter the server's API key above to see its executions.");
       list.rows.clear();
       render();
+      show($("list-empty"), false);
       return; // until the key changes
     }
     if (!response.ok) throw new Error(`${response.status} ${response.statusText}`);
@@ -215,14 +328,13 @@ async function connect() {
 
 // The list stream, with the filters chosen and (with an API key) a list token.
 function subscribe(generation, token) {
-  const params = new URLSearchParams({ limit: String(LIMIT) });
-  if ($("list-status").value) params.set("status", $("list-status").value);
-  if ($("list-workflow").value) params.set("workflowId", $("list-workflow").value);
+  const params = filters();
   if (token) params.set("token", token);
   const source = new EventSource(`/api/executions/live?${params}`);
   list.source = source;
   source.addEventListener("executions", (message) => {
     list.rows = new Map(JSON.parse(message.data).executions.map((row) => [row.id, row]));
+    list.loaded = true;
     render();
   });
   source.addEventListener("execution", (message) => {
@@ -250,15 +362,17 @@ function subscribe(generation, token) {
 }
 
 document.addEventListener("DOMContentLoaded", () => {
-  $("list-status").addEventListener("change", connect);
-  $("list-workflow").addEventListener("change", connect);
+  $("list-status").addEventListener("change", restart);
+  $("list-workflow").addEventListener("change", restart);
+  $("list-older").addEventListener("click", loadOlder);
+  $("list-search").addEventListener("submit", search);
   document.addEventListener("flowcast:key", () => {
     loadWorkflows();
-    connect();
+    restart();
   });
   window.addEventListener("hashchange", () => {
     markCurrent();
-    if (list.scrollToRun) $("run").scrollIntoView({ block: "start" });
+    if (list.scrollToRun) reveal();
     list.scrollToRun = false;
   });
   loadWorkflows();

@@ -10,10 +10,10 @@
 import { $ } from "./dom.js";
 import { FlowGraph } from "./graph.js";
 import { renderKey, setKey } from "./keys.js";
-import { describeWorkflow, loadDefinition, loadWorkflows, start } from "./launch.js";
+import { describeWorkflow, fillForm, loadDefinition, loadWorkflows, previewOn, start } from "./launch.js";
 import { resume } from "./pause.js";
 import { hashOf, parseHash } from "./routing.js";
-import { attach, cancel, drawOn, showBlockRow, watched } from "./watch.js";
+import { attach, cancel, drawOn, reveal, showBlockRow, watched } from "./watch.js";
 
 function reloadWorkflows() {
   const run = watched();
@@ -31,11 +31,24 @@ function followHash() {
 function opened(executionId, token) {
   history.pushState(null, "", `#${hashOf(executionId, token)}`);
   attach(executionId, token);
+  reveal();
+}
+
+// "Run again with this input": the start form gets the watched run's workflow and input.
+function runAgain() {
+  const run = watched();
+  if (!run || !run.inputKnown || !run.workflowId) return;
+  if (!fillForm(run.workflowId, run.input)) return;
+  $("launch").scrollIntoView({ block: "nearest" });
+  $("input").focus();
 }
 
 document.addEventListener("DOMContentLoaded", () => {
   const graph = new FlowGraph($("graph"), { load: loadDefinition, select: showBlockRow });
   drawOn(graph);
+  // The workflow picked, drawn before it runs; its nodes have no timeline row to open.
+  const preview = new FlowGraph($("preview"), { load: loadDefinition, select: () => false, prefix: "preview" });
+  previewOn(preview);
   renderKey();
   $("key-form").addEventListener("submit", (event) => {
     event.preventDefault();
@@ -46,7 +59,9 @@ document.addEventListener("DOMContentLoaded", () => {
   document.addEventListener("flowcast:key", () => {
     reloadWorkflows();
     graph.reload();
+    preview.reload();
   });
+  $("run-again").addEventListener("click", runAgain);
   $("workflow").addEventListener("change", describeWorkflow);
   $("start-form").addEventListener("submit", (event) => start(event, opened));
   $("pause").addEventListener("submit", (event) => {

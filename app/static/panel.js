@@ -35,3 +35,14 @@ export function showResult(run, status, output, error) {
   }
   show($("result"), true);
 }
+
+/** The run's input (execution:started's, or the snapshot's), with "Run again". */
+export function showInput(run, input) {
+  run.input = input === undefined ? null : input;
+  run.inputKnown = true;
+  const text = JSON.stringify(run.input);
+  $("run-input-preview").textContent = text.length > 80 ? `${text.slice(0, 80)}…` : text;
+  $("run-input").textContent = JSON.stringify(run.input, null, 2);
+  show($("run-input-box"), true);
+  show($("run-again-box"), true);
+}

@@ -1,19 +1,50 @@
 // The run's timeline, a row per block, and its log of every event received.
 
-import { $, el } from "./dom.js";
+import { $, el, show } from "./dom.js";
 import { formatDuration, formatMs } from "./format.js";
 
+/** One event in the run's history: its id, time, type and block, and its payload as
+JSON, collapsed to a line until clicked. */
 export function logEvent(event) {
   const data = event.data || {};
-  let detail = data.blockId ? ` ${data.blockId}` : "";
-  if (event.type === "execution:recovered") detail = ` ${data.reason}`;
+  let detail = data.blockId ? data.blockId : "";
+  if (event.type === "execution:recovered") detail = data.reason || "";
+  if (event.type === "block:started" && data.attempt > 1) detail += ` (attempt ${data.attempt})`;
+  const payload = JSON.stringify(data);
+  const at = el("time", { class: "ts", text: clockOf(event.ts), dateTime: event.ts || "" });
+  at.title = event.ts || "";
   $("events").append(
     el("li", { "data-event-id": String(event.id), "data-type": event.type },
-      el("span", { class: "id", text: `#${event.id}` }),
-      el("span", { class: "type", text: event.type }),
-      el("span", { class: "detail", text: detail })),
+      el("div", { class: "line" },
+        el("span", { class: "id", text: `#${event.id}` }),
+        at,
+        el("span", { class: "type", text: event.type }),
+        el("span", { class: "detail", text: detail })),
+      payloadOf(data, payload)),
   );
   $("log-count").textContent = String($("events").childElementCount);
+}
+
+// The payload as one line, laid out in full on the first click only: a run of thousands
+// of chunks keeps one element per event until someone looks.
+function payloadOf(data, compact) {
+  const details = el("details", { class: "payload" },
+    el("summary", { text: compact.length > 160 ? `${compact.slice(0, 160)}…` : compact }));
+  details.addEventListener("toggle", () => {
+    if (details.open && !details.querySelector("pre")) {
+      details.append(el("pre", { class: "json", text: JSON.stringify(data, null, 2) }));
+    }
+  });
+  return details;
+}
+
+const pad = (number, size = 2) => String(number).padStart(size, "0");
+
+// "21:35:15.123", local time (the whole timestamp is the element's title).
+function clockOf(ts) {
+  const date = new Date(ts);
+  if (Number.isNaN(date.getTime())) return "";
+  return `${pad(date.getHours())}:${pad(date.getMinutes())}:${pad(date.getSeconds())}.${pad(date.getMilliseconds(), 3)}`;
 }
 
 function offsetOf(run, ts) {
@@ -37,13 +68,16 @@ export function blockRow(run, blockId, ts) {
   const chunks = el("pre", { class: "chunks", hidden: true });
   const output = el("div", { class: "output", hidden: true });
   const error = el("p", { class: "error", hidden: true });
+  // Every failed attempt of a retried block, with its error: a retry starts the row
+  // afresh, and the earlier attempts' errors stay listed here.
+  const tries = el("ol", { class: "tries", hidden: true });
   node.append(
     el("div", { class: "row-head" }, status, name, kind, attempt, decision,
       el("span", { class: "spacer" }), at, duration),
-    chunks, output, error,
+    tries, chunks, output, error,
   );
   row = {
-    node, status, kind, attempt, duration, decision, chunks, output, error,
+    node, status, kind, attempt, duration, decision, chunks, output, error, tries,
     startedTs: null,
     pausedTs: null, // when it paused for a person, until answered
     waitedMs: null, // how long it waited for a person, once answered (or the run ended)
@@ -85,4 +119,16 @@ export function highlightRow(run, blockId) {
   row.node.classList.add("highlighted");
   row.node.scrollIntoView({ behavior: "smooth", block: "center" });
   return true;
+}
+
+/** A failed attempt of the block, kept in its row ("attempt 1 failed after 40 ms: code:
+message") while the next attempt runs. */
+export function addFailedTry(row, attempt, took, error) {
+  const what = `${error.code || "error"}: ${error.message || ""}`;
+  row.tries.append(
+    el("li", { class: "try", "data-attempt": String(attempt) },
+      el("span", { class: "try-head", text: `attempt ${attempt} failed${took ? ` after ${took}` : ""}` }),
+      el("span", { class: "try-error", text: what })),
+  );
+  show(row.tries, true);
 }

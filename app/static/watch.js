@@ -5,8 +5,8 @@
 import { api, errorText, withToken } from "./api.js";
 import { $, show } from "./dom.js";
 import { apply, EVENT_TYPES, showDuration, TERMINAL } from "./events.js";
-import { queuedLabel } from "./format.js";
-import { notice, setDuplicates, setStatus, showResult } from "./panel.js";
+import { formatDateTime, queuedLabel } from "./format.js";
+import { notice, setDuplicates, setStatus, showInput, showResult } from "./panel.js";
 import { hidePause } from "./pause.js";
 import { highlightRow, logEvent } from "./timeline.js";
 
@@ -44,6 +44,8 @@ export function attach(executionId, token) {
     place: "", // while queued: "queued, 3 ahead"
     askedSnapshot: false, // while queued: its snapshot was asked (workflow, answer waiting)
     answerWaits: false, // its pause was answered and the answer waits in line
+    input: null, // its input, once execution:started (or its snapshot) told it
+    inputKnown: false,
   };
   watching = run;
   clearPanel(run);
@@ -59,6 +61,12 @@ async function readCreated(run) {
   const snapshot = response && response.ok ? await response.json().catch(() => null) : null;
   const created = snapshot ? Date.parse(snapshot.createdAt) : NaN;
   if (watching !== run || Number.isNaN(created)) return;
+  $("run-started").textContent = `· started ${formatDateTime(snapshot.createdAt)}`;
+  $("run-started").title = snapshot.createdAt;
+  // Its first event, which carries the input, may be gone from the ring; a snapshot
+  // that keeps the input says it.
+  if (!run.inputKnown && snapshot.input !== undefined) showInput(run, snapshot.input);
+  run.workflowId = run.workflowId || snapshot.workflowId;
   run.createdAt = created;
   run.createdExact = true;
   if (run.ending) showDuration(run.ending.what, Math.max(0, run.ending.ts - created));
@@ -68,6 +76,10 @@ function clearPanel(run) {
   $("run-id").textContent = run.id;
   $("run-workflow").textContent = "";
   $("run-duration").textContent = "";
+  $("run-started").textContent = "";
+  show($("run-input-box"), false);
+  $("run-input-box").open = false;
+  show($("run-again-box"), false);
   $("timeline").replaceChildren();
   $("notices").replaceChildren();
   $("events").replaceChildren();
@@ -78,7 +90,17 @@ function clearPanel(run) {
   hidePause(run);
   setStatus(run, "connecting");
   setDuplicates(run);
+  show($("run-none"), false);
   show($("run"), true);
+}
+
+/** Bring the run panel into view at its top (a run just started, or a row clicked). */
+export function reveal() {
+  const panel = $("run");
+  panel.scrollTop = 0;
+  const box = panel.getBoundingClientRect();
+  // Beside the list it is in view already; below it (a narrow screen) its head comes up.
+  if (box.top < 0 || box.top > window.innerHeight / 4) panel.scrollIntoView({ block: "start" });
 }
 
 function listen(run) {

@@ -402,11 +402,13 @@ class EventBuffer:
         limit: int,
         workflow_id: str | None = None,
         status: str | None = None,
+        before: indexes.Before | None = None,
         scan_limit: int = 5_000,
     ) -> list[ExecutionMeta]:
         """A tenant's newest executions of ``workflow_id`` in ``status`` (None: any),
-        read from the one index that lists them (indexes.py); the entries found stale
-        leave it. ``scan_limit`` bounds the entries read whatever they hold."""
+        listed after ``before`` (a page further back in time), read from the one index
+        that lists them (indexes.py); the entries found stale leave it. ``scan_limit``
+        bounds the entries read whatever they hold."""
         index, bucket = self.keys.index(tenant), None
         filtered = workflow_id is not None or status is not None
         if filtered and await indexes.complete(self.redis, self.keys, tenant):
@@ -417,7 +419,8 @@ class EventBuffer:
         # create() writes the index beside start.lua, not after it: an id listed a
         # moment ago may have no metadata yet. Only an id listed long before is gone.
         listed_before = (time.time() - indexes.INDEX_GRACE_SECONDS) * 1000
-        async for entries in indexes.newest_first(self.redis, index, scan_limit, first_page=limit):
+        pages = indexes.newest_first(self.redis, index, scan_limit, first_page=limit, before=before)
+        async for entries in pages:
             metas = await self._metas([raw_id for raw_id, _score in entries])
             for (raw_id, score), meta in zip(entries, metas, strict=True):
                 if meta is None:

@@ -141,12 +141,41 @@ class Listed:
         )
 
 
+@dataclass(frozen=True)
+class Before:
+    """Where a page of a list starts: below the creation ms ``ms``, or, with
+    ``execution_id``, just after that execution (listed at ``ms``) in the list's order.
+
+    Entries of one ms are ordered by id (Redis orders equal scores by member), so a
+    cursor with the last id shown loses none of the executions created in the same ms
+    as it, and names none twice."""
+
+    ms: int
+    execution_id: str | None = None
+
+    def keeps(self, raw_id: bytes, score: float) -> bool:
+        """True for an entry listed after the cursor."""
+        if score != self.ms or self.execution_id is None:
+            return score < self.ms
+        return raw_id < self.execution_id.encode()
+
+    def top(self) -> float | str:
+        """The highest score a page below the cursor reads (``(`` is exclusive)."""
+        return self.ms if self.execution_id is not None else f"({self.ms}"
+
+
 async def newest_first(
-    redis: Redis, index: str, scan_limit: int, *, first_page: int
+    redis: Redis,
+    index: str,
+    scan_limit: int,
+    *,
+    first_page: int,
+    before: Before | None = None,
 ) -> AsyncIterator[list[tuple[bytes, float]]]:
     """An index's entries, newest first, in pages, each id once, up to ``scan_limit``:
     ``first_page`` entries first (what a list of an exact index reads), then pages
-    twice as large each time, up to ``PAGE``.
+    twice as large each time, up to ``PAGE``; with ``before``, only those listed after
+    that cursor.
 
     Pages go by score (the creation ms), each below the last one read, not by offset:
     starts that list new executions at the top (or listings taken back) between two
@@ -155,7 +184,7 @@ async def newest_first(
     (listed anew at the same millisecond) is skipped.
     """
     seen: set[bytes] = set()
-    top: float | str = "+inf"
+    top: float | str = "+inf" if before is None else before.top()
     at_top = 0  # entries of the last page with the score ``top``: the next page skips them
     scanned = 0
     size = min(PAGE, max(1, first_page))
@@ -174,7 +203,11 @@ async def newest_first(
         ties = sum(1 for _raw_id, score in entries if score == lowest)
         at_top = ties + (at_top if lowest == top else 0)
         top = lowest
-        fresh = [(raw_id, score) for raw_id, score in entries if raw_id not in seen]
+        fresh = [
+            (raw_id, score)
+            for raw_id, score in entries
+            if raw_id not in seen and (before is None or before.keeps(raw_id, score))
+        ]
         seen.update(raw_id for raw_id, _score in fresh)
         yield fresh
 

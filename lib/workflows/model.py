@@ -51,6 +51,18 @@ class Workflow(_Model):
     description: str = ""
     blocks: list[BlockDef] = Field(min_length=1, max_length=500)
     edges: list[Edge] = Field(default_factory=list, max_length=2000)
+    # What an execution's ``input`` must be (a JSON Schema, checked at execute) and an
+    # input that is (checked against it when stored), to prefill a start.
+    input_schema: dict[str, Any] | None = Field(
+        None,
+        alias="inputSchema",
+        description="A JSON Schema an execution's input must match (else 422 at execute)",
+    )
+    example_input: Any = Field(
+        None,
+        alias="exampleInput",
+        description="An input to start with (the page prefills it); matches inputSchema",
+    )
     _canonical: tuple[bytes, str] | None = PrivateAttr(default=None)
 
     def block(self, block_id: str) -> BlockDef:

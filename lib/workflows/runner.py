@@ -57,7 +57,7 @@ from lib.workflows.leases import LeaseKeeper
 from lib.workflows.listener import ControlListener
 from lib.workflows.model import Workflow
 from lib.workflows.parts import Parts
-from lib.workflows.schemas import answer_problems
+from lib.workflows.schemas import SchemaChecks
 from lib.workflows.takeovers import Takeovers
 from lib.workflows.tending import Tending
 
@@ -101,8 +101,10 @@ class Runner:
         shutdown_grace_seconds: float = 30.0,
         worker_slots: int = 64,
         metrics: Metrics | None = None,
+        schemas: SchemaChecks | None = None,
     ) -> None:
         transitions = parts.transitions
+        self._schemas = schemas or SchemaChecks()
         self._parts = parts
         self._buffer = parts.buffer
         self._ownership = transitions.ownership
@@ -200,6 +202,14 @@ class Runner:
         """
         if not self._runs.accepting:
             raise ShuttingDown("the server is shutting down and starts no new executions")
+        if workflow.input_schema is not None:
+            # Before anything is written: a refused input creates and counts nothing.
+            await self._check(
+                tenant,
+                workflow.input_schema,
+                input,
+                whose="the workflow's inputSchema",
+            )
         execution_id = execution_id or new_execution_id()
         now = datetime.now(UTC)
         identity: dict[str, str] = {
@@ -387,7 +397,7 @@ class Runner:
         paused_at = str(meta.pause.get("blockId", ""))
         if block_id is not None and block_id != paused_at:
             raise NotPausedThere(execution_id, paused_at=paused_at, asked=block_id)
-        _check_answer(meta.pause.get("schema") or {}, input)
+        await self._check(tenant, meta.pause.get("schema") or {}, input, whose="the pause's schema")
         fence = self._parts.new_fence()
         # The same admission as a start's: run here only with a free slot and while
         # the tenant runs fewer than its cap; else in line, before its starts.
@@ -544,9 +554,9 @@ class Runner:
             )
         return claim
 
-
-def _check_answer(schema: dict[str, Any], answer: Any) -> None:
-    """Refuse a resume input that its pause's JSON Schema does not accept (422)."""
-    problems = answer_problems(schema, answer)
-    if problems:
-        raise InvalidInput("the input does not match the pause's schema", problems)
+    async def _check(self, tenant: str, schema: dict[str, Any], input: Any, *, whose: str) -> None:
+        """Refuse (422) an ``input`` that ``schema`` does not accept; checked off the
+        event loop, within the template CPU bound (SPEC §8)."""
+        problems = await self._schemas.problems(tenant, schema, input, whose=whose)
+        if problems:
+            raise InvalidInput(f"the input does not match {whose}", problems)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from jsonschema.exceptions import SchemaError
 from pydantic import ValidationError
 
 from lib.errors import Problem, WorkflowInvalid, error_path
@@ -17,6 +18,7 @@ from lib.workflows.blocks import BlockTypes
 from lib.workflows.blocks.base import error_message
 from lib.workflows.limits import MAX_DEPTH, MAX_TEMPLATE_CHARS, long_templates, too_deep
 from lib.workflows.model import Workflow
+from lib.workflows.schemas import check_schema, value_problems
 from lib.workflows.secrets import MAX_SECRETS_PER_WORKFLOW
 from lib.workflows.templates import Templates
 
@@ -42,6 +44,7 @@ def validate_workflow(raw: Any, *, block_types: BlockTypes, templates: Templates
     edge_list = edges if isinstance(edges, list) else []
     ids = _check_blocks(block_list, block_types, templates, problems)
     _check_edges(edge_list, ids, templates, problems)
+    _check_input(raw, templates.max_render_seconds, problems)
     if problems or workflow is None:
         problems.sort(key=lambda problem: _path_key(problem.path))
         raise WorkflowInvalid(problems or [Problem("$", "the workflow is not valid")])
@@ -118,6 +121,28 @@ def _check_blocks(
         message = f"a workflow may read at most {MAX_SECRETS_PER_WORKFLOW} secrets"
         problems.append(Problem("$.blocks", message))
     return ids
+
+
+def _check_input(raw: dict[str, Any], cpu_seconds: float, problems: list[Problem]) -> None:
+    """``inputSchema`` must be a JSON Schema Flowcast can run, and ``exampleInput`` (when
+    both are given) an input it accepts."""
+    schema = raw.get("inputSchema")
+    if not isinstance(schema, dict):
+        return  # absent, or not an object: reported by the structural checks
+    try:
+        check_schema(schema)
+    except SchemaError as exc:
+        where = "$.inputSchema" + error_path(tuple(exc.absolute_path))
+        problems.append(Problem(where, f"not a valid JSON Schema: {exc.message}"))
+        return
+    if "exampleInput" in raw:
+        problems += value_problems(
+            schema,
+            raw["exampleInput"],
+            where="$.exampleInput",
+            whose="the inputSchema",
+            cpu_seconds=cpu_seconds,
+        )
 
 
 def _check_edges(

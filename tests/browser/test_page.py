@@ -42,6 +42,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 SETTLE_MS = 30_000  # how long expect() waits for a run to reach a state
+# As the page dates a run: "Dec 2 21:35:15", "Dec 31 2025 23:59:01" (not this year's).
+DATE_TIME = re.compile(r"^[A-Z][a-z]{2} \d{1,2}( \d{4})? \d\d:\d\d:\d\d$")
 API_KEY = "page-key-" + "p" * 24
 LLM_KEY = "sk-page-model-key"
 
@@ -202,7 +204,9 @@ async def test_page_starts_a_workflow_and_shows_its_timeline(
 
     snapshot = await wait_finished(client, execution_id)
     assert await event_ids(page) == list(range(1, snapshot["lastEventId"] + 1))
-    await page.screenshot(path=str(screenshot_path(tmp_path)), full_page=True)
+    # Tall enough for the whole run beside the list (the run scrolls within itself).
+    await page.set_viewport_size({"width": 1360, "height": 1560})
+    await page.screenshot(path=str(screenshot_path(tmp_path)), animations="disabled")
 
 
 async def test_reload_mid_run_reattaches_and_shows_every_event_once(
@@ -567,7 +571,7 @@ STATUS_RECORDER = """(() => {
   new MutationObserver((records) => {
     const touched = new Set();
     for (const record of records) {
-      if (record.type === "attributes" && record.target.classList.contains("graph-node")) {
+      if (record.type === "attributes" && record.target.matches("#graph .graph-node")) {
         push(record.target.dataset.blockId, record.oldValue);
         touched.add(record.target);
       }
@@ -577,7 +581,10 @@ STATUS_RECORDER = """(() => {
         for (const node of added.querySelectorAll(".graph-node")) touched.add(node);
       }
     }
-    for (const node of touched) push(node.dataset.blockId, node.dataset.status);
+    // The run's graph only: the launch panel's preview of a workflow is never run.
+    for (const node of touched) {
+      if (node.closest("#graph")) push(node.dataset.blockId, node.dataset.status);
+    }
   }).observe(document, {
     subtree: true, childList: true, attributes: true,
     attributeFilter: ["data-status"], attributeOldValue: true,
@@ -675,6 +682,7 @@ async def test_graph_nodes_follow_a_run_with_a_retry_a_skipped_branch_and_a_paus
     await page.add_init_script(STATUS_RECORDER)
     async with httpx.AsyncClient(base_url=plugged.url, timeout=20) as client:
         await put(client, review_workflow(workflow_id))
+        await page.set_viewport_size({"width": 1360, "height": 900})  # a wide run panel
         await page.goto(plugged.url)
         execution_id = await start(page, workflow_id, {"topic": "graphs", "urgent": False})
 
@@ -1098,7 +1106,8 @@ async def test_the_list_shows_runs_started_elsewhere_live_and_a_click_attaches(
         row = list_row(page, first)
         await expect(row.locator(".status")).to_have_text("paused", timeout=SETTLE_MS)
         await expect(row.locator(".workflow")).to_have_text(waiting)
-        await expect(row.locator(".at")).to_have_text(re.compile(r"^\d\d:\d\d:\d\d$"))
+        # Dated, whatever the day (issue 26: times alone did not say which day).
+        await expect(row.locator(".at")).to_have_text(DATE_TIME)
         done = await execute(client, quick)
         await expect(list_row(page, done).locator(".status")).to_have_text(
             "completed", timeout=SETTLE_MS
@@ -1248,16 +1257,16 @@ async def screenshot_the_list(server: FlowcastServer, page: Page, tmp_path: Path
             await expect(list_row(page, execution_id).locator(".status")).to_have_text(
                 status, timeout=SETTLE_MS
             )
+        await page.set_viewport_size({"width": 1360, "height": 1040})
         await list_row(page, report).locator("a").click()
         await finished(page)
-        # The top of the page: the bar, the start form and the list, the watched run's
-        # row marked.
+        await expect(page.locator("#graph .graph-node")).to_have_count(5)
+        await expect(page.locator("#preview .graph-node")).to_have_count(5)
+        # The page as a person sees it: the start form and the list on the left, the
+        # watched run's row marked, and that run on the right.
         await page.evaluate("window.scrollTo(0, 0)")
-        box = await page.locator("#executions").bounding_box()
-        assert box is not None
         await page.screenshot(
-            path=str(screenshot_path(tmp_path, "executions.png")),
-            clip={"x": 0, "y": 0, "width": 1100, "height": box["y"] + box["height"] + 14},
+            path=str(screenshot_path(tmp_path, "executions.png")), animations="disabled"
         )
         for execution_id in (running, refund):
             assert (await client.post(f"/api/executions/{execution_id}/cancel")).status_code == 202

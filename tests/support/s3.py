@@ -8,6 +8,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import boto3
 import httpx
@@ -69,16 +70,20 @@ class MotoServer:
             await asyncio.to_thread(process.wait, 10)
 
 
-async def shared_bucket(moto: MotoServer) -> dict[str, str]:
-    """A new bucket on ``moto`` and the environment that makes a Flowcast process keep its
-    values (and durable records) there: replicas given the same share a value store."""
-    name = f"flowcast-{uuid.uuid4().hex[:8]}"
-    client = boto3.client(
+def s3_client(moto: MotoServer) -> Any:
+    """A boto3 S3 client of ``moto``, with the test credentials."""
+    return boto3.client(
         "s3",
         endpoint_url=moto.url,
         aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
         aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
         region_name=CREDENTIALS["AWS_DEFAULT_REGION"],
     )
-    await asyncio.to_thread(client.create_bucket, Bucket=name)
+
+
+async def shared_bucket(moto: MotoServer) -> dict[str, str]:
+    """A new bucket on ``moto`` and the environment that makes a Flowcast process keep its
+    values (and durable records) there: replicas given the same share a value store."""
+    name = f"flowcast-{uuid.uuid4().hex[:8]}"
+    await asyncio.to_thread(s3_client(moto).create_bucket, Bucket=name)
     return {"FLOWCAST_S3_BUCKET": name, "FLOWCAST_S3_ENDPOINT_URL": moto.url, **CREDENTIALS}

@@ -272,15 +272,27 @@ async def _call(
                     if event.data:
                         reply.take(_loads(event.data), ctx)
     except httpx.TimeoutException as exc:
-        raise BlockError("llm_timeout", f"{where} did not answer in time") from exc
+        at = _shown_url(provider.completions_url)
+        raise BlockError("llm_timeout", f"{where} at {at} did not answer in time") from exc
     except (httpx.HTTPError, SSEError) as exc:
+        # Where it tried, so a person sees a wrong port or a server not started.
+        at = _shown_url(provider.completions_url)
         started = "broke off mid-reply" if reply.parts else "could not be reached"
-        raise BlockError("llm_unreachable", f"{where} {started}: {exc}") from exc
+        raise BlockError("llm_unreachable", f"{where} at {at} {started}: {exc}") from exc
     except ValueError as exc:
         raise BlockError("llm_bad_reply", f"{where} sent a chunk that is not JSON") from exc
     if not reply.done and reply.finish is None:
         raise BlockError("llm_unreachable", f"{where} ended the reply before it finished")
     return reply.output()
+
+
+def _shown_url(url: str) -> str:
+    """``url`` without what may be a credential (user, password, query)."""
+    try:
+        parsed = httpx.URL(url)
+        return str(parsed.copy_with(username=None, password=None, query=None, fragment=None))
+    except (httpx.InvalidURL, TypeError, ValueError):
+        return "(the provider's URL)"
 
 
 async def _status_error(

@@ -6,11 +6,9 @@ import asyncio
 import io
 import json
 import os
-import pty
 import re
 import select
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -30,6 +28,7 @@ from app.embedded import free_port
 from app.progress import LiveDisplay, PlainDisplay
 from tests.support.api import flaky_workflow, put, streaming_workflow
 from tests.support.servers import FlowcastServer, ValkeyServer, authed, serving
+from tests.support.terminal import pty_process
 
 try:
     import pyte
@@ -262,34 +261,22 @@ def _run_on_a_terminal(
 ) -> tuple[int, list[str]]:
     """Run the CLI with a pseudo-terminal as stdout (and stderr, if asked), its output
     played into a terminal emulator: the exit code and the screen as a person sees it."""
-    main, child = pty.openpty()
     screen = pyte.Screen(100, 50)
     stream = pyte.ByteStream(screen)
-    with subprocess.Popen(
-        args,
-        env=cli_env(COLUMNS="100", LINES="50", TERM="xterm-256color"),
-        stdout=child,
-        stderr=child if stderr_too else subprocess.DEVNULL,
-    ) as process:
-        os.close(child)
+    env = cli_env(COLUMNS="100", LINES="50", TERM="xterm-256color")
+    with pty_process(args, env, stderr=stderr_too) as (process, main):
         deadline = time.monotonic() + timeout
-        try:
-            while time.monotonic() < deadline:
-                if not select.select([main], [], [], 0.5)[0]:
-                    continue
-                try:
-                    chunk = os.read(main, 65536)  # EIO once the child's side is closed
-                except OSError:
-                    break
-                if not chunk:
-                    break
-                stream.feed(chunk)
-            code = process.wait(max(deadline - time.monotonic(), 1.0))
-        finally:
-            # Never left running: Popen's exit would wait for it for good.
-            if process.poll() is None:
-                process.kill()
-            os.close(main)
+        while time.monotonic() < deadline:
+            if not select.select([main], [], [], 0.5)[0]:
+                continue
+            try:
+                chunk = os.read(main, 65536)  # EIO once the child's side is closed
+            except OSError:
+                break
+            if not chunk:
+                break
+            stream.feed(chunk)
+        code = process.wait(max(deadline - time.monotonic(), 1.0))
     return code, [line.rstrip() for line in screen.display]
 
 

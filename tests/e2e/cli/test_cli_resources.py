@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import pty
 import select
 import signal
 import subprocess
@@ -20,6 +19,7 @@ import pytest
 from app.embedded import free_port
 from tests.e2e.cli.test_cli import FLOWCAST, Result, cli_env, flowcast, workflow
 from tests.support.api import put, streaming_workflow, wait_status
+from tests.support.terminal import pty_process
 
 CTRL_C = "\x03"
 REVIEW = {
@@ -56,36 +56,11 @@ def _converse(args: list[str], steps: list[tuple[str, str]], timeout: float) -> 
     """Run the CLI on a pseudo-terminal (stdin, stdout and stderr): for each step, wait
     until the screen shows its text, then type its reply. The exit code and every byte
     the terminal showed (what was typed is echoed, unless the CLI turned echo off)."""
-    main, child = pty.openpty()
     deadline = time.monotonic() + timeout
-    with subprocess.Popen(
-        args,
-        env=cli_env(TERM="dumb"),
-        stdin=child,
-        stdout=child,
-        stderr=child,
-        preexec_fn=_as_from_a_shell,
-    ) as process:
-        os.close(child)
-        try:
-            code, pending, shown = _steps(process, main, steps, deadline)
-        finally:
-            # A failed step must not leave the CLI running: Popen's exit would wait for
-            # it for good, and so would the thread and the test worker's shutdown.
-            if process.poll() is None:
-                process.kill()
-            os.close(main)
+    with pty_process(args, cli_env(TERM="dumb"), stdin=True) as (process, main):
+        code, pending, shown = _steps(process, main, steps, deadline)
     assert not pending, f"never asked {pending[0][0]!r}:\n{shown.decode(errors='replace')}"
     return code, shown.decode(errors="replace")
-
-
-def _as_from_a_shell() -> None:
-    """In the CLI's process before it starts: Ctrl-C as a terminal's shell leaves it
-    (default, not blocked). The test worker's may not be (in full-suite runs the CLI
-    inherited a SIGINT it never saw: every Ctrl-C test there timed out at its prompt),
-    and a program keeps a SIGINT it finds ignored, as Python does."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _steps(

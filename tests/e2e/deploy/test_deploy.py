@@ -16,7 +16,6 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-import boto3
 import pytest
 import yaml
 from packaging.requirements import Requirement
@@ -24,7 +23,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from app.settings import Settings
-from tests.support.s3 import CREDENTIALS, MotoServer, shared_bucket
+from tests.support.s3 import MotoServer, s3_client, shared_bucket
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -200,13 +199,7 @@ async def test_setting_the_lifecycle_document_again_leaves_one_rule(moto: MotoSe
     """What the bucket job does at every `up`, on an S3 API: the document is a valid
     lifecycle configuration, and setting it twice leaves it as set once."""
     bucket = (await shared_bucket(moto))["FLOWCAST_S3_BUCKET"]
-    client = boto3.client(
-        "s3",
-        endpoint_url=moto.url,
-        aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-        region_name=CREDENTIALS["AWS_DEFAULT_REGION"],
-    )
+    client = s3_client(moto)
     document = json.loads(LIFECYCLE.read_text())
     for _ in range(2):
         await asyncio.to_thread(
