@@ -31,6 +31,7 @@ import httpx
 import orjson
 from redis.asyncio import Redis
 
+from lib.backoff import Backoff
 from lib.errors import BlockError, BufferUnavailable
 from lib.execution.events import STATUS_AFTER, TERMINAL_STATUSES
 from lib.execution.record import Field
@@ -51,8 +52,10 @@ LEASE_MARGIN_MS = 2_000
 # event is not stored yet (its writer may be retrying through an outage) is looked at
 # again after this.
 HINT_LEASE_MS = 1_000
-# How often the loop looks when nothing woke it.
+# How often the loop looks when nothing woke it; the longest it waits while the outbox
+# is unreachable.
 POLL_SECONDS = 0.25
+OUTAGE_WAIT_SECONDS = 5.0
 MAX_ANSWER_CHARS = 200
 
 
@@ -113,14 +116,26 @@ class Deliverer:
         self._wake.set()
 
     async def _run(self) -> None:
+        # While Redis is unreachable: one warning, then growing waits (the executions'
+        # own writers report the outage too).
+        backoff = Backoff(base=POLL_SECONDS, cap=OUTAGE_WAIT_SECONDS)
+        failing = False
         while True:
             try:
                 await self._look()
                 await self._take()
             except BufferUnavailable as exc:
-                log.warning("webhook outbox unreachable; will retry", extra={"error": str(exc)})
+                if not failing:
+                    log.warning("webhook outbox unreachable; will retry", extra={"error": str(exc)})
+                failing = True
+                await backoff.wait()
+                continue
             except Exception:
                 log.exception("webhook delivery loop failed; carrying on")
+            if failing:
+                log.info("webhook outbox reachable again")
+                failing = False
+                backoff.reset()
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(POLL_SECONDS):
