@@ -81,7 +81,6 @@ class Deliverer:
         self._secrets = secrets
         self._retry = list(retry_seconds)
         self._allow_private = allow_private
-        self._concurrency = concurrency
         self._timeout = timeout_seconds
         self._lease_ms = int(timeout_seconds * 1000) + LEASE_MARGIN_MS
         self._per_tenant = max(1, concurrency // 2)
@@ -215,6 +214,8 @@ class Deliverer:
         """Start attempts while there is room, serving the tenants in turn."""
         while not self._room.locked():
             tenants = await self._outbox.due_tenants()
+            # Only the tenants with work due are remembered (this process may see many).
+            self._served = {t: at for t, at in self._served.items() if t in tenants}
             ready = [t for t in tenants if self._busy.get(t, 0) < self._per_tenant]
             if not ready:
                 return
