@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from lib import tracing
 from lib.backend import Batch
 from lib.errors import (
     BufferUnavailable,
@@ -217,6 +218,9 @@ class Runner:
             Field.CREATED_AT.value: utc_timestamp(now),
             Field.INLINE_FILES.value: "1" if inline_files else "",
         }
+        trace = tracing.new_trace()
+        if trace is not None:
+            identity[Field.TRACE.value] = trace
         with self.dispatcher.slot() as here:
             created = await self._create(
                 execution_id, workflow, input, identity, now, confirm, here=here
@@ -351,6 +355,8 @@ class Runner:
                 created_ms=int(now.timestamp() * 1000),
                 extra={
                     Field.INLINE_FILES.value: identity[Field.INLINE_FILES],
+                    # Only when traced: off, the record is as it was.
+                    **{k: v for k, v in identity.items() if k == Field.TRACE},
                     Field.QUOTA_BASE.value: str(size),
                     Field.QUOTA_RECORDED.value: str(size),
                 },
