@@ -50,7 +50,7 @@ def create_app(settings: Settings | None = None, *, api: bool = True) -> FastAPI
         openapi_url="/openapi.json" if api else None,
     )
     errors.install(app)
-    tracing.install(app)
+    tracing.install(app, redis=settings.traces_redis)
     # Innermost: a request waits its turn once its headers were checked and its body
     # arrived (app/limits.py Turns).
     app.add_middleware(Turns, caller=Callers(ApiKeys(settings.api_keys)))

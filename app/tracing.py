@@ -12,9 +12,10 @@ from fastapi import FastAPI
 from lib import tracing
 
 
-def install(app: FastAPI) -> None:
-    """Start tracing in this process if asked, and trace ``app``'s requests."""
-    otel = tracing.start()
+def install(app: FastAPI, *, redis: bool = False) -> None:
+    """Start tracing in this process if asked, and trace ``app``'s requests (and every
+    Redis command with ``redis``)."""
+    otel = tracing.start(redis=redis)
     if otel is None:
         return
     from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor

@@ -137,7 +137,7 @@ class Otel:
             RedisInstrumentor().instrument(tracer_provider=self.provider)
 
     @classmethod
-    def from_env(cls) -> Otel:
+    def from_env(cls, *, redis: bool = False) -> Otel:
         exporter_name = os.environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() or "otlp"
         exporter: SpanExporter
         if exporter_name == "console":
@@ -149,7 +149,6 @@ class Otel:
                     extra={"exporter": exporter_name},
                 )
             exporter = OTLPSpanExporter()
-        redis = os.environ.get("FLOWCAST_TRACES_REDIS", "").strip().lower() == "true"
         log.info("traces on", extra={"exporter": exporter_name, "redis": redis})
         return cls(exporter, redis=redis)
 

@@ -43,13 +43,14 @@ def requested(env: Mapping[str, str] | None = None) -> bool:
     return bool(exporter) or any(env.get(name, "").strip() for name in endpoints)
 
 
-def start() -> Otel | None:
-    """Turn tracing on for this process if the variables ask for it (once)."""
+def start(*, redis: bool = False) -> Otel | None:
+    """Turn tracing on for this process if the variables ask for it (once); ``redis``:
+    a span per Redis command too."""
     global _otel
     if _otel is None and requested():
         from lib.otel import Otel  # only when asked: off costs nothing
 
-        _otel = Otel.from_env()
+        _otel = Otel.from_env(redis=redis)
     return _otel
 
 

@@ -185,3 +185,33 @@ async def test_a_run_recovered_after_its_owner_was_killed_stays_one_trace(
     finally:
         await a.stop(signal.SIGKILL)
         await b.stop(signal.SIGKILL)
+
+
+async def test_redis_commands_are_spans_only_when_asked(
+    valkey: ValkeyServer, receiver: Receiver, tmp_path: Path, unique: str
+) -> None:
+    env = {**env_on(valkey, traces_redis="true"), **traced_env(receiver, "redis")}
+    server = FlowcastServer(data_dir=tmp_path / "redis", env=env)
+    await server.start()
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=20) as client:
+            await put(client, delay_workflow(f"redis-{unique}", ms=10))
+            execution_id = await execute(client, f"redis-{unique}", {})
+            await wait_finished(client, execution_id, timeout=20)
+        span = await _execution_span(receiver, execution_id)
+
+        def commands() -> list[Span]:
+            return [
+                s
+                for s in receiver.of_trace(span.trace_id)
+                if s.attributes.get("db.system") == "redis"
+                or s.attributes.get("db.system.name") == "redis"
+            ]
+
+        # The run's writes (its events) are Redis spans in its trace.
+        assert await until(commands, "redis spans in the execution's trace", timeout=20)
+    finally:
+        await server.stop()
+    # The server without the setting (the module's) exported no Redis span at all.
+    others = [s for s in receiver.spans if s.resource.get("flowcast.replica") == "a"]
+    assert others and not any("db.system" in s.attributes for s in others)
