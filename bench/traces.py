@@ -1,10 +1,12 @@
 """The ``traces`` rows: what OpenTelemetry tracing costs (SPEC §15, docs/traces.md).
 
-Two Flowcast processes on the stack's Valkey and value store, started alike except for
-the OpenTelemetry variables: **off** (none set: nothing of the tracing SDK is imported,
-each hook is one test of a module global) and **on** (exporting over OTLP/HTTP to a
-receiver on 127.0.0.1 that decodes every request, ``tests/support/otlp.py``). Rounds
-alternate between them, so a noisy neighbour hits both. Per execution of a one
+Three Flowcast processes on the stack's Valkey and value store, started alike but for
+tracing: **without** (``bench/hookless.py``: the hooks of ``lib/tracing.py`` replaced by
+bare no-ops, the build as it was before traces), **off** (no OpenTelemetry variable:
+nothing of the tracing SDK is imported, each hook is one test of a module global) and
+**on** (exporting over OTLP/HTTP to a receiver on 127.0.0.1 that decodes every request,
+``tests/support/otlp.py``). Rounds alternate between them, so a noisy neighbour hits
+all three. Per execution of a one
 ``transform`` workflow: TTFE (POST execute → first SSE event) and the server's CPU
 (accepted to ``execution:completed``, its spans batched and sent).
 """
@@ -23,6 +25,15 @@ import psutil
 from bench.report import Report, Row
 from tests.support.otlp import otlp_receiver, traced_env
 from tests.support.servers import FlowcastServer
+
+
+class Hookless(FlowcastServer):
+    """A Flowcast server whose tracing hooks are taken out (bench/hookless.py)."""
+
+    def command(self) -> list[str]:
+        python, _m, _uvicorn, *arguments = super().command()
+        return [python, "-m", "bench.hookless", *arguments]
+
 
 WORKFLOW: dict[str, Any] = {
     "id": "traced",
@@ -71,6 +82,7 @@ async def measure(
 ) -> None:
     with otlp_receiver() as receiver:
         servers = {
+            "without": Hookless(data_dir=root / "traces-without", env=env),
             "off": FlowcastServer(data_dir=root / "traces-off", env=env),
             "on": FlowcastServer(
                 data_dir=root / "traces-on",
@@ -93,28 +105,31 @@ async def measure(
         finally:
             await asyncio.gather(*(server.stop() for server in servers.values()))
         spans = len(receiver.spans)
-    off_p50, on_p50 = _p(ttfe["off"], 50) * 1000, _p(ttfe["on"], 50) * 1000
-    off_p99, on_p99 = _p(ttfe["off"], 99) * 1000, _p(ttfe["on"], 99) * 1000
-    off_cpu, on_cpu = statistics.median(cpu["off"]) * 1000, statistics.median(cpu["on"]) * 1000
-    report.add(
-        Row(
-            "traces: TTFE p50/p99, on vs off",
-            f"{on_p50:.1f} / {on_p99:.1f} ms",
-            f"{off_p50:.1f} / {off_p99:.1f} ms",
-            f"{on_p50 / off_p50:.2f} / {on_p99 / off_p99:.2f}",
+    p50 = {name: _p(values, 50) * 1000 for name, values in ttfe.items()}
+    p99 = {name: _p(values, 99) * 1000 for name, values in ttfe.items()}
+    per = {name: statistics.median(values) * 1000 for name, values in cpu.items()}
+    for name, base in (("off", "without"), ("on", "off")):
+        report.add(
+            Row(
+                f"traces: TTFE p50/p99, {name} vs {base}",
+                f"{p50[name]:.1f} / {p99[name]:.1f} ms",
+                f"{p50[base]:.1f} / {p99[base]:.1f} ms",
+                f"{p50[name] / p50[base]:.2f} / {p99[name] / p99[base]:.2f}",
+            )
         )
-    )
-    report.add(
-        Row(
-            "traces: server CPU per execution, on vs off",
-            f"{on_cpu:.2f} ms",
-            f"{off_cpu:.2f} ms",
-            f"{on_cpu / off_cpu:.2f}",
+        report.add(
+            Row(
+                f"traces: server CPU per execution, {name} vs {base}",
+                f"{per[name]:.2f} ms",
+                f"{per[base]:.2f} ms",
+                f"{per[name] / per[base]:.2f}",
+            )
         )
-    )
     report.notes.append(
-        f"traces: {rounds} alternating rounds of {count} executions per server; 'on' exported "
-        f"{spans} spans to a receiver on 127.0.0.1. 'off' imports none of the tracing SDK "
-        "(tests/e2e/traces/test_traces_off.py), so it is the build without instrumentation "
-        "but for one module-global test per hook."
+        f"traces: {rounds} alternating rounds of {count} executions (one transform block, "
+        "one after another) per server; TTFE is POST execute → first SSE event; CPU is the "
+        f"server process's utime+stime ÷ executions (median of the rounds). 'on' exported "
+        f"{spans} spans to a receiver on 127.0.0.1; 'off' imports none of the tracing SDK "
+        "(tests/e2e/traces/test_traces_off.py); 'without' has the hooks taken out "
+        "(bench/hookless.py)."
     )
