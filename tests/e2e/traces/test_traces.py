@@ -16,16 +16,18 @@ import httpx
 import pytest
 
 from tests.support.api import (
+    approval_workflow,
     delay_workflow,
     execute,
     has_stored,
     put,
     until,
     wait_finished,
+    wait_status,
 )
 from tests.support.faults import kill_replica, replica
 from tests.support.otlp import Receiver, Span, otlp_receiver, traced_env
-from tests.support.servers import FlowcastServer, ValkeyServer, env_on, prefix
+from tests.support.servers import FlowcastServer, FlowcastWorker, ValkeyServer, env_on, prefix
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -185,6 +187,53 @@ async def test_a_run_recovered_after_its_owner_was_killed_stays_one_trace(
     finally:
         await a.stop(signal.SIGKILL)
         await b.stop(signal.SIGKILL)
+
+
+async def test_a_run_queued_by_an_api_replica_paused_and_resumed_on_a_worker_is_one_trace(
+    valkey: ValkeyServer, receiver: Receiver, tmp_path: Path, unique: str
+) -> None:
+    env = env_on(valkey)
+    api = FlowcastServer(
+        data_dir=tmp_path / "api",
+        env={**env, "FLOWCAST_WORKER_SLOTS": "0", **traced_env(receiver, "api")},
+    )
+    worker = FlowcastWorker(
+        data_dir=tmp_path / "worker",
+        env={**env, "FLOWCAST_WORKER_SLOTS": "4", **traced_env(receiver, "worker")},
+    )
+    try:
+        await api.start()
+        await worker.start()
+        async with httpx.AsyncClient(base_url=api.url, timeout=20) as client:
+            await put(client, approval_workflow(f"asked-{unique}"))
+            execution_id = await execute(client, f"asked-{unique}", {})
+            await wait_status(client, execution_id, "paused", timeout=20)
+            resumed = await client.post(
+                f"/api/executions/{execution_id}/resume", json={"input": {"ok": True}}
+            )
+            assert resumed.status_code == 202, resumed.text
+            assert (await wait_finished(client, execution_id, timeout=20))["status"] == "completed"
+        span = await _execution_span(receiver, execution_id)
+        assert span.resource["flowcast.replica"] == "worker"
+        accepted = next(s for s in receiver.of_trace(span.trace_id) if s.span_id == span.parent_id)
+        assert accepted.resource["flowcast.replica"] == "api" and "execute" in accepted.name
+
+        def blocks() -> list[Span]:
+            found = receiver.named("flowcast.block", **{"flowcast.execution.id": execution_id})
+            return found if len(found) == 3 else []
+
+        found = await until(blocks, "review twice (asked, answered) and done", timeout=20)
+        outcomes = sorted(
+            (s.attributes["flowcast.block.id"], s.attributes["flowcast.block.outcome"])
+            for s in found
+        )
+        assert outcomes == [("done", "completed"), ("review", "completed"), ("review", "paused")]
+        for block in found:
+            assert (block.trace_id, block.parent_id) == (span.trace_id, span.span_id)
+            assert block.resource["flowcast.replica"] == "worker"
+    finally:
+        await api.stop()
+        await worker.stop()
 
 
 async def test_redis_commands_are_spans_only_when_asked(

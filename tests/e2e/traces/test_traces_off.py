@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from lib import tracing
 from tests.support.otlp import otlp_receiver
 from tests.support.servers import ROOT, ValkeyServer, env_on
 
@@ -43,3 +44,22 @@ async def test_tracing_off_imports_nothing_and_sends_nothing(
         assert len(called) == 1 and "traceparent" not in called[0]
         assert receiver.spans == []
         assert [path for path, _ in receiver.requests] == ["/called"]  # no /v1/traces
+
+
+@pytest.mark.timeout(5)
+@pytest.mark.parametrize(
+    ("env", "on"),
+    [
+        ({}, False),
+        ({"OTEL_SERVICE_NAME": "x"}, False),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"}, True),
+        ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:4318/v1/traces"}, True),
+        ({"OTEL_TRACES_EXPORTER": "otlp"}, True),
+        ({"OTEL_TRACES_EXPORTER": "console"}, True),
+        ({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://h"}, False),
+        ({"OTEL_SDK_DISABLED": "TRUE", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://h"}, False),
+        ({"OTEL_SDK_DISABLED": "false", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://h"}, True),
+    ],
+)
+def test_the_standard_variables_decide_whether_traces_are_on(env: dict[str, str], on: bool) -> None:
+    assert tracing.requested(env) is on
