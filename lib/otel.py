@@ -24,6 +24,10 @@ from datetime import datetime
 from opentelemetry import context, trace
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
+from opentelemetry.instrumentation.utils import (
+    is_instrumentation_enabled,
+    suppress_instrumentation,
+)
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import (
@@ -44,6 +48,8 @@ from opentelemetry.trace import (
 
 from lib.execution.record import Field
 from lib.tracing import BlockSpan
+
+_NO_SPAN = BlockSpan()
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +174,10 @@ class Otel:
     def execution_context(self, text: str) -> Iterator[None]:
         kept = _Trace.parse(text)
         if kept is None:
-            yield
+            # Accepted while tracing was off (here or where it was accepted): it stays
+            # untraced, its block attempts and outbound calls too (no stray roots).
+            with suppress_instrumentation():
+                yield
             return
         token = context.attach(trace.set_span_in_context(NonRecordingSpan(kept.span_context())))
         try:
@@ -179,7 +188,10 @@ class Otel:
     @contextlib.contextmanager
     def block_span(
         self, execution_id: str, block_id: str, block_type: str, attempt: int
-    ) -> Iterator[_BlockSpan]:
+    ) -> Iterator[BlockSpan]:
+        if not is_instrumentation_enabled():
+            yield _NO_SPAN  # an untraced execution's
+            return
         attributes: dict[str, str | int] = {
             "flowcast.execution.id": execution_id,
             "flowcast.block.id": block_id,

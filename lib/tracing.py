@@ -72,11 +72,12 @@ def new_trace() -> str | None:
 
 @contextlib.contextmanager
 def execution_context(trace: str | None) -> Iterator[None]:
-    """Within: spans (block attempts, outbound calls) are children of the execution's."""
-    if _otel is None or not trace:
+    """Within: spans (block attempts, outbound calls) are children of the execution's;
+    none at all for an execution accepted untraced (``trace`` empty)."""
+    if _otel is None:
         yield
         return
-    with _otel.execution_context(trace):
+    with _otel.execution_context(trace or ""):
         yield
 
 

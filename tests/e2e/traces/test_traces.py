@@ -236,6 +236,33 @@ async def test_a_run_queued_by_an_api_replica_paused_and_resumed_on_a_worker_is_
         await worker.stop()
 
 
+async def test_a_run_accepted_untraced_stays_untraced_on_a_traced_worker(
+    valkey: ValkeyServer, receiver: Receiver, tmp_path: Path, unique: str
+) -> None:
+    env = env_on(valkey, http_allow_private="true")
+    api = FlowcastServer(data_dir=tmp_path / "api", env={**env, "FLOWCAST_WORKER_SLOTS": "0"})
+    worker = FlowcastWorker(
+        data_dir=tmp_path / "worker",
+        env={**env, "FLOWCAST_WORKER_SLOTS": "4", **traced_env(receiver, "late")},
+    )
+    hook = f"/untraced-{unique}"
+    try:
+        await api.start()
+        await worker.start()
+        async with httpx.AsyncClient(base_url=api.url, timeout=20) as client:
+            await put(client, _http_workflow(f"untraced-{unique}", receiver.url + hook))
+            execution_id = await execute(client, f"untraced-{unique}", {})
+            assert (await wait_finished(client, execution_id, timeout=20))["status"] == "completed"
+    finally:
+        await api.stop()
+        await worker.stop()  # its lifespan's end exports whatever is pending
+    # Neither the block spans nor the outbound call's: no stray roots, no traceparent.
+    headers = next(h for path, h in receiver.requests if path == hook)
+    assert "traceparent" not in headers
+    late = [s for s in receiver.spans if s.resource.get("flowcast.replica") == "late"]
+    assert late == [], late
+
+
 async def test_redis_commands_are_spans_only_when_asked(
     valkey: ValkeyServer, receiver: Receiver, tmp_path: Path, unique: str
 ) -> None:
