@@ -118,9 +118,10 @@ class StoreIdentity:
         would number from the store's reservations after all."""
         self._behind_seen = time.monotonic()
 
-    async def wait_settled(self) -> None:
-        """Wait out the rest of a settle before moving ownership; BufferUnavailable only
-        if it lasts past the settle and a grace (the store keeps changing servers).
+    async def wait_settled(self) -> Store:
+        """Wait out the rest of a settle before moving ownership (the store as it
+        answers then); BufferUnavailable only if it lasts past the settle and a grace
+        (the store keeps changing servers).
 
         Data that now answers from another server (a restart, a replica promoted) may
         have forgotten recent transitions; until every process had a chance to
@@ -128,10 +129,12 @@ class StoreIdentity:
         clients already saw. The wait is short, so a request waits, not the client.
         """
         deadline = time.monotonic() + self.settle_seconds + SETTLE_GRACE_SECONDS
-        while (remaining := (await self.check()).settling_seconds) > 0:
+        while (store := await self.check()).settling_seconds > 0:
+            remaining = store.settling_seconds
             if time.monotonic() + remaining > deadline:
                 raise BufferUnavailable(
                     "the event store restarted just now and is still being checked; "
                     "try again in a second"
                 )
             await asyncio.sleep(remaining)
+        return store

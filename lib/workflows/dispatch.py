@@ -87,8 +87,9 @@ class Dispatcher:
         # A run ended here while this process takes nothing: the others are told.
         self._tell = False
         # Runs due for a takeover found no free slot here (tending.py): the next slot
-        # that frees is theirs, not the queue's.
-        self._recoveries_waiting = False
+        # that frees is theirs, not the queue's, until this time (monotonic) unless a
+        # janitor pass finds them waiting again (``recoveries_wait``).
+        self._recoveries_until = 0.0
 
     def free(self) -> int:
         """Slots free here now (what runs here, taken or not from the queue, fills them,
@@ -96,11 +97,17 @@ class Dispatcher:
         return max(0, self.slots - len(self._runs) - self._holding)
 
     @contextlib.contextmanager
-    def slot(self) -> Iterator[bool]:
+    def slot(self, *, recovery: bool = False) -> Iterator[bool]:
         """Hold a free slot, if there is one (True), while a start or a take is on its
         way to launching here: concurrent starts each saw the same free slot before any
-        had launched, and ran past ``slots``. The launch fills it once made."""
-        if not (self._runs.accepting and self.free() > 0):
+        had launched, and ran past ``slots``. The launch fills it once made. While
+        recoveries wait for a slot here, only a ``recovery`` gets one: a start or a
+        resume sent here goes in line instead (it took the slot that freed before the
+        next janitor pass, and the recovery waited again, as long as they kept coming:
+        the fresh-eyes review of 60a78ad)."""
+        if not (self._runs.accepting and self.free() > 0) or (
+            self._recoveries_waiting() and not recovery
+        ):
             yield False
             return
         self._holding += 1
@@ -110,9 +117,17 @@ class Dispatcher:
             self._holding -= 1
 
     def recoveries_wait(self, waiting: bool) -> None:
-        """Whether runs due for a takeover wait for a slot here (a janitor pass says,
-        each time): meanwhile nothing is taken from the queue."""
-        self._recoveries_waiting = waiting
+        """Whether runs due for a takeover wait for a slot here (a janitor pass that
+        found some due says): meanwhile nothing is taken from the queue. A wait lapses
+        by itself a lease later: a pass that finds nothing due says nothing (another
+        process took them over, or their owner came back), and the queue must not wait
+        for a pass that never comes (the fresh-eyes review of 60a78ad: a worker took
+        nothing from the queue any more). Every sweep that finds them due still
+        (every half lease) holds it again before it lapses."""
+        self._recoveries_until = time.monotonic() + self._queue.lease_ms / 1000 if waiting else 0.0
+
+    def _recoveries_waiting(self) -> bool:
+        return time.monotonic() < self._recoveries_until
 
     def stop(self) -> None:
         """End ``run`` at its next turn (a shutdown, once the runs here let go): it need
@@ -177,7 +192,7 @@ class Dispatcher:
                     await self.reclaim()
                 except FlowcastError as exc:
                     log.warning("giving back stale deliveries failed", extra={"error": str(exc)})
-            while self._runs.accepting and self.free() > 0 and not self._recoveries_waiting:
+            while self._runs.accepting and self.free() > 0 and not self._recoveries_waiting():
                 try:
                     with self.slot():
                         took = await self.take_one()

@@ -35,6 +35,7 @@ from lib.errors import (
     NotFound,
     NotPausedThere,
     OverQuota,
+    PauseHeld,
     ShuttingDown,
 )
 from lib.execution.admission import paused_member
@@ -521,7 +522,16 @@ class Runner:
         whose end it lost has that end stored again, and the claim is refused with it.
         """
         try:
-            await self._store.wait_settled()
+            store = await self._store.wait_settled()
+            if store.behind_seconds > 0 and meta.status == Status.PAUSED:
+                # The store came back without writes it had acknowledged (an older
+                # snapshot, or empty) less than a lease ago: this pause may be one it
+                # brought back after a resume it lost, whose owner, stalled, takes the
+                # run back within a lease (renew.lua). Not answered until then, as its
+                # deadline is not (janitor.py), nor a pause stored again (claim.lua
+                # HELD, which a store that kept the pause itself never gets): the
+                # fresh-eyes review of 73d4c9d, two 202s for one pause.
+                raise PauseHeld(execution_id, held_ms=int(store.behind_seconds * 1000))
             ceiling = await self._takeovers.recalled(execution_id, meta)
             await self._watch.hold(execution_id, fence)
             claim = await self._ownership.claim(

@@ -130,6 +130,16 @@ class Takeovers:
             # or settled already: this entry names nothing left to do.
             await self._watch.release(execution_id, fence)
 
+    async def only_ends(self, execution_id: str) -> bool:
+        """Whether a takeover of ``execution_id`` would only end it, running no block:
+        a cancel was accepted for it (its record says so; the flag is never taken
+        back), so it ends cancelled (``_recovery_body``). False when it is gone."""
+        try:
+            meta = await self._buffer.meta(execution_id)
+        except NotFound:
+            return False
+        return meta.cancel_requested
+
     async def expire(self, execution_id: str) -> None:
         """End a pause past its approval deadline, if it is due: win ``expire``, then
         write the ``approval_timeout`` failure."""

@@ -146,16 +146,25 @@ class Tending:
         counted already (it replaces the dead owner's entry) and goes before any start:
         while some wait for a slot here, the dispatcher takes nothing from the queue, so
         the next slot that frees is theirs at the next pass (another process with a free
-        slot may take them first)."""
-        waiting = False
+        slot may take them first). A run that would only end (a cancel was accepted
+        for it) is taken over without a slot."""
         found = [(eid, fence, Takeover.DEAD) for eid, fence in due.dead]
         found += [(eid, fence, due.takeover) for eid, fence in due.leases]
-        for execution_id, fence, how in found if self.dispatcher.slots > 0 else ():
-            with self.dispatcher.slot() as here:
-                if not here:
+        if not found or self.dispatcher.slots == 0:
+            # Between sweeps the leases are not looked at: a wait noted stands (it
+            # lapses by itself once no sweep finds them due: ``recoveries_wait``).
+            return
+        waiting = False
+        for execution_id, fence, how in found:
+            with self.dispatcher.slot(recovery=True) as here:
+                if here or await self._takeovers.only_ends(execution_id):
+                    # A run a cancel was accepted for only ends (no block runs again):
+                    # it needs no slot, and must not wait for one (its 202 said it
+                    # happens; the fresh-eyes review of 60a78ad saw it wait for the
+                    # longest run here to end).
+                    await self._takeovers.take_over(execution_id, fence, how=how)
+                else:
                     waiting = True
-                    break
-                await self._takeovers.take_over(execution_id, fence, how=how)
         self.dispatcher.recoveries_wait(waiting)
 
     async def _listen(self) -> None:
@@ -163,7 +172,7 @@ class Tending:
         (the janitors would find its lease due anyway, should this fail)."""
         async for execution_id, fence in self._listener.handoffs():
             try:
-                with self.dispatcher.slot() as here:
+                with self.dispatcher.slot(recovery=True) as here:
                     if not here:
                         # No slot here (or none at all: an API replica): a process with
                         # one takes it over, or this one at a janitor pass (it is due).

@@ -4,6 +4,7 @@ a lease, to a process that runs work."""
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from tests.support.api import (
     approval_workflow,
     delay_workflow,
     execute,
+    has_stored,
     put,
     until,
     wait_finished,
@@ -189,5 +191,181 @@ async def test_a_worker_recovers_a_dead_workers_runs_only_into_its_free_slots(
             for log in [*own, *tails]
         ]
     finally:
+        await first.stop()
+        await second.stop(signal.SIGKILL)
+
+
+@pytest.mark.timeout(150)
+async def test_a_worker_takes_queued_work_again_once_the_recovery_it_waited_for_went_elsewhere(
+    valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """A worker of 1 slot, full, finds a dead worker's run due and waits for a slot
+    for it (it takes nothing from the queue meanwhile); the dead worker's node comes
+    back and takes its run over itself. Nothing is due any more: once its own run
+    ends, the worker takes the queued execution (it stopped taking from the queue for
+    good: no janitor pass came to say that nothing waited any more, so the queued one
+    waited for the other worker's 40 s run to end)."""
+    env = {**env_on(valkey, lease_seconds=LEASE), "FLOWCAST_WORKER_SLOTS": "1"}
+    first = FlowcastServer(data_dir=tmp_path / "w1", env=env)
+    second = FlowcastServer(data_dir=tmp_path / "w2", env=env)
+    await second.start()
+    redis = Redis.from_url(valkey.url)
+    try:
+        async with authed(second) as on_second:
+            await put(on_second, delay_workflow("long", ms=40_000))
+            await put(on_second, delay_workflow("own", ms=12_000))
+            await put(on_second, delay_workflow("next", ms=500))
+            lost = await execute(on_second, "long")
+            await wait_status(on_second, lost, "running")
+            await first.start()
+            async with authed(first) as on_first:
+                own = await execute(on_first, "own")
+                await wait_status(on_first, own, "running")
+                await second.stop(signal.SIGKILL)
+
+                # A lease past the dead owner's (Redis's clock): the first worker, full,
+                # swept the leases at least once (every half lease) and found it due.
+                meta = Keys(env["FLOWCAST_REDIS_PREFIX"]).meta(lost)
+                until_ms = int(await redis.hget(meta, "leaseUntil") or 0)
+
+                async def lease_passed() -> bool:
+                    seconds, micros = await redis.time()
+                    return bool(seconds * 1000 + micros // 1000 > until_ms + 1500)
+
+                await until(lease_passed, "a lease past the dead owner's", 20)
+                first_snapshot = (await on_first.get(f"/api/executions/{own}")).json()
+                assert first_snapshot["status"] == "running", first_snapshot
+                # Its node comes back and takes its run over at once (its slot is free).
+                await second.start()
+                await until(
+                    lambda: has_stored(on_first, lost, "execution:recovered"),
+                    "the dead worker's node took its run back",
+                    30,
+                )
+                # Both full now: the next start waits in line.
+                queued = await execute(on_first, "next")
+                snapshot = (await on_first.get(f"/api/executions/{own}")).json()
+                assert snapshot["status"] == "running", "the first worker's own run ended too soon"
+
+                async def status_of(eid: str) -> str:
+                    return str((await on_first.get(f"/api/executions/{eid}")).json()["status"])
+
+                async def next_ran_or_long_ended() -> str | None:
+                    if await status_of(queued) in ("running", "completed"):
+                        return "queued"
+                    return "long" if await status_of(lost) == "completed" else None
+
+                # Ordering, not a time: the first worker's slot frees about 12 s in,
+                # the other's about 40 s in.
+                first_done = await until(next_ran_or_long_ended, "the queued one ran", 90)
+                assert first_done == "queued", "the queued one waited for the long run to end"
+                assert (await wait_finished(on_first, queued, timeout=30))["status"] == (
+                    "completed"
+                )
+    finally:
+        await redis.aclose()
+        await first.stop()
+        await second.stop(signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
+async def test_a_cancel_of_a_dead_workers_run_ends_it_while_every_slot_is_busy(
+    valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """A worker of 1 slot runs a 40 s run; another worker's run is cancelled (202) and
+    that worker is SIGKILLed. Ending the cancelled run runs none of its blocks: it needs
+    no free slot, and must not wait for one (a takeover only into a free slot, 60a78ad,
+    left it running, its stream open, until the 40 s run ended)."""
+    env = {**env_on(valkey, lease_seconds=LEASE), "FLOWCAST_WORKER_SLOTS": "1"}
+    first = FlowcastServer(data_dir=tmp_path / "w1", env=env)
+    second = FlowcastServer(data_dir=tmp_path / "w2", env=env)
+    await second.start()
+    try:
+        async with authed(second) as on_second:
+            await put(on_second, delay_workflow("long", ms=40_000))
+            lost = await execute(on_second, "long")
+            await wait_status(on_second, lost, "running")
+            await first.start()
+            async with authed(first) as on_first:
+                busy = await execute(on_first, "long")
+                await wait_status(on_first, busy, "running")
+                # Stopped first (SIGSTOP), so the cancel is flagged and never written by
+                # its owner, then killed: only a takeover can end it.
+                os.kill(second.pid, signal.SIGSTOP)
+                cancelled = await on_first.post(f"/api/executions/{lost}/cancel")
+                assert cancelled.status_code == 202, cancelled.text
+                await second.stop(signal.SIGKILL)
+
+                async def status_of(eid: str) -> str:
+                    return str((await on_first.get(f"/api/executions/{eid}")).json()["status"])
+
+                async def lost_ended_or_busy_ended() -> str | None:
+                    if await status_of(lost) == "cancelled":
+                        return "cancelled"
+                    return "busy ended" if await status_of(busy) == "completed" else None
+
+                # Ordering, not a time: the busy run ends about 40 s in.
+                first_done = await until(lost_ended_or_busy_ended, "the cancel ended it", 90)
+                assert first_done == "cancelled", "the cancel waited for a free slot"
+                assert (await on_first.get(f"/api/executions/{busy}")).json()["status"] == (
+                    "running"
+                )
+    finally:
+        await first.stop(signal.SIGKILL)  # its 40 s run is no part of the test
+        await second.stop(signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
+async def test_a_start_sent_to_a_worker_whose_recovery_waits_for_a_slot_goes_in_line(
+    valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """A worker of 1 slot, full, finds a dead worker's run due: it waits for the slot.
+    As the worker's own run ends, a start is sent to it, before its next janitor pass
+    (a sweep every half lease, 4 s here): the start took the freed slot at once and
+    the recovery waited again, as long as starts kept coming (recoveries go first
+    only over the queue's takes). It goes in line now, and the recovery runs first."""
+    env = {**env_on(valkey, lease_seconds="4"), "FLOWCAST_WORKER_SLOTS": "1"}
+    first = FlowcastServer(data_dir=tmp_path / "w1", env=env)
+    second = FlowcastServer(data_dir=tmp_path / "w2", env=env)
+    await second.start()
+    redis = Redis.from_url(valkey.url)
+    try:
+        async with authed(second) as on_second:
+            await put(on_second, delay_workflow("lost", ms=3000))
+            await put(on_second, delay_workflow("own", ms=12_000))
+            await put(on_second, delay_workflow("next", ms=500))
+            lost = await execute(on_second, "lost")
+            await wait_status(on_second, lost, "running")
+            await first.start()
+            async with authed(first) as on_first:
+                own = await execute(on_first, "own")
+                await wait_status(on_first, own, "running")
+                await second.stop(signal.SIGKILL)
+                meta = Keys(env["FLOWCAST_REDIS_PREFIX"]).meta(lost)
+                until_ms = int(await redis.hget(meta, "leaseUntil") or 0)
+
+                async def lease_passed() -> bool:
+                    seconds, micros = await redis.time()
+                    return bool(seconds * 1000 + micros // 1000 > until_ms + 3000)
+
+                # Past the lease and more than half another: the worker, full, swept
+                # and found the dead worker's run due.
+                await until(lease_passed, "the dead owner's lease passed", 20)
+                assert not await has_stored(on_first, lost, "execution:recovered")
+                await wait_status(on_first, own, "completed", timeout=30)
+                started = await on_first.post("/api/workflows/next/execute", json={"input": {}})
+                assert started.status_code == 202, started.text
+                recovered = await run_log(on_first, lost)
+                after = await run_log(on_first, started.json()["executionId"])
+        kinds = [event["type"] for event in recovered]
+        tail = recovered[kinds.index("execution:recovered") :]  # what ran on the first
+        assert most_at_once([tail, after]) <= 1, [
+            [(e["type"], e["ts"]) for e in log if e["type"] != "block:chunk"]
+            for log in (tail, after)
+        ]
+        assert tail[0]["ts"] < after[0]["ts"], (tail[0], after[0])
+        assert started.json()["status"] == "queued", started.text
+    finally:
+        await redis.aclose()
         await first.stop()
         await second.stop(signal.SIGKILL)

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+from redis.asyncio import Redis
 
 from tests.support.api import all_events, execute, put, talking_workflow, until
 from tests.support.faults import (
@@ -639,6 +640,73 @@ async def test_a_second_resume_after_the_settle_meets_a_resumer_stalled_less_tha
     assert second.json()["error"]["code"] == "pause_held", second.text
     assert 1 <= int(second.headers["Retry-After"]) <= 4, second.headers
     assert snapshot["output"] == {"echo": {"ok": True}}, snapshot
+
+
+@pytest.mark.timeout(120)
+async def test_a_second_resume_after_an_older_snapshot_meets_a_resumer_stalled_less_than_a_lease(
+    valkey: FaultyValkey, tmp_path: Path
+) -> None:
+    """As the test above, but Valkey comes back from a snapshot taken while the run was
+    paused (not empty): the store holds the pause itself, so nobody stores it again
+    and nothing holds it (claim.lua HELD is set by finals.py only). A second resume
+    sent to A past the settle, within B's lease, was accepted beside B's: two 202s
+    for one pause, and the run completed with the second answer (B's never ran).
+    While the store is behind (about a lease), a paused execution takes no resume or
+    cancel: 503 pause_held, as its deadline does not expire (janitor.py).
+    Found by the fresh-eyes review of 73d4c9d."""
+    lease = {"FLOWCAST_LEASE_SECONDS": "4"}
+    a, b = replica(valkey, tmp_path, "a", **lease), replica(valkey, tmp_path, "b", **lease)
+    wf = approval_flow("resumed-twice-older", after_ms=6_000)
+    async with running(a, b), httpx.AsyncClient(timeout=30) as http:
+        await put(http_for(http, a), wf)
+        eid = await execute(http_for(http, a), wf["id"])
+        await until(lambda: has_event(http_for(http, a), eid, "execution:paused"), "paused")
+        snap = await take_snapshot(valkey, tmp_path / "paused.rdb")
+        snap_mark = int(await _store_mark(valkey))
+        first = await http_for(http, b).post(
+            f"/api/executions/{eid}/resume", json={"input": {"ok": True}}
+        )
+        assert first.status_code == 202, first.text
+        await until(
+            lambda: has_event(http_for(http, b), eid, "block:started", "after"), "B runs on"
+        )
+        # A snapshot older than the processes' last look at the store (every quarter of
+        # a second), as any periodic one is: they remember a mark above its own.
+        await until(
+            _async_check(lambda: _store_mark(valkey), lambda mark: mark > snap_mark + 1000),
+            "the processes looked at the store a second after the snapshot",
+        )
+        os.kill(b.pid, signal.SIGSTOP)
+        try:
+            await crash_and_restore(valkey, snap)
+            second = await http_for(http, a).post(
+                f"/api/executions/{eid}/resume", json={"input": {"ok": False}}
+            )
+        finally:
+            os.kill(b.pid, signal.SIGCONT)
+        snapshot = await finished(http_for(http, a), eid)
+        stored = await all_events(http_for(http, a), eid)
+    answers = [e["data"]["input"] for e in stored if e["type"] == "execution:resumed"]
+    assert second.status_code == 503, (second.text, answers, snapshot)
+    assert second.json()["error"]["code"] == "pause_held", second.text
+    assert 1 <= int(second.headers["Retry-After"]) <= 4, second.headers
+    assert snapshot["output"] == {"echo": {"ok": True}}, snapshot
+
+
+async def _store_mark(valkey: FaultyValkey) -> int:
+    """The store's mark (store.lua): its time at the latest look of a process."""
+    redis = Redis.from_url(valkey.url)
+    try:
+        return int(await redis.hget("fc:store", "mark") or 0)
+    finally:
+        await redis.aclose()
+
+
+def _async_check(read: Any, test: Any) -> Any:
+    async def check() -> bool:
+        return bool(test(await read()))
+
+    return check
 
 
 @contextlib.asynccontextmanager
