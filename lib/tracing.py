@@ -18,12 +18,15 @@ the execution span itself, from ``createdAt``, with that id (``end_execution``).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from lib.otel import Otel
+
+log = logging.getLogger(__name__)
 
 # The SDK side once ``start`` ran; None: tracing is off.
 _otel: Otel | None = None
@@ -67,7 +70,13 @@ def enabled() -> bool:
 def new_trace() -> str | None:
     """The trace of an execution accepted now (None when off): a child of the current
     span (the request's, itself a child of an incoming ``traceparent``) or a new root."""
-    return _otel.new_trace() if _otel is not None else None
+    if _otel is None:
+        return None
+    try:
+        return _otel.new_trace()
+    except Exception:  # a trace is never worth a refused start
+        log.warning("could not draw the execution's trace; it runs untraced", exc_info=True)
+        return None
 
 
 @contextlib.contextmanager
@@ -108,5 +117,13 @@ def block_span(
 def end_execution(identity: Mapping[str, str], execution_id: str, status: str, ts: str) -> None:
     """Export the execution's span, ended at ``ts`` with ``status`` (by the process
     that stored its terminal event)."""
-    if _otel is not None:
+    if _otel is None:
+        return
+    try:
         _otel.end_execution(identity, execution_id, status, ts)
+    except Exception:  # nor an execution's end held up by its span
+        log.warning(
+            "could not export the execution's span",
+            exc_info=True,
+            extra={"executionId": execution_id},
+        )
