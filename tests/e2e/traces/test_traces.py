@@ -1,7 +1,8 @@
 """Traces (SPEC §15) exported to a real OTLP/HTTP receiver on 127.0.0.1: the execution
 span and its block spans in one trace, an incoming ``traceparent`` parenting it, an
-outbound ``http`` block's request carrying it, and a run recovered after its owner was
-SIGKILLed staying one trace with spans from both processes."""
+outbound ``http`` block's request carrying it; one trace across processes (a run
+recovered after its owner was SIGKILLed, a run an API replica queued and a worker ran,
+paused and resumed); a run accepted untraced stays so; Redis spans only when asked."""
 
 from __future__ import annotations
 
