@@ -1,6 +1,6 @@
 """Traces (SPEC §15) exported to a real OTLP/HTTP receiver on 127.0.0.1: the execution
 span and its block spans in one trace, an incoming ``traceparent`` parenting it, an
-outbound ``http`` block's request carrying it; one trace across processes (a run
+outbound ``http`` and ``llm`` calls carrying it; one trace across processes (a run
 recovered after its owner was SIGKILLed, a run an API replica queued and a worker ran,
 paused and resumed); a run accepted untraced stays so; Redis spans only when asked."""
 
@@ -27,10 +27,12 @@ from tests.support.api import (
     wait_status,
 )
 from tests.support.faults import kill_replica, replica
+from tests.support.llm import FakeLLM, llm, llm_block, one_block
 from tests.support.otlp import Receiver, Span, otlp_receiver, traced_env
 from tests.support.servers import FlowcastServer, FlowcastWorker, ValkeyServer, env_on, prefix
 
 pytestmark = pytest.mark.timeout(90)
+__all__ = ["llm"]  # the module's fake provider (tests/support/llm.py)
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +43,13 @@ def receiver() -> Iterator[Receiver]:
 
 @pytest.fixture(scope="module")
 async def traced(
-    valkey: ValkeyServer, receiver: Receiver, tmp_path_factory: pytest.TempPathFactory
+    valkey: ValkeyServer,
+    receiver: Receiver,
+    llm: FakeLLM,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[FlowcastServer]:
     env = {
-        **env_on(valkey, http_allow_private="true"),
+        **env_on(valkey, http_allow_private="true", llm_base_url=llm.url),
         **traced_env(receiver),
     }
     server = FlowcastServer(data_dir=tmp_path_factory.mktemp("traced"), env=env)
@@ -119,6 +124,29 @@ async def test_an_execution_is_one_trace_with_a_span_per_block_attempt_and_its_o
     # The execute request was served in a span of its own (FastAPI instrumentation).
     served = [s for s in receiver.of_trace(span.trace_id) if s.span_id == span.parent_id]
     assert served and "execute" in served[0].name, served
+
+
+async def test_an_llm_blocks_call_carries_the_traceparent_of_its_attempt(
+    traced: FlowcastServer, receiver: Receiver, llm: FakeLLM, unique: str
+) -> None:
+    async with httpx.AsyncClient(base_url=traced.url, timeout=20) as client:
+        await put(client, one_block(f"asks-{unique}", llm_block("draft")))
+        execution_id = await execute(client, f"asks-{unique}", {"n": 1})
+        assert (await wait_finished(client, execution_id, timeout=20))["status"] == "completed"
+    span = await _execution_span(receiver, execution_id)
+    seen = [r for r in llm.requests if "traceparent" in r.headers]
+    assert seen, "the provider was called with a traceparent"
+    _version, trace_id, parent_id, _flags = seen[-1].headers["traceparent"].split("-")
+    assert trace_id == span.trace_id
+
+    def call() -> list[Span]:
+        return [s for s in receiver.of_trace(trace_id) if s.span_id == parent_id]
+
+    outbound = (await until(call, "the llm call's client span", timeout=20))[0]
+    block = next(s for s in receiver.of_trace(trace_id) if s.span_id == outbound.parent_id)
+    assert block.name == "flowcast.block"
+    assert block.attributes["flowcast.block.type"] == "llm"
+    assert block.parent_id == span.span_id
 
 
 async def test_an_incoming_traceparent_parents_the_execution(
