@@ -17,7 +17,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 from fastapi import FastAPI
 
-from app import errors, logs, memory
+from app import errors, logs, memory, tracing
 from app.auth import ApiKeys, Callers, KeysFirst, LoopbackOnly
 from app.catalog import load_catalog
 from app.executor import open_executor
@@ -60,6 +60,7 @@ def create_app(settings: Settings | None = None, *, api: bool = True) -> FastAPI
         openapi_url="/openapi.json" if api else None,
     )
     errors.install(app)
+    tracing.install(app, redis=settings.traces_redis)
     # Innermost: a request waits its turn once its headers were checked and its body
     # arrived (app/limits.py Turns).
     app.add_middleware(Turns, caller=Callers(ApiKeys(settings.api_keys)))
@@ -97,6 +98,7 @@ async def _lifespan(app: FastAPI, *, settings: Settings) -> AsyncIterator[None]:
     # Each step opens its resources on the stack: they close in reverse order, so on
     # shutdown the streams end first, then the runner drains, then the clients close.
     async with AsyncExitStack() as stack:
+        tracing.flush_on_close(stack)
         stores = await open_stores(stack, settings)
         catalog = load_catalog(settings)
         blocks = await open_executor(stack, settings, stores, catalog)

@@ -84,6 +84,9 @@ class Settings(BaseSettings):
     # With API keys set, /metrics needs one too unless this opens it (a scraper on a
     # private network that cannot send a Bearer token).
     metrics_public: bool = False
+    # With traces on (the OTEL_* variables, docs/traces.md), a span per Redis command
+    # too: every background loop's as well, so only when asked.
+    traces_redis: bool = False
 
     @field_validator(
         "redis_url",

@@ -27,6 +27,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+from bench import traces
 from bench.metrics import Bench
 from bench.profile import profile
 from bench.report import Report, Row, machine, render
@@ -47,6 +48,7 @@ METRICS = (
     "streams",
     "queue",
     "floor",
+    "traces",
 )
 
 
@@ -89,6 +91,13 @@ async def main(args: argparse.Namespace) -> int:
                     "streams": bench.streams,
                     "queue": bench.queue,
                     "floor": bench.floor,
+                    "traces": lambda: traces.measure(
+                        root,
+                        stack.flowcast_env(),
+                        report,
+                        count=50 if args.quick else 200,
+                        rounds=3 if args.quick else 5,
+                    ),
                 }
                 for name in METRICS:
                     if name not in chosen:

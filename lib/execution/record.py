@@ -78,7 +78,10 @@ class Field(StrEnum):
     CREATED_AT = "createdAt"
     UPDATED_AT = "updatedAt"
     INLINE_FILES = "inlineFiles"  # "1": file values kept inline up to their own cap
-    WEBHOOKS = "webhooks"  # JSON: the webhooks its events go to (lib/webhooks), or ""
+    WEBHOOKS = "webhooks"  # JSON: the webhooks its events go to (lib/webhooks); absent: none
+    # Its trace when tracing was on at accept (lib/otel.py): every process that runs
+    # it adds its spans to that one; "" or absent: not traced.
+    TRACE = "trace"
     # Ownership (claim.lua, renew.lua; append.lua lets a newer epoch take it back).
     STATUS = "status"
     OWNER = "owner"  # the owner's fencing token; "" once handed off
@@ -390,6 +393,7 @@ class ExecutionMeta:
     error: Any = None
     pause: Any = None
     decision: str = ""  # "rejected": an approval was answered with approved false
+    trace: str = ""  # its trace (lib/otel.py); "": not traced
 
     @property
     def finished(self) -> bool:
@@ -434,6 +438,7 @@ class ExecutionMeta:
             error=loaded(Field.ERROR),
             pause=loaded(Field.PAUSE),
             decision=text(Field.DECISION),
+            trace=text(Field.TRACE),
         )
 
 

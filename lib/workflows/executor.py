@@ -29,6 +29,7 @@ from typing import Any
 
 import orjson
 
+from lib import tracing
 from lib.errors import BlockError, FlowcastError
 from lib.execution.events import (
     BLOCK_CHUNK,
@@ -367,10 +368,18 @@ class _Run:
             async with self.slots:
                 if self.drain.is_set():
                     raise _Deferred
-                try:
-                    return await self._attempt(block, attempt, announced)
-                except BlockError as exc:
-                    error = exc
+                with tracing.block_span(self.execution_id, block.id, block.type, attempt) as span:
+                    try:
+                        output = await self._attempt(block, attempt, announced)
+                    except BlockError as exc:
+                        span.outcome("failed", exc.code)
+                        error = exc
+                    except PauseRequested:
+                        span.outcome("paused")
+                        raise
+                    else:
+                        span.outcome("completed")
+                        return output
             delay = backoff_delay(backoff_ms, attempt, error.retry_after)
             will_retry = error.retryable and attempt < attempts and delay <= MAX_BACKOFF_SECONDS
             message = self.redactor.text(error.message)

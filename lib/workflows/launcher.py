@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from lib import tracing
 from lib.backoff import Backoff
 from lib.errors import BufferUnavailable, FlowcastError, NotFound, OwnerMoved, WrongStatus
 from lib.execution.admission import Admission, paused_member
@@ -155,8 +156,10 @@ class Launcher:
         async def run() -> None:
             CURRENT_TENANT.set(local.tenant)  # its log lines, its share of provider permits
             try:
-                async with events:
-                    await body(local, events)
+                # Its block spans and outbound calls are children of its span.
+                with tracing.execution_context(identity.get(Field.TRACE.value)):
+                    async with events:
+                        await body(local, events)
             finally:
                 await self._let_go(local, events)
 
@@ -246,6 +249,10 @@ class Launcher:
         # its running cap (a lone replica restarted: both ran at once at a cap of 1).
         if writer.final_stored is not None and writer.refused is None:
             self._finals.remember(local, writer.final_stored)
+            if final is not None and final.type != EXECUTION_PAUSED:
+                # Its terminal event is stored by this process: its span ends here.
+                status = final.type.removeprefix("execution:")
+                tracing.end_execution(local.identity, local.execution_id, status, final.ts)
         if local.handoff and writer.refused is None:
             # Let go for another process to take over now (its lease entry, due at
             # once, stays watched until then). If this fails, the lease expires.
@@ -500,8 +507,9 @@ def identity_of(meta: ExecutionMeta) -> dict[str, str]:
         Field.TENANT.value: meta.tenant,
         Field.CREATED_AT.value: meta.created_at,
         Field.INLINE_FILES.value: "1" if meta.inline_files else "",
-        Field.WEBHOOKS.value: meta.webhooks,
         Field.RECOVERIES.value: str(meta.recoveries),
         Field.CRASHES.value: str(meta.crashes),
         Field.DEATHS.value: str(meta.deaths),
+        **({Field.TRACE.value: meta.trace} if meta.trace else {}),
+        **({Field.WEBHOOKS.value: meta.webhooks} if meta.webhooks else {}),
     }

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from lib import tracing
 from lib.backend import Batch
 from lib.errors import (
     BufferUnavailable,
@@ -221,10 +222,13 @@ class Runner:
             Field.TENANT.value: tenant,
             Field.CREATED_AT.value: utc_timestamp(now),
             Field.INLINE_FILES.value: "1" if inline_files else "",
-            Field.WEBHOOKS.value: webhooks.encoded(
-                [*(workflow.webhooks or []), *([webhook] if webhook else [])]
-            ),
         }
+        hooks = webhooks.encoded([*(workflow.webhooks or []), *([webhook] if webhook else [])])
+        if hooks:
+            identity[Field.WEBHOOKS.value] = hooks
+        trace = tracing.new_trace()
+        if trace is not None:
+            identity[Field.TRACE.value] = trace
         with self.dispatcher.slot() as here:
             created = await self._create(
                 execution_id, workflow, input, identity, now, confirm, here=here
@@ -359,7 +363,8 @@ class Runner:
                 created_ms=int(now.timestamp() * 1000),
                 extra={
                     Field.INLINE_FILES.value: identity[Field.INLINE_FILES],
-                    Field.WEBHOOKS.value: identity[Field.WEBHOOKS],
+                    # Only when traced, or with webhooks: else the record is as it was.
+                    **{k: v for k, v in identity.items() if k in (Field.TRACE, Field.WEBHOOKS)},
                     Field.QUOTA_BASE.value: str(size),
                     Field.QUOTA_RECORDED.value: str(size),
                 },

@@ -69,11 +69,13 @@ def locked() -> dict[str, Version]:
 
 def runtime_closure() -> dict[str, list[Requirement]]:
     """Every package Flowcast needs to serve, with the requirements that name it: the
-    `dependencies` of pyproject.toml, their extras, and theirs in turn (from the installed
-    packages' metadata, markers evaluated for this Linux and Python, as in the image)."""
+    `dependencies` of pyproject.toml and its `traces` extra (the image serves traces,
+    docs/traces.md), their extras, and theirs in turn (from the installed packages'
+    metadata, markers evaluated for this Linux and Python, as in the image)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     found: dict[str, list[Requirement]] = {}
-    pending = [Requirement(line) for line in project["dependencies"]]
+    lines = [*project["dependencies"], *project["optional-dependencies"]["traces"]]
+    pending = [Requirement(line) for line in lines]
     while pending:
         requirement = pending.pop()
         name = canonicalize_name(requirement.name)
