@@ -29,6 +29,11 @@ ARGV[1] is the operation:
          Leases the tenant's earliest delivery due now. Returns it, or false.
 "settle" KEYS tenants, due, pending; ARGV[2] member, ARGV[3] "" when it is over (else
          the delay in ms before its next attempt)
+"swap"   KEYS secrets (fc:{webhooks}:secrets, signing.py); ARGV[2] tenant, ARGV[3] the
+         sealed record read ("" when none), ARGV[4] the new one
+         Stores the new record only if the tenant's is still the one read (a rotation
+         racing another must not drop the secret the other answered). Returns 1 if
+         stored, else 0.
 Returns nil unless said otherwise (also for an operation it does not know).
 ]]
 
@@ -83,6 +88,13 @@ elseif op == "take" then
   redis.call("ZADD", due, now + tonumber(ARGV[2]), head[1])
   rescore(tenants, due, tenant_of(due))
   return head[1]
+elseif op == "swap" then
+  local found = redis.call("HGET", KEYS[1], ARGV[2])
+  if (found or "") ~= ARGV[3] then
+    return 0
+  end
+  redis.call("HSET", KEYS[1], ARGV[2], ARGV[4])
+  return 1
 elseif op == "settle" then
   local tenants, due, pending = KEYS[1], KEYS[2], KEYS[3]
   if ARGV[3] == "" then

@@ -5,6 +5,9 @@ Redis encrypted with AES-256-GCM under a key derived from ``FLOWCAST_SECRET_KEY`
 secrets.py does, with its own HKDF label and the tenant as associated data). A rotation
 keeps the previous secret for ``ROTATION_SECONDS``: until then every delivery carries
 two ``v1,`` signatures, the new secret's first, so receivers can switch at their pace.
+A second rotation within that day cuts no earlier secret's day short (each keeps its
+own end, up to ``MAX_OLDER`` of them), and rotations racing each other each keep the
+secret they answered (the record is swapped only if unchanged since read).
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from redis.asyncio import Redis
 
-from lib.backend import translated
+from lib.backend import register, translated
 from lib.errors import BufferUnavailable
 
 PREFIX = "whsec_"
 ROTATION_SECONDS = 24 * 3600
+# At most this many secrets before the previous one still sign (rotated within a day).
+MAX_OLDER = 8
 
 
 def sign(secret: str, webhook_id: str, timestamp: int, body: bytes) -> str:
@@ -50,13 +55,18 @@ class TenantSecrets:
     current: str
     previous: str | None = None
     previous_until: float | None = None  # epoch seconds
+    # Secrets before the previous one, rotated out within their day: (secret, until).
+    older: tuple[tuple[str, float], ...] = ()
 
     def signing(self, now: float | None = None) -> list[str]:
-        """The secrets to sign with now, the current one first."""
+        """The secrets to sign with now, the current one first, then the latest."""
         moment = time.time() if now is None else now
-        if self.previous and self.previous_until and moment < self.previous_until:
-            return [self.current, self.previous]
-        return [self.current]
+        return [self.current] + [secret for secret, until in self._before() if moment < until]
+
+    def _before(self) -> list[tuple[str, float]]:
+        """The earlier secrets with their ends, the latest first."""
+        latest = [(self.previous, self.previous_until)] if self.previous else []
+        return [(s, u) for s, u in latest if u] + list(self.older)
 
 
 class WebhookSecrets:
@@ -69,6 +79,7 @@ class WebhookSecrets:
         self._aead = AESGCM(derived)
         self._redis = redis
         self._key = f"{prefix}:{{webhooks}}:secrets"
+        self._swap = register(redis, __package__, "outbox.lua")
 
     @translated
     async def get(self, tenant: str) -> TenantSecrets:
@@ -81,17 +92,29 @@ class WebhookSecrets:
 
     @translated
     async def rotate(self, tenant: str) -> TenantSecrets:
-        """A new current secret; the old one goes on signing for ``ROTATION_SECONDS``."""
-        old = await self.get(tenant)
-        until = time.time() + ROTATION_SECONDS
-        sealed = self._seal(tenant, new_secret(), (old.current, until))
-        await self._redis.hset(self._key, tenant, sealed)
-        return self._open(tenant, sealed)
+        """A new current secret; the old one goes on signing for ``ROTATION_SECONDS``
+        (and those before it until their own ends)."""
+        await self.get(tenant)
+        while True:
+            raw = cast(bytes, await self._redis.hget(self._key, tenant))
+            old = self._open(tenant, raw)
+            now = time.time()
+            older = [(s, u) for s, u in old._before() if now < u][:MAX_OLDER]
+            sealed = self._seal(tenant, new_secret(), (old.current, now + ROTATION_SECONDS), older)
+            swapped = await self._swap(keys=[self._key], args=["swap", tenant, raw, sealed])
+            if swapped:
+                return self._open(tenant, sealed)
 
-    def _seal(self, tenant: str, current: str, previous: tuple[str, float] | None) -> bytes:
+    def _seal(
+        self,
+        tenant: str,
+        current: str,
+        previous: tuple[str, float] | None,
+        older: list[tuple[str, float]] | None = None,
+    ) -> bytes:
         plain = orjson.dumps(
             {"current": current, "previous": previous[0] if previous else None,
-             "until": previous[1] if previous else None}
+             "until": previous[1] if previous else None, "older": older or []}
         )  # fmt: skip
         nonce = secrets.token_bytes(12)
         sealed = self._aead.encrypt(nonce, plain, tenant.encode())
@@ -106,4 +129,5 @@ class WebhookSecrets:
                 "the webhook secret cannot be decrypted: was FLOWCAST_SECRET_KEY changed?"
             ) from exc
         record = orjson.loads(plain)
-        return TenantSecrets(record["current"], record.get("previous"), record.get("until"))
+        older = tuple((secret, until) for secret, until in record.get("older") or [])
+        return TenantSecrets(record["current"], record.get("previous"), record.get("until"), older)

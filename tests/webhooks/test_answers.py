@@ -1,0 +1,90 @@
+"""An attempt against a receiver that answers oddly (SPEC §15): the deliverer reads
+only the start of an answer (it keeps 200 characters of it), so a receiver that sends
+an endless or huge body costs neither memory nor the attempt's outcome."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import pytest
+from redis.asyncio import Redis
+
+from lib.webhooks.deliver import Deliverer
+from lib.webhooks.outbox import PENDING, Outbox
+from lib.webhooks.signing import WebhookSecrets
+
+CHUNK = b"x" * 65536
+
+
+@dataclass
+class Flood:
+    """A receiver answering 200 with a chunked body that never ends; counts what it sent."""
+
+    port: int = 0
+    sent: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/hook"
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(
+                int(line.split(b":", 1)[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            )
+            await reader.readexactly(length)
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            while True:
+                writer.write(b"%x\r\n%s\r\n" % (len(CHUNK), CHUNK))
+                await writer.drain()
+                self.sent += len(CHUNK)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+
+@contextlib.asynccontextmanager
+async def flooding() -> AsyncIterator[Flood]:
+    flood = Flood()
+    server = await asyncio.start_server(flood.serve, "127.0.0.1", 0)
+    flood.port = server.sockets[0].getsockname()[1]
+    try:
+        yield flood
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(30)
+async def test_a_2xx_with_an_endless_body_is_delivered_and_read_no_further(
+    redis: Redis, unique: str
+) -> None:
+    prefix = f"ans{unique}"
+    outbox = Outbox(redis=redis, prefix=prefix, keep_seconds=60)
+    secrets = WebhookSecrets(redis=redis, key=b"k" * 32, prefix=prefix)
+    deliverer = Deliverer(
+        redis=redis, outbox=outbox, secrets=secrets, retry_seconds=[60],
+        allow_private=True, timeout_seconds=3.0, prefix=prefix,
+    )  # fmt: skip
+    try:
+        async with flooding() as flood:
+            state = {"state": PENDING, "attempts": 0, "hook": flood.url, "url": flood.url}
+            await outbox.owe("t", "ex_1", 4, {0: state}, b'{"id":4}')
+            delivery = await outbox.take("t", 10_000)
+            assert delivery is not None
+            await deliverer.attempt(delivery)
+            [after] = await outbox.states("ex_1")
+        assert after["state"] == "delivered", after["lastAnswer"]
+        assert after["lastAnswer"]["status"] == 200
+        assert len(after["lastAnswer"]["body"]) <= 200
+        # What the receiver got out before the deliverer hung up: a few buffers, not
+        # everything it could push in the attempt's time.
+        assert flood.sent < 8 * 1024 * 1024, flood.sent
+    finally:
+        await deliverer.__aexit__(None, None, None)
