@@ -11,6 +11,7 @@ resolves elsewhere later is caught there.
 from __future__ import annotations
 
 import ipaddress
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,11 +82,12 @@ def address_problems(hooks: Sequence[Webhook], path: str, *, allow_private: bool
     problems = []
     for index, hook in enumerate(hooks):
         host = httpx.URL(hook.url).host
-        refused = host == "localhost" or host.endswith(".localhost")
-        try:
-            refused = refused or is_refused_address(ipaddress.ip_address(host))
-        except ValueError:
-            pass  # a name: checked against what it resolves to at delivery
+        name = host.rstrip(".")
+        refused = name == "localhost" or name.endswith(".localhost")
+        address = _literal(host)
+        if address is not None:
+            refused = refused or is_refused_address(address)
+        # else a name: checked against what it resolves to at delivery
         if refused:
             problems.append(
                 Problem(
@@ -95,6 +97,22 @@ def address_problems(hooks: Sequence[Webhook], path: str, *, allow_private: bool
                 )
             )
     return problems
+
+
+def _literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address ``host`` is, also in the forms the resolver reads as one without
+    asking DNS (inet_aton: ``127.1``, ``2130706433``, ``0x7f000001``, ``0``); None for
+    a name."""
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    if not host or not all(c.isalnum() or c in ".xX" for c in host) or not host[0].isdigit():
+        return None
+    try:
+        return ipaddress.IPv4Address(socket.inet_aton(host))
+    except OSError:
+        return None
 
 
 def encoded(hooks: Sequence[Webhook]) -> str:

@@ -66,6 +66,20 @@ def test_private_hosts_are_refused_unless_allowed() -> None:
 
 
 @pytest.mark.timeout(5)
+def test_loopback_written_in_the_legacy_numeric_forms_or_with_a_final_dot_is_refused() -> None:
+    """What the resolver (inet_aton) reads as an address is one: 127.1, 2130706433,
+    0x7f000001, 017700000001 and 0 are loopback or unspecified, localhost. is localhost."""
+    urls = ("http://127.1/x", "http://2130706433/x", "http://0x7f000001/x",
+            "http://017700000001/x", "http://0/x", "http://localhost./x",
+            "http://a.localhost./x")  # fmt: skip
+    hooks = [Webhook(url=url) for url in urls]
+    problems = address_problems(hooks, "$.webhooks", allow_private=False)
+    assert [p.path for p in problems] == [f"$.webhooks[{i}].url" for i in range(len(urls))]
+    public = [Webhook(url="http://93.184.216.34/x"), Webhook(url="http://1e100.net/x")]
+    assert address_problems(public, "$.webhooks", allow_private=False) == []
+
+
+@pytest.mark.timeout(5)
 def test_the_retry_schedule_setting() -> None:
     default = Settings.model_fields["webhook_retry_seconds"].default
     assert retry_delays(default) == [5, 300, 1800, 7200, 18000, 36000, 36000]
