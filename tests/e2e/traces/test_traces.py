@@ -169,6 +169,35 @@ async def test_an_incoming_traceparent_parents_the_execution(
     assert request.parent_id == caller_span
 
 
+@pytest.mark.parametrize(
+    "header",
+    [
+        "00-" + "0" * 32 + "-" + "1" * 16 + "-01",  # the invalid all-zero trace id
+        "00-" + "a" * 32 + "-" + "0" * 16 + "-01",  # the invalid all-zero span id
+        "ff-" + "a" * 32 + "-" + "b" * 16 + "-01",  # the forbidden version
+        "00-" + "A" * 32 + "-" + "B" * 16 + "-01",  # upper case
+        "00-xyz",
+        "00-" + "a" * 32 + "-" + "b" * 16 + "-01" + "-x" * 4000,  # 8 kB
+    ],
+    ids=["zero-trace", "zero-span", "version-ff", "upper", "short", "huge"],
+)
+async def test_a_malformed_traceparent_is_ignored_and_the_run_gets_a_trace_of_its_own(
+    traced: FlowcastServer, receiver: Receiver, unique: str, header: str
+) -> None:
+    async with httpx.AsyncClient(base_url=traced.url, timeout=20) as client:
+        await put(client, delay_workflow(f"badparent-{unique}", ms=10))
+        execution_id = await execute(
+            client, f"badparent-{unique}", {}, headers={"traceparent": header}
+        )
+        await wait_finished(client, execution_id, timeout=20)
+    span = await _execution_span(receiver, execution_id)
+    assert len(span.trace_id) == 32 and span.trace_id != "0" * 32
+    assert span.trace_id not in header.lower(), "a malformed traceparent was followed"
+    # Its parent is the request that accepted it, itself a root.
+    request = next(s for s in receiver.of_trace(span.trace_id) if s.span_id == span.parent_id)
+    assert not request.parent_id, request
+
+
 async def test_a_run_recovered_after_its_owner_was_killed_stays_one_trace(
     valkey: ValkeyServer, receiver: Receiver, tmp_path: Path, unique: str
 ) -> None:
