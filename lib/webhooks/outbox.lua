@@ -8,7 +8,11 @@ Keys (passed in KEYS, as each operation lists them):
            (paused or terminal) of an execution with webhooks, written *before* the
            batch that stores it; scored by when to look at it (ms, Redis's clock)
   tenants  fc:{webhooks}:tenants       sorted set: each tenant with deliveries, scored
-           by its earliest due one
+           by its earliest due one, or when it was last served if that is later (so
+           tenants take turns: one served goes behind those waiting since before, however
+           old its backlog)
+  served   fc:{webhooks}:served        hash: tenant -> when one of its deliveries was last
+           taken (ms), for the tenants in `tenants`
   due      fc:{webhooks}:due:<tenant>  sorted set: "<eid> <eventId> <n>" (n: which of
            the execution's webhooks), scored by when it is due; an attempt in flight is
            leased by pushing its score past the attempt's timeout
@@ -22,12 +26,12 @@ ARGV[1] is the operation:
 "look"   KEYS owed; ARGV[2] lease ms, ARGV[3] most to return
          The hints due now, each pushed ARGV[2] ms ahead (a looker that dies leaves
          them to the next one). Returns the members.
-"owe"    KEYS owed, tenants, due, pending; ARGV[2] the hint ("" for none), ARGV[3 ..]
+"owe"    KEYS owed, tenants, due, pending, served; ARGV[2] the hint ("" for none), ARGV[3 ..]
          the deliveries to owe: member, member, …
          Adds each delivery due now (NX: owed once, however many look), drops the hint.
-"take"   KEYS tenants, due; ARGV[2] lease ms
+"take"   KEYS tenants, due, served; ARGV[2] lease ms
          Leases the tenant's earliest delivery due now. Returns it, or false.
-"settle" KEYS tenants, due, pending; ARGV[2] member, ARGV[3] "" when it is over (else
+"settle" KEYS tenants, due, pending, served; ARGV[2] member, ARGV[3] "" when it is over (else
          the delay in ms before its next attempt)
 "swap"   KEYS secrets (fc:{webhooks}:secrets, signing.py); ARGV[2] tenant, ARGV[3] the
          sealed record read ("" when none), ARGV[4] the new one
@@ -40,13 +44,17 @@ Returns nil unless said otherwise (also for an operation it does not know).
 local op = ARGV[1]
 local now = now_ms()
 
--- The tenant's score in `tenants`: its earliest due delivery, or gone with the last.
-local function rescore(tenants, due, tenant)
+-- The tenant's score in `tenants`: its earliest due delivery or when it was last
+-- served, whichever is later; gone with its last delivery.
+local function rescore(tenants, due, served, tenant)
   local head = redis.call("ZRANGE", due, 0, 0, "WITHSCORES")
   if head[1] then
-    redis.call("ZADD", tenants, head[2], tenant)
+    local score = tonumber(head[2])
+    local last = tonumber(redis.call("HGET", served, tenant) or "0")
+    redis.call("ZADD", tenants, math.max(score, last), tenant)
   else
     redis.call("ZREM", tenants, tenant)
+    redis.call("HDEL", served, tenant)
   end
 end
 
@@ -66,27 +74,28 @@ elseif op == "look" then
   end
   return found
 elseif op == "owe" then
-  local owed, tenants, due, pending = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+  local owed, tenants, due, pending, served = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
   for i = 3, #ARGV do
     redis.call("ZADD", due, "NX", now, ARGV[i])
     redis.call("ZADD", pending, "NX", now, ARGV[i])
   end
   if #ARGV >= 3 then
-    rescore(tenants, due, tenant_of(due))
+    rescore(tenants, due, served, tenant_of(due))
   end
   if ARGV[2] ~= "" then
     redis.call("ZREM", owed, ARGV[2])
   end
   return nil
 elseif op == "take" then
-  local tenants, due = KEYS[1], KEYS[2]
+  local tenants, due, served = KEYS[1], KEYS[2], KEYS[3]
   local head = redis.call("ZRANGEBYSCORE", due, "-inf", now, "LIMIT", 0, 1)
   if not head[1] then
-    rescore(tenants, due, tenant_of(due))
+    rescore(tenants, due, served, tenant_of(due))
     return false
   end
   redis.call("ZADD", due, now + tonumber(ARGV[2]), head[1])
-  rescore(tenants, due, tenant_of(due))
+  redis.call("HSET", served, tenant_of(due), now)
+  rescore(tenants, due, served, tenant_of(due))
   return head[1]
 elseif op == "swap" then
   local found = redis.call("HGET", KEYS[1], ARGV[2])
@@ -96,14 +105,14 @@ elseif op == "swap" then
   redis.call("HSET", KEYS[1], ARGV[2], ARGV[4])
   return 1
 elseif op == "settle" then
-  local tenants, due, pending = KEYS[1], KEYS[2], KEYS[3]
+  local tenants, due, pending, served = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
   if ARGV[3] == "" then
     redis.call("ZREM", due, ARGV[2])
     redis.call("ZREM", pending, ARGV[2])
   else
     redis.call("ZADD", due, now + tonumber(ARGV[3]), ARGV[2])
   end
-  rescore(tenants, due, tenant_of(due))
+  rescore(tenants, due, served, tenant_of(due))
   return nil
 end
 return nil

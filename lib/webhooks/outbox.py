@@ -71,6 +71,7 @@ class OutboxKeys:
         self.owed = f"{base}:owed"
         self.tenants = f"{base}:tenants"
         self.pending = f"{base}:pending"
+        self.served = f"{base}:served"
         self._base = base
 
     def due(self, tenant: str) -> str:
@@ -135,7 +136,8 @@ class Outbox:
             pipe.expire(key, self.keep_seconds)
             await pipe.execute()
         members = [Delivery(tenant, execution_id, event_id, h).member for h in states]
-        keys = [self.keys.owed, self.keys.tenants, self.keys.due(tenant), self.keys.pending]
+        keys = [self.keys.owed, self.keys.tenants, self.keys.due(tenant), self.keys.pending,
+                self.keys.served]  # fmt: skip
         await self._script(keys=keys, args=["owe", f"{execution_id} {event_id}", *members])
 
     @translated
@@ -154,7 +156,7 @@ class Outbox:
     @translated
     async def take(self, tenant: str, lease_ms: int) -> Delivery | None:
         """Lease the tenant's earliest due delivery for ``lease_ms``; None if none is due."""
-        keys = [self.keys.tenants, self.keys.due(tenant)]
+        keys = [self.keys.tenants, self.keys.due(tenant), self.keys.served]
         member: Any = await self._script(keys=keys, args=["take", lease_ms])
         return Delivery.parse(tenant, member.decode()) if member else None
 
@@ -175,7 +177,8 @@ class Outbox:
             pipe.hset(key, delivery.field, orjson.dumps(state))
             pipe.expire(key, self.keep_seconds)
             await pipe.execute()
-        keys = [self.keys.tenants, self.keys.due(delivery.tenant), self.keys.pending]
+        keys = [self.keys.tenants, self.keys.due(delivery.tenant), self.keys.pending,
+                self.keys.served]  # fmt: skip
         delay = "" if retry_ms is None else str(retry_ms)
         await self._script(keys=keys, args=["settle", delivery.member, delay])
 
