@@ -15,6 +15,7 @@ from redis.asyncio import Redis
 from lib.webhooks.deliver import Deliverer
 from lib.webhooks.outbox import PENDING, Outbox
 from lib.webhooks.signing import WebhookSecrets
+from tests.support.receiver import receiving
 
 CHUNK = b"x" * 65536
 
@@ -88,3 +89,45 @@ async def test_a_2xx_with_an_endless_body_is_delivered_and_read_no_further(
         assert flood.sent < 8 * 1024 * 1024, flood.sent
     finally:
         await deliverer.__aexit__(None, None, None)
+
+
+@pytest.mark.timeout(30)
+async def test_a_redirect_is_not_followed_and_the_delivery_is_tried_again_later(
+    redis: Redis, unique: str
+) -> None:
+    """A receiver answering 307 to another address (it could be a private one, which the
+    address rule checked only for the first) is not followed: the attempt counts as
+    failed, retried on schedule, and the other address gets nothing."""
+    prefix = f"ans{unique}"
+    outbox = Outbox(redis=redis, prefix=prefix, keep_seconds=60)
+    secrets = WebhookSecrets(redis=redis, key=b"k" * 32, prefix=prefix)
+    deliverer = Deliverer(
+        redis=redis, outbox=outbox, secrets=secrets, retry_seconds=[60],
+        allow_private=True, timeout_seconds=3.0, prefix=prefix,
+    )  # fmt: skip
+    async with receiving() as target:
+
+        async def redirect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(
+                f"HTTP/1.1 307 X\r\nlocation: {target.url}\r\ncontent-length: 0\r\n"
+                "connection: close\r\n\r\n".encode()
+            )
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(redirect, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/hook"
+        try:
+            state = {"state": PENDING, "attempts": 0, "hook": url, "url": url}
+            await outbox.owe("t", "ex_2", 4, {0: state}, b'{"id":4}')
+            delivery = await outbox.take("t", 10_000)
+            assert delivery is not None
+            await deliverer.attempt(delivery)
+            [after] = await outbox.states("ex_2")
+        finally:
+            server.close()
+            await deliverer.__aexit__(None, None, None)
+        assert after["state"] == PENDING and after["attempts"] == 1, after
+        assert after["lastAnswer"]["status"] == 307
+        assert target.received == []
