@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ from redis.asyncio import Redis
 from lib.webhooks.deliver import Deliverer
 from lib.webhooks.outbox import PENDING, Outbox
 from lib.webhooks.signing import WebhookSecrets
+from lib.workflows.blocks.base import IPAddress
 from tests.support.receiver import receiving
 
 CHUNK = b"x" * 65536
@@ -131,3 +133,40 @@ async def test_a_redirect_is_not_followed_and_the_delivery_is_tried_again_later(
         assert after["state"] == PENDING and after["attempts"] == 1, after
         assert after["lastAnswer"]["status"] == 307
         assert target.received == []
+
+
+@pytest.mark.timeout(30)
+async def test_a_name_that_resolves_to_loopback_at_delivery_is_refused_then(
+    redis: Redis, unique: str
+) -> None:
+    """DNS rebinding: the name was public when stored; at delivery it resolves to
+    127.0.0.1 (a resolver at the seam says so), where a receiver listens. The attempt is
+    refused before any connection, retried on schedule; the receiver gets nothing."""
+    prefix = f"ans{unique}"
+    outbox = Outbox(redis=redis, prefix=prefix, keep_seconds=60)
+    secrets = WebhookSecrets(redis=redis, key=b"k" * 32, prefix=prefix)
+    asked: list[str] = []
+
+    async def rebinding(host: str, port: int) -> list[IPAddress]:
+        asked.append(host)
+        return [ipaddress.ip_address("93.184.216.34"), ipaddress.ip_address("127.0.0.1")]
+
+    deliverer = Deliverer(
+        redis=redis, outbox=outbox, secrets=secrets, retry_seconds=[60],
+        allow_private=False, timeout_seconds=3.0, prefix=prefix, resolve=rebinding,
+    )  # fmt: skip
+    try:
+        async with receiving() as target:
+            url = f"http://hooks.example.com:{target.port}/hook"
+            state = {"state": PENDING, "attempts": 0, "hook": url, "url": url}
+            await outbox.owe("t", "ex_3", 4, {0: state}, b'{"id":4}')
+            delivery = await outbox.take("t", 10_000)
+            assert delivery is not None
+            await deliverer.attempt(delivery)
+            [after] = await outbox.states("ex_3")
+            assert target.received == []
+    finally:
+        await deliverer.__aexit__(None, None, None)
+    assert asked == ["hooks.example.com"]
+    assert after["state"] == PENDING and after["attempts"] == 1, after
+    assert "127.0.0.1" in after["lastAnswer"]["error"], after["lastAnswer"]
