@@ -23,6 +23,7 @@ from typing import Any
 
 import orjson
 
+from lib.backend import translating
 from lib.errors import BufferUnavailable, WriteRefused
 from lib.execution.admission import Admission, paused_member
 from lib.execution.buffer import EventBuffer
@@ -32,6 +33,7 @@ from lib.execution.flush import batch_meta
 from lib.execution.record import Field
 from lib.execution.values import ValueStore
 from lib.execution.watchlists import WatchLists
+from lib.webhooks.outbox import hint
 from lib.workflows.executor import RunState
 from lib.workflows.leases import LocalRun
 from lib.workflows.model import Workflow
@@ -190,6 +192,13 @@ class Finals:
                 # lost a resume of it, whose owner, if it lives, takes the run back.
                 until_ms = await self._watch.now_ms() + self._hold_ms
                 meta[Field.HELD] = f"{final.event.id} {until_ms}"
+            if final.identity.get(Field.WEBHOOKS):
+                # The store forgot the hint and the deliveries owed with the event: a
+                # hint again, before it is stored again (as its writer left one).
+                with translating("leave a webhook hint"):
+                    await hint(
+                        self._buffer.redis, self._buffer.prefix, execution_id, [final.event.id]
+                    )
             await self._buffer.append(
                 execution_id,
                 [final.event],

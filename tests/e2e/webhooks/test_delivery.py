@@ -257,3 +257,26 @@ async def test_a_pause_and_the_end_are_each_delivered_in_event_order(
         ("execution:completed", "delivered"),
     ]
     assert len({r.headers["webhook-id"] for r in requests}) == 2
+
+
+@pytest.mark.timeout(60)
+async def test_a_paused_run_cancelled_has_its_cancel_delivered_after_its_pause(
+    client: httpx.AsyncClient, unique: str
+) -> None:
+    """The cancel of a paused run is stored by the cancelling request's process, not by
+    a run: it is owed a delivery all the same."""
+    workflow_id = f"hook-cancel-{unique}"
+    async with receiving() as receiver:
+        await put(client, {**approval_workflow(workflow_id), "webhooks": [{"url": receiver.url}]})
+        eid = await execute(client, workflow_id)
+        await receiver.wait_for(1)
+        cancelled = await client.post(f"/api/executions/{eid}/cancel")
+        assert cancelled.status_code == 202, cancelled.text
+        requests = await receiver.wait_for(2)
+        hooks = await deliveries_settled(client, eid)
+    assert [orjson.loads(r.body)["type"] for r in requests] == [
+        "execution:paused",
+        "execution:cancelled",
+    ]
+    assert orjson.loads(requests[1].body)["execution"]["status"] == "cancelled"
+    assert [h["state"] for h in hooks] == ["delivered", "delivered"]
