@@ -13,7 +13,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.support.api import delay_workflow, put, wait_status
+from tests.support.api import delay_workflow, put, until, wait_status
 from tests.support.faults import FaultyValkey, crash_and_restore, replica, take_snapshot
 from tests.support.receiver import receiving
 from tests.support.recovery import finished, http_for, running, settled, valkey
@@ -41,7 +41,7 @@ async def test_an_end_stored_again_after_a_restore_is_still_delivered(
         receiving(500, then=200) as receiver,
     ):
         client = http_for(http, a)
-        await put(client, delay_workflow("restored-hook", ms=800))
+        await put(client, delay_workflow("restored-hook", ms=2000))
         answer = await client.post(
             "/api/workflows/restored-hook/execute",
             json={"input": {}, "webhook": {"url": receiver.url}},
@@ -50,8 +50,20 @@ async def test_an_end_stored_again_after_a_restore_is_still_delivered(
         eid = answer.json()["executionId"]
         await wait_status(client, eid, "running")
         snap = await take_snapshot(valkey, tmp_path / "running.rdb")
+        # Still running once the snapshot is taken: it holds neither the end nor the
+        # delivery (a loaded machine could be slower than the run, and the test moot).
+        still = (await client.get(f"/api/executions/{eid}")).json()
+        assert still["status"] == "running" and not still.get("webhooks"), still
         [first] = await receiver.wait_for(1)
         assert orjson.loads(first.body)["type"] == "execution:completed"
+
+        async def recorded() -> bool:
+            hooks = (await client.get(f"/api/executions/{eid}")).json().get("webhooks")
+            return bool(hooks) and hooks[0]["attempts"] == 1
+
+        # The attempt's outcome stored before the crash (settled after the restore, it
+        # would owe the delivery again itself, 600 s on).
+        await until(recorded, "the first attempt recorded", 20)
         await crash_and_restore(valkey, snap)
         view = await finished(client, eid)
         assert view["status"] == "completed"
@@ -62,4 +74,5 @@ async def test_an_end_stored_again_after_a_restore_is_still_delivered(
             view = (await client.get(f"/api/executions/{eid}")).json()
             pytest.fail(f"the end stored again was never delivered: {view.get('webhooks')}")
     assert requests[1].headers["webhook-id"] == first.headers["webhook-id"]
+    assert requests[1].body == first.body, "one webhook-id, two bodies"
     assert orjson.loads(requests[1].body)["type"] == "execution:completed"
