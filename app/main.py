@@ -10,8 +10,10 @@ the routes reach (``app/services.py``), and closes them in reverse order.
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import logging
+import signal
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
@@ -51,6 +53,9 @@ def create_app(settings: Settings | None = None, *, api: bool = True) -> FastAPI
     settings = settings or Settings()
     logs.configure(settings.log_level, settings.log_format)
     memory.pin_mmap_threshold()
+    # `kill -USR1 <pid>` writes every thread's stack to stderr: where a process that
+    # does not stop (or answer) is.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     app = FastAPI(
         title="Flowcast",
         version="0.1.0",

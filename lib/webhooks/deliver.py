@@ -20,7 +20,6 @@ signature.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -36,6 +35,7 @@ from lib.errors import BlockError, BufferUnavailable
 from lib.execution.events import STATUS_AFTER, TERMINAL_STATUSES
 from lib.execution.record import Field
 from lib.metrics import Metrics
+from lib.tasks import stop
 from lib.webhooks.outbox import DELIVERED, FAILED, PENDING, Delivery, Outbox
 from lib.webhooks.signing import WebhookSecrets, sign
 from lib.webhooks.spec import decoded
@@ -102,14 +102,13 @@ class Deliverer:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        # ``stop`` cancels again a loop whose cancel a Redis call dropped (lib/tasks.py):
+        # awaited after one cancel, the loop ran on and the shutdown waited for it for
+        # good, renewing the leases of runs it never handed off (servers that did not
+        # stop within 30 s in a CI run, and a hand-off nobody took).
+        await stop(self._task)
         # An attempt cut short stays leased: another process makes it again.
-        for task in list(self._attempts):
-            task.cancel()
-        await asyncio.gather(*self._attempts, return_exceptions=True)
+        await stop(*self._attempts)
         await self._client.aclose()
 
     def nudge(self) -> None:
@@ -137,10 +136,14 @@ class Deliverer:
                 log.info("webhook outbox reachable again")
                 failing = False
                 backoff.reset()
+            # A tick instead of a timeout around the wait, as dispatch.py waits: a cancel
+            # that lands as such a timeout fires can come out as the timeout.
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(POLL_SECONDS):
-                    await self._wake.wait()
+            tick = asyncio.get_running_loop().call_later(POLL_SECONDS, self._wake.set)
+            try:
+                await self._wake.wait()
+            finally:
+                tick.cancel()
 
     # -- hints -> deliveries ---------------------------------------------------------
 

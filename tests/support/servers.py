@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator
@@ -116,7 +117,19 @@ class FlowcastServer:
             return 0
         if process.poll() is None:
             process.send_signal(sig)
-        return await asyncio.to_thread(process.wait, timeout)
+        try:
+            return await asyncio.to_thread(process.wait, timeout)
+        except subprocess.TimeoutExpired:
+            # Where it is stuck (app/main.py: SIGUSR1 writes every thread's stack), then
+            # gone: the failure says why, and nothing is left running.
+            process.send_signal(signal.SIGUSR1)
+            await asyncio.sleep(1)
+            process.send_signal(signal.SIGKILL)
+            tail = "\n".join(self.logs().splitlines()[-80:])
+            raise AssertionError(
+                f"the server on port {self.port} did not stop within {timeout:g} s after "
+                f"signal {sig}; the end of its log:\n{tail}"
+            ) from None
 
     def logs(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""

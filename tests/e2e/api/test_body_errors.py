@@ -34,14 +34,15 @@ async def test_an_input_without_its_wrapper_is_told_to_wrap_it(client: httpx.Asy
     error = error_of(response, 422, "invalid_request")
     assert error["message"] == (
         'the request has 2 problems: unknown field "amount": the body is '
-        '{"input": …, "inlineFiles": …}; wrap the input in {"input": …}; unknown field '
-        '"customer": the body is {"input": …, "inlineFiles": …}; wrap the input in {"input": …}'
+        '{"input": …, "inlineFiles": …, "webhook": …}; wrap the input in {"input": …}; unknown '
+        'field "customer": the body is {"input": …, "inlineFiles": …, "webhook": …}; wrap the '
+        'input in {"input": …}'
     )
     assert error["problems"] == [
         {
             "path": f"$.{name}",
-            "message": f'unknown field "{name}": the body is {{"input": …, "inlineFiles": …}}; '
-            'wrap the input in {"input": …}',
+            "message": f'unknown field "{name}": the body is '
+            '{"input": …, "inlineFiles": …, "webhook": …}; wrap the input in {"input": …}',
         }
         for name in ("amount", "customer")
     ]
@@ -53,7 +54,7 @@ async def test_an_input_without_its_wrapper_is_told_to_wrap_it(client: httpx.Asy
     )
     response = await client.post("/api/workflows/approve-refund/execute", json=[40])
     assert error_of(response, 422, "invalid_request")["message"] == (
-        'the body must be a JSON object like {"input": …, "inlineFiles": …}; '
+        'the body must be a JSON object like {"input": …, "inlineFiles": …, "webhook": …}; '
         'wrap the input in {"input": …}'
     )
     response = await client.put("/api/secrets/TOKEN", json={"valu": "long enough"})
