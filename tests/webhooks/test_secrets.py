@@ -27,7 +27,7 @@ async def test_a_second_rotation_within_the_day_keeps_the_first_secret_signing(
 
 
 @pytest.mark.timeout(10)
-async def test_rotations_at_once_leave_every_answered_secrets_signing(
+async def test_rotations_at_once_leave_every_answered_secret_signing(
     redis: Redis, unique: str
 ) -> None:
     """Operators (or a retried request) rotate at the same moment: each was answered a
