@@ -28,6 +28,7 @@ from lib.execution.events import (
     EXECUTION_RESUMED,
     EXECUTION_STARTED,
 )
+from lib.urls import http_url
 
 # The events a webhook may ask for: those of the execution as a whole.
 EVENTS = (
@@ -56,13 +57,7 @@ class Webhook(BaseModel):
     @field_validator("url")
     @classmethod
     def _http_url(cls, value: str) -> str:
-        try:
-            url = httpx.URL(value)
-        except httpx.InvalidURL as exc:
-            raise ValueError(f"not a valid URL: {exc}") from exc
-        if url.scheme not in ("http", "https") or not url.host:
-            raise ValueError("must be an absolute http:// or https:// URL")
-        return value
+        return http_url(value)
 
     @field_validator("events")
     @classmethod

@@ -37,6 +37,7 @@ from pydantic import Field, field_validator
 
 from lib.errors import BlockError
 from lib.slices import decode_json
+from lib.urls import http_url
 from lib.workflows.blocks.base import (
     BlockConfig,
     BlockContext,
@@ -71,13 +72,7 @@ class HttpConfig(BlockConfig):
     @field_validator("url")
     @classmethod
     def _http_url(cls, value: str) -> str:
-        try:
-            url = httpx.URL(value)
-        except httpx.InvalidURL as exc:
-            raise ValueError(f"not a valid URL: {exc}") from exc
-        if url.scheme not in ("http", "https") or not url.host:
-            raise ValueError("must be an absolute http:// or https:// URL")
-        return value
+        return http_url(value)
 
 
 def is_refused_address(address: IPAddress) -> bool:
