@@ -82,9 +82,14 @@ async function prefill(workflowId) {
     hint.textContent = `Input schema: ${JSON.stringify(definition.inputSchema)}`;
     show(hint, true);
   }
-  if ($("input").value.trim() !== form.filled.trim() && $("input").value.trim() !== "{}") return;
+  const box = $("input");
+  // Never under the person's hands: a box they are in (focused) is theirs, whatever it
+  // holds (written while they typed, it lost their selection and their text was added
+  // to ours: "{}{}").
+  if (document.activeElement === box) return;
+  if (box.value.trim() !== form.filled.trim() && box.value.trim() !== "{}") return;
   const example = definition.exampleInput !== undefined ? definition.exampleInput : {};
-  setInput(example);
+  if (JSON.stringify(example, null, 2) !== box.value) setInput(example);
 }
 
 function setInput(value) {

@@ -8,6 +8,7 @@ In a real Chromium against the session's server."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -122,3 +123,35 @@ async def test_the_page_fills_the_input_from_the_documents_example_input(
     assert await input_box(page) == example
     await page.select_option("#workflow", f"plain-{unique}")
     await expect(page.locator("#input")).to_have_value("{}")
+
+
+async def test_a_late_example_never_lands_in_a_box_the_person_is_typing_in(
+    server: FlowcastServer, page: Page, unique: str
+) -> None:
+    """Was a break (a clean-clone CI run): the picked workflow's document arrived while
+    the person (Playwright's fill) had selected the box's text to replace it; the page
+    wrote its own fill over the selection, and the typed text was added to it: the box
+    held "{}{}" and Start refused it as JSON. A box with the focus is the person's."""
+    example = {"amount": 40}
+    schema = {"type": "object", "properties": {"amount": {"type": "integer"}}}
+    async with httpx.AsyncClient(base_url=server.url, timeout=20) as client:
+        late = fan_workflow(f"late-{unique}", exampleInput=example, inputSchema=schema)
+        stored = await client.put(f"/api/workflows/late-{unique}", json=late)
+        assert stored.status_code in (200, 201), stored.text
+    release = asyncio.Event()
+
+    async def held(route: Route) -> None:
+        await release.wait()
+        await route.continue_()
+
+    await page.route(f"**/api/workflows/late-{unique}", held)
+    await page.goto(server.url)
+    box = page.locator("#input")
+    await page.select_option("#workflow", f"late-{unique}")
+    await box.focus()
+    await page.keyboard.press("ControlOrMeta+A")
+    release.set()
+    # The document has arrived and been read: its schema is shown beside the box.
+    await expect(page.locator("#input-hint")).to_be_visible(timeout=SETTLE_MS)
+    await page.keyboard.type('{"mine": 1}')
+    assert await input_box(page) == {"mine": 1}
