@@ -321,10 +321,10 @@ async def test_a_start_sent_to_a_worker_whose_recovery_waits_for_a_slot_goes_in_
 ) -> None:
     """A worker of 1 slot, full, finds a dead worker's run due: it waits for the slot.
     As the worker's own run ends, a start is sent to it, before its next janitor pass
-    (a sweep every half lease, 4 s here): the start took the freed slot at once and
+    (a sweep every half lease; the lease is 3 s here): the start took the freed slot and
     the recovery waited again, as long as starts kept coming (recoveries go first
     only over the queue's takes). It goes in line now, and the recovery runs first."""
-    env = {**env_on(valkey, lease_seconds="4"), "FLOWCAST_WORKER_SLOTS": "1"}
+    env = {**env_on(valkey, lease_seconds="3"), "FLOWCAST_WORKER_SLOTS": "1"}
     first = FlowcastServer(data_dir=tmp_path / "w1", env=env)
     second = FlowcastServer(data_dir=tmp_path / "w2", env=env)
     await second.start()
@@ -332,7 +332,7 @@ async def test_a_start_sent_to_a_worker_whose_recovery_waits_for_a_slot_goes_in_
     try:
         async with authed(second) as on_second:
             await put(on_second, delay_workflow("lost", ms=3000))
-            await put(on_second, delay_workflow("own", ms=12_000))
+            await put(on_second, delay_workflow("own", ms=9_000))
             await put(on_second, delay_workflow("next", ms=500))
             lost = await execute(on_second, "lost")
             await wait_status(on_second, lost, "running")
@@ -346,7 +346,7 @@ async def test_a_start_sent_to_a_worker_whose_recovery_waits_for_a_slot_goes_in_
 
                 async def lease_passed() -> bool:
                     seconds, micros = await redis.time()
-                    return bool(seconds * 1000 + micros // 1000 > until_ms + 3000)
+                    return bool(seconds * 1000 + micros // 1000 > until_ms + 2000)
 
                 # Past the lease and more than half another: the worker, full, swept
                 # and found the dead worker's run due.
