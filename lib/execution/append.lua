@@ -216,8 +216,10 @@ if quota_step > 0 and state[10] then
     footprint, tenant = now_footprint, state[10]
   end
 end
+-- writtenAt: when an owner last wrote (Redis's clock): a run not written since the store
+-- came back behind is one whose end may have been lost (store.lua restoredAt).
 redis.call("HSET", meta, "lastId", last, "firstId", first_kept, "bytes", bytes, "count", count,
-  "reserved", reserved, "ckptBytes", held)
+  "reserved", reserved, "ckptBytes", held, "writtenAt", now_ms())
 if footprint >= 0 then
   redis.call("HSET", meta, "quotaRecorded", footprint)
 end

@@ -106,6 +106,10 @@ class Field(StrEnum):
     HELD = "held"
     # The replay buffer (append.lua).
     LAST_ID = "lastId"
+    # When (ms, Redis's clock) it was created or an owner last appended to it: one not
+    # written since the store was last found behind is as that store brought it back
+    # (store.lua restoredAt, takeovers.py ``recall``).
+    WRITTEN_AT = "writtenAt"
     FIRST_ID = "firstId"  # the oldest id retained
     BYTES = "bytes"  # the retained events' envelope bytes
     COUNT = "count"  # the retained events
@@ -394,6 +398,7 @@ class ExecutionMeta:
     pause: Any = None
     decision: str = ""  # "rejected": an approval was answered with approved false
     trace: str = ""  # its trace (lib/otel.py); "": not traced
+    written_ms: int = 0  # created or last appended to (Field.WRITTEN_AT)
 
     @property
     def finished(self) -> bool:
@@ -439,6 +444,7 @@ class ExecutionMeta:
             pause=loaded(Field.PAUSE),
             decision=text(Field.DECISION),
             trace=text(Field.TRACE),
+            written_ms=number(Field.WRITTEN_AT),
         )
 
 

@@ -24,7 +24,8 @@ lists; see append.lua for the other status changes), only when the metadata name
 tenant, and best effort: a refused PUBLISH is no error.
 
 Returns the lease end in milliseconds (1 for a queued one, which has none). The
-execution starts `running` at epoch 1 (or `queued` at epoch 0), with no events (lastId, firstId, bytes and count 0) and `reserved` ARGV[6]. Returns 0 when
+execution starts `running` at epoch 1 (or `queued` at epoch 0), with no events (lastId,
+firstId, bytes and count 0), `reserved` ARGV[6] and `writtenAt` now (see append.lua). Returns 0 when
 the execution exists already (its id was named in advance, by an Idempotency-Key's
 record, and another request created it first): nothing is written and nothing is
 published. No error reply of its own.
@@ -34,14 +35,16 @@ local meta = KEYS[1]
 if redis.call("EXISTS", meta) == 1 then
   return 0
 end
-local until_ms = now_ms() + tonumber(ARGV[2])
+local now = now_ms()
+local until_ms = now + tonumber(ARGV[2])
 local status, epoch, reserved = "running", 1, tonumber(ARGV[6])
 if ARGV[1] == "" then
   status, epoch, reserved, until_ms = "queued", 0, 0, 1
 end
 local n = tonumber(ARGV[7])
 local fields = {"owner", ARGV[1], "epoch", epoch, "leaseUntil", until_ms, "status", status,
-  "lastId", 0, "firstId", 0, "bytes", 0, "count", 0, "reserved", reserved}
+  "lastId", 0, "firstId", 0, "bytes", 0, "count", 0, "reserved", reserved,
+  "writtenAt", now}
 for i = 8 + 2 * n, #ARGV do
   fields[#fields + 1] = ARGV[i]
 end

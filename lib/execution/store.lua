@@ -4,7 +4,8 @@ that wrote it (a restart from AOF or an older snapshot, a replica promoted), say
 long ownership must wait for owners to re-assert what that server may have lost, and
 whether it lost writes some process saw acknowledged.
 
-KEYS[1]  fc:store  (hash: runId, settleUntil, mark, behindUntil, nodes, born)
+KEYS[1]  fc:store  (hash: runId, settleUntil, mark, behindUntil, nodes, born,
+         restoredAt)
 ARGV[1]  the identity of the server(s) answering now (run ids)
 ARGV[2]  how long to settle after a change, in milliseconds
 ARGV[3]  the highest mark this store ever gave the caller ("0": none yet)
@@ -24,10 +25,16 @@ told it so (the janitors read the wait and hold the deadlines listed when they f
 see it).
 A restart that lost nothing keeps its mark: deadlines fire at once after it.
 
-Returns {settle, behind, mark}: the milliseconds left to settle (0: claims and
-janitors may go on; ARGV[2] when the identity just changed, what is left of that
-settle while it has not), the milliseconds left for deadlines to wait (0: none), and
-the mark to remember. No error reply of its own. A store without the key is new or
+When it was last found behind is kept (restoredAt, Redis's clock): an execution no owner
+wrote since (its writtenAt is older: append.lua) is as that store brought it back, and
+may have ended (or shown ids) since in a way only what its owners recorded outside the
+store knows (takeovers.py ``recall``, asked by every claim of such an execution however
+long after).
+
+Returns {settle, behind, mark, restoredAt}: the milliseconds left to settle (0: claims
+and janitors may go on; ARGV[2] when the identity just changed, what is left of that
+settle while it has not), the milliseconds left for deadlines to wait (0: none), the
+mark to remember, and when the store was last found behind (0: never). No error reply of its own. A store without the key is new or
 came back empty. A new one (the caller saw no mark) has nothing to settle and is not
 behind: (0, 0, and the identity is recorded). One that came back empty (the caller saw
 a mark) settles, as a restart that kept its data does, and is behind for ARGV[4] like
@@ -45,7 +52,7 @@ older than that saw the store before it came back empty, and finds it behind.
 
 local now = now_ms()
 local known = redis.call("HMGET", KEYS[1], "runId", "settleUntil", "mark", "behindUntil",
-  "nodes", "born")
+  "nodes", "born", "restoredAt")
 local nodes = ARGV[5] or ""
 local seen = tonumber(ARGV[3]) or 0
 if not known[1] then
@@ -63,7 +70,11 @@ if not known[1] then
   if seen == 0 then
     redis.call("HSET", KEYS[1], "born", now)
   end
-  return {settle, behind, mark}
+  if seen > 0 then
+    redis.call("HSET", KEYS[1], "restoredAt", now)
+    return {settle, behind, mark, now}
+  end
+  return {settle, behind, mark, 0}
 end
 local settle_until = tonumber(known[2]) or 0
 local mark = tonumber(known[3]) or 0
@@ -78,9 +89,10 @@ if nodes ~= "" and known[5] ~= nodes then
 end
 local born = tonumber(known[6])
 local emptied = born and seen > 0 and seen < born
+local restored_at = tonumber(known[7]) or 0
 if mark < seen or emptied then
-  behind_until = now + tonumber(ARGV[4])
-  redis.call("HSET", KEYS[1], "behindUntil", behind_until)
+  behind_until, restored_at = now + tonumber(ARGV[4]), now
+  redis.call("HSET", KEYS[1], "behindUntil", behind_until, "restoredAt", now)
 end
 if emptied then
   -- Found: the others are told what is left; it settles from now (the process that
@@ -95,4 +107,4 @@ if seen > 0 then
   mark = math.max(mark, seen, now)
   redis.call("HSET", KEYS[1], "mark", mark)
 end
-return {math.max(settle_until - now, 0), math.max(behind_until - now, 0), mark}
+return {math.max(settle_until - now, 0), math.max(behind_until - now, 0), mark, restored_at}

@@ -14,7 +14,10 @@ snapshot, a lagging replica promoted); for about a lease after that is found
 re-assert a pause it resumed. A restart that lost nothing keeps its mark, and deadlines
 fire at once after it. For ``RESTORED_LEASES`` leases after a process last saw the store
 behind, its takeovers number above the durable ceiling (ceiling.py): an owner dead or
-stalled across the restore could not re-assert the ids it showed.
+stalled across the restore could not re-assert the ids it showed. And however long
+after, an execution no owner wrote since the store was last found behind (``predates``)
+is as the store brought it back: the claim that moves it first asks what its owners
+recorded outside the store (takeovers.py ``recall``).
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class Store:
     # How long the approval deadlines a store found behind held must still wait: it was
     # found so (it lost writes a process saw acknowledged) less than about a lease ago.
     behind_seconds: float = 0.0
+    # When (ms, Redis's clock) the store was last found behind; 0: never.
+    restored_ms: int = 0
 
 
 class StoreIdentity:
@@ -70,6 +75,8 @@ class StoreIdentity:
         self._mark = 0
         # When (monotonic) this process last saw the store behind; None: never.
         self._behind_seen: float | None = None
+        # When (ms, Redis's clock) any process last found the store behind (store.lua).
+        self._restored_ms = 0
         self.restored_seconds = RESTORED_LEASES * lease_seconds
         # How often each process asks which server answers (and looks at deadlines).
         self.check_seconds = self.settle_seconds / 4
@@ -83,13 +90,16 @@ class StoreIdentity:
         identity, nodes = await self._identities()
         settle_ms = int(self.settle_seconds * 1000)
         behind_ms = int(self.behind_seconds * 1000)
-        settle, behind, mark = await self._store(
+        settle, behind, mark, restored = await self._store(
             keys=[self.keys.store], args=[identity, settle_ms, self._mark, behind_ms, nodes]
         )
         self._mark = max(self._mark, int(mark))
+        self._restored_ms = int(restored)
         if int(behind) > 0:
             self._behind_seen = time.monotonic()
-        return Store(f"{identity} {nodes}".strip(), int(settle) / 1000, int(behind) / 1000)
+        return Store(
+            f"{identity} {nodes}".strip(), int(settle) / 1000, int(behind) / 1000, int(restored)
+        )
 
     async def _identities(self) -> tuple[str, str]:
         """The run id of the server that answers (on a cluster, the client's default
@@ -110,6 +120,13 @@ class StoreIdentity:
         reservations it holds may be below ids an owner that is gone showed."""
         seen = self._behind_seen
         return seen is not None and time.monotonic() - seen < self.restored_seconds
+
+    def predates(self, written_ms: int) -> bool:
+        """True for an execution last written (``writtenAt``, append.lua) before the
+        store was last found behind: no owner wrote it since, so it is as the store
+        brought it back, and may have ended since in a way the store forgot (a
+        completed run back paused, however long ago that restore was)."""
+        return written_ms < self._restored_ms
 
     def still_behind(self) -> None:
         """Keep ``came_back_behind`` true for another ``restored_seconds``: a takeover

@@ -268,10 +268,14 @@ class Takeovers:
 
         The store may have forgotten ids an owner showed, or how the run ended, and the
         process that knew is not here to re-assert it: what the owners recorded
-        outside it says (ceiling.py, finals.py). ``ValueStoreError`` when it cannot say
-        (the window of ``came_back_behind`` then lasts until it can). ``expected``: the
-        owner a takeover replaces (it stops counting if the end is stored again)."""
-        if not self._store.came_back_behind():
+        outside it says (ceiling.py, finals.py). Asked for a while after this process saw
+        the store behind, and for good of an execution nobody wrote since the store was
+        last found so (a completed run back paused and cancelled an hour later; before,
+        only within the while, which a busy machine outlasted in a CI run).
+        ``ValueStoreError`` when it cannot say (the window of ``came_back_behind`` then
+        lasts until it can). ``expected``: the owner a takeover replaces (it stops
+        counting if the end is stored again)."""
+        if not (self._store.came_back_behind() or self._store.predates(meta.written_ms)):
             return 0
         try:
             async with asyncio.timeout(RECALL_SECONDS):

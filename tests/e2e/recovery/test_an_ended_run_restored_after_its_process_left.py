@@ -13,7 +13,8 @@ Found by the step 15 fault review.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -109,17 +110,34 @@ async def test_a_run_that_ended_on_a_replica_since_gone_does_not_end_again_after
     assert stored[-1] == seen[-1], ("the run ended again", stored[-1], seen[-1])
 
 
+@dataclass
+class Restored:
+    """A run restored paused after it completed (``restored_paused_after_completing``)."""
+
+    http: httpx.AsyncClient
+    b: FlowcastServer  # the replica left
+    eid: str
+    seen: list[dict[str, Any]]  # the events a client saw on A
+    start_another: Callable[[str], Awaitable[FlowcastServer]]  # a replica started now
+
+
 @contextlib.asynccontextmanager
 async def restored_paused_after_completing(
     valkey: FaultyValkey, tmp_path: Path, moto: MotoServer, wf: dict[str, Any]
-) -> AsyncIterator[tuple[httpx.AsyncClient, FlowcastServer, str, list[dict[str, Any]]]]:
+) -> AsyncIterator[Restored]:
     """Run ``wf`` (an approval flow) on A to its pause, snapshot Valkey, resume it to
     completion on A, let A leave, and bring Valkey back from the snapshot: the run is
-    paused again in the store, with B the only replica. Yields the client, B, the
-    execution id and the events a client saw on A."""
+    paused again in the store, with B the only replica."""
     shared = await shared_bucket(moto)
     a, b = replica(valkey, tmp_path, "a", **shared), replica(valkey, tmp_path, "b", **shared)
     async with running(a, b) as alive, httpx.AsyncClient(timeout=30) as http:
+
+        async def start_another(name: str) -> FlowcastServer:
+            server = replica(valkey, tmp_path, name, **shared)
+            alive.append(server)
+            await server.start()
+            return server
+
         await put(http_for(http, a), wf)
         eid = await execute(http_for(http, a), wf["id"])
         await until(lambda: has_event(http_for(http, a), eid, "execution:paused"), "paused")
@@ -135,7 +153,7 @@ async def restored_paused_after_completing(
         await crash_and_restore(valkey, snap)
         await put(http_for(http, b), wf)
         await until(lambda: settled_store(valkey), "the store settled", timeout=20)
-        yield http, b, eid, seen
+        yield Restored(http, b, eid, seen, start_another)
 
 
 def assert_ended_once(seen: list[dict[str, Any]], stored: list[dict[str, Any]]) -> None:
@@ -157,13 +175,34 @@ async def test_a_run_restored_paused_after_it_completed_meets_its_end_when_cance
     keep outside Redis. Every claim now asks first (takeovers.py ``recall``): B stores
     the run's end again and answers 409 with the status that won."""
     wf = approval_flow("paused-then-done")
-    async with restored_paused_after_completing(valkey, tmp_path, moto, wf) as (http, b, eid, seen):
+    async with restored_paused_after_completing(valkey, tmp_path, moto, wf) as restored:
+        http, b, eid = restored.http, restored.b, restored.eid
         body = {"input": {"ok": False}} if asked == "resume" else None
         answer = await http_for(http, b).post(f"/api/executions/{eid}/{asked}", json=body)
         assert answer.status_code == 409, answer.text
         assert "completed" in answer.text, answer.text
         stored = await all_events(http_for(http, b), eid)
-    assert_ended_once(seen, stored)
+    assert_ended_once(restored.seen, stored)
+
+
+async def test_a_run_restored_paused_after_it_completed_meets_its_end_however_long_after(
+    valkey: FaultyValkey, tmp_path: Path, moto: MotoServer
+) -> None:
+    """The same cancel, through a replica started after the restore: it never saw the
+    store behind, as none does once the while after seeing it is over (10 leases; a
+    busy CI machine outlasted it between the restore and the cancel, and the cancel of
+    the completed run was answered 202). The store keeps when it was found behind and
+    each run when an owner last wrote it: a run nobody wrote since is asked about
+    (takeovers.py ``recall``), however long after."""
+    wf = approval_flow("paused-then-done-later")
+    async with restored_paused_after_completing(valkey, tmp_path, moto, wf) as restored:
+        c = await restored.start_another("c")
+        http, eid = restored.http, restored.eid
+        answer = await http_for(http, c).post(f"/api/executions/{eid}/cancel")
+        assert answer.status_code == 409, answer.text
+        assert "completed" in answer.text, answer.text
+        stored = await all_events(http_for(http, c), eid)
+    assert_ended_once(restored.seen, stored)
 
 
 async def test_a_run_restored_paused_after_it_completed_is_not_expired_at_its_deadline(
@@ -176,7 +215,8 @@ async def test_a_run_restored_paused_after_it_completed_is_not_expired_at_its_de
     end the run a second time (failed, approval timeout) under ids a client saw."""
     wf = approval_flow("paused-with-deadline")
     wf["blocks"][1]["config"]["timeoutSeconds"] = 3
-    async with restored_paused_after_completing(valkey, tmp_path, moto, wf) as (http, b, eid, seen):
+    async with restored_paused_after_completing(valkey, tmp_path, moto, wf) as restored:
+        http, b, eid = restored.http, restored.b, restored.eid
 
         async def no_longer_paused() -> bool:
             log = await all_events(http_for(http, b), eid)
@@ -184,4 +224,4 @@ async def test_a_run_restored_paused_after_it_completed_is_not_expired_at_its_de
 
         await until(no_longer_paused, "the restored pause met its deadline", timeout=30)
         stored = await all_events(http_for(http, b), eid)
-    assert_ended_once(seen, stored)
+    assert_ended_once(restored.seen, stored)

@@ -13,7 +13,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from lib.backend import Keys
-from tests.execution.scripts.contract import inbox, publish_refused, refusal, script
+from tests.execution.scripts.contract import inbox, now_ms, publish_refused, refusal, script
 
 TOKEN = "node-a:1111"
 ROW = {"tenant": "acme", "workflowId": "wf", "createdAt": "c0", "updatedAt": "u0"}
@@ -89,6 +89,20 @@ async def test_a_batch_is_stored_after_the_last_id_and_answered_with_the_ring(
     assert meta == [b"3", b"1", str(size).encode(), b"3", b"8"]
     again = await append(redis, keys, eid, [chunk(4)], first=4)
     assert again[0] == 4 and again[4] == 8  # the reservation never goes down
+
+
+async def test_every_append_stamps_when_an_owner_last_wrote_on_redis_clock(
+    redis: Redis, keys: Keys, eid: str
+) -> None:
+    """writtenAt: a run not written since the store was last found behind is as the
+    store brought it back (store.lua restoredAt, takeovers.py ``recall``)."""
+    await owned(redis, keys, eid, writtenAt=1)
+    before = await now_ms(redis, keys.meta(eid))
+    await append(redis, keys, eid, [chunk(1)], first=1)
+    after = await now_ms(redis, keys.meta(eid))
+    assert before <= int(await redis.hget(keys.meta(eid), "writtenAt") or 0) <= after
+    await append(redis, keys, eid, [], first=2)  # an owner re-asserting writes too
+    assert int(await redis.hget(keys.meta(eid), "writtenAt") or 0) >= after
 
 
 async def test_reserved_is_never_below_the_last_stored_id(

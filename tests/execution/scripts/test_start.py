@@ -46,6 +46,7 @@ async def test_an_execution_starts_running_at_epoch_1_with_its_lease_on_redis_cl
         b"status": b"running", b"lastId": b"0", b"firstId": b"0", b"bytes": b"0",
         b"count": b"0", b"reserved": b"0", b"workflowId": b"wf", b"tenant": b"acme",
         b"createdAt": b"c0", b"updatedAt": b"u0", b"mode": b"x",
+        b"writtenAt": str(until - 15_000).encode(),
     }  # fmt: skip
     assert 3_500 < await redis.ttl(keys.meta(eid)) <= 3_600
 

@@ -25,6 +25,20 @@ async def store(
     seen: int = 0,
     nodes: str | None = None,
 ) -> list[int]:
+    """settle, behind and mark."""
+    return (await store_all(redis, keys, identity, settle, seen=seen, nodes=nodes))[:3]
+
+
+async def store_all(
+    redis: Redis,
+    keys: Keys,
+    identity: str,
+    settle: int = SETTLE_MS,
+    *,
+    seen: int = 0,
+    nodes: str | None = None,
+) -> list[int]:
+    """store.lua's whole answer: settle, behind, mark and restoredAt."""
     args: list[Any] = [identity, settle, seen, BEHIND_MS]
     reply: Any = await script(redis, "store.lua")(
         keys=[keys.store], args=args if nodes is None else [*args, nodes]
@@ -176,3 +190,23 @@ async def test_a_new_process_answered_first_by_an_older_snapshot_hides_nothing(
     # The new process is not told the store is behind what it was given itself.
     await redis.hset(keys.store, "behindUntil", 0)
     assert (await store(redis, keys, "run-b", seen=given))[1] == 0
+
+
+async def test_when_the_store_was_last_found_behind_is_kept_and_told_to_every_caller(
+    redis: Redis, keys: Keys
+) -> None:
+    """restoredAt: an execution no owner wrote since then is as the store brought it
+    back, however long ago that was (takeovers.py ``recall``). 0 until found behind;
+    a store found behind again later moves it on; emptied stores count too."""
+    *_, mark, restored = await store_all(redis, keys, "run-a")
+    assert restored == 0
+    await redis.hset(keys.store, "mark", mark - 5_000)  # an older snapshot
+    before = await now_ms(redis, keys.store)
+    *_, first = await store_all(redis, keys, "run-b", seen=mark)
+    assert first >= before
+    assert (await store_all(redis, keys, "run-b"))[3] == first  # told, not moved
+    assert (await store_all(redis, keys, "run-b", seen=mark))[3] == first
+    await redis.delete(keys.store)  # later, it came back empty
+    *_, emptied = await store_all(redis, keys, "run-c", seen=mark + 60_000)
+    assert emptied >= first
+    assert int(await redis.hget(keys.store, "restoredAt") or 0) == emptied
