@@ -51,7 +51,8 @@ from app.errors import ApiError, error_payload
 from app.limits import turn_set_aside
 from lib.backend import Keys, load_script, translating
 from lib.errors import BufferUnavailable, FlowcastError
-from lib.slices import decode, encode, sha256_hex
+from lib.parsing import decode
+from lib.slices import encode, sha256_hex
 from lib.workflows.runner import Started, new_execution_id
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,8 @@ CREATED_MEANWHILE_SECONDS = 0.25
 async def fingerprint(scope: str, body: bytes) -> bytes:
     """What makes two requests "the same": the scope and the body as canonical JSON, so
     a retry serialized differently (spacing, key order) still matches. A large body is
-    parsed and encoded in slices (lib/slices.py): a 10 MB one held the loop ~0.1 s."""
+    parsed and encoded in slices (lib/parsing.py, lib/slices.py): a 10 MB one held the
+    loop ~0.1 s."""
     try:
         value = await decode(body, orjson.loads, orjson.loads)
         canonical = await encode(value, orjson.OPT_SORT_KEYS)

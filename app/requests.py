@@ -1,5 +1,5 @@
 """Request bodies read in one place: refused in Flowcast's words when they are not JSON,
-parsed by orjson, in slices when large (``lib/slices.py``).
+parsed by orjson, in slices when large (``lib/parsing.py``).
 
 FastAPI parses a JSON body with the standard library, about ten times slower than orjson,
 on the event loop: a 10 MB input held every tenant's requests for most of a second
@@ -32,7 +32,7 @@ from pydantic import BaseModel
 
 from app.errors import ApiError, InvalidRequest
 from lib.errors import Problem
-from lib.slices import decode_json
+from lib.parsing import decode_json
 
 SEND_JSON = "send Content-Type: application/json with a JSON body"
 

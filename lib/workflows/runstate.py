@@ -21,7 +21,8 @@ from lib.errors import NotFound
 from lib.execution.buffer import EventBuffer
 from lib.execution.record import Field
 from lib.execution.values import ValueStore, value_id
-from lib.slices import decode, encode, sha256_hex
+from lib.parsing import decode
+from lib.slices import encode, sha256_hex
 from lib.workflows.checkpoint import read_fields, write_fields
 from lib.workflows.executor import RunState
 from lib.workflows.model import Workflow

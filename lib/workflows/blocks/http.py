@@ -36,7 +36,7 @@ import httpx
 from pydantic import Field, field_validator
 
 from lib.errors import BlockError
-from lib.slices import decode_json
+from lib.parsing import decode_json
 from lib.urls import http_url
 from lib.workflows.blocks.base import (
     BlockConfig,
@@ -301,7 +301,7 @@ async def _exchange(
 async def _body(response: httpx.Response, content: bytes) -> Any:
     """The response's JSON when it says it is JSON, else its text.
 
-    UTF-8 JSON is parsed from the bytes in slices (``lib.slices.decode_json``): the
+    UTF-8 JSON is parsed from the bytes in slices (``lib.parsing.decode_json``): the
     standard library's parse of 35 MB held the event loop for seconds (step 16's
     review, row 1). Anything else (another charset, bytes that are no UTF-8, no JSON)
     is decoded and parsed as before."""

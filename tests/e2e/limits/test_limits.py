@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lib.slices import parse_json
+from lib.parsing import parse_json
 from tests.support.api import put, streaming_workflow, wait_finished, wait_status
 from tests.support.servers import FlowcastServer, ValkeyServer
 
