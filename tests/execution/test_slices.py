@@ -254,3 +254,30 @@ async def test_a_large_parsed_value_is_kept_out_of_full_collections_until_nothin
     # What lives after that collection is kept out again (startup's objects, 70 ms of
     # every full collection of a bare server otherwise: app/memory.py).
     assert gc.get_freeze_count() > 0
+
+
+@pytest.mark.timeout(60)
+async def test_garbage_kept_out_with_values_held_all_along_is_found_within_the_hold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Large values kept one after another would hold back the garbage moved out with
+    them for good: past ``HOLD_SECONDS`` a full collection finds it, and what lives is
+    kept out again."""
+    monkeypatch.setattr(letgo, "SWEEP_SECONDS", 0.02)
+    monkeypatch.setattr(letgo, "HOLD_SECONDS", 3600.0)
+    body = orjson.dumps({"items": [{"id": n, "tags": ["a"]} for n in range(60_000)]})
+    cycle = _Cycle()
+    gc.collect()
+    garbage = weakref.ref(cycle)
+    del cycle
+    held = await decode_json(body)
+    gc.collect()
+    assert garbage() is not None  # held back with the value
+    monkeypatch.setattr(letgo, "HOLD_SECONDS", 0.1)
+    while garbage() is not None:  # the hold passes while the value is still kept
+        await asyncio.sleep(0.02)
+    assert any(value is held["items"] for value in letgo._kept)
+    assert gc.get_freeze_count() > 0 and not any(found is held for found in gc.get_objects())
+    del held
+    while letgo._sweeper:
+        await letgo._sweeper[0]
