@@ -5,6 +5,7 @@ the streams first, then drains the runner."""
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from lib.execution.offload import OffloadPolicy
 from lib.execution.stream import Readers
 from lib.metrics import Metrics
 from lib.webhooks.deliver import Deliverer
-from lib.webhooks.outbox import Outbox
+from lib.webhooks.outbox import Outbox, OutboxKeys
 from lib.webhooks.signing import WebhookSecrets
 from lib.workflows.finals import Finals
 from lib.workflows.janitor import Janitor
@@ -61,6 +62,9 @@ async def start_runtime(
     # Idle tails look for an execution the store lost about once a lease.
     tail_block_ms = min(TAIL_BLOCK_MS, max(100, int(settings.lease_seconds * 1000)))
     hub = Hub()
+    # A hint written anywhere wakes this process's webhook deliverer, if it has one.
+    webhook_wake = asyncio.Event()
+    delivers = settings.worker_slots > 0
     readers = await stack.enter_async_context(
         Readers(
             buffer=stores.buffer,
@@ -69,6 +73,7 @@ async def start_runtime(
             gone_seconds=settings.lease_seconds,
             cutoff_seconds=settings.lease_seconds,
             metrics=metrics,
+            wakes={OutboxKeys(settings.redis_prefix).wake: webhook_wake} if delivers else None,
         )
     )
     runner = await stack.enter_async_context(
@@ -88,7 +93,9 @@ async def start_runtime(
         slots=runner.dispatcher.slots,
         used=runner.running_here,
     )
-    outbox, webhook_secrets = await start_webhooks(stack, settings, stores, blocks, metrics)
+    outbox, webhook_secrets = await start_webhooks(
+        stack, settings, stores, blocks, metrics, wake=webhook_wake
+    )
     return Runtime(
         metrics=metrics,
         hub=hub,
@@ -101,10 +108,16 @@ async def start_runtime(
 
 
 async def start_webhooks(
-    stack: AsyncExitStack, settings: Settings, stores: Stores, blocks: Blocks, metrics: Metrics
+    stack: AsyncExitStack,
+    settings: Settings,
+    stores: Stores,
+    blocks: Blocks,
+    metrics: Metrics,
+    *,
+    wake: asyncio.Event,
 ) -> tuple[Outbox, WebhookSecrets]:
     """The webhook outbox and secrets; a process that runs work also delivers (its own
-    tasks and client, never a worker slot)."""
+    tasks and client, never a worker slot), woken by ``wake`` (set by its tails)."""
     redis, prefix = stores.buffer.redis, settings.redis_prefix
     retries = settings.webhook_retries
     keep = settings.retention_seconds + int(sum(retries)) + 3600
@@ -123,6 +136,7 @@ async def start_webhooks(
                 timeout_seconds=settings.webhook_timeout_seconds,
                 metrics=metrics,
                 prefix=prefix,
+                wake=wake,
             )
         )
     return outbox, secrets

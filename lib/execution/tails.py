@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from typing import Self
 
 from lib.backoff import Backoff
@@ -61,8 +62,13 @@ class Tails:
         gone_seconds: float = 15.0,
         cutoff_seconds: float = 15.0,
         metrics: Metrics | None = None,
+        wakes: Mapping[str, asyncio.Event] | None = None,
     ) -> None:
         self.buffer = buffer
+        # Other channels heard on the same subscription: each sets its event on every
+        # message, and on every (re)subscription, when a message may have been missed
+        # (the webhook deliverer's wake, lib/webhooks/deliver.py).
+        self.wakes = dict(wakes or {})
         self.hub = hub or Hub()
         self.metrics = metrics
         self.tail_block_ms = tail_block_ms
@@ -161,10 +167,13 @@ class Tails:
         keys = self.buffer.keys
         # However the client hands the channel's name over (bytes unless it decodes).
         status = {keys.status, keys.status.encode()}
+        wakes: dict[str | bytes, asyncio.Event] = {}
+        for name, event in self.wakes.items():
+            wakes[name] = wakes[name.encode()] = event
         while not self._closed:
             pubsub = self.buffer.tail_redis.pubsub()
             try:
-                await pubsub.subscribe(keys.notify, keys.status)
+                await pubsub.subscribe(keys.notify, keys.status, *self.wakes)
                 connection = getattr(pubsub, "connection", None)
                 if connection is not None:
                     connection.register_connect_callback(self._reconnected)
@@ -192,6 +201,9 @@ class Tails:
                     if message["channel"] in status:
                         self.hub.statuses.publish(message["data"])
                         continue
+                    if (wake := wakes.get(message["channel"])) is not None:
+                        wake.set()
+                        continue
                     self._heard(message["data"])
             except asyncio.CancelledError:
                 raise
@@ -210,6 +222,8 @@ class Tails:
         for channel in self.hub:
             channel.wake.set()
         self.hub.statuses.invalidate_all()
+        for wake in self.wakes.values():
+            wake.set()
 
     async def _tail(self, channel: Channel) -> None:
         backoff = Backoff(base=0.05, cap=5.0)

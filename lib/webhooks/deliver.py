@@ -52,9 +52,14 @@ LEASE_MARGIN_MS = 2_000
 # event is not stored yet (its writer may be retrying through an outage) is looked at
 # again after this.
 HINT_LEASE_MS = 1_000
-# How often the loop looks when nothing woke it; the longest it waits while the outbox
-# is unreachable.
-POLL_SECONDS = 0.25
+# The loop polls nothing: it waits until the earliest hint or delivery is due (outbox.lua
+# "next"), or for a wake: a hint, a delivery owed or a retry scheduled anywhere
+# (published on the outbox's wake channel, which this process's tails subscribe to and
+# hand over as ``wake``), an attempt ended here, a (re)subscription (a publish may have
+# been missed). Nothing due: this long at most, in case a wake went missing all the same.
+IDLE_SECONDS = 30.0
+# While the outbox is unreachable: the first wait, and the longest.
+OUTAGE_FIRST_WAIT_SECONDS = 0.25
 OUTAGE_WAIT_SECONDS = 5.0
 MAX_ANSWER_CHARS = 200
 # At most this much of an answer is read (UTF-8: 200 characters fit in 800 bytes).
@@ -77,6 +82,7 @@ class Deliverer:
         metrics: Metrics | None = None,
         resolve: Resolver | None = None,
         prefix: str = "fc",
+        wake: asyncio.Event | None = None,
     ) -> None:
         self._redis = redis
         self._outbox = outbox
@@ -92,7 +98,8 @@ class Deliverer:
         self._busy: dict[str, int] = {}
         self._served: dict[str, float] = {}
         self._room = asyncio.Semaphore(concurrency)
-        self._wake = asyncio.Event()
+        # Set by this process's tails on a hint written anywhere (``wake`` channel).
+        self._wake = wake or asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._attempts: set[asyncio.Task[None]] = set()
         self._client = httpx.AsyncClient(follow_redirects=False, trust_env=False)
@@ -118,12 +125,13 @@ class Deliverer:
     async def _run(self) -> None:
         # While Redis is unreachable: one warning, then growing waits (the executions'
         # own writers report the outage too).
-        backoff = Backoff(base=POLL_SECONDS, cap=OUTAGE_WAIT_SECONDS)
+        backoff = Backoff(base=OUTAGE_FIRST_WAIT_SECONDS, cap=OUTAGE_WAIT_SECONDS)
         failing = False
         while True:
             try:
                 await self._look()
                 await self._take()
+                wait = await self._next_wait()
             except BufferUnavailable as exc:
                 if not failing:
                     log.warning("webhook outbox unreachable; will retry", extra={"error": str(exc)})
@@ -139,11 +147,19 @@ class Deliverer:
             # A tick instead of a timeout around the wait, as dispatch.py waits: a cancel
             # that lands as such a timeout fires can come out as the timeout.
             self._wake.clear()
-            tick = asyncio.get_running_loop().call_later(POLL_SECONDS, self._wake.set)
+            tick = asyncio.get_running_loop().call_later(wait, self._wake.set)
             try:
                 await self._wake.wait()
             finally:
                 tick.cancel()
+
+    async def _next_wait(self) -> float:
+        """How long to wait unless woken: until the earliest hint or delivery is due;
+        while every attempt slot is busy, until one ends (it wakes the loop)."""
+        if self._room.locked():
+            return IDLE_SECONDS
+        due_ms = await self._outbox.next_ms()
+        return IDLE_SECONDS if due_ms < 0 else min(due_ms / 1000, IDLE_SECONDS)
 
     # -- hints -> deliveries ---------------------------------------------------------
 

@@ -23,6 +23,9 @@ ARGV[1] is the operation:
 
 "hint"   KEYS owed; ARGV[2] delay ms, ARGV[3 ..] the hints ("<eid> <eventId>")
          Adds each hint (NX: one already there keeps its time), due after the delay.
+"next"   KEYS owed, tenants
+         The milliseconds until the earliest hint or tenant is due (0: now), -1: none
+         (a delivery process waits that long, or for a wake, instead of polling).
 "look"   KEYS owed; ARGV[2] lease ms, ARGV[3] most to return
          The hints due now, each pushed ARGV[2] ms ahead (a looker that dies leaves
          them to the next one). Returns the members.
@@ -39,6 +42,10 @@ ARGV[1] is the operation:
          racing another must not drop the secret the other answered). Returns 1 if
          stored, else 0.
 Returns nil unless said otherwise (also for an operation it does not know).
+
+"hint", "owe" and a "settle" that schedules another attempt publish "" on the wake
+channel fc:{webhooks}:wake (pub/sub, beside the keys): something may now be due sooner
+than the delivery processes were told by "next", and they ask again.
 ]]
 
 local op = ARGV[1]
@@ -58,6 +65,11 @@ local function rescore(tenants, due, served, tenant)
   end
 end
 
+-- Tell the delivery processes to ask "next" again (the channel beside `key`).
+local function wake(key)
+  redis.call("PUBLISH", string.match(key, "^(.*:)[^:]*$") .. "wake", "")
+end
+
 local function tenant_of(due)
   return string.match(due, ":due:(.*)$")
 end
@@ -66,7 +78,20 @@ if op == "hint" then
   for i = 3, #ARGV do
     redis.call("ZADD", KEYS[1], "NX", now + tonumber(ARGV[2]), ARGV[i])
   end
+  wake(KEYS[1])
   return nil
+elseif op == "next" then
+  local soonest = nil
+  for i = 1, 2 do
+    local head = redis.call("ZRANGE", KEYS[i], 0, 0, "WITHSCORES")
+    if head[1] and (not soonest or tonumber(head[2]) < soonest) then
+      soonest = tonumber(head[2])
+    end
+  end
+  if not soonest then
+    return -1
+  end
+  return math.max(0, soonest - now)
 elseif op == "look" then
   local found = redis.call("ZRANGEBYSCORE", KEYS[1], "-inf", now, "LIMIT", 0, tonumber(ARGV[3]))
   for _, member in ipairs(found) do
@@ -81,6 +106,7 @@ elseif op == "owe" then
   end
   if #ARGV >= 3 then
     rescore(tenants, due, served, tenant_of(due))
+    wake(tenants)
   end
   if ARGV[2] ~= "" then
     redis.call("ZREM", owed, ARGV[2])
@@ -113,6 +139,9 @@ elseif op == "settle" then
     redis.call("ZADD", due, now + tonumber(ARGV[3]), ARGV[2])
   end
   rescore(tenants, due, served, tenant_of(due))
+  if ARGV[3] ~= "" then
+    wake(tenants)
+  end
   return nil
 end
 return nil

@@ -72,6 +72,9 @@ class OutboxKeys:
         self.tenants = f"{base}:tenants"
         self.pending = f"{base}:pending"
         self.served = f"{base}:served"
+        # Pub/sub, not a key: something may be due sooner (outbox.lua publishes on it;
+        # the delivery processes' tails subscribe, lib/execution/tails.py).
+        self.wake = f"{base}:wake"
         self._base = base
 
     def due(self, tenant: str) -> str:
@@ -139,6 +142,12 @@ class Outbox:
         keys = [self.keys.owed, self.keys.tenants, self.keys.due(tenant), self.keys.pending,
                 self.keys.served]  # fmt: skip
         await self._script(keys=keys, args=["owe", f"{execution_id} {event_id}", *members])
+
+    @translated
+    async def next_ms(self) -> int:
+        """Milliseconds until the earliest hint or delivery is due (0: now), -1: none."""
+        found: Any = await self._script(keys=[self.keys.owed, self.keys.tenants], args=["next"])
+        return int(found)
 
     @translated
     async def drop_hint(self, execution_id: str, event_id: int) -> None:

@@ -4,13 +4,17 @@ server here allows private addresses; the retries are short (the setting)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
+from redis.asyncio import Redis
 from standardwebhooks import Webhook
 
 from tests.support.api import (
@@ -280,3 +284,39 @@ async def test_a_paused_run_cancelled_has_its_cancel_delivered_after_its_pause(
     ]
     assert orjson.loads(requests[1].body)["execution"]["status"] == "cancelled"
     assert [h["state"] for h in hooks] == ["delivered", "delivered"]
+
+
+@pytest.mark.timeout(60)
+async def test_an_idle_deliverer_asks_redis_nothing_and_a_hint_wakes_it(
+    valkey: ValkeyServer, tmp_path: Path, unique: str
+) -> None:
+    """The deliverer of every process that runs work looked at the outbox four times a
+    second (8 Redis commands), webhooks or not. It now waits until the earliest hint or
+    delivery is due, or for a wake published with each: idle, it sends nothing; a run's
+    webhook is still delivered."""
+    async with (
+        serving(valkey, tmp_path, http_allow_private="true") as server,
+        httpx.AsyncClient(base_url=server.url, timeout=20) as client,
+        Redis.from_url(valkey.url) as redis,
+    ):
+        outbox = f"{server.env['FLOWCAST_REDIS_PREFIX']}:{{webhooks}}"
+        heard: list[str] = []
+        async with redis.monitor() as monitor:
+
+            async def listen() -> None:
+                async for entry in monitor.listen():
+                    if outbox in entry["command"]:
+                        heard.append(entry["command"])
+
+            listening = asyncio.create_task(listen())
+            await asyncio.sleep(2.0)  # the window measured: 16 commands before
+            listening.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listening
+        assert heard == [], heard
+        workflow_id = f"hook-idle-{unique}"
+        await put(client, quick_workflow(workflow_id))
+        async with receiving() as receiver:
+            eid = await execute_hooked(client, workflow_id, {"url": receiver.url})
+            [request] = await receiver.wait_for(1)
+        assert orjson.loads(request.body)["execution"]["id"] == eid
