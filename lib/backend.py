@@ -73,7 +73,8 @@ class Keys:
 
     def revoked(self, execution_id: str) -> str:
         """The fencing tokens of the execution's revoked deliveries (claim.lua
-        "revoke"): a set that expires by itself, never listed with its other keys."""
+        "revoke"): a set, given its execution's TTL by every append (retention once it
+        ended: it outlived its execution by the running TTL before)."""
         return f"{self.prefix}:{{{execution_id}}}:revoked"
 
     def execution(self, execution_id: str) -> list[str]:
@@ -83,6 +84,7 @@ class Keys:
             self.meta(execution_id),
             self.dropped(execution_id),
             self.state(execution_id),
+            self.revoked(execution_id),
         ]
 
     def index(self, tenant: str) -> str:

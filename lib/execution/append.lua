@@ -6,6 +6,7 @@ KEYS[2]  the execution's metadata hash   fc:{<eid>}:meta
 KEYS[3]  the execution's dropped ranges  fc:{<eid>}:dropped  (sorted set, score = first id)
 KEYS[4]  the execution's run state       fc:{<eid>}:state    (its checkpoint fields are
                                                              set here, with their events)
+KEYS[5]  its revoked deliveries (claim.lua)  fc:{<eid>}:revoked  (only its TTL is set here)
 
 ARGV[1]  fencing token of the writer; must equal the hash's `owner` field
 ARGV[2]  the writer's epoch (the `epoch` its claim gave it)

@@ -117,15 +117,19 @@ async def test_every_key_gets_the_running_ttl_until_a_terminal_status_sets_reten
     redis: Redis, keys: Keys, eid: str
 ) -> None:
     await owned(redis, keys, eid)
+    # A delivery of it revoked once (claim.lua): the set lived 30 days, past the run.
+    await redis.sadd(keys.revoked(eid), "t-late")
+    await redis.expire(keys.revoked(eid), 30 * 86_400)
     await append(redis, keys, eid, [chunk(1)], first=1, ttl=3_600, checkpoint={"o:b": "1"})
     assert 3_500 < await redis.ttl(keys.meta(eid)) <= 3_600
     assert 3_500 < await redis.ttl(keys.state(eid)) <= 3_600
+    assert 3_500 < await redis.ttl(keys.revoked(eid)) <= 3_600
     done = ("execution:completed", json.dumps({"id": 2}))
     reply = await append(
         redis, keys, eid, [done], first=2, reserve=9, retention=600, meta={"status": "completed"}
     )
     assert reply[4] == 2  # finished: nothing is shown above the stored events
-    for key in (keys.events(eid), keys.meta(eid), keys.state(eid)):
+    for key in (keys.events(eid), keys.meta(eid), keys.state(eid), keys.revoked(eid)):
         assert 500 < await redis.ttl(key) <= 600
     assert await redis.hget(keys.meta(eid), "status") == b"completed"
 
