@@ -285,18 +285,20 @@ class BufferUnavailable(FlowcastError):
 
 
 class PauseHeld(BufferUnavailable):
-    """A resume or cancel of a pause that a replica stored again after the store came
-    back empty, within a lease of that: the store may have lost a resume of it, whose
-    owner takes the run back if it lives. Answered 503 with ``Retry-After``."""
+    """A resume or cancel of a pause while the store is behind (it came back without
+    writes it had acknowledged, less than a lease ago), or of one a replica stored again
+    after the store came back empty, within a lease of that: the store may have lost a
+    resume of it, whose owner takes the run back if it lives. Answered 503 with
+    ``Retry-After`` (claim.lua HELD)."""
 
     code = "pause_held"
 
     def __init__(self, execution_id: str, *, held_ms: int) -> None:
         self.retry_after = max(1, -(-held_ms // 1000))
         super().__init__(
-            f"the store came back empty and the pause of {execution_id} was stored again "
-            f"from a replica's memory; it takes no answer for {self.retry_after} s, so "
-            "that a resume the store lost is never answered twice: try again then"
+            "the event store came back without writes it had acknowledged; the pause of "
+            f"{execution_id} takes no answer for {self.retry_after} s, so that a resume "
+            "the store lost is never answered twice: try again then"
         )
         self.execution_id = execution_id
 

@@ -60,6 +60,11 @@ ARGV[9]  takeover: "busy" when the caller runs a suspect already: a run whose ow
 ARGV[10] the status channel (fc:status, pub/sub) and ARGV[11] the execution id: "take"
          and a resume to "queue" publish the execution's new list row there (the live
          lists), as start.lua does
+ARGV[12] resume, cancel: how long the store is still behind, in ms (store.lua's wait
+         after it came back without writes it had acknowledged; "" or "0": it is not):
+         a pause is held that long (HELD), whatever it is: it may be one the store
+         brought back after a resume it lost, whose owner, stalled, takes the run back
+         within a lease (renew.lua)
 
 Suspicion: `deaths` counts every death of an owner while it ran (charged or not), and a
 run with two deaths is a suspect wherever it runs next; `crashes` counts the deaths charged
@@ -98,11 +103,12 @@ the claim and a first write that would tell it too late. Error replies:
   "SUSPECT"         takeover: the caller runs a suspect already (ARGV[9]) and this run's
                     owners died twice: left for a process without one
   "REVOKED"         take: the delivery was revoked (given back to the line): dropped
-  "HELD <ms>"       resume or cancel of a pause stored again from a process's memory
-                    after the store came back empty (finals.py; `held` says until when,
-                    while its last id is that pause's): the store may have lost a resume
-                    of it whose owner, stalled, takes the run back within a lease; the
-                    caller is told to try again in <ms>
+  "HELD <ms>"       resume or cancel of a pause while the store is behind (ARGV[12]),
+                    or of one stored again from a process's memory after the store came
+                    back empty (finals.py; `held` says until when, while its last id is
+                    that pause's): the store may have lost a resume of it whose owner,
+                    stalled, takes the run back within a lease; the caller is told to
+                    try again in <ms>
 A new owner token in `owner` fences the previous owner out of append.lua.
 ]]
 
@@ -136,17 +142,24 @@ end
 local last = tonumber(state[2]) or 0
 local base = math.max(last, tonumber(state[8]) or 0)
 
--- A pause stored again is held (HELD) while it is the last event, until `held`'s time.
+-- A pause is held (HELD) while the store is behind (ARGV[12]), and a pause stored again
+-- while it is the last event, until `held`'s time: the longer of the two.
 local function held_for()
+  if status ~= "paused" then
+    return nil
+  end
+  local behind = tonumber(ARGV[12]) or 0
   local held = redis.call("HGET", meta, "held")
-  if status ~= "paused" or not held then
+  if held then
+    local at, until_ms = string.match(held, "^(%d+) (%d+)$")
+    if tonumber(at) == last and tonumber(until_ms) > now then
+      behind = math.max(behind, tonumber(until_ms) - now)
+    end
+  end
+  if behind <= 0 then
     return nil
   end
-  local at, until_ms = string.match(held, "^(%d+) (%d+)$")
-  if tonumber(at) ~= last or tonumber(until_ms) <= now then
-    return nil
-  end
-  return tonumber(until_ms) - now
+  return behind
 end
 
 local recoveries = tonumber(state[10]) or 0

@@ -32,9 +32,11 @@ against a real server, and checks that this drawing is the table):
     running  renew       renew.lua   running   the owner, every third of a lease
                                                refused: GONE FENCED BEHIND
     paused   resume      claim.lua   running   any process, for a valid answer (once);
-                                               not for a lease after a replica stored
-                                               the pause again (the store came back
-                                               empty: finals.py): HELD
+                                               not while the store is behind (a lease
+                                               after it came back without writes it had
+                                               acknowledged: store.py), nor for a lease
+                                               after a replica stored the pause again
+                                               (it came back empty: finals.py): HELD
                                                refused: NOEXEC STATUS BLOCK HELD
     paused   resume later  claim.lua   queued    any process, for a valid answer (once),
                                                when it may not run it now (its tenant
@@ -188,8 +190,9 @@ TRANSITIONS: tuple[Transition, ...] = (
     ),
     Transition(
         Status.PAUSED, "resume", Script.CLAIM, Mode.RESUME, (Status.RUNNING,),
-        "any process, for a valid answer (once);\nnot for a lease after a replica stored\n"
-        "the pause again (the store came back\nempty: finals.py): HELD",
+        "any process, for a valid answer (once);\nnot while the store is behind (a lease\n"
+        "after it came back without writes it had\nacknowledged: store.py), nor for a lease\n"
+        "after a replica stored the pause again\n(it came back empty: finals.py): HELD",
         (Reply.NOEXEC, Reply.STATUS, Reply.BLOCK, Reply.HELD),
     ),
     Transition(
@@ -483,6 +486,7 @@ class Ownership:
         verdict: Verdict = Verdict.ALONE,
         busy: bool = False,
         later: bool = False,
+        behind_ms: int = 0,
     ) -> Claim:
         """Win a transition (see claim.lua); its refusal otherwise (``WrongStatus`` with
         the status that won, ``NotFound``, …: see ``TRANSITIONS``).
@@ -494,7 +498,8 @@ class Ownership:
         ``verdict`` says who the dead owner's death is charged to; ``busy``, that the
         caller runs a suspect already (``SuspectHeld`` for a run whose owners died:
         blame.py). A resume ``later`` puts the execution in line instead of running it
-        here (the claim's owner is then "").
+        here (the claim's owner is then ""). ``behind_ms``: how long the store is still
+        behind (store.py): a resume or cancel of a pause is refused ``PauseHeld`` so long.
         """
         argument = block_id if mode is Mode.RESUME else expected
         try:
@@ -523,6 +528,7 @@ class Ownership:
                     "busy" if busy else "",
                     self.keys.status,
                     execution_id,
+                    behind_ms,
                 ],
             )
         except ResponseError as exc:

@@ -29,7 +29,7 @@ of its refusals is not in the map.
     claim.lua   MODE <mode>       UnknownTransition  no such transition (a bug)
     claim.lua   SUSPECT           SuspectHeld        the caller runs a suspect already
     claim.lua   REVOKED           DeliveryRevoked    the delivery was given back
-    claim.lua   HELD <ms>         PauseHeld          a pause stored again is held a lease
+    claim.lua   HELD <ms>         PauseHeld          a pause is held: the store is behind
     queue.lua   MODE <op>         UnknownTransition  no such operation (a bug)
     renew.lua   GONE              RecordLost         no metadata: the writer recreates it
     renew.lua   FENCED            Fenced             another owner, same or later epoch
@@ -311,7 +311,7 @@ REFUSALS: Final[tuple[Refusal, ...]] = (
         lambda asked, _detail: DeliveryRevoked(asked.execution_id),
     ),
     Refusal(
-        Script.CLAIM, Reply.HELD, PauseHeld, "a pause stored again is held a lease",
+        Script.CLAIM, Reply.HELD, PauseHeld, "a pause is held: the store is behind",
         lambda asked, detail: PauseHeld(asked.execution_id, held_ms=int(detail)),
         detail="<ms>",
     ),

@@ -18,6 +18,7 @@ process to recover at once.
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
@@ -129,7 +130,9 @@ class Runner:
             parts,
             slots=worker_slots,
             start=self._start_taken,
-            recall=takeovers.recalled,
+            # A take asks how the run ended only when the store was seen behind: the
+            # start path (takeovers.py recall).
+            recall=functools.partial(takeovers.recalled, ends=False),
             metrics=metrics,
         )
         listener.on_queued = self.dispatcher.nudge
@@ -529,16 +532,12 @@ class Runner:
         whose end it lost has that end stored again, and the claim is refused with it.
         """
         try:
+            # A store that came back without writes it had acknowledged (an older
+            # snapshot, or empty) less than a lease ago holds every pause that long
+            # (claim.lua HELD): it may be one it brought back after a resume it lost,
+            # whose owner, stalled, takes the run back within a lease (the fresh-eyes
+            # review of 73d4c9d, two 202s for one pause).
             store = await self._store.wait_settled()
-            if store.behind_seconds > 0 and meta.status == Status.PAUSED:
-                # The store came back without writes it had acknowledged (an older
-                # snapshot, or empty) less than a lease ago: this pause may be one it
-                # brought back after a resume it lost, whose owner, stalled, takes the
-                # run back within a lease (renew.lua). Not answered until then, as its
-                # deadline is not (janitor.py), nor a pause stored again (claim.lua
-                # HELD, which a store that kept the pause itself never gets): the
-                # fresh-eyes review of 73d4c9d, two 202s for one pause.
-                raise PauseHeld(execution_id, held_ms=int(store.behind_seconds * 1000))
             ceiling = await self._takeovers.recalled(execution_id, meta)
             await self._watch.hold(execution_id, fence)
             claim = await self._ownership.claim(
@@ -549,8 +548,9 @@ class Runner:
                 answer=answer,
                 base_at_least=ceiling,
                 later=later,
+                behind_ms=int(store.behind_seconds * 1000),
             )
-        except (Conflict, NotFound):
+        except (Conflict, NotFound, PauseHeld):  # refused: the claim did not apply
             await self._launcher.quietly(
                 execution_id,
                 self._watch.release(execution_id, fence),

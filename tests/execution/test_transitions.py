@@ -441,6 +441,13 @@ async def test_any_process_resumes_a_pause_once_with_its_answer_checkpointed(
     assert (await claim(machine, over, Mode.RESUME, "node-c:1")).owner == "node-c:1"
     moved_on = await machine.held(at=1)
     assert (await claim(machine, moved_on, Mode.RESUME, "node-c:1")).owner == "node-c:1"
+    # While the store is behind (store.py), every pause is held that long, whatever it is.
+    paused = await machine.paused("node-a:1")
+    behind = await check.refused(
+        Reply.HELD, claim(machine, paused, Mode.RESUME, "node-c:1", behind_ms=4_500)
+    )
+    assert behind.retry_after == 5  # type: ignore[attr-defined]
+    assert (await machine.record(paused))[Field.STATUS] == Status.PAUSED
     check.every_refusal_tried()
 
 
@@ -510,6 +517,9 @@ async def test_any_process_cancelling_a_pause_owns_it_to_write_the_cancel(
     held = await machine.held()
     await check.refused(Reply.HELD, claim(machine, held, Mode.CANCEL, "node-c:1"))
     assert Field.CANCEL_REQUESTED not in await machine.record(held)
+    paused = await machine.paused("node-a:1")
+    await check.refused(Reply.HELD, claim(machine, paused, Mode.CANCEL, "node-c:1", behind_ms=800))
+    assert Field.CANCEL_REQUESTED not in await machine.record(paused)
     check.every_refusal_tried()
 
 
