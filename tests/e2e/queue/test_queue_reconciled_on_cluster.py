@@ -9,13 +9,17 @@ runs once."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import AbstractConnection
 
 from app.connections import connect
+from lib.errors import BufferUnavailable
 from lib.execution.buffer import EventBuffer
+from lib.execution.queue import Queue
 from lib.execution.store import StoreIdentity
 from tests.support.api import delay_workflow, put, quick_workflow, wait_finished, wait_status
 from tests.support.cluster import ValkeyCluster
@@ -130,3 +134,43 @@ async def test_the_store_settles_whatever_node_each_process_calls_its_default(
         finally:
             for client in clients:
                 await client.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_a_connection_the_cluster_client_closes_under_a_take_is_an_outage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cluster client that gets CLUSTERDOWN (the restarted node of the lines serves
+    its slots only about 2 s after it answers) closes every connection it holds, also
+    one another command is connecting on: that command fails inside the client with an
+    AttributeError ('NoneType' object has no attribute 'writelines'). In a CI run under
+    load it ended the worker's dispatcher task, and the queued executions put back in
+    line were never taken. It is an outage of the store like any other (the dispatcher
+    logs it and takes again at its next round)."""
+    send = AbstractConnection._send_packed_command
+    closed: list[AbstractConnection] = []
+
+    async def closed_under_it(self: AbstractConnection, command: Any) -> None:
+        if not closed and self._writer is not None:
+            # What the client's aclose(), in another task, does to this connection
+            # while the command waits its turn to be written (disconnect()).
+            closed.append(self)
+            self._writer.close()
+            self._writer = None
+        await send(self, command)
+
+    async with ValkeyCluster(data_dir=tmp_path / "cluster") as cluster:
+        client = connect(cluster.url, socket_timeout=5, max_connections=4)
+        try:
+            assert isinstance(client, RedisCluster)
+            queue = Queue(buffer=EventBuffer(redis=client, prefix=prefix()), lease_seconds=2)
+            assert await queue.take("f1") is None  # connected, nothing queued
+            await client.aclose()  # as on a CLUSTERDOWN: every connection is closed
+            await client.initialize()  # the slots read again; the next command connects
+            monkeypatch.setattr(AbstractConnection, "_send_packed_command", closed_under_it)
+            with pytest.raises(BufferUnavailable):
+                await queue.take("f2")
+            assert closed, "the fault was never injected"
+            assert await queue.take("f3") is None  # the next round takes again
+        finally:
+            await client.aclose()
