@@ -12,8 +12,9 @@ ARGV[3]  the highest mark this store ever gave the caller ("0": none yet)
 ARGV[4]  how long approval deadlines wait after the store was found behind, in
          milliseconds (about a lease: the owners' time to re-assert what it lost)
 ARGV[5]  (optional) on a cluster, the identity of every primary: another one there
-         is a change too (a node restarted), as ARGV[1] is; recorded the first time
-         without one (processes of an earlier version send none)
+         is the change (a node restarted), whatever ARGV[1] says; recorded the first
+         time without one (processes of an earlier version send none, and are told
+         of a change by ARGV[1] alone)
 
 The mark is the store's own time of its latest call (of a caller that saw one; Redis's
 clock, never lower than the mark before): a process remembers the highest one it was
@@ -79,8 +80,18 @@ end
 local settle_until = tonumber(known[2]) or 0
 local mark = tonumber(known[3]) or 0
 local behind_until = tonumber(known[4]) or 0
-local nodes_changed = nodes ~= "" and known[5] and known[5] ~= nodes
-if known[1] ~= ARGV[1] or nodes_changed then
+local changed = known[1] ~= ARGV[1]
+if nodes ~= "" and known[5] then
+  -- On a cluster the run ids of every primary say whether a node changed; ARGV[1], the
+  -- run id of the caller's default node, says nothing more, and differs between
+  -- processes whose clients chose other default nodes (a client picks one again each
+  -- time it reads the slots, e.g. after a CLUSTERDOWN): two such processes, each
+  -- calling its own "a change", kept the settle from ever ending, and no lease was
+  -- swept nor any ownership moved again. It is recorded only with a change, so a
+  -- caller that sends no nodes (an earlier version) finds the same one each time.
+  changed = known[5] ~= nodes
+end
+if changed then
   settle_until = now + tonumber(ARGV[2])
   redis.call("HSET", KEYS[1], "runId", ARGV[1], "settleUntil", settle_until)
 end

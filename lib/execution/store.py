@@ -97,15 +97,18 @@ class StoreIdentity:
         self._restored_ms = int(restored)
         if int(behind) > 0:
             self._behind_seen = time.monotonic()
-        return Store(
-            f"{identity} {nodes}".strip(), int(settle) / 1000, int(behind) / 1000, int(restored)
-        )
+        # On a cluster every primary's run id, and not the default node's: the client
+        # picks its default again each time it reads the slots (after a CLUSTERDOWN),
+        # and that is no other server answering.
+        return Store(nodes or identity, int(settle) / 1000, int(behind) / 1000, int(restored))
 
     async def _identities(self) -> tuple[str, str]:
         """The run id of the server that answers (on a cluster, the client's default
         node, as processes of earlier versions read it: a rolling deploy must not see
         it change back and forth), and on a cluster the run ids of every primary, so
-        that a restart of any node is noticed ("" on a single server)."""
+        that a restart of any node is noticed ("" on a single server). On a cluster the
+        primaries decide (store.lua): processes whose clients chose other default
+        nodes send other run ids for the same servers."""
         if not isinstance(self.redis, RedisCluster):
             info: Any = await self.redis.info("server")
             return str(info.get("run_id", "")), ""

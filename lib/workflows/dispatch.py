@@ -22,6 +22,7 @@ from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 
+from lib.backend import translated
 from lib.backoff import Backoff
 from lib.errors import DeliveryRevoked, FlowcastError, NotFound, WrongStatus
 from lib.execution.indexes import created_ms
@@ -341,6 +342,7 @@ class Dispatcher:
         )
         await self._queue.claimed(taken)
 
+    @translated
     async def reconcile(self) -> int:
         """Put back in line every queued execution no line holds: after the store came
         back from another server (a restart, a failover, a restore), the line and the
