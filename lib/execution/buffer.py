@@ -336,14 +336,12 @@ class EventBuffer:
         the entry anyway, indexes.py)."""
         opened = indexes.bucket_keys(self.keys, listed.tenant, listed.workflow_id, indexes.OPEN)
         try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for key in opened:
-                    pipe.zrem(key, execution_id)
-                await pipe.execute()
+            # One round trip for both: the sweep's sample goes with the removal.
             await indexes.sweep(
                 self.redis,
                 self.keys,
                 indexes.creation_keys(self.keys, listed.tenant, listed.workflow_id),
+                unlist=[(key, execution_id) for key in opened],
             )
         except Exception as exc:
             if not is_unreachable(exc):

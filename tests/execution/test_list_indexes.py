@@ -215,3 +215,33 @@ async def test_a_listing_of_older_runs_cut_off_by_an_error_is_done_by_the_next_l
     await buffer.redis.delete(buffer.keys.meta(broken))
     assert ids(await buffer.recent_metas(TENANT, limit=5, workflow_id="x")) == [done]
     assert await buffer.redis.get(buffer.keys.indexed(TENANT)) == b"1"
+
+
+async def test_a_final_event_looks_up_no_index_entry_listed_within_the_grace(
+    buffer: EventBuffer,
+) -> None:
+    """The worker's cost per execution (issue 25): the final event's sweep samples the
+    indexes in the round trip that takes the run out of ``open``, and looks up only
+    entries listed before the grace (no other could be dropped); an old expired entry
+    beside recent live ones is still looked up and dropped."""
+    live = [await stored_run(buffer, TENANT, "x") for _ in range(6)]
+    exists, zscores = await calls(buffer, "exists"), await calls(buffer, "zscore")
+    for execution_id in live:
+        await finish(buffer, execution_id, "x", "completed")
+    assert (await calls(buffer, "exists"), await calls(buffer, "zscore")) == (exists, zscores)
+    opened = buffer.keys.listing(TENANT, workflow_id=None, bucket=indexes.OPEN)
+    assert await buffer.redis.zcard(opened) == 0
+
+    old_ms = int((time.time() - 2 * indexes.INDEX_GRACE_SECONDS) * 1000)
+    expired = await stored_run(buffer, TENANT, "x", status="completed", created_ms=old_ms)
+    await buffer.redis.delete(buffer.keys.meta(expired))
+    by_workflow = buffer.keys.listing(TENANT, workflow_id="x", bucket=None)
+    runs = 0
+    while await buffer.redis.zscore(by_workflow, expired) is not None and runs < 200:
+        execution_id = await stored_run(buffer, TENANT, "x")
+        await finish(buffer, execution_id, "x", "completed")
+        runs += 1
+    assert await buffer.redis.zscore(by_workflow, expired) is None, f"after {runs} runs"
+    assert await calls(buffer, "exists") > exists
+    listed = {member.decode() for member in await buffer.redis.zrange(by_workflow, 0, -1)}
+    assert set(live) <= listed
