@@ -92,6 +92,10 @@ class Admission:
         any other member given (a pause's entry), in the same command."""
         await self.redis.zrem(self.keys.running(tenant), *members)
 
+    def leave_in(self, batch: Batch, tenant: str, *members: str) -> None:
+        """``leave`` as one command of ``batch``."""
+        batch.call("ZREM", self.keys.running(tenant), *members)
+
     async def _add(self, tenant: str, member: str, after_ms: int, *, replaces: str = "") -> None:
         await self._watch(
             keys=[self.keys.running(tenant)], args=["add", member, after_ms, replaces]

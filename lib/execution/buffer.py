@@ -204,10 +204,13 @@ class EventBuffer:
         reserve: int = 0,
         recreate: bool = False,
         checkpoint: Mapping[str, bytes] | None = None,
+        identity: Mapping[str, str] | None = None,
     ) -> AppendResult:
         """Append one batch atomically (append.lua); WriteRefused if refused on purpose,
         BufferUnavailable if down. An empty batch only re-asserts the writer's ownership
-        (``first`` then names the id after its last stored one)."""
+        (``first`` then names the id after its last stored one). ``identity``: the
+        execution's identity fields as the caller knows them (never written: a final
+        status is listed in its bucket without reading them first)."""
         if first is None:
             first = events[0].id
         args: list[Any] = [
@@ -244,7 +247,7 @@ class EventBuffer:
             args.append(field)
             args.append(encoded)
         # A final status is listed in its bucket before it is stored (indexes.py).
-        finishing = await self._finishing(execution_id, meta or {})
+        finishing = await self._finishing(execution_id, meta or {}, identity or {})
         try:
             result = await self._append(keys=self.keys.execution(execution_id), args=args)
         except ResponseError as exc:
@@ -308,14 +311,19 @@ class EventBuffer:
                 extra={"executionId": execution_id, "bytes": footprint, "error": str(exc)},
             )
 
-    async def _finishing(self, execution_id: str, meta: Mapping[str, str]) -> Listed | None:
+    async def _finishing(
+        self, execution_id: str, meta: Mapping[str, str], known: Mapping[str, str]
+    ) -> Listed | None:
         """List an execution in the bucket of the final status ``meta`` sets (none:
         None) before the batch that sets it is stored; None also when its record is
-        gone (the append fails, and the writer recreates it with its identity)."""
+        gone (the append fails, and the writer recreates it with its identity). Its
+        identity is read from the record unless ``meta`` or ``known`` hold it (an
+        execution's tenant, workflow and creation never change)."""
         status = meta.get(Field.STATUS)
         if status not in TERMINAL_STATUSES:
             return None
-        identity = {name: meta[name] for name in IDENTITY if name in meta}
+        fields = {**known, **meta}
+        identity = {name: fields[name] for name in IDENTITY if fields.get(name)}
         if len(identity) < len(IDENTITY):
             key = self.keys.meta(execution_id)
             stored = cast(list[bytes | None], await self.redis.hmget(key, list(IDENTITY)))
@@ -336,14 +344,12 @@ class EventBuffer:
         the entry anyway, indexes.py)."""
         opened = indexes.bucket_keys(self.keys, listed.tenant, listed.workflow_id, indexes.OPEN)
         try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for key in opened:
-                    pipe.zrem(key, execution_id)
-                await pipe.execute()
+            # One round trip for both: the sweep's sample goes with the removal.
             await indexes.sweep(
                 self.redis,
                 self.keys,
                 indexes.creation_keys(self.keys, listed.tenant, listed.workflow_id),
+                unlist=[(key, execution_id) for key in opened],
             )
         except Exception as exc:
             if not is_unreachable(exc):

@@ -381,6 +381,7 @@ class EventWriter:
                     reserve=self._emitted + self._ahead,
                     recreate=self.state is WriterState.RECREATING,
                     checkpoint=self._mirror if self.writing_back else None,
+                    identity=self._identity,
                 )
             except WriteRefused as exc:
                 if self._refused_but_handled(exc, batch, first):

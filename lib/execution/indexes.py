@@ -37,7 +37,8 @@ may still become true:
 
 Reads meet the newest entries only, so the oldest, expired ones are also swept at
 random: each list read and each final event checks ``SWEEP`` random entries of the
-indexes it touches and drops those whose record is gone. An index then holds about
+indexes it touches and drops those whose record is gone (only those listed before the
+grace are looked up: no other could be dropped). An index then holds about
 ``SWEEP / (SWEEP - 1)`` times its live entries once it is used, instead of growing with
 every execution ever run.
 """
@@ -49,7 +50,7 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from redis.exceptions import RedisError
 
@@ -212,18 +213,34 @@ async def newest_first(
         yield fresh
 
 
-async def sweep(redis: Redis, keys: Keys, index_keys: Sequence[str]) -> int:
+async def sweep(
+    redis: Redis,
+    keys: Keys,
+    index_keys: Sequence[str],
+    *,
+    unlist: Sequence[tuple[str, str]] = (),
+) -> int:
     """Check ``SWEEP`` random entries of each index in ``index_keys`` and drop those
     whose record expired (listed before the grace): the oldest entries, which no read
-    reaches, leave too. How many were dropped."""
+    reaches, leave too. How many were dropped. ``unlist`` (index, id) pairs are taken
+    out in the same round trip as the sample (a final event's ``open`` entries).
+
+    An entry the sample shows listed within the grace is not looked up: it could not be
+    dropped (its score is its creation ms, and an entry listed again takes the record's
+    own or a newer one). Those listed before it are, with their score read again after
+    their record, as a read does."""
     async with redis.pipeline(transaction=False) as pipe:
+        for key, member in unlist:
+            pipe.zrem(key, member)
         for key in index_keys:
-            pipe.zrandmember(key, SWEEP)
-        samples: list[list[bytes] | None] = await pipe.execute()
+            pipe.zrandmember(key, SWEEP, withscores=True)
+        answers = await pipe.execute()
+    listed_before = (time.time() - INDEX_GRACE_SECONDS) * 1000
     picked = [
         (key, raw_id)
-        for key, sample in zip(index_keys, samples, strict=True)
-        for raw_id in sample or ()
+        for key, sample in zip(index_keys, answers[len(unlist) :], strict=True)
+        for raw_id, score in _scored(sample)
+        if score < listed_before
     ]
     if not picked:
         return 0
@@ -232,7 +249,6 @@ async def sweep(redis: Redis, keys: Keys, index_keys: Sequence[str]) -> int:
             pipe.exists(keys.meta(raw_id.decode()))
             pipe.zscore(key, raw_id)
         answers = await pipe.execute()
-    listed_before = (time.time() - INDEX_GRACE_SECONDS) * 1000
     there, scores = answers[::2], answers[1::2]
     gone = [
         (key, raw_id)
@@ -245,6 +261,16 @@ async def sweep(redis: Redis, keys: Keys, index_keys: Sequence[str]) -> int:
                 pipe.zrem(key, raw_id)
             await pipe.execute()
     return len(gone)
+
+
+def _scored(sample: list[Any] | None) -> list[tuple[bytes, float]]:
+    """ZRANDMEMBER ... WITHSCORES's answer as (id, score) pairs: RESP2 gives a flat
+    list, RESP3 pairs."""
+    if not sample:
+        return []
+    if isinstance(sample[0], list):
+        return [(raw_id, float(score)) for raw_id, score in sample]
+    return [(sample[n], float(sample[n + 1])) for n in range(0, len(sample), 2)]
 
 
 async def complete(redis: Redis, keys: Keys, tenant: str) -> bool:

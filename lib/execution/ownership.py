@@ -343,7 +343,8 @@ class Ownership:
         not have one more.
 
         Before the creation, in one round trip (none needs another's answer): the
-        tenant's admission, the lease entry that watches the new owner, its listing in
+        tenant's admission, the lease entry that watches the new owner (when it may
+        run here: one that cannot is queued, owned by nobody), its listing in
         the tenant's index, and what ``alongside`` adds to the batch, which the caller
         must have stored before the execution exists (its workflow version). ``checked``
         adds reads whose answers may refuse the start (the workflow the caller went on
@@ -366,7 +367,11 @@ class Ownership:
         if checked is not None:
             checked(batch)
         entered = self.queue.enter_in(batch, tenant, execution_id, fence, here=here)
-        self._watch.hold_in(batch, execution_id, fence)
+        if here:
+            # Not ``here``, queue.lua queues it whatever it finds: no owner, no lease to
+            # watch (a lease entry written, then taken back, cost an API replica
+            # without free slots a command and a round trip per start, issue 25).
+            self._watch.hold_in(batch, execution_id, fence)
         if alongside is not None:
             alongside(batch)
         try:
@@ -382,7 +387,7 @@ class Ownership:
                 await self._quietly("take back a listing", execution_id, unlisting)
             raise
         queued = entered[0] if entered and entered[0].queued else None
-        if queued is not None:
+        if queued is not None and here:
             # Nobody owns it until a worker takes it: no lease to watch.
             await self._quietly(
                 "take back a lease entry", execution_id, self._watch.release(execution_id, fence)

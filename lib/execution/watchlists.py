@@ -55,6 +55,10 @@ class WatchLists:
         or the execution was taken over (the new owner's entry watches it)."""
         await self.redis.zrem(self.keys.leases, lease_member(execution_id, fence))
 
+    def release_in(self, batch: Batch, execution_id: str, fence: str) -> None:
+        """``release`` as one command of ``batch``."""
+        batch.call("ZREM", self.keys.leases, lease_member(execution_id, fence))
+
     @translated
     async def due_leases(self, *, limit: int = 100) -> list[tuple[str, str]]:
         """(execution id, fence) of the leases that ended, on Redis's clock."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lib import tracing
+from lib.backend import Batch
 from lib.backoff import Backoff
 from lib.errors import BufferUnavailable, FlowcastError, NotFound, OwnerMoved, WrongStatus
 from lib.execution.admission import Admission, paused_member
@@ -240,9 +241,8 @@ class Launcher:
             or writer.refused is not None
             or local.stop_reason is StopReason.FENCED
         )
-        work = []
-        if final is not None or (settled and not local.handoff):
-            work.append(self._admission.leave(local.tenant, *members))
+        work: list[Awaitable[None]] = []
+        leaving = final is not None or (settled and not local.handoff)
         # Else it goes on running elsewhere (handed off, or taken over once its lease
         # ends): it goes on counting for its tenant until its takeover counts instead
         # (takeovers.py), or a queued execution of the tenant would run beside it past
@@ -254,12 +254,22 @@ class Launcher:
                 status = final.type.removeprefix("execution:")
                 tracing.end_execution(local.identity, local.execution_id, status, final.ts)
         if local.handoff and writer.refused is None:
+            if leaving:
+                work.append(self._admission.leave(local.tenant, *members))
             # Let go for another process to take over now (its lease entry, due at
             # once, stays watched until then). If this fails, the lease expires.
             work.append(self._hand_off(local, writer.shown_id))
         elif settled:
-            work.append(self._watch.release(local.execution_id, local.fence))
+            # The running set left first, then the lease list, in one round trip
+            # (issue 25: the worker's CPU per execution); best effort as each was.
+            batch = Batch(self._watch.redis)
+            if leaving:
+                self._admission.leave_in(batch, local.tenant, *members)
+            self._watch.release_in(batch, local.execution_id, local.fence)
+            work.append(batch.send())
         else:
+            if leaving:
+                work.append(self._admission.leave(local.tenant, *members))
             log.warning(
                 "a run ended without storing its last event; its lease will expire",
                 extra={"executionId": local.execution_id},

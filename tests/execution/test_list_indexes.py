@@ -15,8 +15,9 @@ from redis.asyncio import Redis
 from lib.errors import BufferUnavailable, CancelWins
 from lib.execution import indexes
 from lib.execution.buffer import EventBuffer
+from lib.execution.events import Event
 from lib.execution.indexes import Listed
-from tests.support.filled import calls, finish, stored_run, stored_runs
+from tests.support.filled import OWNER, calls, finish, stored_run, stored_runs
 from tests.support.servers import ValkeyServer
 
 TENANT = "t_idx"
@@ -215,3 +216,68 @@ async def test_a_listing_of_older_runs_cut_off_by_an_error_is_done_by_the_next_l
     await buffer.redis.delete(buffer.keys.meta(broken))
     assert ids(await buffer.recent_metas(TENANT, limit=5, workflow_id="x")) == [done]
     assert await buffer.redis.get(buffer.keys.indexed(TENANT)) == b"1"
+
+
+async def test_a_final_event_looks_up_no_index_entry_listed_within_the_grace(
+    buffer: EventBuffer,
+) -> None:
+    """The worker's cost per execution (issue 25): the final event's sweep samples the
+    indexes in the round trip that takes the run out of ``open``, and looks up only
+    entries listed before the grace (no other could be dropped); an old expired entry
+    beside recent live ones is still looked up and dropped."""
+    live = [await stored_run(buffer, TENANT, "x") for _ in range(6)]
+    exists, zscores = await calls(buffer, "exists"), await calls(buffer, "zscore")
+    for execution_id in live:
+        await finish(buffer, execution_id, "x", "completed")
+    assert (await calls(buffer, "exists"), await calls(buffer, "zscore")) == (exists, zscores)
+    opened = buffer.keys.listing(TENANT, workflow_id=None, bucket=indexes.OPEN)
+    assert await buffer.redis.zcard(opened) == 0
+
+    old_ms = int((time.time() - 2 * indexes.INDEX_GRACE_SECONDS) * 1000)
+    expired = await stored_run(buffer, TENANT, "x", status="completed", created_ms=old_ms)
+    await buffer.redis.delete(buffer.keys.meta(expired))
+    by_workflow = buffer.keys.listing(TENANT, workflow_id="x", bucket=None)
+    runs = 0
+    while await buffer.redis.zscore(by_workflow, expired) is not None and runs < 200:
+        execution_id = await stored_run(buffer, TENANT, "x")
+        await finish(buffer, execution_id, "x", "completed")
+        runs += 1
+    assert await buffer.redis.zscore(by_workflow, expired) is None, f"after {runs} runs"
+    assert await calls(buffer, "exists") > exists
+    listed = {member.decode() for member in await buffer.redis.zrange(by_workflow, 0, -1)}
+    assert set(live) <= listed
+
+
+async def test_a_final_event_whose_writer_knows_the_runs_identity_reads_no_record_first(
+    buffer: EventBuffer,
+) -> None:
+    """The writer passes the identity it holds (flush.py): the final status is listed in
+    its bucket before it is stored, with no HMGET of the record first (one round trip
+    less per execution, issue 25); without it, the record is read as before."""
+    hmgets: list[int] = []
+    runs: list[str] = []
+    for known in (True, False):
+        execution_id = await stored_run(buffer, TENANT, "x")
+        stored = await buffer.redis.hgetall(buffer.keys.meta(execution_id))
+        identity = {
+            name: stored[name.encode()].decode() for name in ("tenant", "workflowId", "createdAt")
+        }
+        final = Event(
+            id=1, type="execution:completed", execution_id=execution_id, workflow_id="x", data={}
+        )
+        before = await calls(buffer, "hmget")  # append.lua's own HMGETs counted too
+        await buffer.append(
+            execution_id,
+            [final],
+            fence=OWNER,
+            meta={"status": "completed"},
+            identity=identity if known else None,
+        )
+        hmgets.append(await calls(buffer, "hmget") - before)
+        runs.append(execution_id)
+    assert hmgets[1] == hmgets[0] + 1
+    completed = buffer.keys.listing(TENANT, workflow_id="x", bucket="completed")
+    opened = buffer.keys.listing(TENANT, workflow_id=None, bucket=indexes.OPEN)
+    for execution_id in runs:
+        assert await buffer.redis.zscore(completed, execution_id) is not None
+        assert await buffer.redis.zscore(opened, execution_id) is None

@@ -224,3 +224,43 @@ async def test_a_start_cut_off_by_a_redis_restart_leaves_no_admission(
         assert await start(ownership, "node-a:2") is not None
     finally:
         await redis.aclose()
+
+
+async def test_a_start_that_cannot_run_here_is_queued_without_a_lease_entry(
+    own_valkey: ValkeyServer,
+) -> None:
+    """A replica without a free slot (``here=False``: an API replica with no workers)
+    has every start queued, owned by nobody: no lease entry is written, so none is taken
+    back a round trip later (issue 25). One that may run here is watched as before."""
+    redis = Redis.from_url(own_valkey.url)
+    buffer = EventBuffer(redis=redis, prefix=f"t{uuid.uuid4().hex[:6]}")
+    ownership = ownership_parts(buffer, 15).ownership
+
+    async def sent(command: str) -> int:
+        entry = (await redis.info("commandstats")).get(f"cmdstat_{command}")
+        return int(entry["calls"]) if entry else 0
+
+    try:
+        running = await start(ownership, "node-a:2")  # the scripts loaded meanwhile
+        assert running is not None
+        leases = await redis.zrange(buffer.keys.leases, 0, -1)
+        assert leases == [lease_member(running, "node-a:2").encode()]
+        execution_id = f"ex_{uuid.uuid4().hex}"
+        scripts, zrems = await sent("evalsha"), await sent("zrem")
+        entered = await ownership.start(
+            execution_id,
+            fence="node-a:1",
+            workflow_id="wf",
+            tenant="t",
+            created_at="2026-01-01T00:00:00.000Z",
+            created_ms=1,
+            here=False,
+        )
+        assert entered is not None and getattr(entered, "queued", False)
+        # queue.lua's enter and start.lua only: no watch.lua add, no ZREM after it.
+        assert (await sent("evalsha"), await sent("zrem")) == (scripts + 2, zrems)
+        assert await redis.zrange(buffer.keys.leases, 0, -1) == leases
+        assert await redis.zscore(buffer.keys.queued("t"), execution_id) is not None
+        assert await redis.hget(buffer.keys.meta(execution_id), "status") == b"queued"
+    finally:
+        await redis.aclose()

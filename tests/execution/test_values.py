@@ -6,12 +6,13 @@ import hashlib
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import boto3
 import pytest
 
 from lib.errors import NotFound
-from lib.execution.s3 import S3ValueStore
+from lib.execution.s3 import SMALL_PUT_BYTES, S3ValueStore
 from lib.execution.values import CorruptValue, LocalValueStore, ValueStore, value_id
 from tests.support.s3 import MotoServer
 
@@ -115,3 +116,28 @@ async def test_records_are_replaced_by_name_read_per_execution_and_deleted_with_
     await store.delete_execution("ex_rec")
     assert await store.records("ex_rec") == []
     assert await store.records("ex_other") == [b'{"ceiling":9}']
+
+
+@pytest.mark.timeout(60)
+async def test_a_small_put_is_sent_whole_and_a_large_one_waits_for_the_go_ahead(
+    moto: MotoServer,
+) -> None:
+    """A durable record (a few hundred bytes) is sent without ``Expect: 100-continue``:
+    no wait for the server's go-ahead, which cost the worker CPU and a round trip per
+    execution (issue 25). A large value still asks first; both are stored."""
+    bucket = f"values-{uuid.uuid4().hex[:8]}"
+    boto3.client("s3", endpoint_url=moto.url).create_bucket(Bucket=bucket)
+    store = S3ValueStore(bucket=bucket, prefix="fc/", endpoint_url=moto.url)
+    sent: list[bytes | None] = []
+
+    def seen(request: Any, **_: Any) -> None:
+        sent.append(request.headers.get("Expect"))
+
+    store._client.meta.events.register_last("before-send.s3.PutObject", seen)
+    execution_id = "ex_records"
+    await store.put_record(execution_id, "rec_0123456789abcdef", b'{"ceiling": 4097}')
+    large = b'"' + b"x" * (SMALL_PUT_BYTES + 1) + b'"'
+    await store.put(execution_id, ident(large), large)
+    assert sent == [None, b"100-continue"]
+    assert await store.records(execution_id) == [b'{"ceiling": 4097}']
+    assert await read_all(store, execution_id, ident(large)) == large
