@@ -61,6 +61,11 @@ IDLE_SECONDS = 30.0
 # While the outbox is unreachable: the first wait, and the longest.
 OUTAGE_FIRST_WAIT_SECONDS = 0.25
 OUTAGE_WAIT_SECONDS = 5.0
+# While a delivery is due that this process may not start (its tenant has its share of
+# the attempt slots here): an attempt that ends wakes the loop; this long at most, for
+# the other tenants' deliveries that fall due meanwhile ("next" says the held one is due
+# now, and the loop waited 0 s and asked again: 1,000 turns a second).
+HELD_WAIT_SECONDS = 0.25
 MAX_ANSWER_CHARS = 200
 # At most this much of an answer is read (UTF-8: 200 characters fit in 800 bytes).
 MAX_ANSWER_BYTES = 4 * MAX_ANSWER_CHARS
@@ -130,8 +135,8 @@ class Deliverer:
         while True:
             try:
                 await self._look()
-                await self._take()
-                wait = await self._next_wait()
+                held = await self._take()
+                wait = await self._next_wait(held)
             except BufferUnavailable as exc:
                 if not failing:
                     log.warning("webhook outbox unreachable; will retry", extra={"error": str(exc)})
@@ -140,6 +145,7 @@ class Deliverer:
                 continue
             except Exception:
                 log.exception("webhook delivery loop failed; carrying on")
+                wait = OUTAGE_FIRST_WAIT_SECONDS  # none computed (the first turn died)
             if failing:
                 log.info("webhook outbox reachable again")
                 failing = False
@@ -153,13 +159,16 @@ class Deliverer:
             finally:
                 tick.cancel()
 
-    async def _next_wait(self) -> float:
+    async def _next_wait(self, held: bool) -> float:
         """How long to wait unless woken: until the earliest hint or delivery is due;
-        while every attempt slot is busy, until one ends (it wakes the loop)."""
+        while every attempt slot is busy, until one ends (it wakes the loop); while a
+        delivery is due that ``held`` back (its tenant at its share), not less than
+        ``HELD_WAIT_SECONDS``."""
         if self._room.locked():
             return IDLE_SECONDS
         due_ms = await self._outbox.next_ms()
-        return IDLE_SECONDS if due_ms < 0 else min(due_ms / 1000, IDLE_SECONDS)
+        wait = IDLE_SECONDS if due_ms < 0 else min(due_ms / 1000, IDLE_SECONDS)
+        return max(wait, HELD_WAIT_SECONDS) if held else wait
 
     # -- hints -> deliveries ---------------------------------------------------------
 
@@ -231,20 +240,22 @@ class Deliverer:
 
     # -- attempts --------------------------------------------------------------------
 
-    async def _take(self) -> None:
-        """Start attempts while there is room, serving the tenants in turn."""
+    async def _take(self) -> bool:
+        """Start attempts while there is room, serving the tenants in turn. True when
+        it stopped with deliveries due that it may not start (their tenants at their
+        share of the slots here)."""
         while not self._room.locked():
             tenants = await self._outbox.due_tenants()
             # Only the tenants with work due are remembered (this process may see many).
             self._served = {t: at for t, at in self._served.items() if t in tenants}
             ready = [t for t in tenants if self._busy.get(t, 0) < self._per_tenant]
             if not ready:
-                return
+                return bool(tenants)
             ready.sort(key=lambda t: self._served.get(t, 0.0))
             started = False
             for tenant in ready:
                 if self._room.locked():
-                    return
+                    return False
                 delivery = await self._outbox.take(tenant, self._lease_ms)
                 if delivery is None:
                     continue
@@ -257,7 +268,8 @@ class Deliverer:
                 started = True
                 break  # re-read: tenants served in turn
             if not started:
-                return
+                return len(ready) < len(tenants)
+        return False
 
     async def _attempt(self, delivery: Delivery) -> None:
         try:
