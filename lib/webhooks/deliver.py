@@ -133,6 +133,10 @@ class Deliverer:
         backoff = Backoff(base=OUTAGE_FIRST_WAIT_SECONDS, cap=OUTAGE_WAIT_SECONDS)
         failing = False
         while True:
+            # Cleared before this turn looks, never after: a wake set while it looks (a
+            # publish heard as "next" answers) is one its answer may not include, and
+            # cleared after, the loop slept IDLE_SECONDS with a delivery due.
+            self._wake.clear()
             try:
                 await self._look()
                 held = await self._take()
@@ -152,7 +156,6 @@ class Deliverer:
                 backoff.reset()
             # A tick instead of a timeout around the wait, as dispatch.py waits: a cancel
             # that lands as such a timeout fires can come out as the timeout.
-            self._wake.clear()
             tick = asyncio.get_running_loop().call_later(wait, self._wake.set)
             try:
                 await self._wake.wait()
