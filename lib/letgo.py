@@ -91,24 +91,29 @@ def kept() -> int:
 
 async def _sweep() -> None:
     since = time.monotonic()  # when garbage was last let out of the permanent generation
-    while _kept:
-        await asyncio.sleep(SWEEP_SECONDS)
-        if time.monotonic() - since > HOLD_SECONDS:
-            # Large values kept all along (one after another): what garbage they hold
-            # back is found now, at the cost of one full collection that walks them.
-            gc.unfreeze()
-            gc.collect()
-            gc.freeze()
-            since = time.monotonic()
-        # Held only by ``_kept``, by the loop's name and by getrefcount's argument.
-        done = [value for value in _kept if sys.getrefcount(value) <= 3]
-        if not done:
-            continue
-        _kept[:] = [value for value in _kept if all(value is not gone for gone in done)]
-        let_go(*done)
-        del done
-    while _digger:  # what is left of them is kept out until taken apart
-        await asyncio.shield(_digger[0])
+    # Until nothing is kept once the values let go of are taken apart: one kept while
+    # this waited for that (a large body parsed meanwhile) is swept too, or nothing
+    # would let go of it until some other large body was kept.
+    while _kept or _digger:
+        while _kept:
+            await asyncio.sleep(SWEEP_SECONDS)
+            if time.monotonic() - since > HOLD_SECONDS:
+                # Large values kept all along (one after another): what garbage they
+                # hold back is found now, at the cost of one full collection that walks
+                # them.
+                gc.unfreeze()
+                gc.collect()
+                gc.freeze()
+                since = time.monotonic()
+            # Held only by ``_kept``, by the loop's name and by getrefcount's argument.
+            done = [value for value in _kept if sys.getrefcount(value) <= 3]
+            if not done:
+                continue
+            _kept[:] = [value for value in _kept if all(value is not gone for gone in done)]
+            let_go(*done)
+            del done
+        while _digger:  # what is left of them is kept out until taken apart
+            await asyncio.shield(_digger[0])
     gc.unfreeze()
     # What was kept out before (startup's objects: app/memory.py) is walked again by
     # full collections, 70 ms for a bare server's: kept out again right after the next

@@ -23,6 +23,7 @@ import pytest
 from lib import letgo, parsing, slices
 from lib.parsing import decode_json, parse_json
 from lib.slices import encode, pieces, size_past
+from tests.support.api import until
 
 
 def random_value(rng: random.Random, depth: int = 0) -> Any:
@@ -281,3 +282,35 @@ async def test_garbage_kept_out_with_values_held_all_along_is_found_within_the_h
     del held
     while letgo._sweeper:
         await letgo._sweeper[0]
+
+
+@pytest.mark.timeout(60)
+async def test_a_value_kept_while_the_sweep_waits_for_the_last_let_go_is_let_go_of_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sweep ends once nothing is kept, after the values it let go of are taken
+    apart. A large value parsed while it waited for that was kept, and the sweep ended
+    all the same: nothing swept it (a 35 MB answer held until some other large body was
+    parsed, hours on a quiet server) and it was no longer kept out either."""
+    monkeypatch.setattr(letgo, "SWEEP_SECONDS", 0.02)
+    digging = asyncio.Event()
+    dig = letgo._dig
+
+    async def held_dig() -> None:  # the taking apart waits for the test's go
+        await digging.wait()
+        await dig()
+
+    monkeypatch.setattr(letgo, "_dig", held_dig)
+    body = orjson.dumps([{"id": n, "tags": ["a"]} for n in range(60_000)])  # one kept
+    first = await decode_json(body)
+    first_id = id(first)
+    del first
+    # The sweep let go of it and waits for its taking apart.
+    await until(lambda: not letgo._kept and letgo._digger, "the first value let go of", 10)
+    assert letgo._sweeper and not letgo._sweeper[0].done()
+    late = await decode_json(body)  # parsed meanwhile: kept out
+    assert id(late) != first_id and any(value is late for value in letgo._kept)
+    del late
+    digging.set()
+    await until(lambda: not letgo._sweeper, "the sweep ending", 20)
+    assert letgo.kept() == 0, "a value nothing holds is still kept, and no sweep runs"
