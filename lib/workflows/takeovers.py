@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from enum import Enum
 from typing import Any
 
@@ -66,6 +67,13 @@ log = logging.getLogger(__name__)
 # minutes (boto3's own timeouts and retries): the fresh-eyes review of e37bdfa saw a
 # resume unanswered after 170 s, Valkey back empty and S3 stopped.
 RECALL_SECONDS = 5.0
+# While the store was not seen behind, the read is a check only (``recall``'s ``ends``):
+# it waits this long at most, and after one that failed the next ones are not sent for
+# ``RECALL_MUTE_SECONDS`` (they would fail alike). Without them every resume, cancel and
+# takeover waited the full RECALL_SECONDS for a value store that answered nothing, one
+# takeover after another (100 dead runs: over 8 minutes).
+UNSEEN_RECALL_SECONDS = 1.0
+RECALL_MUTE_SECONDS = 10.0
 
 # How far back a recovery looks for the pause a claimed resume answered: the pause, then
 # at most one execution:recovered per takeover since (each bounded by max_recoveries).
@@ -110,6 +118,8 @@ class Takeovers:
         self._watch = transitions.watch
         self._admission = transitions.admission
         self._store = transitions.store
+        # Until when (monotonic) a check of how a run ended is not sent (``recall``).
+        self._recall_muted_until = 0.0
         self._states = parts.states
         self._launcher = parts.launcher
         self._runs = parts.runs
@@ -286,14 +296,22 @@ class Takeovers:
         behind = self._store.came_back_behind() or self._store.predates(meta.written_ms)
         if not (behind or ends):
             return 0
+        if not behind and time.monotonic() < self._recall_muted_until:
+            return 0  # the last check failed a moment ago: it would fail alike
         try:
-            async with asyncio.timeout(RECALL_SECONDS):
+            async with asyncio.timeout(RECALL_SECONDS if behind else UNSEEN_RECALL_SECONDS):
                 durable = await read_durable(self._launcher.values, execution_id)
         except (ValueStoreError, TimeoutError) as exc:
             if not behind:
+                self._recall_muted_until = time.monotonic() + RECALL_MUTE_SECONDS
                 log.warning(
-                    "could not read how a run ended before claiming it; claiming it as stored",
-                    extra={"executionId": execution_id, "error": str(exc) or "timeout"},
+                    "could not read how a run ended before claiming it; claiming it as "
+                    "stored, and the next ones for a while without asking",
+                    extra={
+                        "executionId": execution_id,
+                        "error": str(exc) or "timeout",
+                        "muteSeconds": RECALL_MUTE_SECONDS,
+                    },
                 )
                 return 0
             self._store.still_behind()

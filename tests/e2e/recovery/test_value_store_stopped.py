@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from lib.execution.store import SETTLE_GRACE_SECONDS, SETTLE_SECONDS
-from lib.workflows.takeovers import RECALL_SECONDS
+from lib.workflows.takeovers import RECALL_MUTE_SECONDS, RECALL_SECONDS, UNSEEN_RECALL_SECONDS
 from tests.support.api import execute, put, until
 from tests.support.faults import (
     LEASE_SECONDS,
@@ -145,3 +145,46 @@ async def test_a_resume_and_a_cancel_after_redis_came_back_empty_are_answered_s3
                 await until(accepted, f"{url} answered", timeout=60, every=0.5)
         outcomes = [(await finished(client, eid))["status"] for eid in (paused, busy)]
     assert outcomes == ["completed", "cancelled"], outcomes
+
+
+@pytest.mark.timeout(120)
+async def test_resumes_wait_on_a_stopped_value_store_once_and_briefly_while_the_store_is_whole(
+    valkey: FaultyValkey, tmp_path: Path, own_moto: MotoServer
+) -> None:
+    """Every resume, cancel and takeover asks the value store how the run ended (a
+    restore no live process saw may have brought it back paused after it completed).
+    With the store whole that is a check only: with the value store answering nothing,
+    the first resume waits UNSEEN_RECALL_SECONDS at most and the next ones within
+    RECALL_MUTE_SECONDS do not ask. Before, each waited RECALL_SECONDS (5 s), and
+    takeovers one after another (the fresh-eyes review of 5b82f0d)."""
+    one = replica(valkey, tmp_path, "one", **await shared_bucket(own_moto))
+    async with running(one), httpx.AsyncClient(timeout=60) as http:
+        client = http_for(http, one)
+        await put(client, approval_flow("ask"))
+        paused = [await execute(client, "ask") for _ in range(4)]
+        for eid in paused:
+            await until(lambda eid=eid: has_event(client, eid, "execution:paused"), "paused")
+        os.kill(own_moto.pid, signal.SIGSTOP)
+        try:
+            began = time.monotonic()
+            answers = [
+                await _answered(client, f"/api/executions/{eid}/resume", {"input": {"ok": True}})
+                for eid in paused
+            ]
+            took = time.monotonic() - began
+        finally:
+            os.kill(own_moto.pid, signal.SIGCONT)
+        print(f"\nresumes with the value store stopped: {answers}")
+        assert [status for status, _ in answers] == [202] * 4
+        assert_below_timer(
+            answers[0][1], bound=UNSEEN_RECALL_SECONDS + 2.0, timer="UNSEEN_RECALL_SECONDS",
+            what="the first resume",
+        )  # fmt: skip
+        rest = sum(seconds for _, seconds in answers[1:])
+        assert took < RECALL_MUTE_SECONDS, took
+        assert_below_timer(
+            rest, bound=UNSEEN_RECALL_SECONDS, timer="RECALL_MUTE_SECONDS",
+            what="the next three resumes, asking nothing",
+        )  # fmt: skip
+        outcomes = [(await finished(client, eid))["status"] for eid in paused]
+    assert outcomes == ["completed"] * 4, outcomes
