@@ -1,15 +1,22 @@
 """The S3 value store (any S3-compatible service); the only module that imports boto3.
 
 boto3 is blocking, so every call runs in a worker thread and the event loop never waits
-on the network. Objects live under ``<prefix><execution id>/<value id>``; values of
-expired executions go with the bucket's lifecycle rule or the sweeper (see README).
+on the network: threads of this store's own (``S3_THREADS``), so that an endpoint that
+answers nothing, each call held for boto3's timeouts and retries, never takes the
+threads the rest of the process shares (the loop's default pool, which also resolves
+every outbound host name for the ``http`` blocks and the webhooks). Objects live under
+``<prefix><execution id>/<value id>``; values of expired executions go with the
+bucket's lifecycle rule or the sweeper (see README).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any
+import contextvars
+import functools
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import boto3
 from botocore.config import Config
@@ -35,6 +42,10 @@ MISSING = {"NoSuchKey", "404", "NotFound"}
 # few hundred bytes; the wait, a poll and a read more each, cost the worker ~0.1 ms of
 # CPU per PUT and ~1 ms of wall time (moto; bench starts-cost).
 SMALL_PUT_BYTES = 64 * 1024
+# The store's own threads, and as many pooled connections (botocore's default is 10).
+S3_THREADS = 16
+
+T = TypeVar("T")
 
 
 def _send_small_whole(request: Any, **_: Any) -> None:
@@ -60,10 +71,22 @@ class S3ValueStore:
         self._client = client or boto3.client(
             "s3",
             endpoint_url=endpoint_url,
-            config=Config(retries={"max_attempts": 3, "mode": "standard"}),
+            config=Config(
+                retries={"max_attempts": 3, "mode": "standard"},
+                max_pool_connections=S3_THREADS,
+            ),
         )
         if client is None:
             self._client.meta.events.register("before-send.s3.PutObject", _send_small_whole)
+
+        self._threads = ThreadPoolExecutor(max_workers=S3_THREADS, thread_name_prefix="s3")
+
+    async def _call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``function`` in one of the store's threads (as ``asyncio.to_thread``, in its
+        own pool)."""
+        context = contextvars.copy_context()
+        call = functools.partial(context.run, function, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._threads, call)
 
     def _key(self, execution_id: str, value: str) -> str:
         check_ids(execution_id, value)
@@ -74,7 +97,7 @@ class S3ValueStore:
 
     async def _put(self, key: str, data: bytes, what: str) -> None:
         try:
-            await asyncio.to_thread(
+            await self._call(
                 self._client.put_object,
                 Bucket=self.bucket,
                 Key=key,
@@ -87,7 +110,7 @@ class S3ValueStore:
     async def read(self, execution_id: str, value: str) -> AsyncIterator[bytes]:
         key = self._key(execution_id, value)
         try:
-            response = await asyncio.to_thread(self._client.get_object, Bucket=self.bucket, Key=key)
+            response = await self._call(self._client.get_object, Bucket=self.bucket, Key=key)
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") in MISSING:
                 raise NotFound("value", value) from None
@@ -97,7 +120,7 @@ class S3ValueStore:
         body = response["Body"]
         check = Sha256Check(value)
         try:
-            while chunk := await asyncio.to_thread(body.read, CHUNK_BYTES):
+            while chunk := await self._call(body.read, CHUNK_BYTES):
                 yield check.update(chunk)
         except (BotoCoreError, ClientError) as exc:
             raise ValueStoreError(f"reading value {value} failed: {exc}") from exc
@@ -131,7 +154,7 @@ class S3ValueStore:
             return found
 
         try:
-            return await asyncio.to_thread(read)
+            return await self._call(read)
         except (BotoCoreError, ClientError) as exc:
             raise ValueStoreError(f"could not read the records of {execution_id}: {exc}") from exc
 
@@ -146,7 +169,7 @@ class S3ValueStore:
                     self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys})
 
         try:
-            await asyncio.to_thread(delete)
+            await self._call(delete)
         except (BotoCoreError, ClientError) as exc:
             raise ValueStoreError(f"could not delete values of {execution_id}: {exc}") from exc
 
@@ -160,13 +183,13 @@ class S3ValueStore:
             return found
 
         try:
-            return await asyncio.to_thread(scan)
+            return await self._call(scan)
         except (BotoCoreError, ClientError) as exc:
             raise ValueStoreError(f"could not list values: {exc}") from exc
 
     async def ping(self) -> bool:
         try:
-            await asyncio.to_thread(self._client.head_bucket, Bucket=self.bucket)
+            await self._call(self._client.head_bucket, Bucket=self.bucket)
         except (BotoCoreError, ClientError):
             return False
         return True

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import os
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -10,10 +12,18 @@ from typing import Any
 
 import boto3
 import pytest
+from botocore.config import Config
 
 from lib.errors import NotFound
 from lib.execution.s3 import SMALL_PUT_BYTES, S3ValueStore
-from lib.execution.values import CorruptValue, LocalValueStore, ValueStore, value_id
+from lib.execution.values import (
+    CorruptValue,
+    LocalValueStore,
+    ValueStore,
+    ValueStoreError,
+    value_id,
+)
+from tests.support.api import until
 from tests.support.s3 import MotoServer
 
 
@@ -141,3 +151,38 @@ async def test_a_small_put_is_sent_whole_and_a_large_one_waits_for_the_go_ahead(
     assert sent == [None, b"100-continue"]
     assert await store.records(execution_id) == [b'{"ceiling": 4097}']
     assert await read_all(store, execution_id, ident(large)) == large
+
+
+@pytest.mark.timeout(60)
+async def test_a_value_store_that_answers_nothing_keeps_none_of_the_shared_threads() -> None:
+    """An S3 endpoint that accepts connections and answers nothing (black-holed) holds
+    each call for boto3's timeouts: more of them at once than the loop's default pool
+    has threads took them all, and everything else of the process that runs in that
+    pool (host name lookups of the ``http`` blocks and webhooks, file values) waited
+    behind them. The store's calls run in threads of its own."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def answer_nothing(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(answer_nothing, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    client = boto3.client(
+        "s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="k",
+        aws_secret_access_key="s",
+        config=Config(connect_timeout=5, read_timeout=30, retries={"max_attempts": 1}),
+    )  # fmt: skip
+    store = S3ValueStore(bucket="nowhere", endpoint_url=url, client=client)
+    shared = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default pool
+    stuck = [asyncio.create_task(store.records(f"ex_{n}")) for n in range(shared + 2)]
+    try:
+        await until(lambda: len(held) >= shared, "calls held by the endpoint", 10)
+        assert not any(task.done() for task in stuck)
+        # The probe: one call in the loop's default pool, as a host name lookup is.
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: "free"), 5) == "free"
+    finally:
+        server.close()
+        for writer in held:
+            writer.close()  # the calls fail
+        for outcome in await asyncio.gather(*stuck, return_exceptions=True):
+            assert isinstance(outcome, ValueStoreError), outcome
