@@ -40,8 +40,8 @@ class Shape:
 
 
 SHORT = Shape(
-    window=16, flood=60, heavy_level=48, light_interval=0.25, light_level=16,
-    kills=4, term_every=4, seconds=60,
+    window=12, flood=60, heavy_level=48, light_interval=0.25, light_level=16,
+    kills=3, term_every=3, seconds=60,
 )  # fmt: skip
 LONG = Shape(
     window=360, flood=300, heavy_level=60, light_interval=0.25, light_level=16,

@@ -229,7 +229,7 @@ async def reconnect_storm(root: Path, *, long: bool = False, seed: int = SEED) -
     and all reconnect at the same moment with Last-Event-ID, to either process."""
     rng = random.Random(seed)
     executions, clients_count, rounds, concurrency = (5, 1000, 6, 250) if long else (2, 200, 4, 200)
-    chunks, tokens_per_second = (600, 20) if long else (300, 30)
+    chunks, tokens_per_second = (600, 20) if long else (200, 30)
     requests = clients_count * (rounds + 3) + executions * 10 + 50
     report = Report("reconnect-storm", Budget(seconds=400 if long else 45, requests=requests))
     workflow = streaming_workflow(
