@@ -135,7 +135,7 @@ class Runner:
             recall=functools.partial(takeovers.recalled, ends=False),
             metrics=metrics,
         )
-        listener.on_queued = self.dispatcher.nudge
+        listener.on_queued = self.dispatcher.heard
         self._launcher.on_free = self.dispatcher.freed
         self._tending = Tending(
             parts,
