@@ -367,6 +367,18 @@ class EventBuffer:
             raise NotFound("execution", execution_id)
         return ExecutionMeta.from_hash(execution_id, fields)
 
+    @translated
+    async def meta_and_state(self, execution_id: str) -> tuple[ExecutionMeta, dict[bytes, bytes]]:
+        """The execution's metadata and its run state hash as stored, in one round trip
+        (both in the execution's hash slot); NotFound when it does not exist."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self.keys.meta(execution_id))
+            pipe.hgetall(self.keys.state(execution_id))
+            fields, state = await pipe.execute()
+        if not fields:
+            raise NotFound("execution", execution_id)
+        return ExecutionMeta.from_hash(execution_id, fields), state
+
     async def resolved(self, meta: ExecutionMeta) -> ExecutionMeta:
         """``meta`` with a large output, error or pause read from the event that holds
         it (the metadata names that event instead of copying it: see log.py)."""

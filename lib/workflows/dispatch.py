@@ -225,7 +225,7 @@ class Dispatcher:
     async def _claim_and_start(self, taken: Taken, fence: str) -> None:
         eid = taken.execution_id
         try:
-            meta = await self._record_of(eid)
+            meta, state = await self._record_of(eid)
         except NotFound:
             # Taken between the start's admission and its record's creation (start.lua
             # follows queue.lua ``enter``, a round trip later), and still not there
@@ -238,7 +238,7 @@ class Dispatcher:
         workflow: Workflow | None = None
         try:
             # Read while it is still queued: once claimed, its run must start.
-            version, given, run, saved = await self._states.load(eid)
+            version, given, run, saved = await self._states.load(eid, state)
             try:
                 workflow = await self._states.load_version(
                     version, tenant=meta.tenant, workflow_id=meta.workflow_id
@@ -285,20 +285,21 @@ class Dispatcher:
         # taker's, nor past its tenant's cap).
         await self._parts.launcher.quietly(eid, self._queue.claimed(taken))
 
-    async def _record_of(self, execution_id: str) -> ExecutionMeta:
-        """The record of a taken execution; a start is taken as soon as it is queued,
-        a round trip before its record is written, so a missing one is read again for
-        a moment (NotFound after RECORD_WAIT_SECONDS): as soon as the next announcement
-        of queued work comes (its process announces it once the record is written: a
-        backoff of 5 ms first cost every such start 3 to 5 ms beyond the write, issue
-        25), else after the backoff's wait. One take at a time waits here (``run``)."""
+    async def _record_of(self, execution_id: str) -> tuple[ExecutionMeta, dict[bytes, bytes]]:
+        """The record of a taken execution and its run state as stored (one round trip,
+        not two: issue 25); a start is taken as soon as it is queued, a round trip
+        before its record is written, so a missing one is read again for a moment
+        (NotFound after RECORD_WAIT_SECONDS): as soon as the next announcement of queued
+        work comes (its process announces it once the record is written: a backoff of
+        5 ms first cost every such start 3 to 5 ms beyond the write, issue 25), else
+        after the backoff's wait. One take at a time waits here (``run``)."""
         backoff = Backoff(base=0.005, cap=0.1)
         deadline = time.monotonic() + RECORD_WAIT_SECONDS
         while True:
             # Cleared before reading: an announcement during the read means "read again".
             self._announced.clear()
             try:
-                return await self._buffer.meta(execution_id)
+                return await self._buffer.meta_and_state(execution_id)
             except NotFound:
                 if time.monotonic() > deadline:
                     raise

@@ -134,10 +134,13 @@ class RunStates:
             execution_id, {name: orjson.loads(value) for name, value in fields.items()}
         )
 
-    async def load(self, execution_id: str) -> tuple[str, Any, RunState, dict[str, bytes]]:
+    async def load(
+        self, execution_id: str, raw: dict[bytes, bytes] | None = None
+    ) -> tuple[str, Any, RunState, dict[str, bytes]]:
         """(workflow version, input, checkpoint, the version and input fields as stored)
-        as saved; NotFound when the store has none."""
-        stored = await self._load_fields(execution_id)
+        as saved; NotFound when the store has none. ``raw``: the state hash as the
+        caller read it already (``EventBuffer.meta_and_state``), not read again."""
+        stored = await self._load_fields(execution_id) if raw is None else _fields(raw)
         if "workflow" not in stored:
             # Missing, or restored only in part (a store back from an older snapshot).
             raise NotFound("run state", execution_id)
@@ -173,7 +176,7 @@ class RunStates:
     @translated
     async def _load_fields(self, execution_id: str) -> dict[str, Any]:
         raw = cast(dict[bytes, bytes], await self._redis.hgetall(self._keys.state(execution_id)))
-        return {name.decode(): orjson.loads(value) for name, value in raw.items()}
+        return _fields(raw)
 
     async def _encode(self, execution_id: str, value: Any) -> dict[str, Any]:
         raw = await encode(value)  # in slices: a run's input may be 10 MB
@@ -188,3 +191,8 @@ class RunStates:
             parts = [chunk async for chunk in self._values.read(execution_id, wrapped["ref"])]
             return await decode(b"".join(parts), orjson.loads, orjson.loads)  # in slices
         return wrapped.get("v")
+
+
+def _fields(raw: dict[bytes, bytes]) -> dict[str, Any]:
+    """The run state hash's fields, decoded (JSON values)."""
+    return {name.decode(): orjson.loads(value) for name, value in raw.items()}

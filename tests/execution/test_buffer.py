@@ -75,6 +75,27 @@ async def test_creating_an_existing_execution_again_writes_nothing(
     assert await redis.zscore(buffer.keys.index("t"), execution_id) == listed
 
 
+@pytest.mark.timeout(10)
+async def test_a_record_and_its_run_state_are_read_together(buffer: EventBuffer) -> None:
+    """What a worker reads of an execution it took (issue 25: one round trip, not two):
+    the record and the run state as start.lua wrote them; NotFound before it exists."""
+    execution_id = f"ex_{uuid.uuid4().hex}"
+    with pytest.raises(NotFound):
+        await buffer.meta_and_state(execution_id)
+    await buffer.create(
+        execution_id,
+        workflow_id="wf",
+        tenant="t",
+        owner="",
+        created_at="2026-01-01T00:00:00.000Z",
+        created_ms=1,
+        state={"input": b'{"v": 1}', "workflow": b'{"v": "abc"}'},
+    )
+    meta, state = await buffer.meta_and_state(execution_id)
+    assert (meta.id, meta.workflow_id, meta.tenant) == (execution_id, "wf", "t")
+    assert state == {b"input": b'{"v": 1}', b"workflow": b'{"v": "abc"}'}
+
+
 async def test_append_stores_contiguous_batches_and_updates_metadata(buffer: EventBuffer) -> None:
     execution_id = await create(buffer)
     await buffer.append(execution_id, make_events(execution_id, 1, 3), fence="owner-1")
