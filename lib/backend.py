@@ -252,9 +252,14 @@ class Batch:
         self._redis = redis
         self._calls: list[tuple[Sequence[Any], Then | None]] = []
         self._scripts: dict[str, str] = {}
+        # The commands whose error reply goes to their ``then`` (``best_effort``).
+        self._best_effort: set[int] = set()
 
-    def call(self, *args: Any, then: Then | None = None) -> None:
-        """Queue one command (its name and arguments)."""
+    def call(self, *args: Any, then: Then | None = None, best_effort: bool = False) -> None:
+        """Queue one command (its name and arguments). ``best_effort``: its error reply
+        is handed to ``then`` (an exception) instead of failing the batch."""
+        if best_effort:
+            self._best_effort.add(len(self._calls))
         self._calls.append((args, then))
 
     def script(
@@ -278,8 +283,8 @@ class Batch:
                 for text in self._scripts.values():
                     await self._redis.script_load(text)
                 replies = await self._send()
-            for reply in replies:
-                if isinstance(reply, Exception):
+            for index, reply in enumerate(replies):
+                if isinstance(reply, Exception) and index not in self._best_effort:
                     raise reply
         for (_args, then), reply in zip(self._calls, replies, strict=True):
             if then is not None:

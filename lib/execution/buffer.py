@@ -109,12 +109,14 @@ class EventBuffer:
         extra: Mapping[str, str] | None = None,
         state: Mapping[str, bytes] | None = None,
         listed: bool = False,
+        beside: Callable[[Batch], None] | None = None,
     ) -> bool:
         """Create a new execution's metadata, owned by ``owner`` at epoch 1, with its run
         state fields ``state`` and the ids up to ``reserved`` reserved for its owner, and
         list it in its tenant's index unless ``listed`` (the caller did, ``index_in``)
         (start.lua; the lease is on Redis's clock). False, with nothing written, when it
-        exists already."""
+        exists already. ``beside`` adds commands sent in the same round trip, after the
+        creation (on one server, run after it; on a cluster, maybe on another node)."""
         fields: list[Any] = [
             Field.WORKFLOW_ID, workflow_id, Field.TENANT, tenant,
             Field.CREATED_AT, created_at, Field.UPDATED_AT, created_at,
@@ -129,9 +131,12 @@ class EventBuffer:
         ]  # fmt: skip
         # The index is another key (another slot on a cluster): written beside it.
         # NX: the creator that lost (start.lua found the id) leaves the listing as it was.
-        creating = self._start(
-            keys=[self.keys.meta(execution_id), self.keys.state(execution_id)],
-            args=[*head, len(pairs) // 2, *pairs, *fields],
+        keys = [self.keys.meta(execution_id), self.keys.state(execution_id)]
+        args = [*head, len(pairs) // 2, *pairs, *fields]
+        creating = (
+            self._start(keys=keys, args=args)
+            if beside is None
+            else self._create_beside(keys, args, beside)
         )
         if listed:
             lease_end = await creating
@@ -139,6 +144,17 @@ class EventBuffer:
             listing = self._list(execution_id, tenant, workflow_id, created_ms)
             lease_end, _ = await asyncio.gather(creating, listing)
         return int(lease_end) != 0
+
+    async def _create_beside(
+        self, keys: list[str], args: list[Any], beside: Callable[[Batch], None]
+    ) -> Any:
+        """start.lua and the commands ``beside`` adds, in one round trip: its answer."""
+        batch = Batch(self.redis)
+        answer: list[Any] = []
+        batch.script(self._start, keys, args, then=answer.append)
+        beside(batch)
+        await batch.send()
+        return answer[0]
 
     async def _list(self, execution_id: str, tenant: str, workflow_id: str, score: float) -> None:
         """List an execution in the indexes of its creation (ZADD NX: a listing that is

@@ -8,12 +8,15 @@ is announced on the ``handoffs`` stream, so another process takes it over at onc
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from redis.typing import EncodableT, FieldT
 
-from lib.backend import translated
+from lib.backend import Batch, translated
 from lib.execution.buffer import EventBuffer
+
+log = logging.getLogger(__name__)
 
 # How many messages each stream keeps (approximately): enough for every reader that is
 # behind by a few seconds, small enough to cost nothing.
@@ -61,6 +64,19 @@ class ControlStreams:
         await self.redis.xadd(
             self.keys.queue_wake, {"queued": "1"}, maxlen=QUEUE_MAXLEN, approximate=True
         )
+
+    def announce_queued_in(self, batch: Batch) -> None:
+        """``announce_queued`` as a best-effort command of ``batch``: its failure is
+        logged, and fails nothing else of the batch."""
+
+        def then(reply: Any) -> None:
+            if isinstance(reply, Exception):
+                log.warning("could not announce queued work", extra={"error": str(reply)})
+
+        batch.call(
+            "XADD", self.keys.queue_wake, "MAXLEN", "~", QUEUE_MAXLEN, "*", "queued", "1",
+            then=then, best_effort=True,
+        )  # fmt: skip
 
     @translated
     async def cursors(self, node: str) -> dict[str, str]:

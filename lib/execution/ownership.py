@@ -336,6 +336,7 @@ class Ownership:
         checked: Callable[[Batch], None] | None = None,
         alongside: Callable[[Batch], None] | None = None,
         here: bool = True,
+        announce: Callable[[Batch], None] | None = None,
     ) -> Claim | Entered | None:
         """Create an execution, running and owned by ``fence``, with its run state fields
         ``state``; None when it exists already (its id was named in advance and another
@@ -356,7 +357,10 @@ class Ownership:
         The admission is the queue's (queue.py): the execution runs here at once when
         ``here`` (this process has a free worker slot), nothing waits and the tenant
         may run one more; else it is created ``queued``, owned by nobody, and the
-        answer is the ``Entered`` that says how many are ahead of it.
+        answer is the ``Entered`` that says how many are ahead of it; ``announce`` adds
+        to the creation's round trip of a queued one what tells the workers (the queue's
+        wake-up: sent after the creation's answer, it cost every queued start a round
+        trip before a worker heard of it, issue 25).
         """
         batch = Batch(self.redis)
         # The listing's answer is handed over before the admission's refusal stops the
@@ -405,6 +409,7 @@ class Ownership:
                 extra=extra,
                 state=state,
                 listed=True,
+                beside=announce if queued is not None else None,
             )
         except BaseException:
             if queued is not None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 
-from lib.backend import translated
+from lib.backend import Batch, translated
 from lib.backoff import Backoff
 from lib.errors import DeliveryRevoked, FlowcastError, NotFound, WrongStatus
 from lib.execution.indexes import created_ms
@@ -176,6 +176,10 @@ class Dispatcher:
             await self._control.announce_queued()
         except FlowcastError as exc:
             log.warning("could not announce queued work", extra={"error": str(exc)})
+
+    def announce_in(self, batch: Batch) -> None:
+        """``announce`` as a best-effort command of ``batch`` (a queued start's creation)."""
+        self._control.announce_queued_in(batch)
 
     async def run(self) -> None:
         """Take work whenever nudged (or half a lease passed), while slots are free and

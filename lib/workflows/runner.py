@@ -245,8 +245,8 @@ class Runner:
             log.info("execution created by another request", extra={"executionId": execution_id})
             return await self.found(execution_id)
         if isinstance(created, Entered):
-            # Queued: a worker with a free slot takes it (this one first, if it has one).
-            await self.dispatcher.announce()
+            # Queued: a worker with a free slot takes it (this one first, if it has one);
+            # the others were told with its creation (``announce_in``).
             self.dispatcher.nudge()
             return Started(execution_id, "queued", ahead=created.ahead)
         if first_stored:
@@ -375,6 +375,7 @@ class Runner:
                 checked=checked,
                 alongside=lambda batch: self._states.save_version_in(batch, workflow),
                 here=here,
+                announce=self.dispatcher.announce_in,
             )
         except OverQuota:
             raise  # refused before anything was counted

@@ -264,3 +264,35 @@ async def test_a_start_that_cannot_run_here_is_queued_without_a_lease_entry(
         assert await redis.hget(buffer.keys.meta(execution_id), "status") == b"queued"
     finally:
         await redis.aclose()
+
+
+async def test_a_queued_start_announces_itself_with_its_creation(
+    own_valkey: ValkeyServer,
+) -> None:
+    """Issue 25: the queue's wake-up of a queued start goes in its creation's round trip
+    (start.lua, then the XADD), not a round trip after it; a start that runs here
+    announces nothing, and an announcement that fails fails no start (best effort)."""
+    redis = Redis.from_url(own_valkey.url)
+    buffer = EventBuffer(redis=redis, prefix=f"t{uuid.uuid4().hex[:6]}")
+    transitions = ownership_parts(buffer, 15)
+    ownership, control = transitions.ownership, transitions.control
+    wake = buffer.keys.queue_wake
+    try:
+        running = await start(ownership, "node-a:1", announce=control.announce_queued_in)
+        assert running is not None
+        assert await redis.xlen(wake) == 0
+        queued = await start(ownership, "node-a:2", here=False, announce=control.announce_queued_in)
+        assert queued is not None
+        assert await redis.hget(buffer.keys.meta(queued), "status") == b"queued"
+        assert [fields for _, fields in await redis.xrange(wake)] == [{b"queued": b"1"}]
+        # The stream's key holding something else: the XADD is refused, the start is not.
+        await redis.delete(wake)
+        await redis.set(wake, "not a stream")
+        refused = await start(
+            ownership, "node-a:3", here=False, announce=control.announce_queued_in
+        )
+        assert refused is not None
+        assert await redis.hget(buffer.keys.meta(refused), "status") == b"queued"
+        assert await redis.zscore(buffer.keys.queued("t"), refused) is not None
+    finally:
+        await redis.aclose()
