@@ -17,16 +17,10 @@ BEHIND_MS = 60_000
 
 
 async def store(
-    redis: Redis,
-    keys: Keys,
-    identity: str,
-    settle: int = SETTLE_MS,
-    *,
-    seen: int = 0,
-    nodes: str | None = None,
+    redis: Redis, keys: Keys, identity: str, settle: int = SETTLE_MS, **given: Any
 ) -> list[int]:
-    """settle, behind and mark."""
-    return (await store_all(redis, keys, identity, settle, seen=seen, nodes=nodes))[:3]
+    """settle, behind and mark (``given``: as ``store_all``)."""
+    return (await store_all(redis, keys, identity, settle, **given))[:3]
 
 
 async def store_all(
@@ -92,6 +86,20 @@ async def test_on_a_cluster_another_primary_answering_starts_a_settle_too(
     left, _behind, _mark = await store(redis, keys, "run-a")
     assert 0 < left <= SETTLE_MS
     assert await redis.hget(keys.store, "nodes") == b"run-a,run-c,run-d"
+
+
+async def test_on_a_cluster_callers_with_other_default_nodes_start_no_settle(
+    redis: Redis, keys: Keys
+) -> None:
+    """Two processes whose clients chose other default nodes (a client picks one again
+    each time it reads the slots, after a CLUSTERDOWN) send other run ids for the same
+    primaries: no change. Each calling it one kept the settle from ever ending, and no
+    lease was swept again (a CI run of the queue's cluster test)."""
+    primaries = "run-a,run-b,run-c"
+    assert (await store(redis, keys, "run-a", nodes=primaries))[:2] == [0, 0]
+    for default in ("run-b", "run-a", "run-c", "run-b"):
+        assert (await store(redis, keys, default, nodes=primaries))[:2] == [0, 0]
+    assert await redis.hget(keys.store, "nodes") == primaries.encode()
 
 
 async def test_a_settle_that_ended_leaves_nothing_to_wait_for(redis: Redis, keys: Keys) -> None:
