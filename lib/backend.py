@@ -14,13 +14,15 @@ or ``ARGV``, built here by ``Keys``; no script builds a name.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib.resources
 import inspect
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
 from lib.errors import BufferUnavailable
@@ -257,7 +259,8 @@ class Batch:
 
     def call(self, *args: Any, then: Then | None = None, best_effort: bool = False) -> None:
         """Queue one command (its name and arguments). ``best_effort``: its error reply
-        is handed to ``then`` (an exception) instead of failing the batch."""
+        (on a cluster, also its node's failure) is handed to ``then`` (an exception)
+        instead of failing the batch."""
         if best_effort:
             self._best_effort.add(len(self._calls))
         self._calls.append((args, then))
@@ -293,10 +296,38 @@ class Batch:
                     await done
 
     async def _send(self) -> list[Any]:
+        if self._best_effort and isinstance(self._redis, RedisCluster):
+            return await self._send_apart()
+        return await self._pipeline(range(len(self._calls)))
+
+    async def _pipeline(self, indexes: Iterable[int]) -> list[Any]:
         async with self._redis.pipeline(transaction=False) as pipe:
-            for args, _then in self._calls:
-                pipe.execute_command(*args)
+            for index in indexes:
+                pipe.execute_command(*self._calls[index][0])
             return list(await pipe.execute(raise_on_error=False))
+
+    async def _send_apart(self) -> list[Any]:
+        """The batch on a cluster, its best-effort commands in a pipeline of their own
+        sent at the same time: the cluster client fails a whole pipeline when one of its
+        nodes cannot be reached, the commands it sent to the others run all the same.
+        In one pipeline, a queued start whose wake-up's node was down failed (503, its
+        storage figure taken back) though start.lua had created it, and it ran."""
+        best = sorted(self._best_effort)
+        rest = [index for index in range(len(self._calls)) if index not in self._best_effort]
+        outcomes: tuple[list[Any] | BaseException, ...] = await asyncio.gather(
+            self._pipeline(rest), self._pipeline(best), return_exceptions=True
+        )
+        sent, aside = outcomes
+        if isinstance(sent, BaseException):
+            raise sent
+        if isinstance(aside, BaseException):
+            if not is_unreachable(aside):
+                raise aside
+            aside = [aside] * len(best)
+        replies: list[Any] = [None] * len(self._calls)
+        for index, reply in [*zip(rest, sent, strict=True), *zip(best, aside, strict=True)]:
+            replies[index] = reply
+        return replies
 
 
 def is_unreachable(exc: BaseException) -> bool:

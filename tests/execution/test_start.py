@@ -7,17 +7,22 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
 
-from lib.backend import Batch
+from lib.backend import Batch, Keys
 from lib.errors import BufferUnavailable, TooBusy
 from lib.execution.admission import Admission
 from lib.execution.buffer import EventBuffer
+from lib.execution.indexes import creation_keys
 from lib.execution.ownership import START_RESERVED, Ownership
 from lib.execution.watchlists import lease_member
+from tests.support.cluster import ValkeyCluster
 from tests.support.ownership import ownership_parts
 from tests.support.servers import ValkeyServer
 
@@ -296,3 +301,66 @@ async def test_a_queued_start_announces_itself_with_its_creation(
         assert await redis.zscore(buffer.keys.queued("t"), refused) is not None
     finally:
         await redis.aclose()
+
+
+@pytest.mark.timeout(90)
+async def test_a_queued_start_on_a_cluster_is_not_failed_by_its_wake_ups_node(
+    tmp_path: Path,
+) -> None:
+    """On a cluster the wake-up (XADD, ``{control}``) may live on another node than the
+    creation (start.lua, the execution's slot): with that node down, the start is
+    created and answered all the same. In one pipeline, the cluster client failed it
+    whole (BufferUnavailable: a 503, its storage figure taken back) though the record
+    was written and it would run."""
+    async with ValkeyCluster(data_dir=tmp_path / "cluster") as cluster:
+        # Their hash tags, not the prefix, place the wake-ups and the lines.
+        wake_slot = key_slot(Keys("p").queue_wake.encode())
+        lines = await cluster.node_of(Keys("p").queued("t"))
+        # The wake-ups on a node of their own (a cluster of four or more primaries has
+        # them apart from the lines), the one that goes down. Not the node of slot 0:
+        # the client's default node, without which it can set itself up again no more.
+        first = await cluster.server_of(0)
+        down = next(port for port in cluster.ports if port not in (lines, first))
+        await cluster.move_slot(wake_slot, down)
+        client = RedisCluster.from_url(cluster.node_url(lines))
+        try:
+            await client.initialize()
+
+            def on(key: str) -> int:
+                node = client.get_node_from_key(key)
+                assert node is not None
+                return int(node.port)
+
+            # A prefix, a tenant and an id whose other keys are on the nodes that stay up.
+            for _ in range(1000):
+                buffer = EventBuffer(redis=client, prefix=f"t{uuid.uuid4().hex[:6]}")
+                tenant, ids = f"t{uuid.uuid4().hex[:6]}", [f"ex_{uuid.uuid4().hex}" for _ in "abc"]
+                keys = buffer.keys
+                touched = [*creation_keys(keys, tenant, "wf"), *map(keys.meta, ids)]
+                if all(on(key) != down for key in touched):
+                    break
+            assert all(on(key) != down for key in touched)
+            assert on(buffer.keys.queue_wake) == down
+            transitions = ownership_parts(buffer, 15)
+            announce = transitions.control.announce_queued_in
+            # Every node knows the scripts before one goes down (SCRIPT LOAD goes to all).
+            assert await start(transitions.ownership, "node-a:0", here=False, announce=announce)
+            await cluster.kill_node(down)
+            # The first on the connection the node had (written, its reply lost), the
+            # next on a new one (refused).
+            for number, execution_id in enumerate(ids):
+                entered = await transitions.ownership.start(
+                    execution_id,
+                    fence=f"node-a:{number + 1}",
+                    workflow_id="wf",
+                    tenant=tenant,
+                    created_at="2026-01-01T00:00:00.000Z",
+                    created_ms=1,
+                    here=False,
+                    announce=announce,
+                )
+                assert entered is not None and getattr(entered, "queued", False), entered
+                assert await client.hget(keys.meta(execution_id), "status") == b"queued"
+                assert await client.zscore(keys.queued(tenant), execution_id) is not None
+        finally:
+            await client.aclose()

@@ -191,6 +191,51 @@ class ValkeyCluster:
                 return int(primary[1])
         raise AssertionError(f"no node serves slot {slot}")
 
+    async def kill_node(self, port: int) -> None:
+        """SIGKILL one node and leave it down: the others serve their slots until they
+        find it failed (``cluster-node-timeout``, 15 s by default)."""
+        process = self._processes[self.ports.index(port)]
+        process.kill()
+        await asyncio.to_thread(process.wait)
+
+    async def move_slot(self, slot: int, port: int, timeout: float = 30.0) -> None:
+        """Move an empty hash slot to the node on ``port`` (as a resharding does), and
+        wait until every node says that node serves it."""
+        ids: dict[int, str] = {}
+        for node in self.ports:
+            myid = await self._node_call(node, "CLUSTER", "MYID")
+            assert isinstance(myid, bytes), myid
+            ids[node] = myid.decode()
+        source = await self.server_of(slot)
+        if source == port:
+            return
+        for node, command in [
+            (port, ["IMPORTING", ids[source]]),
+            (source, ["MIGRATING", ids[port]]),
+            (port, ["NODE", ids[port]]),
+            (source, ["NODE", ids[port]]),
+        ]:
+            answer = await self._node_call(node, "CLUSTER", "SETSLOT", str(slot), *command)
+            assert answer is not None, (node, command, self.logs())
+
+        async def agreed() -> bool:
+            return all([await self.server_of(slot, asked=node) == port for node in self.ports])
+
+        deadline = asyncio.get_running_loop().time() + timeout
+        await self._until(deadline, agreed, f"the nodes never agreed on slot {slot}'s move")
+
+    async def server_of(self, slot: int, *, asked: int | None = None) -> int | None:
+        """The port of the node that serves ``slot``, as the node on ``asked`` (the
+        first, by default) sees it."""
+        port = self.ports[0] if asked is None else asked
+        shards = await self._node_call(port, "CLUSTER", "SLOTS")
+        if not isinstance(shards, list):
+            return None
+        for start, end, primary, *_ in shards:
+            if start <= slot <= end:
+                return int(primary[1])
+        return None
+
     async def stop(self) -> None:
         processes, self._processes = self._processes, []
         for process in processes:
