@@ -222,9 +222,9 @@ async def test_the_schema_fuzzed_finds_no_server_error_and_no_off_schema_respons
     tmp_path: Path, valkey: ValkeyServer
 ) -> None:
     async with fuzz_server(tmp_path / "open", valkey) as (server, client):
-        await fuzz(server, client, tmp_path / "open", seconds=11, auth=False)
+        await fuzz(server, client, tmp_path / "open", seconds=9, auth=False)
     async with fuzz_server(tmp_path / "keyed", valkey, FLOWCAST_API_KEYS=KEY) as (
         server,
         client,
     ):
-        await fuzz(server, client, tmp_path / "keyed", seconds=5, auth=True)
+        await fuzz(server, client, tmp_path / "keyed", seconds=4, auth=True)
