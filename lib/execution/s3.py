@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import itertools
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -80,13 +82,35 @@ class S3ValueStore:
             self._client.meta.events.register("before-send.s3.PutObject", _send_small_whole)
 
         self._threads = ThreadPoolExecutor(max_workers=S3_THREADS, thread_name_prefix="s3")
+        # When (monotonic) each call in flight began, until its thread is done (also
+        # after its caller stopped waiting); when the endpoint last answered anything.
+        self._asked: dict[int, float] = {}
+        self._numbers = itertools.count()
+        self._answered = 0.0
 
     async def _call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``function`` in one of the store's threads (as ``asyncio.to_thread``, in its
-        own pool)."""
+        own pool). A caller that stops waiting (a timeout) leaves the call in flight
+        until its thread is done (``silent_seconds``)."""
         context = contextvars.copy_context()
         call = functools.partial(context.run, function, *args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self._threads, call)
+        number = next(self._numbers)
+        self._asked[number] = time.monotonic()
+        future = asyncio.get_running_loop().run_in_executor(self._threads, call)
+
+        def done(future: asyncio.Future[T]) -> None:
+            del self._asked[number]
+            error = None if future.cancelled() else future.exception()
+            if error is None or isinstance(error, ClientError):  # the endpoint answered
+                self._answered = time.monotonic()
+
+        future.add_done_callback(done)
+        return await asyncio.shield(future)
+
+    def silent_seconds(self) -> float:
+        if not self._asked:
+            return 0.0
+        return time.monotonic() - max(self._answered, min(self._asked.values()))
 
     def _key(self, execution_id: str, value: str) -> str:
         check_ids(execution_id, value)

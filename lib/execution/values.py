@@ -84,6 +84,12 @@ class ValueStore(Protocol):
     async def ping(self) -> bool:
         """True when the store is reachable."""
 
+    def silent_seconds(self) -> float:
+        """How long the store has been asked without answering anything: 0 while it
+        answers (or nothing is asked); since the oldest call in flight began, or since
+        its last answer if that came later. An endpoint that answers nothing at all,
+        not one slowed by a tenant's large values (its other calls answer)."""
+
 
 class Sha256Check:
     """Hashes chunks as they stream by and fails at the end if the content is wrong."""
@@ -179,6 +185,9 @@ class LocalValueStore:
 
     async def ping(self) -> bool:
         return self.root.is_dir()
+
+    def silent_seconds(self) -> float:
+        return 0.0  # a directory: its calls end or fail
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

@@ -68,10 +68,13 @@ log = logging.getLogger(__name__)
 # resume unanswered after 170 s, Valkey back empty and S3 stopped.
 RECALL_SECONDS = 5.0
 # While the store was not seen behind, the read is a check only (``recall``'s ``ends``):
-# it waits this long at most, and after one that failed the next ones are not sent for
-# ``RECALL_MUTE_SECONDS`` (they would fail alike). Without them every resume, cancel and
-# takeover waited the full RECALL_SECONDS for a value store that answered nothing, one
-# takeover after another (100 dead runs: over 8 minutes).
+# it waits this long at most, and after one that failed while the value store answered
+# nothing at all the next ones are not sent for ``RECALL_MUTE_SECONDS`` (they would fail
+# alike). Without them every resume, cancel and takeover waited the full RECALL_SECONDS
+# for a value store that answered nothing, one takeover after another (100 dead runs:
+# over 8 minutes). A check that failed while the store answered others (slowed by a
+# tenant's large values, or a run with many owners' records) mutes nothing: one
+# tenant's load must not switch the check off for all.
 UNSEEN_RECALL_SECONDS = 1.0
 RECALL_MUTE_SECONDS = 10.0
 
@@ -303,14 +306,16 @@ class Takeovers:
                 durable = await read_durable(self._launcher.values, execution_id)
         except (ValueStoreError, TimeoutError) as exc:
             if not behind:
-                self._recall_muted_until = time.monotonic() + RECALL_MUTE_SECONDS
+                silent = self._launcher.values.silent_seconds() >= UNSEEN_RECALL_SECONDS / 2
+                if silent:
+                    self._recall_muted_until = time.monotonic() + RECALL_MUTE_SECONDS
                 log.warning(
-                    "could not read how a run ended before claiming it; claiming it as "
-                    "stored, and the next ones for a while without asking",
+                    "could not read how a run ended before claiming it; claiming it as stored"
+                    + (", and the next ones for a while without asking" if silent else ""),
                     extra={
                         "executionId": execution_id,
                         "error": str(exc) or "timeout",
-                        "muteSeconds": RECALL_MUTE_SECONDS,
+                        "muteSeconds": RECALL_MUTE_SECONDS if silent else 0,
                     },
                 )
                 return 0

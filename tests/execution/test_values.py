@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -186,3 +187,45 @@ async def test_a_value_store_that_answers_nothing_keeps_none_of_the_shared_threa
             writer.close()  # the calls fail
         for outcome in await asyncio.gather(*stuck, return_exceptions=True):
             assert isinstance(outcome, ValueStoreError), outcome
+
+
+@pytest.mark.timeout(60)
+async def test_a_store_is_silent_only_while_it_answers_nothing_at_all(moto: MotoServer) -> None:
+    """``silent_seconds`` tells an endpoint that answers nothing (a call its caller gave
+    up on still counts, its thread held) from one that is slow for one caller while it
+    answers the others (a tenant's large values): only the first switches the check of
+    how a run ended off for everyone (takeovers.py ``recall``)."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def answer_nothing(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(answer_nothing, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    client = boto3.client(
+        "s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="k",
+        aws_secret_access_key="s",
+        config=Config(connect_timeout=5, read_timeout=30, retries={"max_attempts": 1}),
+    )  # fmt: skip
+    silent = S3ValueStore(bucket="nowhere", endpoint_url=url, client=client)
+    assert silent.silent_seconds() == 0.0  # nothing asked
+    try:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(silent.records("ex_1"), 0.5)
+        assert silent.silent_seconds() >= 0.5  # given up on, still asked
+    finally:
+        server.close()
+        for writer in held:
+            writer.close()
+    await until(lambda: silent.silent_seconds() == 0.0, "the held call failed", 10)
+
+    bucket = f"values-{uuid.uuid4().hex[:8]}"
+    boto3.client("s3", endpoint_url=moto.url).create_bucket(Bucket=bucket)
+    answering = S3ValueStore(bucket=bucket, endpoint_url=moto.url)
+    slow = asyncio.create_task(answering._call(time.sleep, 1.5))  # one call held 1.5 s
+    try:
+        await until(lambda: answering.silent_seconds() > 0.5, "the slow call in flight", 10)
+        await answering.put_record("ex_2", "rec_0123456789abcdef", b"{}")  # answered
+        assert answering.silent_seconds() < 0.5
+    finally:
+        await slow
