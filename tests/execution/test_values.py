@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import time
@@ -154,13 +155,10 @@ async def test_a_small_put_is_sent_whole_and_a_large_one_waits_for_the_go_ahead(
     assert await read_all(store, execution_id, ident(large)) == large
 
 
-@pytest.mark.timeout(60)
-async def test_a_value_store_that_answers_nothing_keeps_none_of_the_shared_threads() -> None:
-    """An S3 endpoint that accepts connections and answers nothing (black-holed) holds
-    each call for boto3's timeouts: more of them at once than the loop's default pool
-    has threads took them all, and everything else of the process that runs in that
-    pool (host name lookups of the ``http`` blocks and webhooks, file values) waited
-    behind them. The store's calls run in threads of its own."""
+@contextlib.asynccontextmanager
+async def answering_nothing() -> AsyncIterator[tuple[S3ValueStore, list[asyncio.StreamWriter]]]:
+    """An S3 store whose endpoint accepts connections and answers nothing (black-holed),
+    and the connections it holds; on leaving they are closed (the calls then fail)."""
     held: list[asyncio.StreamWriter] = []
 
     async def answer_nothing(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -173,20 +171,30 @@ async def test_a_value_store_that_answers_nothing_keeps_none_of_the_shared_threa
         aws_secret_access_key="s",
         config=Config(connect_timeout=5, read_timeout=30, retries={"max_attempts": 1}),
     )  # fmt: skip
-    store = S3ValueStore(bucket="nowhere", endpoint_url=url, client=client)
-    shared = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default pool
-    stuck = [asyncio.create_task(store.records(f"ex_{n}")) for n in range(shared + 2)]
     try:
+        yield S3ValueStore(bucket="nowhere", endpoint_url=url, client=client), held
+    finally:
+        server.close()
+        for writer in held:
+            writer.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_value_store_that_answers_nothing_keeps_none_of_the_shared_threads() -> None:
+    """An S3 endpoint that answers nothing holds each call for boto3's timeouts: more of
+    them at once than the loop's default pool has threads took them all, and everything
+    else of the process that runs in that pool (host name lookups of the ``http`` blocks
+    and webhooks, file values) waited behind them. The store's calls run in threads of
+    its own."""
+    shared = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default pool
+    async with answering_nothing() as (store, held):
+        stuck = [asyncio.create_task(store.records(f"ex_{n}")) for n in range(shared + 2)]
         await until(lambda: len(held) >= shared, "calls held by the endpoint", 10)
         assert not any(task.done() for task in stuck)
         # The probe: one call in the loop's default pool, as a host name lookup is.
         assert await asyncio.wait_for(asyncio.to_thread(lambda: "free"), 5) == "free"
-    finally:
-        server.close()
-        for writer in held:
-            writer.close()  # the calls fail
-        for outcome in await asyncio.gather(*stuck, return_exceptions=True):
-            assert isinstance(outcome, ValueStoreError), outcome
+    for outcome in await asyncio.gather(*stuck, return_exceptions=True):
+        assert isinstance(outcome, ValueStoreError), outcome
 
 
 @pytest.mark.timeout(60)
@@ -195,28 +203,11 @@ async def test_a_store_is_silent_only_while_it_answers_nothing_at_all(moto: Moto
     up on still counts, its thread held) from one that is slow for one caller while it
     answers the others (a tenant's large values): only the first switches the check of
     how a run ended off for everyone (takeovers.py ``recall``)."""
-    held: list[asyncio.StreamWriter] = []
-
-    async def answer_nothing(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        held.append(writer)
-
-    server = await asyncio.start_server(answer_nothing, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    client = boto3.client(
-        "s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="k",
-        aws_secret_access_key="s",
-        config=Config(connect_timeout=5, read_timeout=30, retries={"max_attempts": 1}),
-    )  # fmt: skip
-    silent = S3ValueStore(bucket="nowhere", endpoint_url=url, client=client)
-    assert silent.silent_seconds() == 0.0  # nothing asked
-    try:
+    async with answering_nothing() as (silent, _held):
+        assert silent.silent_seconds() == 0.0  # nothing asked
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(silent.records("ex_1"), 0.5)
         assert silent.silent_seconds() >= 0.5  # given up on, still asked
-    finally:
-        server.close()
-        for writer in held:
-            writer.close()
     await until(lambda: silent.silent_seconds() == 0.0, "the held call failed", 10)
 
     bucket = f"values-{uuid.uuid4().hex[:8]}"
