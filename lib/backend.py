@@ -14,7 +14,6 @@ or ``ARGV``, built here by ``Keys``; no script builds a name.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import importlib.resources
 import inspect
@@ -308,22 +307,22 @@ class Batch:
 
     async def _send_apart(self) -> list[Any]:
         """The batch on a cluster, its best-effort commands in a pipeline of their own
-        sent at the same time: the cluster client fails a whole pipeline when one of its
-        nodes cannot be reached, the commands it sent to the others run all the same.
-        In one pipeline, a queued start whose wake-up's node was down failed (503, its
-        storage figure taken back) though start.lua had created it, and it ran."""
+        sent once the others are answered: the cluster client fails a whole pipeline
+        when one of its nodes cannot be reached, the commands it sent to the others run
+        all the same. In one pipeline, a queued start whose wake-up's node was down
+        failed (503, its storage figure taken back) though start.lua had created it, and
+        it ran. Sent at the same time, the client's reset after the lost node closed
+        the other pipeline's connection under it (the same 503, two runs in three)."""
         best = sorted(self._best_effort)
         rest = [index for index in range(len(self._calls)) if index not in self._best_effort]
-        outcomes: tuple[list[Any] | BaseException, ...] = await asyncio.gather(
-            self._pipeline(rest), self._pipeline(best), return_exceptions=True
-        )
-        sent, aside = outcomes
-        if isinstance(sent, BaseException):
-            raise sent
-        if isinstance(aside, BaseException):
-            if not is_unreachable(aside):
-                raise aside
-            aside = [aside] * len(best)
+        sent = await self._pipeline(rest)
+        aside: list[Any]
+        try:
+            aside = await self._pipeline(best)
+        except Exception as exc:
+            if not is_unreachable(exc):
+                raise
+            aside = [exc] * len(best)
         replies: list[Any] = [None] * len(self._calls)
         for index, reply in [*zip(rest, sent, strict=True), *zip(best, aside, strict=True)]:
             replies[index] = reply
