@@ -58,12 +58,15 @@ class ControlStreams:
             approximate=True,
         )
 
-    @translated
     async def announce_queued(self) -> None:
         """Tell every process that work was queued (the workers with free slots take it)."""
-        await self.redis.xadd(
-            self.keys.queue_wake, {"queued": "1"}, maxlen=QUEUE_MAXLEN, approximate=True
-        )
+        batch = Batch(self.redis)
+        batch.call(*self._queue_wake())
+        await batch.send()
+
+    def _queue_wake(self) -> list[Any]:
+        """The command that announces queued work: an entry on the queue's wake stream."""
+        return ["XADD", self.keys.queue_wake, "MAXLEN", "~", QUEUE_MAXLEN, "*", "queued", "1"]
 
     def announce_queued_in(self, batch: Batch) -> None:
         """``announce_queued`` as a best-effort command of ``batch``: its failure is
@@ -73,10 +76,7 @@ class ControlStreams:
             if isinstance(reply, Exception):
                 log.warning("could not announce queued work", extra={"error": str(reply)})
 
-        batch.call(
-            "XADD", self.keys.queue_wake, "MAXLEN", "~", QUEUE_MAXLEN, "*", "queued", "1",
-            then=then, best_effort=True,
-        )  # fmt: skip
+        batch.call(*self._queue_wake(), then=then, best_effort=True)
 
     @translated
     async def cursors(self, node: str) -> dict[str, str]:

@@ -253,23 +253,20 @@ class Launcher:
                 # Its terminal event is stored by this process: its span ends here.
                 status = final.type.removeprefix("execution:")
                 tracing.end_execution(local.identity, local.execution_id, status, final.ts)
-        if local.handoff and writer.refused is None:
-            if leaving:
-                work.append(self._admission.leave(local.tenant, *members))
+        handing_off = local.handoff and writer.refused is None
+        # The running set left first, then (settled here) the lease list, in one round
+        # trip (issue 25: the worker's CPU per execution); best effort as each was.
+        batch = Batch(self._watch.redis)
+        if leaving:
+            self._admission.leave_in(batch, local.tenant, *members)
+        if settled and not handing_off:
+            self._watch.release_in(batch, local.execution_id, local.fence)
+        work.append(batch.send())
+        if handing_off:
             # Let go for another process to take over now (its lease entry, due at
             # once, stays watched until then). If this fails, the lease expires.
             work.append(self._hand_off(local, writer.shown_id))
-        elif settled:
-            # The running set left first, then the lease list, in one round trip
-            # (issue 25: the worker's CPU per execution); best effort as each was.
-            batch = Batch(self._watch.redis)
-            if leaving:
-                self._admission.leave_in(batch, local.tenant, *members)
-            self._watch.release_in(batch, local.execution_id, local.fence)
-            work.append(batch.send())
-        else:
-            if leaving:
-                work.append(self._admission.leave(local.tenant, *members))
+        elif not settled:
             log.warning(
                 "a run ended without storing its last event; its lease will expire",
                 extra={"executionId": local.execution_id},
