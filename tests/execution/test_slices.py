@@ -137,16 +137,18 @@ async def test_several_large_values_take_turns_one_slice_per_turn_of_the_loop() 
     values = [[n] * 1_000_000 for n in range(6)]
     bodies = [orjson.dumps({"input": value}) for value in values]
     gc.collect()  # the six lists made here are old before the loop is timed
-    _, alone = await _worst_hold(encode(values[0]))
     tries = []
-    for _ in range(3):  # the best of three: a turn the machine preempted only adds time
+    # The best of three pairs, each probe measured right before its figure: a turn the
+    # machine preempted (another pytest worker beside it) only adds time.
+    for _ in range(3):
+        _, alone = await _worst_hold(encode(values[0]))
         _, together = await _worst_hold(
             asyncio.gather(*(encode(value) for value in values), *map(decode_json, bodies))
         )
-        tries.append(together)
+        tries.append((together, alone))
         if together < 3 * alone + 0.005:
             break
-    assert min(tries) < 3 * alone + 0.005, (tries, alone)
+    assert any(together < 3 * alone + 0.005 for together, alone in tries), tries
 
 
 async def test_a_large_body_is_parsed_into_lists_the_young_collections_skip() -> None:
