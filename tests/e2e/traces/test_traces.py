@@ -69,6 +69,9 @@ def _http_workflow(workflow_id: str, url: str) -> dict[str, Any]:
     }
 
 
+MS_NS = 1_000_000  # timestamps have ms precision
+
+
 def _ns(ts: str) -> int:
     moment = datetime.fromisoformat(ts.replace("Z", "+00:00"))
     return int(moment.timestamp()) * 1_000_000_000 + moment.microsecond * 1000
@@ -98,7 +101,8 @@ async def test_an_execution_is_one_trace_with_a_span_per_block_attempt_and_its_o
     assert span.resource["service.name"] == "flowcast-test"
     # From accepted to its terminal event.
     assert span.start_ns == _ns(snapshot["createdAt"])
-    assert span.end_ns == _ns(snapshot["updatedAt"])
+    # Its terminal event's millisecond, to its end (timestamps have ms precision).
+    assert span.end_ns == _ns(snapshot["updatedAt"]) + MS_NS - 1
 
     def blocks() -> list[Span]:
         found = receiver.named("flowcast.block", **{"flowcast.execution.id": execution_id})
