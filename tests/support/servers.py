@@ -57,6 +57,9 @@ class ValkeyServer(EmbeddedValkey):
             self._process = None
 
 
+PORT_TRIES = 3
+
+
 class FlowcastServer:
     """``uvicorn --factory app.main:create_app`` in a subprocess on a free loopback port."""
 
@@ -69,6 +72,7 @@ class FlowcastServer:
         self.env = env or {}
         self.log_path = data_dir / f"server-{self.port}.log"
         self._process: Process | None = None
+        self._started = False  # its port was bound once: a restart keeps it
 
     @property
     def url(self) -> str:
@@ -105,11 +109,26 @@ class FlowcastServer:
         }
 
     async def start(self, timeout: float = 30.0) -> None:
+        """Start the process and wait until it is ready. A port is picked free, then
+        bound only once the process's startup is over; on a busy machine another
+        process's connection can take it meanwhile. A first start then moves to another
+        free port (nothing knew this one yet); a restart keeps its port."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self._process = await asyncio.to_thread(
-            spawn, self.command(), cwd=ROOT, env=self.environment(), log_path=self.log_path
-        )
-        await wait_ready(self.url, self._process, self.log_path, timeout)
+        for attempt in range(PORT_TRIES):
+            self._process = await asyncio.to_thread(
+                spawn, self.command(), cwd=ROOT, env=self.environment(), log_path=self.log_path
+            )
+            try:
+                await wait_ready(self.url, self._process, self.log_path, timeout)
+            except ServerExited as exited:
+                taken = "address already in use" in exited.log
+                if self._started or not taken or attempt == PORT_TRIES - 1:
+                    raise
+                self.port = free_port()
+                self.log_path = self.data_dir / f"server-{self.port}.log"
+                continue
+            self._started = True
+            return
 
     async def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         process, self._process = self._process, None
@@ -146,15 +165,21 @@ class FlowcastWorker(FlowcastServer):
         return {**super().environment(), "FLOWCAST_PORT": str(self.port)}
 
 
+class ServerExited(RuntimeError):
+    """The server's process exited before it was ready."""
+
+    def __init__(self, code: int | None, log: str) -> None:
+        super().__init__(f"server exited with {code}:\n{log}")
+        self.log = log
+
+
 async def wait_ready(url: str, process: Process, log_path: Path, timeout: float) -> None:
     """Poll ``/readyz`` until it answers 200; fail early if the process exits."""
     deadline = asyncio.get_running_loop().time() + timeout
     async with httpx.AsyncClient(base_url=url, timeout=2) as client:
         while True:
             if process.poll() is not None:
-                raise RuntimeError(
-                    f"server exited with {process.returncode}:\n{log_path.read_text()}"
-                )
+                raise ServerExited(process.returncode, log_path.read_text())
             try:
                 if (await client.get("/readyz")).status_code == 200:
                     return

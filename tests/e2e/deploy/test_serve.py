@@ -275,3 +275,32 @@ def test_a_workflows_dir_that_was_set_but_does_not_exist_stops_the_start(tmp_pat
     )  # fmt: skip
     assert factory.returncode != 0
     assert "FLOWCAST_WORKFLOWS_DIR=exmaples names no directory" in factory.stderr
+
+
+async def test_a_port_in_use_stops_the_start_with_its_reason_and_a_first_start_moves_on(
+    valkey: ValkeyServer, tmp_path: Path
+) -> None:
+    """uvicorn binds its port once the startup is over: a port taken meanwhile (by any
+    other process's connection, on a busy machine) ends that process with "address
+    already in use" in its log. The tests' servers then start once more on another free
+    port, which nothing knew yet (tests/support/servers.py)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = FlowcastServer(
+            data_dir=tmp_path / "moved",
+            env={
+                "FLOWCAST_REDIS_URL": valkey.url,
+                "FLOWCAST_REDIS_PREFIX": f"m{uuid.uuid4().hex[:6]}",
+            },
+        )
+        first_log = server.log_path = tmp_path / "moved" / "taken.log"
+        server.port = taken.getsockname()[1]
+        try:
+            await server.start()
+            assert server.port != taken.getsockname()[1]
+            async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+                assert (await client.get("/readyz")).status_code == 200
+        finally:
+            await server.stop()
+    assert "address already in use" in first_log.read_text()

@@ -86,6 +86,17 @@ async def _execution_span(receiver: Receiver, execution_id: str) -> Span:
     return spans[0]
 
 
+async def _span(receiver: Receiver, trace_id: str, span_id: str, what: str) -> Span:
+    """The span ``span_id`` of ``trace_id``, once exported: each process exports its
+    spans in batches of its own, so a parent can arrive after its child."""
+
+    def found() -> list[Span]:
+        return [s for s in receiver.of_trace(trace_id) if s.span_id == span_id]
+
+    spans: list[Span] = await until(found, what, timeout=20)
+    return spans[0]
+
+
 async def test_an_execution_is_one_trace_with_a_span_per_block_attempt_and_its_outbound_call(
     traced: FlowcastServer, receiver: Receiver, unique: str
 ) -> None:
@@ -121,13 +132,12 @@ async def test_an_execution_is_one_trace_with_a_span_per_block_attempt_and_its_o
     headers = next(h for path, h in receiver.requests if path == hook)
     version, trace_id, parent_id, _flags = headers["traceparent"].split("-")
     assert (version, trace_id) == ("00", span.trace_id)
-    client_spans = [s for s in receiver.of_trace(span.trace_id) if s.span_id == parent_id]
-    assert client_spans, "the outbound call's span"
-    assert client_spans[0].parent_id == by_id["call"].span_id
+    client_span = await _span(receiver, span.trace_id, parent_id, "the outbound call's span")
+    assert client_span.parent_id == by_id["call"].span_id
 
     # The execute request was served in a span of its own (FastAPI instrumentation).
-    served = [s for s in receiver.of_trace(span.trace_id) if s.span_id == span.parent_id]
-    assert served and "execute" in served[0].name, served
+    served = await _span(receiver, span.trace_id, span.parent_id, "the execute request's span")
+    assert "execute" in served.name, served
 
 
 async def test_an_llm_blocks_call_carries_the_traceparent_of_its_attempt(
@@ -147,7 +157,7 @@ async def test_an_llm_blocks_call_carries_the_traceparent_of_its_attempt(
         return [s for s in receiver.of_trace(trace_id) if s.span_id == parent_id]
 
     outbound = (await until(call, "the llm call's client span", timeout=20))[0]
-    block = next(s for s in receiver.of_trace(trace_id) if s.span_id == outbound.parent_id)
+    block = await _span(receiver, trace_id, outbound.parent_id, "the llm block's span")
     assert block.name == "flowcast.block"
     assert block.attributes["flowcast.block.type"] == "llm"
     assert block.parent_id == span.span_id
@@ -169,7 +179,7 @@ async def test_an_incoming_traceparent_parents_the_execution(
     span = await _execution_span(receiver, execution_id)
     assert span.trace_id == trace_id
     # Its parent is the request that accepted it, itself the caller's span's child.
-    request = next(s for s in receiver.of_trace(trace_id) if s.span_id == span.parent_id)
+    request = await _span(receiver, trace_id, span.parent_id, "the execute request's span")
     assert request.parent_id == caller_span
 
 
@@ -198,7 +208,7 @@ async def test_a_malformed_traceparent_is_ignored_and_the_run_gets_a_trace_of_it
     assert len(span.trace_id) == 32 and span.trace_id != "0" * 32
     assert span.trace_id not in header.lower(), "a malformed traceparent was followed"
     # Its parent is the request that accepted it, itself a root.
-    request = next(s for s in receiver.of_trace(span.trace_id) if s.span_id == span.parent_id)
+    request = await _span(receiver, span.trace_id, span.parent_id, "the execute request's span")
     assert not request.parent_id, request
 
 
@@ -277,7 +287,7 @@ async def test_a_run_queued_by_an_api_replica_paused_and_resumed_on_a_worker_is_
             assert (await wait_finished(client, execution_id, timeout=20))["status"] == "completed"
         span = await _execution_span(receiver, execution_id)
         assert span.resource["flowcast.replica"] == "worker"
-        accepted = next(s for s in receiver.of_trace(span.trace_id) if s.span_id == span.parent_id)
+        accepted = await _span(receiver, span.trace_id, span.parent_id, "the api's execute span")
         assert accepted.resource["flowcast.replica"] == "api" and "execute" in accepted.name
 
         def blocks() -> list[Span]:
