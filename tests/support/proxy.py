@@ -18,9 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.embedded import die_with_parent, free_port
+from app.embedded import die_with_parent
 from app.settings import Settings
 from tests.support.api import until
+from tests.support.ports import own_port
 from tests.support.servers import ROOT
 
 NGINX = Path("/usr/sbin/nginx")
@@ -82,7 +83,7 @@ class NginxProxy:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         self.directory = directory.resolve()
-        self.port = free_port()
+        self.port = own_port()  # tests/support/ports.py
         self.replicas = replicas
         self.max_body_bytes = max_body_bytes
         self.conf = self.directory / "nginx.conf"

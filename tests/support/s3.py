@@ -13,7 +13,7 @@ from typing import Any
 import boto3
 import httpx
 
-from app.embedded import free_port
+from tests.support.ports import own_port
 
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -26,7 +26,7 @@ class MotoServer:
     """``moto_server`` on 127.0.0.1 and a free port."""
 
     def __init__(self, *, log_path: Path) -> None:
-        self.port = free_port()
+        self.port = own_port()  # tests/support/ports.py
         self.log_path = log_path
         self._process: subprocess.Popen[bytes] | None = None
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import httpx
 
-from app.embedded import EmbeddedValkey, free_port
+from app.embedded import EmbeddedValkey
+from tests.support.ports import own_port
 from tests.support.zygote import Process, spawn
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,8 +35,10 @@ class ValkeyServer(EmbeddedValkey):
     cut the store off, and expects nothing it acknowledged to be lost, asks for this.
     """
 
-    def __init__(self, *, durable: bool = False, **options: Any) -> None:
-        super().__init__(**options)
+    def __init__(self, *, durable: bool = False, port: int | None = None, **options: Any) -> None:
+        # A port of this worker's own (tests/support/ports.py): while the server is down
+        # to be started again on it, no other process can be given it.
+        super().__init__(port=port or own_port(), **options)
         self.durable = durable
 
     def command(self) -> list[str]:
@@ -61,14 +64,16 @@ PORT_TRIES = 3
 
 
 class FlowcastServer:
-    """``uvicorn --factory app.main:create_app`` in a subprocess on a free loopback port."""
+    """``uvicorn --factory app.main:create_app`` in a subprocess on a free loopback port
+    of this worker's own (tests/support/ports.py: no other process can take it before
+    the server binds it, or while it is down to be started again on it)."""
 
     def __init__(
         self, *, data_dir: Path, env: dict[str, str] | None = None, access_log: bool = False
     ) -> None:
         self.access_log = access_log
         self.data_dir = data_dir
-        self.port = free_port()
+        self.port = own_port()
         self.env = env or {}
         self.log_path = data_dir / f"server-{self.port}.log"
         self._process: Process | None = None
@@ -124,7 +129,7 @@ class FlowcastServer:
                 taken = "address already in use" in exited.log
                 if self._started or not taken or attempt == PORT_TRIES - 1:
                     raise
-                self.port = free_port()
+                self.port = own_port()
                 self.log_path = self.data_dir / f"server-{self.port}.log"
                 continue
             self._started = True

@@ -1,0 +1,97 @@
+"""Loopback ports for the tests' own servers, that no other process can take.
+
+A port picked by binding port 0 and letting it go (``app.embedded.free_port``) is a
+port of the kernel's ephemeral range: until its server binds it (after a Flowcast
+process's startup, a second or two on a busy machine), or while a server is down to be
+started again on it (a Valkey killed and restarted, a replica restarted), any other
+process binding port 0 may be given it -- the other pytest worker's next pick, a
+receiver, a moto or nginx of its own. The restarted server then fails "address already
+in use", or a readiness check answered by the other server passes. (A clean-clone run:
+the lone-restart test's new server exited 3 with "address already in use".)
+
+The kernel gives out ports only from ``ip_local_port_range`` (32768-60999 by default),
+so the ports here are below it; and a pytest process (an xdist worker, or another run
+on the same machine) holds a lock on each port it picked (``flock`` on a file named
+after it, released when the process ends), so no other test process picks it too.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import random
+import socket
+import tempfile
+from pathlib import Path
+
+from app.embedded import free_port
+
+FIRST_PORT = 10_000
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOCKS = Path(tempfile.gettempdir()) / "flowcast-test-ports"
+
+_held: dict[int, int] = {}  # port -> the open file holding its lock (for good)
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0  # not Linux: no port is known to be out of the kernel's reach
+
+
+def _ports() -> list[int]:
+    """The ports below the ephemeral range, from a random one on (two processes that
+    start together do not try the same ones first)."""
+    ports = list(range(FIRST_PORT, _ephemeral_low()))
+    if not ports:
+        return []
+    start = random.randrange(len(ports))
+    return ports[start:] + ports[:start]
+
+
+_ORDER = _ports()
+_next = 0
+
+
+def _locked(port: int) -> bool:
+    """Whether this process holds ``port``'s lock (taken now if no process held it)."""
+    if port in _held:
+        return True
+    LOCKS.mkdir(exist_ok=True)
+    fd = os.open(LOCKS / str(port), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    _held[port] = fd
+    return True
+
+
+def _bindable(port: int) -> bool:
+    # Without SO_REUSEADDR: a port with a listener, or with connections in TIME_WAIT
+    # from a server this process ran on it before, is passed over.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def own_port() -> int:
+    """A free loopback port below the ephemeral range that this process holds
+    (``free_port`` if there is none)."""
+    global _next
+    for _ in range(len(_ORDER)):
+        port = _ORDER[_next]
+        _next = (_next + 1) % len(_ORDER)
+        held = port in _held
+        if not _locked(port):
+            continue
+        if _bindable(port):
+            return port
+        if not held:  # another program's port: leave it alone
+            os.close(_held.pop(port))
+    return free_port()
