@@ -15,12 +15,12 @@ import sys
 import httpx
 import uvicorn
 
-from app.embedded import free_port
 from app.main import create_app
+from tests.support.ports import own_port
 
 
 async def main(url: str) -> None:
-    port = free_port()
+    port = own_port()
     config = uvicorn.Config(create_app(), host="127.0.0.1", port=port, log_level="warning")
     server = uvicorn.Server(config)
     serving = asyncio.create_task(server.serve())

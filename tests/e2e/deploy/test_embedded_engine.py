@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from app.embedded import free_port
 from tests.support.api import until
+from tests.support.ports import own_port
 from tests.support.servers import ROOT
 
 # ---------------------------------------------------------------- the embedded engine
@@ -49,7 +49,7 @@ async def test_a_sigkilled_flowcast_serve_takes_its_embedded_engine_down(tmp_pat
     """Found by the step 14 review."""
     from tests.support.servers import wait_ready
 
-    port = free_port()
+    port = own_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLOWCAST_")}
     env.update(
         FLOWCAST_PORT=str(port),

@@ -24,6 +24,7 @@ from redis.asyncio import Redis
 from app.embedded import free_port
 from tests.conftest import SESSION_PREFIX
 from tests.support.api import within
+from tests.support.ports import own_port
 from tests.support.servers import ROOT, FlowcastServer, ValkeyServer, wait_ready
 from tests.support.sse import collect
 
@@ -40,7 +41,7 @@ async def test_flowcast_serve_with_no_configuration_runs_on_an_embedded_engine(
     tmp_path: Path,
 ) -> None:
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
-    port = free_port()
+    port = own_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLOWCAST_")}
     env["FLOWCAST_PORT"] = str(port)  # only so parallel runs do not collide on 8000
     flowcast = Path(sys.executable).with_name("flowcast")
@@ -166,7 +167,7 @@ class _Terminal:
 @contextmanager
 def _serve_on_a_terminal(cwd: Path, env: dict[str, str]) -> Iterator[tuple[str, _Terminal]]:
     """``flowcast serve`` with a terminal as stdout and stderr; its URL and that terminal."""
-    port = free_port()
+    port = own_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith("FLOWCAST_")}
     terminal = _Terminal()
     process = subprocess.Popen(

@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from tests.support.api import execute, until, wait_finished
+from tests.support.ports import own_port
 from tests.support.servers import FlowcastServer, ValkeyServer, flowcast_on
 from tests.support.sse import collect, frames
 
@@ -65,7 +66,7 @@ def documented_examples() -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def demo_model() -> Iterator[str]:
     """``flowcast demo-model`` on a free port (replies at once); its base URL."""
-    port = free_port()
+    port = own_port()
     process = subprocess.Popen(
         [str(FLOWCAST), "demo-model", "--port", str(port), "--words-per-second", "0"],
         stdout=subprocess.DEVNULL,
