@@ -58,8 +58,11 @@ def _locked(port: int) -> bool:
     """Whether this process holds ``port``'s lock (taken now if no process held it)."""
     if port in _held:
         return True
-    LOCKS.mkdir(exist_ok=True)
-    fd = os.open(LOCKS / str(port), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        LOCKS.mkdir(exist_ok=True)
+        fd = os.open(LOCKS / str(port), os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        return True  # no lock to be had here: the range alone keeps the kernel off it
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -92,6 +95,6 @@ def own_port() -> int:
             continue
         if _bindable(port):
             return port
-        if not held:  # another program's port: leave it alone
+        if not held and port in _held:  # another program's port: leave it alone
             os.close(_held.pop(port))
     return free_port()
