@@ -43,7 +43,11 @@ STREAM_DEADLINE = 20.0
 
 @pytest.fixture(scope="module")
 async def valkey(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[FaultyValkey]:
-    server = FaultyValkey(data_dir=tmp_path_factory.mktemp("faults-valkey"))
+    # Durable: these tests kill Valkey and expect nothing it acknowledged to be lost. With
+    # the default everysec, a busy disk let a kill lose an acknowledged resume (its
+    # claim and its execution:resumed) in one clean-clone run; that is a store come back
+    # behind, which tests/e2e/recovery/test_store_loss.py covers.
+    server = FaultyValkey(data_dir=tmp_path_factory.mktemp("faults-valkey"), durable=True)
     await server.start()
     yield server
     await server.stop()
