@@ -8,7 +8,6 @@ assigns the slots. Readiness is every node reporting ``cluster_state:ok``.
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -17,29 +16,20 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from app.embedded import die_with_parent, valkey_binary
+from tests.support.ports import own_port_pair
 
 # A node also listens on its cluster bus port, port + 10000, so both must be free.
 BUS_PORT_OFFSET = 10_000
 NODES = 3
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def free_cluster_port(taken: set[int]) -> int:
-    """A loopback port that is free, as is its bus port, and not in ``taken``."""
+    """A loopback port that is free, as is its bus port, and not in ``taken``: both
+    below the kernel's ephemeral range and held by this process (tests/support/ports.py),
+    so no other process is given either while a node is down to be started again."""
     for _ in range(1_000):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-        bus = port + BUS_PORT_OFFSET
-        if bus >= 65_536 or {port, bus} & taken or not _bindable(bus):
+        port = own_port_pair(BUS_PORT_OFFSET)
+        if {port, port + BUS_PORT_OFFSET} & taken:
             continue
         return port
     raise RuntimeError("no free port pair for a cluster node")

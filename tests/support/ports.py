@@ -11,8 +11,9 @@ the lone-restart test's new server exited 3 with "address already in use".)
 
 The kernel gives out ports only from ``ip_local_port_range`` (32768-60999 by default),
 so the ports here are below it; and a pytest process (an xdist worker, or another run
-on the same machine) holds a lock on each port it picked (``flock`` on a file named
-after it, released when the process ends), so no other test process picks it too.
+on the same machine) holds a lock on each port it picked (a POSIX record lock on the
+byte of that number in one shared file: one descriptor however many ports, released
+when the process ends), so no other test process picks it too.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ from app.embedded import free_port
 
 FIRST_PORT = 10_000
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-LOCKS = Path(tempfile.gettempdir()) / "flowcast-test-ports"
+LOCKS = Path(tempfile.gettempdir()) / "flowcast-test-ports.lock"
 
-_held: dict[int, int] = {}  # port -> the open file holding its lock (for good)
+_held: set[int] = set()  # the ports this process locked (for good)
+_lock_fd: int | None = None  # the shared file's one descriptor (never closed: that
+# would let go of every lock this process holds in it)
 
 
 def _ephemeral_low() -> int:
@@ -56,20 +59,27 @@ _next = 0
 
 def _locked(port: int) -> bool:
     """Whether this process holds ``port``'s lock (taken now if no process held it)."""
+    global _lock_fd
     if port in _held:
         return True
     try:
-        LOCKS.mkdir(exist_ok=True)
-        fd = os.open(LOCKS / str(port), os.O_RDWR | os.O_CREAT, 0o666)
+        if _lock_fd is None:
+            _lock_fd = os.open(LOCKS, os.O_RDWR | os.O_CREAT, 0o666)
     except OSError:
         return True  # no lock to be had here: the range alone keeps the kernel off it
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.lockf(_lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, port)
     except OSError:
-        os.close(fd)
         return False
-    _held[port] = fd
+    _held.add(port)
     return True
+
+
+def _let_go(port: int) -> None:
+    """Give back a lock taken for a port another program turned out to use."""
+    _held.discard(port)
+    if _lock_fd is not None:
+        fcntl.lockf(_lock_fd, fcntl.LOCK_UN, 1, port)
 
 
 def _bindable(port: int) -> bool:
@@ -83,18 +93,38 @@ def _bindable(port: int) -> bool:
     return True
 
 
+def _take(port: int) -> bool:
+    """Lock ``port`` for this process if it is free (a lock kept only if it is)."""
+    held = port in _held
+    if not _locked(port):
+        return False
+    if _bindable(port):
+        return True
+    if not held:  # another program's port: leave it alone
+        _let_go(port)
+    return False
+
+
 def own_port() -> int:
     """A free loopback port below the ephemeral range that this process holds
     (``free_port`` if there is none)."""
+    return own_port_pair(0) if _ORDER else free_port()
+
+
+def own_port_pair(offset: int) -> int:
+    """A port as ``own_port``; with ``offset``, ``port + offset`` is held and free too
+    (a cluster node's bus port), both below the ephemeral range."""
     global _next
+    low = _ephemeral_low()
     for _ in range(len(_ORDER)):
         port = _ORDER[_next]
         _next = (_next + 1) % len(_ORDER)
-        held = port in _held
-        if not _locked(port):
+        if offset and port + offset >= low:
             continue
-        if _bindable(port):
+        if not _take(port):
+            continue
+        if not offset or _take(port + offset):
             return port
-        if not held and port in _held:  # another program's port: leave it alone
-            os.close(_held.pop(port))
-    return free_port()
+    if not offset:
+        return free_port()
+    raise RuntimeError(f"no free pair of loopback ports {offset} apart below {low}")
