@@ -114,10 +114,11 @@ class FlowcastServer:
         }
 
     async def start(self, timeout: float = 30.0) -> None:
-        """Start the process and wait until it is ready. A port is picked free, then
-        bound only once the process's startup is over; on a busy machine another
-        process's connection can take it meanwhile. A first start then moves to another
-        free port (nothing knew this one yet); a restart keeps its port."""
+        """Start the process and wait until it is ready. Its port is bound only once
+        the process's startup is over; should another program bind it meanwhile
+        (tests/support/ports.py keeps the kernel and the other test processes off it,
+        not every program), a first start moves to another port (nothing knew this one
+        yet); a restart keeps its port."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         for attempt in range(PORT_TRIES):
             self._process = await asyncio.to_thread(
