@@ -266,3 +266,17 @@ def refund_workflow(workflow_id: str) -> dict[str, Any]:
             {"from": "review", "to": "issue", "when": "blocks.review.output.approved"},
         ],
     }
+
+
+async def figures_where(client: httpx.AsyncClient, check: Callable[[str], bool], what: str) -> str:
+    """The first ``/metrics`` scrape whose figures pass ``check``: a scrape reads the
+    queue from Redis within a bound (lib/metrics.py ``refresh``) and keeps the last
+    figures past it, so one scrape on a busy machine can show the one before's."""
+
+    async def scraped() -> str | None:
+        answer = await client.get("/metrics")
+        assert answer.status_code == 200, answer.text
+        return answer.text if check(answer.text) else None
+
+    found: str = await until(scraped, what, 20, every=0.05)
+    return found

@@ -18,6 +18,7 @@ from tests.e2e.api.test_observability import metric
 from tests.support.api import (
     approval_workflow,
     delay_workflow,
+    figures_where,
     paused_execution,
     put,
     quick_workflow,
@@ -56,8 +57,11 @@ async def test_a_worker_runs_what_an_api_replica_without_slots_queued_and_serves
             eid = (await execute(client, "quick"))["executionId"]
             await wait_status(client, eid, "queued")
             # The API replica sees the line (it runs nothing itself).
-            figures = (await client.get("/metrics")).text
-            assert metric(figures, "flowcast_queue_depth", 'state="queued"') == 1
+            figures = await figures_where(
+                client,
+                lambda t: metric(t, "flowcast_queue_depth", 'state="queued"') == 1,
+                "the one queued",
+            )
             assert metric(figures, "flowcast_queue_oldest_seconds") > 0
             assert metric(figures, "flowcast_worker_slots") == 0
 
@@ -73,7 +77,11 @@ async def test_a_worker_runs_what_an_api_replica_without_slots_queued_and_serves
                 assert (await at_worker.get(path)).status_code == 404, path
             execute_there = await at_worker.post("/api/workflows/quick/execute", json={})
             assert execute_there.status_code == 404
-            figures = (await at_worker.get("/metrics")).text
+            figures = await figures_where(
+                at_worker,
+                lambda t: metric(t, "flowcast_queue_depth", 'state="queued"') == 0,
+                "none queued",
+            )
             assert metric(figures, "flowcast_worker_slots") == 4
             assert metric(figures, "flowcast_queue_wait_seconds_count") == 1
             assert metric(figures, "flowcast_queue_wait_seconds_sum") > 0
