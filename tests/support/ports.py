@@ -113,7 +113,8 @@ def own_port() -> int:
 
 def own_port_pair(offset: int) -> int:
     """A port as ``own_port``; with ``offset``, ``port + offset`` is held and free too
-    (a cluster node's bus port), both below the ephemeral range."""
+    (a cluster node's bus port), both below the ephemeral range (or in it, as
+    ``free_port``, when the range starts too low for a pair to fit below it)."""
     global _next
     low = _ephemeral_low()
     for _ in range(len(_ORDER)):
@@ -127,4 +128,10 @@ def own_port_pair(offset: int) -> int:
             return port
     if not offset:
         return free_port()
-    raise RuntimeError(f"no free pair of loopback ports {offset} apart below {low}")
+    # No pair below the range (it starts below FIRST_PORT + offset, "1024 65535" say):
+    # a pair in the kernel's range, as ``free_port``, unguarded while a node is down.
+    for _ in range(1_000):
+        port = free_port()
+        if port + offset < 65_536 and _take(port) and _take(port + offset):
+            return port
+    raise RuntimeError(f"no free pair of loopback ports {offset} apart")

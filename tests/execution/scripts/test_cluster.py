@@ -11,6 +11,7 @@ over the three nodes.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +19,8 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from tests.execution.scripts import test_append, test_claim, test_quota, test_read, test_start
-from tests.support.cluster import ValkeyCluster
+from tests.support import ports
+from tests.support.cluster import BUS_PORT_OFFSET, ValkeyCluster
 
 MULTI_KEY = {
     "append": test_append,
@@ -62,3 +64,26 @@ def node_url(cluster_client: RedisCluster) -> Callable[[str], str]:
         return f"redis://{node.host}:{node.port}"
 
     return url
+
+
+@pytest.mark.timeout(60)
+async def test_a_cluster_comes_up_where_the_ephemeral_range_leaves_no_pair_below_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tests/support/ports.py keeps a node's port and its bus port (10000 above) below
+    the kernel's ephemeral range; where that range starts at 1024 (a common tuning) no
+    pair fits below it, and every cluster failed to be made ("no free pair of loopback
+    ports 10000 apart below 1024"). The pair then comes from the kernel's range, as the
+    single ports do (``free_port``)."""
+    low = tmp_path / "ip_local_port_range"
+    low.write_text("1024\t65535\n")
+    monkeypatch.setattr(ports, "EPHEMERAL_RANGE", low)
+    monkeypatch.setattr(ports, "_ORDER", [])  # what the module computes with that range
+    async with ValkeyCluster(data_dir=tmp_path / "cluster") as nodes:
+        client = RedisCluster.from_url(nodes.node_url(nodes.ports[0]))
+        try:
+            await client.set("low-range", "1")
+            assert await client.get("low-range") == b"1"
+        finally:
+            await client.aclose()
+    assert all(port + BUS_PORT_OFFSET < 65_536 for port in nodes.ports), nodes.ports
