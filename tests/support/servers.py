@@ -127,7 +127,9 @@ class FlowcastServer:
             try:
                 await wait_ready(self.url, self._process, self.log_path, timeout)
             except ServerExited as exited:
-                taken = "address already in use" in exited.log
+                # uvicorn's "[Errno 98] ... address already in use"; ``flowcast worker``
+                # (app/cli.py, bound before its startup): "port N on H is already in use".
+                taken = "already in use" in exited.log
                 if self._started or not taken or attempt == PORT_TRIES - 1:
                     raise
                 self.port = own_port()

@@ -25,7 +25,7 @@ from app.embedded import free_port
 from tests.conftest import SESSION_PREFIX
 from tests.support.api import within
 from tests.support.ports import own_port
-from tests.support.servers import ROOT, FlowcastServer, ValkeyServer, wait_ready
+from tests.support.servers import ROOT, FlowcastServer, FlowcastWorker, ValkeyServer, wait_ready
 from tests.support.sse import collect
 
 FLOWCAST = Path(sys.executable).with_name("flowcast")
@@ -278,17 +278,19 @@ def test_a_workflows_dir_that_was_set_but_does_not_exist_stops_the_start(tmp_pat
     assert "FLOWCAST_WORKFLOWS_DIR=exmaples names no directory" in factory.stderr
 
 
+@pytest.mark.parametrize("kind", [FlowcastServer, FlowcastWorker])
 async def test_a_port_in_use_stops_the_start_with_its_reason_and_a_first_start_moves_on(
-    valkey: ValkeyServer, tmp_path: Path
+    valkey: ValkeyServer, tmp_path: Path, kind: type[FlowcastServer]
 ) -> None:
     """uvicorn binds its port once the startup is over: a port taken meanwhile (by any
     other process's connection, on a busy machine) ends that process with "address
-    already in use" in its log. The tests' servers then start once more on another free
-    port, which nothing knew yet (tests/support/servers.py)."""
+    already in use" in its log (``flowcast worker``, bound before its startup: "port N
+    on 127.0.0.1 is already in use"). The tests' servers then start once more on another
+    free port, which nothing knew yet (tests/support/servers.py)."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        server = FlowcastServer(
+        server = kind(
             data_dir=tmp_path / "moved",
             env={
                 "FLOWCAST_REDIS_URL": valkey.url,
@@ -304,4 +306,4 @@ async def test_a_port_in_use_stops_the_start_with_its_reason_and_a_first_start_m
                 assert (await client.get("/readyz")).status_code == 200
         finally:
             await server.stop()
-    assert "address already in use" in first_log.read_text()
+    assert "already in use" in first_log.read_text()
