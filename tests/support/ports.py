@@ -18,6 +18,7 @@ when the process ends), so no other test process picks it too.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import random
@@ -64,7 +65,7 @@ def _locked(port: int) -> bool:
         return True
     try:
         if _lock_fd is None:
-            _lock_fd = os.open(LOCKS, os.O_RDWR | os.O_CREAT, 0o666)
+            _lock_fd = _open_locks()
     except OSError:
         return True  # no lock to be had here: the range alone keeps the kernel off it
     try:
@@ -73,6 +74,20 @@ def _locked(port: int) -> bool:
         return False
     _held.add(port)
     return True
+
+
+def _open_locks() -> int:
+    """The shared file, for every user's test runs: made writable by all (past the
+    umask: with 0644, another user's runs could not open it and took ports unlocked,
+    their workers the same ones), and opened without O_CREAT when it is there (in a
+    sticky /tmp, fs.protected_regular refuses O_CREAT on another user's file)."""
+    try:
+        fd = os.open(LOCKS, os.O_RDWR)
+    except FileNotFoundError:
+        fd = os.open(LOCKS, os.O_RDWR | os.O_CREAT, 0o666)
+    with contextlib.suppress(OSError):  # only its owner may, and needs to
+        os.fchmod(fd, 0o666)
+    return fd
 
 
 def _let_go(port: int) -> None:
