@@ -135,11 +135,13 @@ def own_port_pair(offset: int) -> int:
     for _ in range(len(_ORDER)):
         port = _ORDER[_next]
         _next = (_next + 1) % len(_ORDER)
-        if offset and port + offset >= low:
+        # A port this process holds already is its own server's (maybe down, to be
+        # started again on it) or a cluster node's bus port: never handed out twice.
+        if port in _held or (offset and port + offset >= low):
             continue
         if not _take(port):
             continue
-        if not offset or _take(port + offset):
+        if not offset or (port + offset not in _held and _take(port + offset)):
             return port
     if not offset:
         return free_port()
