@@ -36,6 +36,9 @@ ARGV[1] is the operation:
          Leases the tenant's earliest delivery due now. Returns it, or false.
 "settle" KEYS tenants, due, pending, served; ARGV[2] member, ARGV[3] "" when it is over (else
          the delay in ms before its next attempt)
+         Reschedules only a delivery still owed (XX): an attempt settled after a
+         restore that lost its delivery must not bring it back a retry later, ahead of
+         the "owe" that owes it again now (its NX would keep the later time).
 "swap"   KEYS secrets (fc:{webhooks}:secrets, signing.py); ARGV[2] tenant, ARGV[3] the
          sealed record read ("" when none), ARGV[4] the new one
          Stores the new record only if the tenant's is still the one read (a rotation
@@ -136,7 +139,7 @@ elseif op == "settle" then
     redis.call("ZREM", due, ARGV[2])
     redis.call("ZREM", pending, ARGV[2])
   else
-    redis.call("ZADD", due, now + tonumber(ARGV[3]), ARGV[2])
+    redis.call("ZADD", due, "XX", now + tonumber(ARGV[3]), ARGV[2])
   end
   rescore(tenants, due, served, tenant_of(due))
   if ARGV[3] ~= "" then

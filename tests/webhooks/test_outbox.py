@@ -50,3 +50,27 @@ async def test_next_says_how_long_until_something_is_due_and_changes_wake_the_pr
     over = outbox.settle(delivery, {**state, "state": "delivered"}, None)
     assert await wakes_during(redis, outbox.keys.wake, over) == 0  # nothing sooner
     assert await outbox.next_ms() == -1
+
+
+@pytest.mark.timeout(30)
+async def test_an_attempt_settled_after_a_restore_lost_its_delivery_does_not_delay_it(
+    redis: Redis, unique: str
+) -> None:
+    """An attempt records its outcome, then settles: a Valkey restored from a snapshot
+    taken before the delivery was owed, between the two, lost it. The settle that then
+    comes must not bring it back due a retry later (600 s in the webhook restore test,
+    where the owe that follows, NX, kept that time and nothing was delivered); the end
+    stored again is owed due now."""
+    prefix = f"restored{unique}"
+    outbox = Outbox(redis=redis, prefix=prefix, keep_seconds=60)
+    state = {"state": PENDING, "attempts": 0, "hook": "http://127.0.0.1:9/", "url": "u"}
+    await outbox.owe("acme", "ex_1", 8, {0: state}, b"{}")
+    delivery = await outbox.take("acme", lease_ms=60_000)
+    assert delivery == Delivery("acme", "ex_1", 8, 0)
+    # The restore: the snapshot predates the delivery (and everything of the outbox).
+    await redis.delete(*(await redis.keys(f"{prefix}:*")))
+    await outbox.settle(delivery, {**state, "attempts": 1}, 600_000)
+    assert await redis.zscore(outbox.keys.due("acme"), delivery.member) is None
+    await outbox.owe("acme", "ex_1", 8, {0: state}, b"{}")  # the end stored again
+    assert await outbox.next_ms() == 0
+    assert await outbox.take("acme", lease_ms=60_000) == delivery

@@ -61,8 +61,10 @@ async def test_an_end_stored_again_after_a_restore_is_still_delivered(
             hooks = (await client.get(f"/api/executions/{eid}")).json().get("webhooks")
             return bool(hooks) and hooks[0]["attempts"] == 1
 
-        # The attempt's outcome stored before the crash (settled after the restore, it
-        # would owe the delivery again itself, 600 s on).
+        # The attempt's outcome stored before the crash. Its settle may still come after
+        # the restore: it then reschedules nothing (outbox.lua "settle", XX), where it
+        # once brought the delivery back due 600 s on, ahead of the end's new owe (a
+        # clean-clone run: "pending", 0 attempts, never delivered).
         await until(recorded, "the first attempt recorded", 20)
         await crash_and_restore(valkey, snap)
         view = await finished(client, eid)
