@@ -279,6 +279,8 @@ class Batch:
     async def send(self) -> None:
         """Send the batch and hand each reply to its ``then``; BufferUnavailable when
         the server cannot be reached or refuses a command."""
+        if not self._calls:
+            return  # nothing to send (a run's end with nothing to leave or release)
         with translating():
             replies = await self._send()
             if any(isinstance(reply, NoScriptError) for reply in replies):
