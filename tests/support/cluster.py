@@ -23,18 +23,6 @@ BUS_PORT_OFFSET = 10_000
 NODES = 3
 
 
-def free_cluster_port(taken: set[int]) -> int:
-    """A loopback port that is free, as is its bus port, and not in ``taken``: both
-    below the kernel's ephemeral range and held by this process (tests/support/ports.py),
-    so no other process is given either while a node is down to be started again."""
-    for _ in range(1_000):
-        port = own_port_pair(BUS_PORT_OFFSET)
-        if {port, port + BUS_PORT_OFFSET} & taken:
-            continue
-        return port
-    raise RuntimeError("no free port pair for a cluster node")
-
-
 def cli_binary() -> str:
     """``valkey-cli``, shipped in the same ``bin/`` directory as ``valkey-server``."""
     path = Path(valkey_binary()).with_name("valkey-cli")
@@ -48,12 +36,10 @@ class ValkeyCluster:
 
     def __init__(self, *, data_dir: Path, nodes: int = NODES) -> None:
         self.data_dir = data_dir
-        taken: set[int] = set()
-        self.ports: list[int] = []
-        for _ in range(nodes):
-            port = free_cluster_port(taken)
-            taken |= {port, port + BUS_PORT_OFFSET}
-            self.ports.append(port)
+        # Each node's port and bus port below the kernel's ephemeral range, held by this
+        # process (tests/support/ports.py): no one else is given either while a node is
+        # down to be started again, and no two nodes share one.
+        self.ports = [own_port_pair(BUS_PORT_OFFSET) for _ in range(nodes)]
         self._processes: list[subprocess.Popen[bytes]] = []
 
     @property

@@ -59,10 +59,8 @@ _next = 0
 
 
 def _locked(port: int) -> bool:
-    """Whether this process holds ``port``'s lock (taken now if no process held it)."""
+    """Take ``port``'s lock for this process; False if another process holds it."""
     global _lock_fd
-    if port in _held:
-        return True
     try:
         if _lock_fd is None:
             _lock_fd = _open_locks()
@@ -109,14 +107,14 @@ def _bindable(port: int) -> bool:
 
 
 def _take(port: int) -> bool:
-    """Lock ``port`` for this process if it is free (a lock kept only if it is)."""
-    held = port in _held
-    if not _locked(port):
+    """Lock ``port`` for this process if no process holds it (this one included: a
+    port it holds is its own server's, maybe down to be started again on it, or a
+    cluster node's bus port) and it is free; a lock is kept only then."""
+    if port in _held or not _locked(port):
         return False
     if _bindable(port):
         return True
-    if not held:  # another program's port: leave it alone
-        _let_go(port)
+    _let_go(port)  # another program's port: leave it alone
     return False
 
 
@@ -135,13 +133,9 @@ def own_port_pair(offset: int) -> int:
     for _ in range(len(_ORDER)):
         port = _ORDER[_next]
         _next = (_next + 1) % len(_ORDER)
-        # A port this process holds already is its own server's (maybe down, to be
-        # started again on it) or a cluster node's bus port: never handed out twice.
-        if port in _held or (offset and port + offset >= low):
+        if offset and port + offset >= low:
             continue
-        if not _take(port):
-            continue
-        if not offset or (port + offset not in _held and _take(port + offset)):
+        if _take(port) and (not offset or _take(port + offset)):
             return port
     if not offset:
         return free_port()
